@@ -1,0 +1,38 @@
+# Everything kvdir needs is installed by these targets; nothing by hand.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+ARGS   ?=
+
+.PHONY: install run test bench clean sysdeps
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvdir needs Python >= 3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@$(MAKE) --no-print-directory sysdeps
+	@touch $(STAMP)
+
+# libibverbs1: the Mooncake transfer engine's import needs it even for TCP transfers.
+sysdeps:
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing libibverbs1 (Debian package) for the transfer engine"; \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	else echo "warning: libibverbs1 is missing and cannot be installed here (needs root and apt-get)"; fi
+
+run: install
+	$(VENV)/bin/kvdir up --demo $(ARGS)
+
+test: install
+	$(PY) -m pytest $(ARGS)
+
+bench: install
+	$(VENV)/bin/kvdir bench directory $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

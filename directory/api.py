@@ -1,0 +1,351 @@
+"""The directory's REST API (protocol §3) on FastAPI.
+
+Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
+404 unknown node, 409 stale epoch or expired node (register again), 413 body
+too large, 422 invalid fields or limits, 429 node limit, 503 not committed in
+time (retry: every write is idempotent), 507 index full. A 500 means a bug.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from directory import state as st
+from directory.config import DirectorySettings
+from directory.errors import CommitTimeout
+from directory.hashing import block_hashes
+from directory.metrics import DirectoryMetrics
+from directory.replica import Replica
+from directory.schemas import (
+    ClearRequest,
+    DeregisterResponse,
+    ErrorResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LookupRequest,
+    LookupResponse,
+    NodeInfo,
+    NodesResponse,
+    PublishRequest,
+    PublishResponse,
+    RegisterRequest,
+    RegisterResponse,
+    RemoveRequest,
+    RemoveResponse,
+)
+
+log = logging.getLogger("kvdir.directory")
+
+_STATUS = {
+    st.STALE_EPOCH: 409,
+    st.UNKNOWN_NODE: 409,
+    st.NODE_LIMIT: 429,
+    st.INDEX_FULL: 507,
+    st.INVALID: 422,
+}
+_ERRORS = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request"}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 422, 429, 503, 507)
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: object = None) -> None:
+        self.status, self.error, self.detail = status, error, detail
+
+
+def _error(status: int, error: str, detail: object = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "detail": jsonable_encoder(detail)}, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over `limit` bytes, declared or streamed."""
+
+    class _TooLarge(Exception):
+        pass
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await _error(413, "body_too_large", f"request bodies are limited to {self.limit} bytes")(scope, receive, send)
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise BodyLimit._TooLarge
+            return msg
+
+        async def tracking_send(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyLimit._TooLarge:
+            if not started:
+                await _error(413, "body_too_large", f"request bodies are limited to {self.limit} bytes")(scope, receive, send)
+
+
+def _replica(request: Request) -> Replica:
+    return request.app.state.replica
+
+
+def _metrics(request: Request) -> DirectoryMetrics:
+    return request.app.state.metrics
+
+
+async def _commit(replica: Replica, cmd: st.Command) -> st.Result:
+    try:
+        res = await replica.submit(cmd)
+    except CommitTimeout as exc:
+        raise ApiError(503, "commit_timeout", str(exc)) from exc
+    if not res.ok:
+        raise ApiError(_STATUS.get(res.status, 422), res.status, res.detail)
+    return res
+
+
+def _check_count(n: int, limit: int, what: str) -> None:
+    if n > limit:
+        raise ApiError(422, "too_many", f"{n} {what.replace('_', ' ')} in one request; the limit is {limit} (KVDIR_MAX_{what.upper()})")
+
+
+router = APIRouter(responses=_RESPONSES)
+
+
+@router.post("/v1/nodes", response_model=RegisterResponse)
+async def register(body: RegisterRequest, replica: Replica = Depends(_replica)) -> Any:
+    cmd = st.Register(
+        node_id=body.node_id,
+        incarnation=body.incarnation or uuid.uuid4().hex,
+        api_url=body.api_url,
+        transfer_url=body.transfer_url,
+        regions=tuple(r.model_dump() for r in body.regions),
+        capacity_blocks=body.capacity_blocks,
+        block_size=body.block_size,
+    )
+    res = await _commit(replica, cmd)
+    log.info("node %s registered with epoch %d", body.node_id, res.value)
+    return JSONResponse({"node_id": body.node_id, "epoch": res.value, "lease_ttl_s": replica.settings.lease_ttl_s})
+
+
+@router.post("/v1/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse)
+async def heartbeat(node_id: str, body: HeartbeatRequest, replica: Replica = Depends(_replica)) -> Any:
+    res = await _commit(replica, st.Heartbeat(node_id, body.epoch, body.load))
+    return JSONResponse({"node_id": node_id, "epoch": res.value})
+
+
+@router.delete("/v1/nodes/{node_id}", response_model=DeregisterResponse)
+async def deregister(node_id: str, replica: Replica = Depends(_replica)) -> Any:
+    try:
+        res = await _commit(replica, st.Deregister(node_id))
+    except ApiError as exc:
+        if exc.error == st.UNKNOWN_NODE:
+            raise ApiError(404, "not_found", exc.detail) from exc
+        raise
+    log.info("node %s deregistered, %d entries dropped", node_id, res.value)
+    return JSONResponse({"node_id": node_id, "removed": res.value})
+
+
+def _node_info(state: st.DirectoryState, node: st.Node) -> dict[str, Any]:
+    return {
+        "node_id": node.node_id,
+        "epoch": node.epoch,
+        "alive": True,
+        "api_url": node.api_url,
+        "transfer_url": node.transfer_url,
+        "regions": list(node.regions),
+        "capacity_blocks": node.capacity_blocks,
+        "block_size": node.block_size,
+        "blocks": state.blocks_held(node),
+        "load": node.load,
+    }
+
+
+@router.get("/v1/nodes", response_model=NodesResponse)
+async def nodes(replica: Replica = Depends(_replica)) -> Any:
+    with replica.sm.lock:
+        state = replica.state
+        out = [_node_info(state, n) for n in state.nodes.values()]
+    return JSONResponse({"nodes": out})
+
+
+@router.get("/v1/nodes/{node_id}", response_model=NodeInfo)
+async def node(node_id: str, replica: Replica = Depends(_replica)) -> Any:
+    with replica.sm.lock:
+        state = replica.state
+        n = state.nodes.get(node_id)
+        if n is None:
+            raise ApiError(404, "not_found", f"node {node_id!r} is not registered")
+        return JSONResponse(_node_info(state, n))
+
+
+def _settings_limit(replica: Replica, n: int) -> None:
+    _check_count(n, replica.settings.max_blocks_per_publish, "blocks_per_publish")
+
+
+@router.post("/v1/blocks", response_model=PublishResponse)
+async def publish(body: PublishRequest, replica: Replica = Depends(_replica), metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
+    _settings_limit(replica, len(body.blocks))
+    t0 = time.perf_counter()
+    hashes = np.fromiter((b.hash for b in body.blocks), dtype=np.uint64, count=len(body.blocks))
+    slots = np.fromiter((b.slot for b in body.blocks), dtype=np.uint32, count=len(body.blocks))
+    res = await _commit(replica, st.Publish(body.node_id, body.epoch, hashes, slots, body.medium))
+    metrics.write_seconds.labels("publish").observe(time.perf_counter() - t0)
+    return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "stored": res.value})
+
+
+@router.post("/v1/blocks/remove", response_model=RemoveResponse)
+async def remove(body: RemoveRequest, replica: Replica = Depends(_replica), metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
+    _settings_limit(replica, len(body.hashes))
+    t0 = time.perf_counter()
+    hashes = np.fromiter(body.hashes, dtype=np.uint64, count=len(body.hashes))
+    res = await _commit(replica, st.Remove(body.node_id, body.epoch, hashes))
+    metrics.write_seconds.labels("remove").observe(time.perf_counter() - t0)
+    return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
+
+
+@router.post("/v1/blocks/clear", response_model=RemoveResponse)
+async def clear(body: ClearRequest, replica: Replica = Depends(_replica)) -> Any:
+    res = await _commit(replica, st.Clear(body.node_id, body.epoch))
+    return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
+
+
+@router.post("/v1/lookup", response_model=LookupResponse)
+async def lookup(
+    body: LookupRequest,
+    consistency: str | None = Query(None, pattern="^(local|linearizable)$", description="overrides the body field"),
+    replica: Replica = Depends(_replica),
+    metrics: DirectoryMetrics = Depends(_metrics),
+) -> Any:
+    limit = replica.settings.max_hashes_per_lookup
+    if (body.hashes is None) == (body.tokens is None):
+        raise ApiError(422, "invalid_request", "give exactly one of `hashes` or `tokens`")
+    if body.tokens is not None:
+        _check_count(len(body.tokens) // body.block_size, limit, "hashes_per_lookup")
+        hashes = np.asarray(block_hashes(body.tokens, body.block_size, body.namespace), dtype=np.uint64)
+    else:
+        assert body.hashes is not None
+        _check_count(len(body.hashes), limit, "hashes_per_lookup")
+        hashes = np.asarray(body.hashes, dtype=np.uint64)
+    mode = consistency or body.consistency
+    if mode == "linearizable":
+        await _commit(replica, st.Noop())
+    t0 = time.perf_counter()
+    with replica.sm.lock:
+        holders = replica.state.lookup(hashes, body.with_slots)
+    metrics.lookup_seconds.observe(time.perf_counter() - t0)
+    metrics.lookups.labels(mode).inc()
+    out = [
+        {"node_id": h.node_id, "epoch": h.epoch, "matched_blocks": h.matched, **({"slots": h.slots} if h.slots is not None else {})}
+        for h in holders
+    ]
+    return JSONResponse({"num_blocks": len(hashes), "holders": out})
+
+
+@router.get("/v1/cluster")
+async def cluster(replica: Replica = Depends(_replica)) -> Any:
+    status = replica.status()
+    with replica.sm.lock:
+        status["nodes"] = len(replica.state.nodes)
+        status["entries"] = len(replica.state.index)
+    return JSONResponse(status)
+
+
+@router.get("/v1/digest")
+async def digest(replica: Replica = Depends(_replica)) -> Any:
+    """A digest of nodes and entries, equal on replicas that applied the same commands."""
+    with replica.sm.lock:
+        state = replica.state
+        return JSONResponse({"digest": state.digest(), "applied": state.applied, "entries": len(state.index), "nodes": len(state.nodes)})
+
+
+@router.get("/healthz")
+async def healthz() -> Any:
+    return JSONResponse({"ok": True})
+
+
+@router.get("/readyz")
+async def readyz(replica: Replica = Depends(_replica)) -> Any:
+    if not replica.ready:
+        raise ApiError(503, "not_ready", "no Raft leader known yet, or not caught up with it")
+    return JSONResponse({"ok": True, "leader": replica.status()["leader"]})
+
+
+@router.get("/metrics")
+async def metrics_endpoint(metrics: DirectoryMetrics = Depends(_metrics)) -> Response:
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(settings: DirectorySettings, replica_factory: Callable[[DirectorySettings], Replica] = Replica) -> FastAPI:
+    """The ASGI app of one replica; the Raft node starts and stops with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        replica = replica_factory(settings)
+        metrics = DirectoryMetrics(replica)
+        await replica.start(on_commit=metrics.on_commit)
+        app.state.replica, app.state.metrics = replica, metrics
+        log.info("replica %s serving %s (peers: %s)", settings.raft, settings.url, settings.peers or "none")
+        try:
+            yield
+        finally:
+            await replica.stop()
+
+    app = FastAPI(title="kvdir directory", version="1", lifespan=lifespan)
+    app.include_router(router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+
+    def count(request: Request, error: str) -> None:
+        m = getattr(request.app.state, "metrics", None)
+        if m is not None:
+            m.rejected.labels(error).inc()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        count(request, exc.error)
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return _error(exc.status, exc.error, exc.detail, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            count(request, "invalid_json")
+            return _error(400, "invalid_json", "the request body is not valid JSON")
+        count(request, "invalid_request")
+        detail = [{"loc": e.get("loc"), "msg": e.get("msg"), "type": e.get("type")} for e in errors[:20]]
+        return _error(422, "invalid_request", detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = _ERRORS.get(exc.status_code, "http_error")
+        count(request, error)
+        return _error(exc.status_code, error, exc.detail)
+
+    return app
+

@@ -1,0 +1,159 @@
+"""Async client of the directory for gateways, workers and adapters.
+
+It knows every replica's URL. Reads go to the replica that last answered,
+moving on when one is down. Writes may go to any replica (followers forward
+to the Raft leader) and are retried with backoff on the next replica when a
+replica is unreachable or answers 503: every write is idempotent, so a retry
+after an unknown outcome is safe. 4xx answers are raised at once as
+`RequestRejected` subclasses (see directory.errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from directory.errors import DirectoryUnavailable, rejection
+from directory.schemas import LookupResponse, NodeInfo, RegisterResponse
+
+_RETRY_STATUS = {502, 503, 504}
+
+
+class DirectoryClient:
+    """One shared connection pool to all replicas. Safe for concurrent use from one event loop."""
+
+    def __init__(
+        self,
+        urls: Sequence[str] | str,
+        *,
+        timeout: float = 2.0,
+        deadline: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if isinstance(urls, str):
+            urls = [u for u in urls.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("DirectoryClient needs at least one replica URL")
+        self.urls = [u.strip().rstrip("/") for u in urls]
+        self.deadline = deadline
+        self._preferred = 0
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> DirectoryClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def request(self, method: str, path: str, json: Any = None, *, deadline: float | None = None) -> Any:
+        """Send to the preferred replica, failing over to the others until `deadline` seconds pass."""
+        end = time.monotonic() + (self.deadline if deadline is None else deadline)
+        delay = 0.02
+        attempt = 0
+        last: str = "no attempt"
+        while True:
+            i = (self._preferred + attempt) % len(self.urls)
+            url = self.urls[i] + path
+            try:
+                resp = await self._http.request(method, url, json=json)
+            except httpx.TransportError as exc:
+                last = f"{url}: {type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code < 400:
+                    self._preferred = i
+                    return resp.json()
+                if resp.status_code not in _RETRY_STATUS:
+                    try:
+                        body = resp.json()
+                    except ValueError:
+                        body = {"error": "http_error", "detail": resp.text[:500]}
+                    raise rejection(resp.status_code, body.get("error", "http_error"), body.get("detail"))
+                last = f"{url}: {resp.status_code} {resp.text[:200]}"
+            attempt += 1
+            if time.monotonic() >= end:
+                raise DirectoryUnavailable(f"no directory replica answered {method} {path} in time; last: {last}")
+            if attempt % len(self.urls) == 0:  # every replica tried once: back off
+                await asyncio.sleep(min(delay, max(0.0, end - time.monotonic())) * (0.5 + random.random()))
+                delay = min(delay * 2, 0.5)
+
+    # -- nodes --------------------------------------------------------------------
+
+    async def register(
+        self,
+        node_id: str,
+        api_url: str,
+        *,
+        incarnation: str | None = None,
+        transfer_url: str | None = None,
+        regions: Iterable[Mapping[str, Any]] = (),
+        capacity_blocks: int | None = None,
+        block_size: int | None = None,
+    ) -> RegisterResponse:
+        """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch."""
+        body = {
+            "node_id": node_id,
+            "api_url": api_url,
+            "incarnation": incarnation or uuid.uuid4().hex,
+            "transfer_url": transfer_url,
+            "regions": list(regions),
+            "capacity_blocks": capacity_blocks,
+            "block_size": block_size,
+        }
+        return RegisterResponse.model_validate(await self.request("POST", "/v1/nodes", body))
+
+    async def heartbeat(self, node_id: str, epoch: int, load: Mapping[str, float] | None = None) -> None:
+        await self.request("POST", f"/v1/nodes/{node_id}/heartbeat", {"epoch": epoch, "load": dict(load) if load else None})
+
+    async def deregister(self, node_id: str) -> int:
+        return (await self.request("DELETE", f"/v1/nodes/{node_id}"))["removed"]
+
+    async def nodes(self) -> list[NodeInfo]:
+        return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes"))["nodes"]]
+
+    async def cluster(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/cluster")
+
+    # -- blocks -------------------------------------------------------------------
+
+    async def publish(self, node_id: str, epoch: int, blocks: Iterable[tuple[int, int]], medium: str | None = None) -> int:
+        """Publish (hash, slot) pairs; returns how many entries were new."""
+        body = {"node_id": node_id, "epoch": epoch, "blocks": [{"hash": h, "slot": s} for h, s in blocks], "medium": medium}
+        return (await self.request("POST", "/v1/blocks", body))["stored"]
+
+    async def remove(self, node_id: str, epoch: int, hashes: Iterable[int]) -> int:
+        body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes)}
+        return (await self.request("POST", "/v1/blocks/remove", body))["removed"]
+
+    async def clear(self, node_id: str, epoch: int) -> int:
+        return (await self.request("POST", "/v1/blocks/clear", {"node_id": node_id, "epoch": epoch}))["removed"]
+
+    async def lookup(
+        self,
+        hashes: Sequence[int] | None = None,
+        *,
+        tokens: Sequence[int] | None = None,
+        namespace: str = "",
+        block_size: int = 16,
+        with_slots: bool = False,
+        linearizable: bool = False,
+    ) -> LookupResponse:
+        """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica)."""
+        body: dict[str, Any] = {"with_slots": with_slots, "consistency": "linearizable" if linearizable else "local"}
+        if tokens is not None:
+            body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
+        else:
+            body["hashes"] = list(hashes or [])
+        return LookupResponse.model_validate(await self.request("POST", "/v1/lookup", body))

@@ -1,0 +1,61 @@
+"""Settings of a directory replica: one pydantic-settings class, every field a flag and a KVDIR_* env var."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """'HOST:PORT' -> (host, port), with a message that says what is wrong."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+class DirectorySettings(BaseSettings):
+    """One directory replica (`kvdir directory`)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
+
+    http: str = Field("127.0.0.1:8101", description="HOST:PORT the REST API listens on")
+    advertise_url: str | None = Field(None, description="URL other components reach this replica at (default http://HTTP)")
+    raft: str = Field("127.0.0.1:8201", description="HOST:PORT of this replica's Raft endpoint")
+    peers: str = Field("", description="comma-separated Raft HOST:PORT of the other replicas")
+    data_dir: Path | None = Field(None, description="directory for the Raft journal and snapshots (default: in memory only)")
+    lease_ttl_s: float = Field(10.0, gt=0.2, le=3600, description="a node silent for this long is expired with its entries")
+    write_timeout_s: float = Field(5.0, gt=0, le=120, description="deadline for a write to commit; then 503 (retry: writes are idempotent)")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
+    max_blocks_per_publish: int = Field(16384, ge=1, description="most blocks in one publish or remove (422 above)")
+    max_hashes_per_lookup: int = Field(16384, ge=1, description="most hashes (or blocks of tokens) in one lookup (422 above)")
+    max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
+    max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
+    raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
+    raft_min_timeout_s: float = Field(0.35, gt=0, description="Raft election timeout, lower bound")
+    raft_max_timeout_s: float = Field(0.7, gt=0, description="Raft election timeout, upper bound")
+    raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @field_validator("http", "raft")
+    @classmethod
+    def _hostport(cls, v: str) -> str:
+        parse_hostport(v)
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: str) -> str:
+        for p in filter(None, (x.strip() for x in v.split(","))):
+            parse_hostport(p)
+        return v
+
+    @property
+    def peer_list(self) -> list[str]:
+        return [p.strip() for p in self.peers.split(",") if p.strip()]
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.http}"

@@ -1,0 +1,57 @@
+"""Errors of the directory and its client.
+
+    DirectoryError
+    ├── DirectoryUnavailable      no replica answered in time (or the write's outcome is unknown)
+    ├── CommitTimeout             a write was not committed before its deadline; retry it (idempotent)
+    └── RequestRejected           a replica answered 4xx; `status`, `error`, `detail` say why
+        ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
+        ├── NotFoundError         404
+        ├── InvalidRequestError   400, 413, 422
+        └── LimitError            429, 507: a configured limit (nodes, entries) is reached
+"""
+
+from __future__ import annotations
+
+
+class DirectoryError(Exception):
+    """Base of every error raised by kvdir's directory and its client."""
+
+
+class DirectoryUnavailable(DirectoryError):
+    pass
+
+
+class CommitTimeout(DirectoryError):
+    pass
+
+
+class RequestRejected(DirectoryError):
+    def __init__(self, status: int, error: str, detail: object = None) -> None:
+        super().__init__(f"{status} {error}: {detail}")
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+class StaleEpochError(RequestRejected):
+    pass
+
+
+class NotFoundError(RequestRejected):
+    pass
+
+
+class InvalidRequestError(RequestRejected):
+    pass
+
+
+class LimitError(RequestRejected):
+    pass
+
+
+def rejection(status: int, error: str, detail: object = None) -> RequestRejected:
+    """The RequestRejected subclass for an HTTP status."""
+    cls = {409: StaleEpochError, 404: NotFoundError, 429: LimitError, 507: LimitError}.get(status)
+    if cls is None:
+        cls = InvalidRequestError if status in (400, 413, 422) else RequestRejected
+    return cls(status, error, detail)

@@ -1,0 +1,337 @@
+"""A directory replica: the state machine replicated with pysyncobj, plus group commit and leases.
+
+Threads: pysyncobj applies commands on its own thread; the HTTP server runs
+on an asyncio loop. `StateMachine.lock` serialises the two around the state,
+and results travel back to the loop with `call_soon_threadsafe`.
+
+Writes from many concurrent requests are coalesced into one Raft command
+(`GroupCommitter`): while up to `max_inflight` commands are being committed,
+new writes queue and leave together in the next one. Every command is
+idempotent, so one whose outcome is unknown (leader change, lost callback,
+timeout) is simply sent again until its request's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
+
+from directory.config import DirectorySettings
+from directory.errors import CommitTimeout
+from directory.state import AnnounceReplica, Command, DirectoryState, Expire, Publish, Remove, Result
+
+log = logging.getLogger("kvdir.directory")
+
+ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+
+
+class StateMachine(SyncObjConsumer):
+    """The pysyncobj consumer around DirectoryState; only `state` is snapshotted."""
+
+    def __init__(self, state: DirectoryState) -> None:
+        self.lock = threading.RLock()
+        self.on_applied: Callable[[list[Command], list[Result]], None] | None = None
+        super().__init__()
+        self.state = state
+
+    @replicated
+    def apply_batch(self, commands: list[Command]) -> list[Result]:
+        with self.lock:
+            results = [self.state.apply(c) for c in commands]
+        if self.on_applied is not None:
+            self.on_applied(commands, results)
+        return results
+
+    def _deserialize(self, data: dict[str, Any]) -> None:
+        with self.lock:
+            super()._deserialize(data)
+
+
+def _weight(cmd: Command) -> int:
+    return len(cmd.hashes) if isinstance(cmd, (Publish, Remove)) else 1
+
+
+@dataclass(slots=True)
+class _Pending:
+    cmd: Command
+    future: asyncio.Future[Result]
+    deadline: float
+
+
+@dataclass(slots=True)
+class _InFlight:
+    batch: list[_Pending]
+    sent: float
+    retries: list[int] = field(default_factory=list)
+
+
+class GroupCommitter:
+    """Coalesces concurrent writes into few Raft commands and retries unknown outcomes."""
+
+    def __init__(
+        self,
+        sm: StateMachine,
+        *,
+        max_inflight: int = 8,
+        max_commands: int = 4096,
+        max_weight: int = 65536,
+        command_timeout: float = 2.0,
+        on_commit: Callable[[list[Command], list[Result], float], None] | None = None,
+    ) -> None:
+        self._sm = sm
+        self._max_inflight = max_inflight
+        self._max_commands = max_commands
+        self._max_weight = max_weight
+        self._command_timeout = command_timeout
+        self._on_commit = on_commit
+        self._queue: deque[_Pending] = deque()
+        self._inflight: dict[int, _InFlight] = {}
+        self._next_token = 0
+        self._wakeup = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._watchdog())]
+
+    async def submit(self, cmd: Command, timeout: float) -> Result:
+        """Commit one command; raises CommitTimeout if it cannot commit before `timeout` s."""
+        fut: asyncio.Future[Result] = self._loop.create_future()
+        self._queue.append(_Pending(cmd, fut, time.monotonic() + timeout))
+        self._wakeup.set()
+        return await fut
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for p in self._queue:
+            if not p.future.done():
+                p.future.set_exception(CommitTimeout("replica shutting down"))
+        for f in self._inflight.values():
+            for p in f.batch:
+                if not p.future.done():
+                    p.future.set_exception(CommitTimeout("replica shutting down"))
+
+    async def _pump(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue and len(self._inflight) < self._max_inflight:
+                self._send(self._take())
+
+    def _take(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        weight = 0
+        now = time.monotonic()
+        while self._queue and len(batch) < self._max_commands:
+            p = self._queue[0]
+            w = _weight(p.cmd)
+            if batch and weight + w > self._max_weight:
+                break
+            self._queue.popleft()
+            if p.future.done():
+                continue
+            if now > p.deadline:
+                p.future.set_exception(CommitTimeout("write not committed before its deadline; retry (writes are idempotent)"))
+                continue
+            batch.append(p)
+            weight += w
+        return batch
+
+    def _send(self, batch: list[_Pending]) -> None:
+        if not batch:
+            return
+        token = self._next_token
+        self._next_token += 1
+        self._inflight[token] = _InFlight(batch, time.monotonic())
+
+        def done(result: Any, err: int) -> None:
+            self._loop.call_soon_threadsafe(self._done, token, result, err)
+
+        self._sm.apply_batch([p.cmd for p in batch], callback=done)
+
+    def _done(self, token: int, result: Any, err: int) -> None:
+        flight = self._inflight.pop(token, None)
+        if flight is None:
+            return  # the watchdog already gave up on it and re-sent the writes
+        if err == FAIL_REASON.SUCCESS:
+            elapsed = time.monotonic() - flight.sent
+            for p, r in zip(flight.batch, result):
+                if not p.future.done():
+                    p.future.set_result(r)
+            if self._on_commit is not None:
+                self._on_commit([p.cmd for p in flight.batch], result, elapsed)
+        else:
+            log.debug("raft command failed (reason %s), retrying %d writes", err, len(flight.batch))
+            self._retry(flight.batch)
+        self._wakeup.set()
+
+    def _retry(self, batch: list[_Pending]) -> None:
+        def requeue() -> None:
+            self._queue.extendleft(reversed(batch))
+            self._wakeup.set()
+
+        self._loop.call_later(0.05, requeue)
+
+    async def _watchdog(self) -> None:
+        # pysyncobj may never call back under overload: give up on such commands and re-send.
+        while True:
+            await asyncio.sleep(self._command_timeout / 4)
+            now = time.monotonic()
+            for token in [t for t, f in self._inflight.items() if now - f.sent > self._command_timeout]:
+                log.warning("raft command %d had no answer in %.1fs, re-sending its writes", token, self._command_timeout)
+                self._retry(self._inflight.pop(token).batch)
+            self._wakeup.set()
+
+
+class LeaseKeeper:
+    """On the leader, expires nodes not heard from for `ttl` seconds.
+
+    A node counts as heard from when its `seen` counter changes. A replica that
+    becomes leader gives every node a full fresh lease, so a leader change
+    never expires a live node. The Expire command carries the `seen` value the
+    leader judged, so a node heard from in the meantime survives it.
+    """
+
+    def __init__(self, replica: Replica, ttl: float) -> None:
+        self._replica = replica
+        self._ttl = ttl
+        self._seen: dict[tuple[str, int], tuple[int, float]] = {}
+        self._task = asyncio.create_task(self._run())
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self._ttl / 4))
+            try:
+                await self.check(time.monotonic())
+            except Exception:  # keep the lease loop alive whatever one round hit
+                log.exception("lease check failed")
+
+    async def check(self, now: float) -> None:
+        if not self._replica.is_leader:
+            self._seen.clear()
+            return
+        sm = self._replica.sm
+        with sm.lock:
+            snapshot = [(n.node_id, n.epoch, n.seen) for n in sm.state.nodes.values()]
+        current = set()
+        for node_id, epoch, seen in snapshot:
+            key = (node_id, epoch)
+            current.add(key)
+            last = self._seen.get(key)
+            if last is None or last[0] != seen:
+                self._seen[key] = (seen, now)
+            elif now - last[1] > self._ttl:
+                log.info("lease of node %s epoch %d lapsed (%.1fs silent): expiring", node_id, epoch, now - last[1])
+                self._seen[key] = (seen, now)  # do not fire again while this one commits
+                asyncio.create_task(self._expire(node_id, epoch, seen))
+        for key in [k for k in self._seen if k not in current]:
+            del self._seen[key]
+
+    async def _expire(self, node_id: str, epoch: int, seen: int) -> None:
+        try:
+            await self._replica.submit(Expire(node_id, epoch, seen))
+        except CommitTimeout:
+            log.warning("expiry of %s epoch %d did not commit; will retry", node_id, epoch)
+
+
+class Replica:
+    """One directory replica: Raft node, state machine, group commit and lease keeper."""
+
+    def __init__(self, settings: DirectorySettings) -> None:
+        self.settings = settings
+        self.sm = StateMachine(DirectoryState(max_nodes=settings.max_nodes, max_entries=settings.max_entries))
+        conf = SyncObjConf(
+            appendEntriesUseBatch=False,
+            commandsWaitLeader=True,
+            raftMinTimeout=settings.raft_min_timeout_s,
+            raftMaxTimeout=settings.raft_max_timeout_s,
+            appendEntriesPeriod=settings.raft_append_period_s,
+            connectionRetryTime=0.5,
+            connectionTimeout=1.0,
+            logCompactionMinEntries=20000,
+            logCompactionMinTime=300,
+            password=settings.raft_password.get_secret_value() if settings.raft_password else None,
+            dynamicMembershipChange=False,
+        )
+        if settings.data_dir is not None:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            conf.journalFile = str(settings.data_dir / "raft.journal")
+            conf.fullDumpFile = str(settings.data_dir / "raft.dump")
+        self.raft = SyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm])
+        self.committer: GroupCommitter | None = None
+        self.leases: LeaseKeeper | None = None
+        self._announce: asyncio.Task[None] | None = None
+
+    async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
+        """Start the loop-side machinery; call from the server's event loop."""
+        self.committer = GroupCommitter(self.sm, command_timeout=max(1.0, self.settings.write_timeout_s / 2), on_commit=on_commit)
+        self.leases = LeaseKeeper(self, self.settings.lease_ttl_s)
+        self._announce = asyncio.create_task(self._announce_self())
+
+    async def stop(self) -> None:
+        if self._announce is not None:
+            self._announce.cancel()
+        if self.leases is not None:
+            self.leases.close()
+        if self.committer is not None:
+            await self.committer.close()
+        self.raft.destroy()
+
+    async def submit(self, cmd: Command, timeout: float | None = None) -> Result:
+        assert self.committer is not None, "Replica.start() was not called"
+        return await self.committer.submit(cmd, self.settings.write_timeout_s if timeout is None else timeout)
+
+    async def _announce_self(self) -> None:
+        # Tell every replica which HTTP URL this Raft address serves, so /v1/cluster can name the leader's URL.
+        cmd = AnnounceReplica(self.settings.raft, self.settings.url)
+        while True:
+            try:
+                await self.submit(cmd, timeout=5.0)
+                return
+            except CommitTimeout:
+                await asyncio.sleep(0.5)
+
+    # -- status -------------------------------------------------------------------
+
+    @property
+    def state(self) -> DirectoryState:
+        return self.sm.state
+
+    @property
+    def is_leader(self) -> bool:
+        return self.raft._isLeader()
+
+    def status(self) -> dict[str, Any]:
+        s = self.raft.getStatus()
+        leader = s.get("leader")
+        leader_addr = getattr(leader, "address", None) if leader is not None else None
+        replicas = self.sm.state.replicas
+        others = [
+            {"raft": n.address, "url": replicas.get(n.address), "connected": self.raft.isNodeConnected(n)}
+            for n in self.raft.otherNodes
+        ]
+        return {
+            "self": self.settings.raft,
+            "self_url": self.settings.url,
+            "role": ROLES.get(s["state"], str(s["state"])),
+            "leader": leader_addr,
+            "leader_url": replicas.get(leader_addr) if leader_addr else None,
+            "term": s["raft_term"],
+            "commit_index": s["commit_idx"],
+            "last_applied": s["last_applied"],
+            "has_quorum": bool(s["has_quorum"]),
+            "replicas": [{"raft": self.settings.raft, "url": self.settings.url, "connected": True}, *others],
+        }
+
+    @property
+    def ready(self) -> bool:
+        return self.raft._getLeader() is not None and self.raft.isReady()

@@ -1,0 +1,30 @@
+"""Run one directory replica: the REST API on uvicorn with its Raft node."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from directory.api import create_app
+from directory.config import DirectorySettings, parse_hostport
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(settings: DirectorySettings) -> None:
+    """Serve until SIGINT/SIGTERM; the lifespan stops the Raft node cleanly."""
+    configure_logging(settings.log_level)
+    host, port = parse_hostport(settings.http)
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=5,
+    )

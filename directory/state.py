@@ -1,0 +1,297 @@
+"""The directory's replicated state machine.
+
+Rules (everything that changes replicated state lives here):
+- Pure and deterministic: no clocks, randomness or I/O. Every replica applies
+  the same commands in the same order and reaches the same state. Time-based
+  decisions (lease expiry) are taken by the leader outside and arrive here as
+  `Expire` commands.
+- Every node registration gets a new epoch from one global counter, so epochs
+  strictly increase per node id without remembering departed nodes.
+- A write carrying an epoch other than the node's current one changes nothing
+  (fencing). A new epoch for a node drops every entry of the old one, as do
+  expiry and deregistration: an entry is only ever handed out while its node's
+  registration is current.
+- Commands are idempotent, so a command whose outcome was unknown
+  (leader change, timeout) can be applied again safely. Registration is made
+  idempotent by the node's `incarnation` (one per process start).
+- `seen` counts a node's accepted commands; an `Expire` names the count the
+  leader saw and is void if the node has been heard from since.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import xxhash
+
+from directory.index import BlockIndex, Match
+
+# -- commands -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    node_id: str
+    incarnation: str
+    api_url: str
+    transfer_url: str | None = None
+    regions: tuple[dict[str, Any], ...] = ()
+    capacity_blocks: int | None = None
+    block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    node_id: str
+    epoch: int
+    load: dict[str, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Deregister:
+    node_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    node_id: str
+    epoch: int
+    hashes: np.ndarray  # uint64
+    slots: np.ndarray  # uint32
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Remove:
+    node_id: str
+    epoch: int
+    hashes: np.ndarray  # uint64
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    node_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    node_id: str
+    epoch: int
+    seen: int
+
+
+@dataclass(frozen=True, slots=True)
+class AnnounceReplica:
+    raft_addr: str
+    http_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Noop:
+    """A barrier: once applied locally, every write committed before the read is visible."""
+
+
+Command = Register | Heartbeat | Deregister | Publish | Remove | Clear | Expire | AnnounceReplica | Noop
+
+# -- results ------------------------------------------------------------------------
+
+OK = "ok"
+STALE_EPOCH = "stale_epoch"
+UNKNOWN_NODE = "unknown_node"
+NODE_LIMIT = "node_limit"
+INDEX_FULL = "index_full"
+INVALID = "invalid"
+
+
+class Result(NamedTuple):
+    status: str
+    value: Any = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+# -- state --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Node:
+    node_id: str
+    idx: int
+    epoch: int
+    incarnation: str
+    api_url: str
+    transfer_url: str | None
+    regions: tuple[dict[str, Any], ...]
+    capacity_blocks: int | None
+    block_size: int | None
+    load: dict[str, float] = field(default_factory=dict)
+    seen: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    node_id: str
+    epoch: int
+    matched: int
+    slots: list[int] | None
+
+
+class DirectoryState:
+    """Nodes, their epochs and the block index; mutated only through `apply`."""
+
+    def __init__(self, max_nodes: int = 1024, max_entries: int = 20_000_000, merge_threshold: int = 16384):
+        self.max_nodes = max_nodes
+        self.max_entries = max_entries
+        self.index = BlockIndex(merge_threshold)
+        self.nodes: dict[str, Node] = {}
+        self.by_idx: dict[int, Node] = {}
+        self.replicas: dict[str, str] = {}
+        self.epoch_counter = 0
+        self.applied = 0
+        self._free_idx: list[int] = []
+        self._next_idx = 0
+
+    # -- apply ----------------------------------------------------------------
+
+    def apply(self, cmd: Command) -> Result:
+        """Apply one command; never raises for a well-typed command."""
+        self.applied += 1
+        handler = _HANDLERS.get(type(cmd))
+        if handler is None:
+            return Result(INVALID, detail=f"unknown command {type(cmd).__name__}")
+        return handler(self, cmd)
+
+    def _register(self, cmd: Register) -> Result:
+        node = self.nodes.get(cmd.node_id)
+        if node is not None and node.incarnation == cmd.incarnation:
+            node.seen += 1
+            return Result(OK, node.epoch)
+        if node is None:
+            if len(self.nodes) >= self.max_nodes:
+                return Result(NODE_LIMIT, detail=f"the directory holds its maximum of {self.max_nodes} nodes")
+            idx = self._free_idx.pop() if self._free_idx else self._take_idx()
+        else:
+            idx = node.idx
+            self.index.drop_node(idx)
+        self.epoch_counter += 1
+        node = Node(
+            cmd.node_id, idx, self.epoch_counter, cmd.incarnation, cmd.api_url, cmd.transfer_url,
+            tuple(cmd.regions), cmd.capacity_blocks, cmd.block_size,
+        )
+        self.nodes[cmd.node_id] = node
+        self.by_idx[idx] = node
+        return Result(OK, node.epoch)
+
+    def _take_idx(self) -> int:
+        self._next_idx += 1
+        return self._next_idx - 1
+
+    def _current(self, node_id: str, epoch: int) -> Node | Result:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return Result(UNKNOWN_NODE, detail=f"node {node_id!r} is not registered (expired or never registered): register again")
+        if node.epoch != epoch:
+            return Result(STALE_EPOCH, node.epoch, f"epoch {epoch} of node {node_id!r} is not current ({node.epoch}): register again")
+        node.seen += 1
+        return node
+
+    def _heartbeat(self, cmd: Heartbeat) -> Result:
+        node = self._current(cmd.node_id, cmd.epoch)
+        if isinstance(node, Result):
+            return node
+        if cmd.load is not None:
+            node.load = dict(cmd.load)
+        return Result(OK, node.epoch)
+
+    def _deregister(self, cmd: Deregister) -> Result:
+        node = self.nodes.get(cmd.node_id)
+        if node is None:
+            return Result(UNKNOWN_NODE, detail=f"node {cmd.node_id!r} is not registered")
+        return Result(OK, self._drop(node))
+
+    def _drop(self, node: Node) -> int:
+        removed = self.index.drop_node(node.idx)
+        del self.nodes[node.node_id]
+        del self.by_idx[node.idx]
+        self._free_idx.append(node.idx)
+        return removed
+
+    def _publish(self, cmd: Publish) -> Result:
+        node = self._current(cmd.node_id, cmd.epoch)
+        if isinstance(node, Result):
+            return node
+        if node.capacity_blocks is not None and len(cmd.slots) and int(cmd.slots.max()) >= node.capacity_blocks:
+            return Result(INVALID, detail=f"slot out of range: node {node.node_id!r} has {node.capacity_blocks} slots")
+        if len(self.index) + len(cmd.hashes) > self.max_entries:
+            return Result(INDEX_FULL, detail=f"the index holds its maximum of {self.max_entries} entries")
+        return Result(OK, self.index.put(node.idx, cmd.hashes, cmd.slots))
+
+    def _remove(self, cmd: Remove) -> Result:
+        node = self._current(cmd.node_id, cmd.epoch)
+        if isinstance(node, Result):
+            return node
+        return Result(OK, self.index.remove(node.idx, cmd.hashes))
+
+    def _clear(self, cmd: Clear) -> Result:
+        node = self._current(cmd.node_id, cmd.epoch)
+        if isinstance(node, Result):
+            return node
+        return Result(OK, self.index.drop_node(node.idx))
+
+    def _expire(self, cmd: Expire) -> Result:
+        node = self.nodes.get(cmd.node_id)
+        if node is None or node.epoch != cmd.epoch or node.seen != cmd.seen:
+            return Result(OK, False)  # heard from since, re-registered or already gone
+        self._drop(node)
+        return Result(OK, True)
+
+    def _announce(self, cmd: AnnounceReplica) -> Result:
+        self.replicas[cmd.raft_addr] = cmd.http_url
+        return Result(OK)
+
+    def _noop(self, cmd: Noop) -> Result:
+        return Result(OK)
+
+    # -- queries --------------------------------------------------------------
+
+    def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> list[Holder]:
+        """Holders of the longest prefixes of `hashes`, longest first (protocol §3)."""
+        out = []
+        for m in self.index.lookup(hashes, with_slots):
+            node = self.by_idx[m.node]
+            out.append(Holder(node.node_id, node.epoch, m.matched, _slots(m)))
+        return out
+
+    def blocks_held(self, node: Node) -> int:
+        return self.index.count(node.idx)
+
+    def digest(self) -> str:
+        """Equal on replicas that hold the same nodes (ids, epochs) and entries."""
+        h = xxhash.xxh3_128()
+        for node_id in sorted(self.nodes):
+            h.update(f"{node_id}\0{self.nodes[node_id].epoch}\0".encode())
+        h.update(self.index.digest({n.idx: n.node_id for n in self.nodes.values()}).encode())
+        return h.hexdigest()
+
+
+def _slots(m: Match) -> list[int] | None:
+    return None if m.slots is None else m.slots.tolist()
+
+
+_HANDLERS = {
+    Register: DirectoryState._register,
+    Heartbeat: DirectoryState._heartbeat,
+    Deregister: DirectoryState._deregister,
+    Publish: DirectoryState._publish,
+    Remove: DirectoryState._remove,
+    Clear: DirectoryState._clear,
+    Expire: DirectoryState._expire,
+    AnnounceReplica: DirectoryState._announce,
+    Noop: DirectoryState._noop,
+}

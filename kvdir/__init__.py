@@ -1,0 +1,1 @@
+"""kvdir's command line: one `kvdir` script whose subcommands start and measure every component."""

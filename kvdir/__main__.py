@@ -1,0 +1,3 @@
+from kvdir.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""`kvdir` and its subcommands. Flags are generated from the settings classes, so every
+setting has a `--flag` and a `KVDIR_*` environment variable (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+from directory.config import DirectorySettings
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    """One flag per settings field; defaults stay None so that env vars and defaults apply."""
+    prefix = cls.model_config.get("env_prefix", "")
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"{prefix}{name}".upper()
+        help_text = f"{field.description or ''} [env {env}; default {field.default}]"
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
+
+
+def build_settings(cls: type[BaseSettings], args: argparse.Namespace) -> Any:
+    given = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
+    return cls(**given)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdir", description="A Raft-replicated KV-cache directory for LLM inference clusters.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("directory", help="run one directory replica")
+    add_settings_flags(d, DirectorySettings)
+
+    from kvdir.launcher import UpSettings
+
+    u = sub.add_parser("up", help="start a local cluster on loopback (3 directory replicas)")
+    add_settings_flags(u, UpSettings)
+
+    b = sub.add_parser("bench", help="run a benchmark and print its figures")
+    b.add_argument("target", choices=["directory"], help="what to measure")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "directory":
+            from directory.server import serve
+
+            serve(build_settings(DirectorySettings, args))
+            return 0
+        if args.command == "up":
+            from kvdir.launcher import UpSettings, run_up
+
+            return run_up(build_settings(UpSettings, args))
+        if args.command == "bench":
+            from kvdir.bench import run_bench
+
+            return run_bench(args.target, as_json=args.json, quick=args.quick)
+    except ValidationError as exc:
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e["loc"])
+            print(f"kvdir {args.command}: invalid setting --{loc.replace('_', '-')}: {e['msg']}", file=sys.stderr)
+        return 2
+    return 2

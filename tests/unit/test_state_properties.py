@@ -1,0 +1,448 @@
+"""Property tests: DirectoryState against a naive pure-Python model; digests; snapshots.
+
+Small universes (4 node ids, 2 incarnations, 12 hashes, 6 slots) so that random
+command sequences collide often: re-registrations, stale epochs, expiries that
+a heartbeat voids, re-used node indices, slots beyond capacity, a full index.
+merge_threshold 1, 3 and 1000 drive the index through its sorted arrays, its
+delta and both at once.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from directory.state import (
+    INDEX_FULL,
+    INVALID,
+    NODE_LIMIT,
+    OK,
+    STALE_EPOCH,
+    UNKNOWN_NODE,
+    Clear,
+    Deregister,
+    DirectoryState,
+    Expire,
+    Heartbeat,
+    Publish,
+    Register,
+    Remove,
+)
+
+NODE_IDS = ["n0", "n1", "n2", "n3"]
+INCARNATIONS = ["inc-a", "inc-b"]
+# 12 hashes spread over the u64 range, both ends included
+HASHES = [0, 2**64 - 1] + [((i + 1) * 0x9E3779B97F4A7C15) % 2**64 for i in range(10)]
+N_SLOTS = 6
+CAPACITIES = [None, None, 4, 8]
+
+
+def H(xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.uint64)
+
+
+def S(xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.uint32)
+
+
+# -- the reference model --------------------------------------------------------------
+
+
+@dataclass
+class MNode:
+    epoch: int
+    incarnation: str
+    capacity: int | None
+    seen: int = 0
+    entries: dict[int, int] = field(default_factory=dict)  # hash -> slot
+
+
+class Model:
+    """The rules of state.py, written as plainly as possible."""
+
+    def __init__(self, max_nodes: int, max_entries: int) -> None:
+        self.max_nodes = max_nodes
+        self.max_entries = max_entries
+        self.nodes: dict[str, MNode] = {}
+        self.counter = 0
+
+    def total(self) -> int:
+        return sum(len(n.entries) for n in self.nodes.values())
+
+    def _current(self, node_id, epoch):
+        node = self.nodes.get(node_id)
+        if node is None:
+            return (UNKNOWN_NODE, None)
+        if node.epoch != epoch:
+            return (STALE_EPOCH, node.epoch)
+        node.seen += 1
+        return node
+
+    def apply(self, cmd):
+        if isinstance(cmd, Register):
+            node = self.nodes.get(cmd.node_id)
+            if node is not None and node.incarnation == cmd.incarnation:
+                node.seen += 1
+                return (OK, node.epoch)
+            if node is None and len(self.nodes) >= self.max_nodes:
+                return (NODE_LIMIT, None)
+            self.counter += 1
+            self.nodes[cmd.node_id] = MNode(self.counter, cmd.incarnation, cmd.capacity_blocks)
+            return (OK, self.counter)
+        if isinstance(cmd, Deregister):
+            node = self.nodes.pop(cmd.node_id, None)
+            return (UNKNOWN_NODE, None) if node is None else (OK, len(node.entries))
+        if isinstance(cmd, Expire):
+            node = self.nodes.get(cmd.node_id)
+            if node is None or node.epoch != cmd.epoch or node.seen != cmd.seen:
+                return (OK, False)
+            del self.nodes[cmd.node_id]
+            return (OK, True)
+        node = self._current(cmd.node_id, cmd.epoch)
+        if isinstance(node, tuple):
+            return node
+        if isinstance(cmd, Heartbeat):
+            return (OK, node.epoch)
+        if isinstance(cmd, Publish):
+            hashes, slots = cmd.hashes.tolist(), cmd.slots.tolist()
+            if node.capacity is not None and any(s >= node.capacity for s in slots):
+                return (INVALID, None)
+            if self.total() + len(hashes) > self.max_entries:
+                return (INDEX_FULL, None)
+            new = len(set(hashes) - set(node.entries))
+            for h, s in zip(hashes, slots):
+                node.entries[h] = s
+            return (OK, new)
+        if isinstance(cmd, Remove):
+            gone = set(cmd.hashes.tolist()) & set(node.entries)
+            for h in gone:
+                del node.entries[h]
+            return (OK, len(gone))
+        if isinstance(cmd, Clear):
+            n = len(node.entries)
+            node.entries.clear()
+            return (OK, n)
+        raise AssertionError(f"model does not know {cmd!r}")
+
+    def lookup(self, hashes):
+        """Per node, the longest run hashes[0..k-1] it holds entirely, as a set of tuples."""
+        out = set()
+        for node_id, node in self.nodes.items():
+            k = 0
+            while k < len(hashes) and hashes[k] in node.entries:
+                k += 1
+            if k:
+                out.add((node_id, node.epoch, k, tuple(node.entries[h] for h in hashes[:k])))
+        return out
+
+
+# -- commands as drawn, resolved against a state when applied ------------------------
+
+epoch_choice = st.one_of(st.sampled_from(["cur", "cur", "cur", "old"]), st.integers(0, 12))
+hash_list = st.lists(st.integers(0, len(HASHES) - 1), max_size=6)
+
+op_strategy = st.one_of(
+    st.tuples(st.just("register"), st.sampled_from(NODE_IDS), st.sampled_from(INCARNATIONS), st.sampled_from(CAPACITIES)),
+    st.tuples(st.just("heartbeat"), st.sampled_from(NODE_IDS), epoch_choice),
+    st.tuples(
+        st.just("publish"),
+        st.sampled_from(NODE_IDS),
+        epoch_choice,
+        st.lists(st.tuples(st.integers(0, len(HASHES) - 1), st.integers(0, N_SLOTS - 1)), max_size=6),
+    ),
+    st.tuples(st.just("remove"), st.sampled_from(NODE_IDS), epoch_choice, hash_list),
+    st.tuples(st.just("clear"), st.sampled_from(NODE_IDS), epoch_choice),
+    st.tuples(st.just("expire"), st.sampled_from(NODE_IDS), epoch_choice, st.sampled_from(["cur", "cur", "before"])),
+    st.tuples(st.just("deregister"), st.sampled_from(NODE_IDS)),
+)
+
+
+class History:
+    """Epochs handed out per node id, so that 'old' can name a really stale one."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[str, list[int]] = {}
+
+    def note(self, cmd, result) -> None:
+        if isinstance(cmd, Register) and result.status == OK:
+            lst = self.epochs.setdefault(cmd.node_id, [])
+            if not lst or lst[-1] != result.value:
+                lst.append(result.value)
+
+
+def resolve(op, state: DirectoryState, hist: History):
+    kind, node_id = op[0], op[1]
+    node = state.nodes.get(node_id)
+
+    def epoch(choice):
+        if choice == "cur":
+            return node.epoch if node is not None else 1
+        if choice == "old":
+            past = [e for e in hist.epochs.get(node_id, []) if node is None or e != node.epoch]
+            return past[-1] if past else 0
+        return choice
+
+    if kind == "register":
+        return Register(node_id, op[2], f"http://{node_id}", capacity_blocks=op[3])
+    if kind == "heartbeat":
+        return Heartbeat(node_id, epoch(op[2]), {"load": float(len(hist.epochs))})
+    if kind == "publish":
+        return Publish(node_id, epoch(op[2]), H([HASHES[h] for h, _ in op[3]]), S([s for _, s in op[3]]))
+    if kind == "remove":
+        return Remove(node_id, epoch(op[2]), H([HASHES[h] for h in op[3]]))
+    if kind == "clear":
+        return Clear(node_id, epoch(op[2]))
+    if kind == "expire":
+        seen = 0 if node is None else node.seen - (op[3] == "before")
+        return Expire(node_id, epoch(op[2]), seen)
+    return Deregister(node_id)
+
+
+# -- checks -----------------------------------------------------------------------------
+
+
+def check_against_model(state: DirectoryState, model: Model, queries) -> None:
+    assert set(state.nodes) == set(model.nodes)
+    assert len(state.index) == model.total()
+    for node_id, mnode in model.nodes.items():
+        node = state.nodes[node_id]
+        assert node.epoch == mnode.epoch
+        assert node.seen == mnode.seen
+        assert state.blocks_held(node) == len(mnode.entries)
+        assert state.by_idx[node.idx] is node
+    assert len(state.by_idx) == len(state.nodes)
+    # no entries left behind under an index no node holds
+    live_idx = {n.idx for n in state.nodes.values()}
+    for idx in range(len(NODE_IDS) + 2):
+        if idx not in live_idx:
+            assert state.index.count(idx) == 0
+    keys, nodes, _ = state.index.items()
+    assert set(nodes.tolist()) <= live_idx
+    assert len(keys) == model.total()
+
+    for q in queries:
+        hashes = [HASHES[i] for i in q]
+        got = state.lookup(H(hashes), with_slots=True)
+        # the same answer as the model
+        assert {(h.node_id, h.epoch, h.matched, tuple(h.slots)) for h in got} == model.lookup(hashes)
+        assert len(got) == len({h.node_id for h in got})
+        # only current registrations are ever handed out
+        for h in got:
+            assert h.node_id in state.nodes and state.nodes[h.node_id].epoch == h.epoch
+            assert model.nodes[h.node_id].epoch == h.epoch
+            assert 1 <= h.matched <= len(hashes) and len(h.slots) == h.matched
+        # longest first, ties by node index
+        keys_ = [(-h.matched, state.nodes[h.node_id].idx) for h in got]
+        assert keys_ == sorted(keys_)
+        # without slots: the same holders in the same order
+        plain = state.lookup(H(hashes))
+        assert [(h.node_id, h.epoch, h.matched) for h in plain] == [(h.node_id, h.epoch, h.matched) for h in got]
+        assert all(h.slots is None for h in plain)
+
+
+FIXED_QUERIES = [[i] for i in range(len(HASHES))] + [list(range(12)), [0, 1, 2, 3], [5, 4, 3, 2, 1, 0], [11, 0, 11]]
+
+queries_strategy = st.lists(st.lists(st.integers(0, len(HASHES) - 1), min_size=1, max_size=6), min_size=1, max_size=3)
+
+
+# -- stateful test -------------------------------------------------------------------------
+
+
+class DirectoryMachine(RuleBasedStateMachine):
+    """One DirectoryState checked against the model after every command.
+
+    A twin with another merge_threshold gets the same commands and must give the
+    same results and digest; `snapshot` replaces the state by a pickled copy, as a
+    pysyncobj snapshot restore would.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setup(1000, 4, 10**6)
+
+    def _setup(self, threshold, max_nodes, max_entries):
+        self.state = DirectoryState(max_nodes=max_nodes, max_entries=max_entries, merge_threshold=threshold)
+        twin_threshold = 1 if threshold != 1 else 1000
+        self.twin = DirectoryState(max_nodes=max_nodes, max_entries=max_entries, merge_threshold=twin_threshold)
+        self.model = Model(max_nodes, max_entries)
+        self.hist = History()
+        self.statuses: set[str] = set()
+
+    @initialize(
+        threshold=st.sampled_from([1, 3, 1000]),
+        max_nodes=st.sampled_from([3, 4]),
+        max_entries=st.sampled_from([14, 10**6]),
+    )
+    def configure(self, threshold, max_nodes, max_entries):
+        self._setup(threshold, max_nodes, max_entries)
+
+    def _step(self, op, queries):
+        cmd = resolve(op, self.state, self.hist)
+        expected = self.model.apply(cmd)
+        got = self.state.apply(cmd)
+        assert (got.status, got.value) == expected, (cmd, got)
+        twin = self.twin.apply(cmd)
+        assert (twin.status, twin.value) == expected, (cmd, twin)
+        self.hist.note(cmd, got)
+        self.statuses.add(got.status)
+        check_against_model(self.state, self.model, queries)
+
+    @rule(op=op_strategy, queries=queries_strategy)
+    def command(self, op, queries):
+        self._step(op, queries)
+
+    @rule(node_id=st.sampled_from(NODE_IDS), queries=queries_strategy)
+    def heartbeat_voids_expire(self, node_id, queries):
+        """The leader decides to expire, the node is heard from, then the Expire commits."""
+        node = self.state.nodes.get(node_id)
+        if node is None:
+            return
+        seen = node.seen
+        self._step(("heartbeat", node_id, "cur"), queries)
+        cmd = Expire(node_id, node.epoch, seen)
+        assert self.model.apply(cmd) == (OK, False)
+        assert tuple(self.state.apply(cmd)[:2]) == (OK, False)
+        assert tuple(self.twin.apply(cmd)[:2]) == (OK, False)
+        assert node_id in self.state.nodes
+        check_against_model(self.state, self.model, queries)
+
+    @rule()
+    def snapshot(self):
+        self.state = pickle.loads(pickle.dumps(self.state))
+
+    @rule()
+    def merge(self):
+        self.state.index.merge()
+
+    @invariant()
+    def agrees(self):
+        check_against_model(self.state, self.model, FIXED_QUERIES)
+        assert self.state.digest() == self.twin.digest()
+
+
+TestDirectoryMachine = DirectoryMachine.TestCase
+TestDirectoryMachine.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# -- sequences of commands: digests and snapshots ----------------------------------------
+
+
+def run(state: DirectoryState, ops, hist: History, twins=()):
+    results = []
+    for op in ops:
+        cmd = resolve(op, state, hist)
+        r = state.apply(cmd)
+        hist.note(cmd, r)
+        results.append((r.status, r.value))
+        for t in twins:
+            rt = t.apply(cmd)
+            assert (rt.status, rt.value) == (r.status, r.value)
+    return results
+
+
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(
+    ops=st.lists(op_strategy, max_size=40),
+    thresholds=st.tuples(st.sampled_from([1, 3, 1000]), st.sampled_from([1, 3, 1000])),
+)
+def test_same_commands_same_digest(ops, thresholds):
+    a = DirectoryState(max_nodes=3, max_entries=20, merge_threshold=thresholds[0])
+    b = DirectoryState(max_nodes=3, max_entries=20, merge_threshold=thresholds[1])
+    hist = History()
+    for op in ops:
+        run(a, [op], hist, twins=[b])
+        assert a.digest() == b.digest()
+        assert a.index.items()[0].tolist() == b.index.items()[0].tolist()
+    assert a.epoch_counter == b.epoch_counter
+
+
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(
+    ops=st.lists(op_strategy, min_size=1, max_size=40),
+    cuts=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    threshold=st.sampled_from([1, 3, 1000]),
+)
+def test_pickle_midway_gives_same_digest(ops, cuts, threshold):
+    plain = DirectoryState(max_nodes=3, max_entries=20, merge_threshold=threshold)
+    expected = run(plain, ops, History())
+
+    snap = DirectoryState(max_nodes=3, max_entries=20, merge_threshold=threshold)
+    hist = History()
+    got = []
+    cut_points = sorted({c % (len(ops) + 1) for c in cuts})
+    start = 0
+    for c in cut_points + [len(ops)]:
+        got += run(snap, ops[start:c], hist)
+        start = c
+        snap = pickle.loads(pickle.dumps(snap))
+    assert got == expected
+    assert snap.digest() == plain.digest()
+    assert snap.epoch_counter == plain.epoch_counter and snap.applied == plain.applied
+    for q in FIXED_QUERIES:
+        hs = H([HASHES[i] for i in q])
+        assert snap.lookup(hs, True) == plain.lookup(hs, True)
+    # the restored state keeps working like the original
+    more = [("register", "n3", "inc-b", None), ("publish", "n3", "cur", [(0, 1), (1, 2)])]
+    assert run(snap, more, hist) == run(plain, more, History())
+    assert snap.digest() == plain.digest()
+
+
+def test_digest_differs_for_different_commands():
+    """The digest is not constant: it tells apart states that differ."""
+    base = [("register", "n0", "inc-a", None), ("publish", "n0", "cur", [(0, 1), (1, 2)])]
+    variants = [
+        base + [("publish", "n0", "cur", [(2, 0)])],
+        base + [("remove", "n0", "cur", [1])],
+        base + [("register", "n0", "inc-b", None)],
+        base + [("register", "n1", "inc-a", None)],
+        [("register", "n0", "inc-a", None), ("publish", "n0", "cur", [(0, 1), (1, 3)])],
+    ]
+    s = DirectoryState()
+    run(s, base, History())
+    digests = {s.digest()}
+    for v in variants:
+        t = DirectoryState()
+        run(t, v, History())
+        digests.add(t.digest())
+    assert len(digests) == len(variants) + 1
+
+
+def test_model_sequences_reach_every_status():
+    """Guard against a vacuous machine: the strategies do produce every outcome."""
+    seen = set()
+    for seed in range(6):
+        m = DirectoryMachine()
+        m.configure(threshold=[1, 3, 1000][seed % 3], max_nodes=3, max_entries=14)
+        rng = np.random.default_rng(seed)
+        for _ in range(300):
+            kind = rng.choice(["register", "heartbeat", "publish", "remove", "clear", "expire", "deregister"])
+            node_id = NODE_IDS[rng.integers(4)]
+            ep = ["cur", "cur", "old", int(rng.integers(0, 12))][rng.integers(4)]
+            if kind == "register":
+                op = (kind, node_id, INCARNATIONS[rng.integers(2)], CAPACITIES[rng.integers(4)])
+            elif kind == "publish":
+                k = int(rng.integers(0, 7))
+                pairs = [(int(rng.integers(12)), int(rng.integers(N_SLOTS))) for _ in range(k)]
+                op = (kind, node_id, ep, pairs)
+            elif kind == "remove":
+                op = (kind, node_id, ep, [int(x) for x in rng.integers(0, 12, size=3)])
+            elif kind == "expire":
+                op = (kind, node_id, ep, ["cur", "before"][rng.integers(2)])
+            elif kind == "deregister":
+                op = (kind, node_id)
+            else:
+                op = (kind, node_id, ep)
+            m._step(op, [[int(x) for x in rng.integers(0, 12, size=4)]])
+        seen |= m.statuses
+    assert seen == {OK, STALE_EPOCH, UNKNOWN_NODE, NODE_LIMIT, INDEX_FULL, INVALID}
