@@ -73,10 +73,11 @@ def _error(status: int, error: str, detail: object = None, headers: dict[str, st
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over `limit` bytes, declared or streamed."""
+    """ASGI middleware: 413 for bodies over `limit` bytes, whether declared or streamed.
 
-    class _TooLarge(Exception):
-        pass
+    The body is read (at most `limit` bytes) before the app sees it, so an
+    oversized chunked upload is refused before any parsing starts.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -84,31 +85,34 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_large = _error(413, "body_too_large", f"request bodies are limited to {self.limit} bytes")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _error(413, "body_too_large", f"request bodies are limited to {self.limit} bytes")(scope, receive, send)
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
+            return await too_large(scope, receive, send)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise BodyLimit._TooLarge
-            return msg
+            if msg["type"] != "http.request":
+                return  # client went away
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await too_large(scope, receive, send)
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
 
-        async def tracking_send(msg: Message) -> None:
-            nonlocal started
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyLimit._TooLarge:
-            if not started:
-                await _error(413, "body_too_large", f"request bodies are limited to {self.limit} bytes")(scope, receive, send)
+        await self.app(scope, replay, send)
 
 
 def _replica(request: Request) -> Replica:

@@ -13,11 +13,13 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -44,56 +46,101 @@ class UpSettings(BaseSettings):
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
 
 
-class Cluster:
-    """The processes of a local cluster; `stop()` ends them all (SIGTERM, then SIGKILL)."""
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports that were free a moment ago (bound to port 0 and released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
-    def __init__(self, settings: UpSettings, data_dir: Path) -> None:
-        self.settings = settings
+
+class Cluster:
+    """Directory replica processes on one host; `stop()` ends them all (SIGTERM, then SIGKILL)."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        http_ports: Sequence[int],
+        raft_ports: Sequence[int],
+        *,
+        host: str = "127.0.0.1",
+        lease_ttl_s: float = 10.0,
+        log_level: str = "warning",
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.data_dir = data_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        n = settings.replicas
-        self.replica_urls = [f"http://{settings.host}:{settings.base_port + i}" for i in range(1, n + 1)]
-        self.raft_addrs = [f"{settings.host}:{settings.base_port + 100 + i}" for i in range(1, n + 1)]
+        self.lease_ttl_s = lease_ttl_s
+        self.log_level = log_level
+        self.extra_args = list(extra_args)
+        self.replica_urls = [f"http://{host}:{p}" for p in http_ports]
+        self.raft_addrs = [f"{host}:{p}" for p in raft_ports]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
+
+    @classmethod
+    def from_settings(cls, s: UpSettings, data_dir: Path) -> Cluster:
+        n = range(1, s.replicas + 1)
+        return cls(data_dir, [s.base_port + i for i in n], [s.base_port + 100 + i for i in n],
+                   host=s.host, lease_ttl_s=s.lease_ttl_s, log_level=s.log_level)
 
     def start(self) -> None:
-        s = self.settings
-        for i, (url, raft) in enumerate(zip(self.replica_urls, self.raft_addrs), start=1):
-            peers = ",".join(a for a in self.raft_addrs if a != raft)
-            cmd = [
-                sys.executable, "-m", "kvdir", "directory",
-                "--http", url.removeprefix("http://"), "--raft", raft, "--peers", peers,
-                "--data-dir", str(self.data_dir / f"replica{i}"),
-                "--lease-ttl-s", str(s.lease_ttl_s), "--log-level", s.log_level,
-            ]
-            logf = open(self.data_dir / f"replica{i}.log", "ab")
-            self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            logf.close()
+        for i in range(len(self.procs)):
+            self.start_replica(i)
 
-    def wait_ready(self, timeout: float) -> str:
-        """Poll until every replica knows the leader's URL; returns it."""
+    def start_replica(self, i: int) -> None:
+        """Start replica i (0-based) from its data dir; it catches up from the others."""
+        raft = self.raft_addrs[i]
+        peers = ",".join(a for a in self.raft_addrs if a != raft)
+        cmd = [
+            sys.executable, "-m", "kvdir", "directory",
+            "--http", self.replica_urls[i].removeprefix("http://"), "--raft", raft, "--peers", peers,
+            "--data-dir", str(self.data_dir / f"replica{i + 1}"),
+            "--lease-ttl-s", str(self.lease_ttl_s), "--log-level", self.log_level, *self.extra_args,
+        ]
+        with open(self.data_dir / f"replica{i + 1}.log", "ab") as logf:
+            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                proc.wait()
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
+
+    def wait_ready(self, timeout: float, among: Sequence[int] | None = None) -> str:
+        """Poll until the running replicas (or `among`) agree on a leader whose URL they know; returns it."""
         end = time.monotonic() + timeout
         with httpx.Client(timeout=1.0) as http:
             while time.monotonic() < end:
                 for p in self.procs:
-                    if p.poll() is not None:
+                    if p is not None and p.poll() not in (None, -signal.SIGKILL):
                         raise RuntimeError(f"a replica exited with code {p.returncode}; see {self.data_dir}/replica*.log")
                 leaders = set()
-                for url in self.replica_urls:
+                for i in (self.alive() if among is None else among):
                     try:
-                        leaders.add(http.get(url + "/v1/cluster").json().get("leader_url"))
+                        leaders.add(http.get(self.replica_urls[i] + "/v1/cluster").json().get("leader_url"))
                     except (httpx.HTTPError, ValueError):
                         leaders.add(None)
                 if len(leaders) == 1 and None not in leaders:
                     return leaders.pop()
-                time.sleep(0.1)
+                time.sleep(0.05)
         raise TimeoutError(f"no leader elected within {timeout}s; see {self.data_dir}/replica*.log")
 
     def stop(self, grace: float = 5.0) -> None:
-        for p in self.procs:
+        procs = [p for p in self.procs if p is not None]
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
         end = time.monotonic() + grace
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -115,7 +162,7 @@ def run_up(settings: UpSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster = Cluster(settings, data_dir)
+    cluster = Cluster.from_settings(settings, data_dir)
     try:
         cluster.start()
         leader = cluster.wait_ready(settings.ready_timeout_s)
@@ -129,9 +176,8 @@ def run_up(settings: UpSettings) -> int:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")
         while not stop.wait(0.5):
-            dead = [p for p in cluster.procs if p.poll() is not None]
-            if dead:
-                log.error("a replica exited (code %s); see %s", dead[0].returncode, data_dir)
+            if len(cluster.alive()) < len(cluster.procs):
+                log.error("a replica exited; see %s", data_dir)
                 return 1
         return 0
     except (RuntimeError, TimeoutError) as exc:

@@ -1,0 +1,58 @@
+"""Real directory replicas in separate processes on 127.0.0.1, on free ports, always stopped."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvdir.launcher import Cluster, free_ports
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    """Start clusters of n replicas; every one is stopped at teardown, pass or fail."""
+    started: list[Cluster] = []
+
+    def make(n: int = 3, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> Cluster:
+        ports = free_ports(2 * n)
+        data_dir = tmp_path / f"cluster{len(started)}"
+        data_dir.mkdir()
+        cluster = Cluster(data_dir, ports[:n], ports[n:], lease_ttl_s=lease_ttl_s, log_level="info", extra_args=extra_args)
+        started.append(cluster)
+        cluster.start()
+        cluster.wait_ready(60)
+        return cluster
+
+    yield make
+    for c in started:
+        c.stop()
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05, what: str = "condition") -> Any:
+    """Poll `cond` until it returns a truthy value or `timeout` passes (then fail with `what`)."""
+    end = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            last = cond()
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def leader_index(cluster: Cluster) -> int:
+    leader = cluster.wait_ready(30)
+    return cluster.replica_urls.index(leader)
+
+
+def digests(cluster: Cluster, among: list[int]) -> list[str]:
+    return [httpx.get(cluster.replica_urls[i] + "/v1/digest", timeout=5).json()["digest"] for i in among]
