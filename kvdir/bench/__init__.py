@@ -1,0 +1,11 @@
+"""`kvdir bench`: benchmarks that print figures (targets are judged from these, never in tests)."""
+
+from __future__ import annotations
+
+
+def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
+    if target == "directory":
+        from kvdir.bench.directory import main
+
+        return main(as_json=as_json, quick=quick)
+    raise ValueError(f"unknown benchmark {target!r}")

@@ -1,0 +1,109 @@
+"""A lean HTTP load generator for the benchmarks, run in processes of its own.
+
+On a 2-core machine the client competes with the servers for CPU, and httpx
+costs about as much per request as the server does. So this speaks minimal
+HTTP/1.1 over asyncio streams: one keep-alive connection per coroutine, each
+sending its next request when the last is answered, for `duration` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+@dataclass
+class LoadSpec:
+    urls: list[str]
+    mode: str  # "publish" or "lookup"
+    duration: float
+    concurrency: int
+    seed: int
+    node_ids: list[str]
+    epochs: list[int]
+    blocks_per_request: int = 64
+    lookup_queries: list[list[int]] | None = None
+
+
+def run_load(spec: LoadSpec) -> dict[str, object]:
+    """Entry point for a load process; returns counts and latencies (seconds)."""
+    return asyncio.run(_run(spec))
+
+
+class _Conn:
+    def __init__(self, url: str) -> None:
+        u = urlsplit(url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        data = await self.reader.readexactly(length)
+        return int(status_line.split()[1]), data
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def _run(spec: LoadSpec) -> dict[str, object]:
+    rng = random.Random(spec.seed)
+    latencies: list[float] = []
+    errors = 0
+    items = 0
+    end = time.monotonic() + spec.duration
+
+    async def one(k: int) -> None:
+        nonlocal errors, items
+        conn = _Conn(spec.urls[k % len(spec.urls)])
+        node = k % len(spec.node_ids)
+        slot = k * 1_000_000
+        try:
+            while time.monotonic() < end:
+                if spec.mode == "publish":
+                    n = spec.blocks_per_request
+                    blocks = [{"hash": rng.getrandbits(64), "slot": (slot + i) % (2**32)} for i in range(n)]
+                    slot += n
+                    path, body = "/v1/blocks", {"node_id": spec.node_ids[node], "epoch": spec.epochs[node], "blocks": blocks}
+                else:
+                    assert spec.lookup_queries is not None
+                    n = 1
+                    path, body = "/v1/lookup", {"hashes": spec.lookup_queries[rng.randrange(len(spec.lookup_queries))]}
+                payload = json.dumps(body).encode()
+                t0 = time.perf_counter()
+                try:
+                    status, _ = await conn.post(path, payload)
+                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+                    errors += 1
+                    conn.close()
+                    conn = _Conn(spec.urls[k % len(spec.urls)])
+                    continue
+                if status == 200:
+                    latencies.append(time.perf_counter() - t0)
+                    items += n
+                else:
+                    errors += 1
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(one(k) for k in range(spec.concurrency)))
+    return {"latencies": latencies, "errors": errors, "items": items}

@@ -1,0 +1,90 @@
+"""The async client's failover and errors, and the `kvdir` command line, against real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from directory.client import DirectoryClient
+from directory.errors import DirectoryUnavailable, InvalidRequestError, StaleEpochError
+from kvdir.launcher import free_ports
+
+
+def test_client_fails_over_past_dead_replicas(make_cluster) -> None:
+    c = make_cluster(3)
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+
+    async def main() -> None:
+        async with DirectoryClient([dead, *c.replica_urls], timeout=1.0, deadline=10) as d:
+            reg = await d.register("n1", "http://127.0.0.1:9", incarnation="a")
+            assert await d.publish("n1", reg.epoch, [(11, 0), (12, 1)]) == 2
+            res = await d.lookup([11, 12, 13], with_slots=True)
+            assert [(h.node_id, h.matched_blocks, h.slots) for h in res.holders] == [("n1", 2, [0, 1])]
+            again = await d.register("n1", "http://127.0.0.1:9", incarnation="b")
+            with pytest.raises(StaleEpochError) as info:
+                await d.publish("n1", reg.epoch, [(13, 2)])
+            assert info.value.status == 409 and info.value.error == "stale_epoch"
+            with pytest.raises(InvalidRequestError):
+                await d.lookup([2**64])
+            assert [n.epoch for n in await d.nodes()] == [again.epoch]
+        async with DirectoryClient([dead], timeout=0.2, deadline=0.5) as d:
+            with pytest.raises(DirectoryUnavailable):
+                await d.nodes()
+
+    asyncio.run(main())
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _base_port() -> int:
+    """A base port whose replica ports (P+1..P+3, P+101..P+103) are free now."""
+    for _ in range(50):
+        base = free_ports(1)[0] - 200
+        if base > 1024 and all(_port_free(base + d) for d in (1, 2, 3, 101, 102, 103)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def test_kvdir_up_demo_and_exit(tmp_path) -> None:
+    base = _base_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdir", "up", "--demo-and-exit", "--base-port", str(base), "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    ready = json.loads(lines[0])
+    assert ready["ready"] is True
+    assert ready["replicas"] == [f"http://127.0.0.1:{base + i}" for i in (1, 2, 3)]
+    assert ready["leader"] in ready["replicas"]
+    assert any("21 blocks cached" in line for line in lines), out.stdout
+    assert any("its old entries are gone" in line for line in lines), out.stdout
+    # Everything it started is gone: the ports are free again, and the data dir holds each replica's journal.
+    assert all(_port_free(base + d) for d in (1, 2, 3, 101, 102, 103))
+    assert all((tmp_path / f"replica{i}" / "raft.journal").exists() for i in (1, 2, 3))
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["directory", "--http", "nonsense"], {}, "--http"),
+    (["directory", "--lease-ttl-s", "0"], {}, "--lease-ttl-s"),
+    (["directory"], {"KVDIR_PEERS": "a:b"}, "--peers"),
+    (["up", "--replicas", "0"], {}, "--replicas"),
+])
+def test_bad_settings_exit_2_with_a_message(args, env, message) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvdir", *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env})
+    assert out.returncode == 2
+    assert message in out.stderr
