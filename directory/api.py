@@ -115,11 +115,11 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def _replica(request: Request) -> Replica:
+async def _replica(request: Request) -> Replica:
     return request.app.state.replica
 
 
-def _metrics(request: Request) -> DirectoryMetrics:
+async def _metrics(request: Request) -> DirectoryMetrics:
     return request.app.state.metrics
 
 
