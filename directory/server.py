@@ -12,6 +12,7 @@ from directory.config import DirectorySettings, parse_hostport
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 
 
 def serve(settings: DirectorySettings) -> None:
