@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("directory", help="run one directory replica")
     add_settings_flags(d, DirectorySettings)
 
+    from worker_stub.config import WorkerSettings
+
+    w = sub.add_parser("worker", help="run one worker stub (a stand-in GPU engine)")
+    add_settings_flags(w, WorkerSettings)
+
     from kvdir.launcher import UpSettings
 
     u = sub.add_parser("up", help="start a local cluster on loopback (3 directory replicas)")
@@ -58,6 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from directory.server import serve
 
             serve(build_settings(DirectorySettings, args))
+            return 0
+        if args.command == "worker":
+            from worker_stub.config import WorkerSettings
+            from worker_stub.server import serve as serve_worker
+
+            serve_worker(build_settings(WorkerSettings, args))
             return 0
         if args.command == "up":
             from kvdir.launcher import UpSettings, run_up

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
+
+import httpx
 
 from directory.client import DirectoryClient
 from directory.hashing import block_hashes
@@ -16,7 +19,36 @@ def _tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-async def run_demo(urls: Sequence[str], say: Callable[[str], None]) -> None:
+async def run_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None]) -> None:
+    """The directory on its own, then (when workers run) a prompt reused locally and pulled by a peer."""
+    await _directory_demo(urls, say)
+    if len(workers) >= 2:
+        await _worker_demo(urls, workers, say)
+
+
+async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None]) -> None:
+    prompt = SYSTEM + TURN1
+    body = {"model": "kvdir-stub", "prompt": prompt, "max_tokens": 8}
+    async with httpx.AsyncClient(timeout=60) as http, DirectoryClient(urls) as d:
+        for attempt in ("cold", "warm"):
+            r = (await http.post(workers[0] + "/v1/completions", json=body)).json()
+            say(f"worker-1, {attempt}: {r['usage']['prompt_tokens']} prompt tokens, {r['usage']['prompt_tokens_details']['cached_tokens']} cached, "
+                f"time to first token {r['kvdir']['ttft_s'] * 1000:.1f} ms")
+        hashes = block_hashes(_tokens(prompt))
+        for _ in range(100):  # publishing is asynchronous: wait until the directory lists the blocks
+            res = await d.lookup(hashes, with_slots=True)
+            if res.holders and res.holders[0].matched_blocks == len(hashes):
+                break
+            await asyncio.sleep(0.02)
+        holder = res.holders[0]
+        say(f"directory: {holder.node_id} holds all {holder.matched_blocks} blocks of the prompt")
+        plan = {"source_node": holder.node_id, "source_epoch": holder.epoch, "slots": holder.slots}
+        r = (await http.post(workers[1] + "/v1/completions", json={**body, "kvdir_pull": plan})).json()
+        say(f"worker-2 pulled {r['kvdir']['pulled_tokens']} tokens of KV from {holder.node_id} in {r['kvdir']['pull_s'] * 1000:.1f} ms "
+            f"instead of recomputing them; cached_tokens={r['usage']['prompt_tokens_details']['cached_tokens']}")
+
+
+async def _directory_demo(urls: Sequence[str], say: Callable[[str], None]) -> None:
     """Register two nodes, publish what each 'computed', look prompts up through a follower, restart one."""
     async with DirectoryClient(urls) as d:
         a = await d.register("demo-a", "http://127.0.0.1:9001", capacity_blocks=1024, block_size=16,

@@ -42,6 +42,10 @@ class UpSettings(BaseSettings):
     lease_ttl_s: float = Field(10.0, gt=0.2, description="node lease TTL of the directory")
     log_level: str = Field("warning", description="log level of the started processes (their logs go to DATA_DIR/*.log)")
     ready_timeout_s: float = Field(60.0, gt=0, description="give up if no leader is elected within this time")
+    workers: int = Field(4, ge=0, le=64, description="worker stubs to start; worker i serves HTTP on BASE_PORT+10+i")
+    worker_capacity_blocks: int = Field(4096, ge=1, description="KV slots of each worker stub")
+    worker_time_scale: float = Field(1.0, ge=0, description="time scale of the workers' simulated prefill and decode")
+    worker_transfer: str = Field("mooncake", description="transfer engine of the workers: mooncake or tcp")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
 
@@ -135,17 +139,74 @@ class Cluster:
         raise TimeoutError(f"no leader elected within {timeout}s; see {self.data_dir}/replica*.log")
 
     def stop(self, grace: float = 5.0) -> None:
-        procs = [p for p in self.procs if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        end = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop_all([p for p in self.procs if p is not None], grace)
+
+
+class Workers:
+    """Worker stub processes registered with a directory; `stop()` ends them all."""
+
+    def __init__(self, data_dir: Path, http_ports: Sequence[int], directory_urls: Sequence[str], *,
+                 host: str = "127.0.0.1", log_level: str = "warning", extra_args: Sequence[str] = ()) -> None:
+        self.data_dir = data_dir
+        self.urls = [f"http://{host}:{p}" for p in http_ports]
+        self.node_ids = [f"worker-{i + 1}" for i in range(len(http_ports))]
+        self.directory_urls = list(directory_urls)
+        self.log_level = log_level
+        self.extra_args = list(extra_args)
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
+
+    def start(self) -> None:
+        for i in range(len(self.procs)):
+            self.start_worker(i)
+
+    def start_worker(self, i: int, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "kvdir", "worker", "--node-id", self.node_ids[i],
+               "--http", self.urls[i].removeprefix("http://"), "--directory", ",".join(self.directory_urls),
+               "--log-level", self.log_level, *self.extra_args, *extra]
+        with open(self.data_dir / f"{self.node_ids[i]}.log", "ab") as logf:
+            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait()
+
+    def wait_ready(self, timeout: float) -> list[int]:
+        """Poll until every worker answers /health with a directory epoch; returns the epochs."""
+        end = time.monotonic() + timeout
+        with httpx.Client(timeout=1.0) as http:
+            while time.monotonic() < end:
+                for p in self.procs:
+                    if p is not None and p.poll() not in (None, -signal.SIGKILL):
+                        raise RuntimeError(f"a worker exited with code {p.returncode}; see {self.data_dir}/worker-*.log")
+                epochs = []
+                for url in self.urls:
+                    try:
+                        epochs.append(http.get(url + "/health").json().get("epoch"))
+                    except (httpx.HTTPError, ValueError):
+                        epochs.append(None)
+                if None not in epochs:
+                    return epochs
+                time.sleep(0.05)
+        raise TimeoutError(f"workers not registered within {timeout}s; see {self.data_dir}/worker-*.log")
+
+    def stop(self, grace: float = 5.0) -> None:
+        _stop_all([p for p in self.procs if p is not None], grace)
+
+
+def _stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM every process, then SIGKILL those still running after `grace` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def run_up(settings: UpSettings) -> int:
@@ -163,27 +224,36 @@ def run_up(settings: UpSettings) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     cluster = Cluster.from_settings(settings, data_dir)
+    workers = Workers(
+        data_dir, [settings.base_port + 10 + i for i in range(1, settings.workers + 1)], cluster.replica_urls,
+        host=settings.host, log_level=settings.log_level,
+        extra_args=["--capacity-blocks", str(settings.worker_capacity_blocks), "--time-scale", str(settings.worker_time_scale),
+                    "--transfer", settings.worker_transfer, "--transfer-host", settings.host],
+    )
     try:
         cluster.start()
         leader = cluster.wait_ready(settings.ready_timeout_s)
-        ready = {"ready": True, "replicas": cluster.replica_urls, "leader": leader, "data_dir": str(data_dir)}
+        workers.start()
+        workers.wait_ready(settings.ready_timeout_s)
+        ready = {"ready": True, "replicas": cluster.replica_urls, "leader": leader, "workers": workers.urls, "data_dir": str(data_dir)}
         print(json.dumps(ready), flush=True)
         if settings.demo or settings.demo_and_exit:
             from kvdir.demo import run_demo
 
-            asyncio.run(run_demo(cluster.replica_urls, print))
+            asyncio.run(run_demo(cluster.replica_urls, workers.urls, print))
         if settings.demo_and_exit:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")
         while not stop.wait(0.5):
-            if len(cluster.alive()) < len(cluster.procs):
-                log.error("a replica exited; see %s", data_dir)
+            if len(cluster.alive()) < len(cluster.procs) or any(p is not None and p.poll() is not None for p in workers.procs):
+                log.error("a process exited; see the logs in %s", data_dir)
                 return 1
         return 0
     except (RuntimeError, TimeoutError) as exc:
         log.error("kvdir up: %s", exc)
         return 1
     finally:
+        workers.stop()
         cluster.stop()
         if temp:
             shutil.rmtree(data_dir, ignore_errors=True)

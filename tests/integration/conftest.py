@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, free_ports
+from kvdir.launcher import Cluster, Workers, free_ports
 
 
 @pytest.fixture
@@ -56,3 +56,23 @@ def leader_index(cluster: Cluster) -> int:
 
 def digests(cluster: Cluster, among: list[int]) -> list[str]:
     return [httpx.get(cluster.replica_urls[i] + "/v1/digest", timeout=5).json()["digest"] for i in among]
+
+
+@pytest.fixture
+def make_workers(tmp_path: Path) -> Iterator[Callable[..., Workers]]:
+    """Start worker stubs registered with a cluster; every one is stopped at teardown."""
+    started: list[Workers] = []
+
+    def make(cluster: Cluster, n: int = 2, extra_args: tuple[str, ...] = ()) -> Workers:
+        data_dir = tmp_path / f"workers{len(started)}"
+        data_dir.mkdir()
+        workers = Workers(data_dir, free_ports(n), cluster.replica_urls, log_level="info",
+                          extra_args=("--time-scale", "0.05", "--heartbeat-interval-s", "0.3", *extra_args))
+        started.append(workers)
+        workers.start()
+        workers.wait_ready(60)
+        return workers
+
+    yield make
+    for w in started:
+        w.stop()

@@ -1,0 +1,280 @@
+"""The worker stub's OpenAI-compatible API: completions, chat completions, models, streaming.
+
+Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
+400 for invalid requests (bad JSON, wrong types, prompt too long), 404 for an
+unknown model, 413 for an oversized body, 429 when the queue is full.
+Answers report `usage.prompt_tokens_details.cached_tokens` (prompt tokens not
+recomputed: local hits plus pulled blocks) and, in the extension field
+`kvdir`, where the time went and what was pulled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from directory.api import BodyLimit
+from directory.client import DirectoryClient
+from directory.tokenizer import load_tokenizer, render_chat
+from worker_stub.config import WorkerSettings
+from worker_stub.engine import Engine, PullPlan, QueueFull, RequestStats
+from worker_stub.pool import KVPool
+from worker_stub.publisher import Publisher
+from worker_stub.transfer import create_engine
+
+log = logging.getLogger("kvdir.worker")
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+
+
+class PullPlanModel(BaseModel):
+    """Extension: read the prompt's first len(slots) blocks from this node's memory instead of computing them."""
+
+    source_node: str = Field(min_length=1, max_length=128)
+    source_epoch: int = Field(ge=1)
+    slots: list[Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]] = Field(max_length=1 << 20)
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI parameters (temperature, ...) are accepted and ignored
+    model: str
+    stream: bool = False
+    kvdir_pull: PullPlanModel | None = None
+
+
+class CompletionRequest(_Req):
+    prompt: str | list[TokenId]
+    max_tokens: int = Field(16, ge=0, le=1 << 20)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] = ""
+
+
+class ChatRequest(_Req):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0, le=1 << 20)
+    max_completion_tokens: int | None = Field(None, ge=0, le=1 << 20)
+
+
+class TokenizeRequest(BaseModel):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> None:
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+
+
+class WorkerMetrics:
+    def __init__(self, engine: Engine, publisher: Publisher) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
+        self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter("kvdir_worker_cached_tokens_total", "Prompt tokens not recomputed", ["source"], registry=r)
+        self.ttft = Histogram("kvdir_worker_time_to_first_token_seconds", "Queue + pull + prefill time",
+                              buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.publish_lag = Histogram("kvdir_worker_publish_lag_seconds", "From a block's prefill to its publish being committed",
+                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=r)
+        self.published = Counter("kvdir_worker_published_blocks_total", "Blocks published to the directory", registry=r)
+        c = engine.counters
+        for key, help_text in (("pulled_blocks", "Blocks pulled from peers and verified"),
+                               ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
+                               ("pull_errors", "Pulls that failed as a whole"),
+                               ("pool_full", "Requests served uncached because every slot was pinned")):
+            Gauge(f"kvdir_worker_{key}_total", help_text, registry=r).set_function(lambda k=key: c[k])
+        pool = engine.pool
+        Gauge("kvdir_worker_running", "Requests running", registry=r).set_function(lambda: engine.running)
+        Gauge("kvdir_worker_waiting", "Requests queued", registry=r).set_function(lambda: engine.waiting)
+        Gauge("kvdir_worker_free_slots", "Free KV slots", registry=r).set_function(lambda: pool.free_slots)
+        Gauge("kvdir_worker_cached_blocks", "Blocks cached", registry=r).set_function(lambda: pool.cached_blocks)
+        Gauge("kvdir_worker_evictions_total", "Blocks evicted (LRU)", registry=r).set_function(lambda: pool.stats["evictions"])
+        Gauge("kvdir_worker_publish_pending", "Changes not yet published", registry=r).set_function(lambda: publisher.pending)
+        Gauge("kvdir_worker_epoch", "Current directory epoch", registry=r).set_function(lambda: publisher.epoch or 0)
+
+    def on_published(self, n: int, lag: float) -> None:
+        self.published.inc(n)
+        self.publish_lag.observe(lag)
+
+
+def create_app(settings: WorkerSettings) -> FastAPI:
+    tokenizer = load_tokenizer(settings.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = KVPool(settings.capacity_blocks, settings.block_bytes, settings.tp)
+        transfer = create_engine(settings.transfer, settings.transfer_host)
+        for region in pool.regions:
+            transfer.register(region.base_addr, region.length)
+        directory = DirectoryClient(settings.directory_urls, deadline=5.0)
+        engine = Engine(settings, pool, transfer, directory)
+        metrics_box: list[WorkerMetrics] = []
+        publisher = Publisher(
+            settings.node_id, settings.url, pool, directory, transfer_url=transfer.session, block_size=settings.block_size,
+            load=engine.load, interval=settings.publish_interval_s, heartbeat_interval=settings.heartbeat_interval_s,
+            on_published=lambda n, lag: metrics_box[0].on_published(n, lag),
+        )
+        metrics_box.append(WorkerMetrics(engine, publisher))
+        app.state.engine, app.state.publisher, app.state.metrics = engine, publisher, metrics_box[0]
+        publisher.start()
+        log.info("worker %s serving %s (transfer %s at %s)", settings.node_id, settings.url, settings.transfer, transfer.session)
+        try:
+            yield
+        finally:
+            await publisher.stop()
+            await directory.aclose()
+            transfer.close()
+
+    app = FastAPI(title="kvdir worker stub", version="1", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=64 << 20)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error(400, "the request body is not valid JSON", code="invalid_json")
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return _error(413, str(exc.detail), code="body_too_large")
+        return _error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    def check_model(model: str) -> None:
+        if model != settings.model:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this engine serves `{settings.model}`",
+                              code="model_not_found", param="model")
+
+    def check_length(n_prompt: int, max_tokens: int) -> None:
+        if n_prompt + max_tokens > settings.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is {settings.max_model_len} tokens; the request has "
+                                   f"{n_prompt} prompt tokens and asks for {max_tokens} more", code="context_length_exceeded")
+
+    async def run(request: Request, body: _Req, tokens: list[int], max_tokens: int, chat: bool) -> Response:
+        engine: Engine = request.app.state.engine
+        metrics: WorkerMetrics = request.app.state.metrics
+        check_length(len(tokens), max_tokens)
+        plan = PullPlan(body.kvdir_pull.source_node, body.kvdir_pull.source_epoch, tuple(body.kvdir_pull.slots)) if body.kvdir_pull else None
+        stats = RequestStats()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        metrics.requests.labels("chat" if chat else "completions").inc()
+        gen = engine.generate(tokens, max_tokens, plan, stats)
+        try:
+            first = await anext(gen, None)  # queueing, pull and prefill happen here
+        except QueueFull as exc:
+            raise OpenAIError(429, str(exc), "rate_limit_error", "queue_full") from exc
+        ttft = stats.queue_s + stats.pull_s + stats.prefill_s
+        metrics.ttft.observe(ttft)
+        metrics.prompt_tokens.inc(stats.prompt_tokens)
+        metrics.cached_tokens.labels("local").inc(stats.local_cached_tokens)
+        metrics.cached_tokens.labels("pulled").inc(stats.pulled_tokens)
+
+        def usage() -> dict[str, Any]:
+            return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+                    "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+                    "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+        def extension() -> dict[str, Any]:
+            return {"node_id": settings.node_id, "local_cached_tokens": stats.local_cached_tokens,
+                    "pulled_tokens": stats.pulled_tokens, "queue_s": stats.queue_s, "pull_s": stats.pull_s,
+                    "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "ttft_s": ttft,
+                    "pull_failures": stats.pull_failures}
+
+        def choice(text: str, final: bool) -> dict[str, Any]:
+            reason = "length" if final else None
+            if chat:
+                key = "message" if not body.stream else "delta"
+                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.stream:
+            parts = [first] if first is not None else []
+            async for piece in gen:
+                parts.append(piece)
+            text = b"".join(parts).decode("utf-8", errors="replace")
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": settings.model,
+                                 "choices": [choice(text, True)], "usage": usage(), "kvdir": extension()})
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def sse() -> AsyncIterator[bytes]:
+            def event(payload: dict[str, Any]) -> bytes:
+                return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+            base = {"id": rid, "object": chunk_obj, "created": created, "model": settings.model}
+            try:
+                if first is not None:
+                    yield event({**base, "choices": [choice(first.decode("utf-8", errors="replace"), False)]})
+                async for piece in gen:
+                    yield event({**base, "choices": [choice(piece.decode("utf-8", errors="replace"), False)]})
+                yield event({**base, "choices": [choice("", True)], "usage": usage(), "kvdir": extension()})
+                yield b"data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        check_model(body.model)
+        tokens = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        return await run(request, body, tokens, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest) -> Response:
+        check_model(body.model)
+        tokens = tokenizer.encode(render_chat([m.model_dump() for m in body.messages]))
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (body.max_tokens if body.max_tokens is not None else 16)
+        return await run(request, body, tokens, max_tokens, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give exactly one of `prompt` or `messages`")
+        text = body.prompt if body.prompt is not None else render_chat([m.model_dump() for m in body.messages or []])
+        tokens = tokenizer.encode(text)
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
+                                                         "owned_by": "kvdir", "max_model_len": settings.max_model_len}]})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        pub: Publisher = request.app.state.publisher
+        return JSONResponse({"ok": True, "node_id": settings.node_id, "epoch": pub.epoch, "load": request.app.state.engine.load()})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,57 @@
+"""Settings of a worker stub (`kvdir worker`): every field a flag and a KVDIR_* env var.
+
+Time-model defaults are grounded in public figures for an 8B model on one
+H100 with vLLM: prefill runs at roughly 10-20k tokens/s on long prompts, so
+10,000 tokens/s here; a single sequence decodes at roughly 60-100 tokens/s,
+so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from directory.config import parse_hostport
+
+
+class WorkerSettings(BaseSettings):
+    """One stand-in GPU engine."""
+
+    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
+
+    node_id: str = Field("worker-1", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$", description="this node's id in the directory")
+    http: str = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
+    advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
+    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
+    model: str = Field("kvdir-stub", min_length=1, description="the model name served")
+    max_model_len: int = Field(131072, ge=16, description="longest prompt + completion, in tokens")
+    tokenizer: str = Field("bytes", description="'bytes' (UTF-8 bytes as tokens) or a tokenizer.json path")
+    namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the gateway's")
+    block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the gateway's")
+    capacity_blocks: int = Field(4096, ge=1, le=2**31, description="KV slots per TP rank")
+    block_bytes: int = Field(16384, ge=64, description="bytes of one block on one rank")
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one memory region each, mirrored slots)")
+    prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="simulated prefill rate of uncached tokens")
+    decode_tokens_per_s: float = Field(80.0, gt=0, description="simulated decode rate of one sequence")
+    max_running: int = Field(32, ge=1, description="requests served at once; more wait in a queue")
+    max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_running (429 above)")
+    time_scale: float = Field(1.0, ge=0, description="multiplies every simulated duration (0: no waiting)")
+    transfer: str = Field("mooncake", description="KV transfer engine: mooncake or tcp")
+    transfer_host: str = Field("127.0.0.1", description="address the transfer engine binds and advertises")
+    publish_interval_s: float = Field(0.01, gt=0, le=10, description="how often new and evicted blocks are published")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @field_validator("http")
+    @classmethod
+    def _hostport(cls, v: str) -> str:
+        parse_hostport(v)
+        return v
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.http}"
+
+    @property
+    def directory_urls(self) -> list[str]:
+        return [u.strip() for u in self.directory.split(",") if u.strip()]

@@ -1,0 +1,209 @@
+"""The simulated engine: queueing, prefix reuse, peer pulls, prefill and decode time.
+
+A request's life: wait for one of `max_running` places; take a lease on the
+KV pool (the cached prefix is pinned, slots are reserved for the rest); pull
+blocks from a peer when the request carries a pull plan (real bytes through
+the transfer engine, each block verified, any failure falling back to
+recomputation); "prefill" the remaining blocks (simulated time proportional to
+uncached tokens, then the blocks' deterministic content is written); decode
+(simulated time per output token, streamed); release the lease. New and
+evicted blocks reach the directory through the Publisher, off the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from directory.client import DirectoryClient
+from directory.errors import DirectoryError
+from directory.hashing import block_hashes
+from directory.schemas import NodeInfo
+from worker_stub.config import WorkerSettings
+from worker_stub.pool import KVPool, Lease, PoolFull
+from worker_stub.transfer import TransferEngine, TransferError
+
+log = logging.getLogger("kvdir.worker")
+
+_WORDS = "the quick brown fox jumps over the lazy dog ".encode()
+
+
+class QueueFull(Exception):
+    """More requests wait than `max_queue` allows."""
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """Where to read a prefix from: the source node's slots for the first `len(slots)` blocks."""
+
+    source_node: str
+    source_epoch: int
+    slots: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class RequestStats:
+    prompt_tokens: int = 0
+    local_cached_tokens: int = 0
+    pulled_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float = 0.0
+    pull_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    pull_failures: list[str] = field(default_factory=list)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.local_cached_tokens + self.pulled_tokens
+
+
+class Engine:
+    """One worker's request execution. Use from a single asyncio loop."""
+
+    def __init__(self, settings: WorkerSettings, pool: KVPool, transfer: TransferEngine | None, directory: DirectoryClient) -> None:
+        self.s = settings
+        self.pool = pool
+        self.transfer = transfer
+        self.directory = directory
+        self.running = 0
+        self.waiting = 0
+        self._slots = asyncio.Semaphore(settings.max_running)
+        self._peers: dict[tuple[str, int], NodeInfo] = {}
+        self.counters = {"requests": 0, "pulled_blocks": 0, "pull_failed_blocks": 0, "pull_errors": 0, "pool_full": 0}
+
+    def load(self) -> dict[str, float]:
+        return {"running": self.running, "waiting": self.waiting, "free_slots": self.pool.free_slots,
+                "capacity_slots": self.pool.capacity_blocks}
+
+    async def _sleep(self, seconds: float) -> float:
+        seconds *= self.s.time_scale
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        return seconds
+
+    async def generate(self, tokens: list[int], max_tokens: int, pull: PullPlan | None, stats: RequestStats) -> AsyncIterator[bytes]:
+        """Serve one request; yields each output token's bytes as it is decoded and fills `stats`."""
+        if self.waiting >= self.s.max_queue and self._slots.locked():
+            raise QueueFull(f"{self.waiting} requests are waiting already (max_queue {self.s.max_queue})")
+        self.counters["requests"] += 1
+        stats.prompt_tokens = len(tokens)
+        t0 = time.perf_counter()
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        stats.queue_s = time.perf_counter() - t0
+        try:
+            hashes = block_hashes(tokens, self.s.block_size, self.s.namespace)
+            lease = self._acquire(hashes)
+            try:
+                await self._prefill(hashes, lease, len(tokens), pull, stats)
+                t1 = time.perf_counter()
+                per_token = 1.0 / self.s.decode_tokens_per_s
+                for i in range(max_tokens):
+                    await self._sleep(per_token)
+                    stats.completion_tokens += 1
+                    yield _WORDS[i % len(_WORDS) : i % len(_WORDS) + 1]
+                stats.decode_s = time.perf_counter() - t1
+            finally:
+                if lease is not None:
+                    self.pool.release(lease)
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+    def _acquire(self, hashes: list[int]) -> Lease | None:
+        try:
+            return self.pool.acquire(hashes)
+        except PoolFull:
+            # Every slot is pinned by running requests: serve without caching this prompt.
+            self.counters["pool_full"] += 1
+            return None
+
+    async def _prefill(self, hashes: list[int], lease: Lease | None, n_tokens: int, pull: PullPlan | None, stats: RequestStats) -> None:
+        bs = self.s.block_size
+        cached = lease.cached if lease is not None else 0
+        stats.local_cached_tokens = cached * bs
+        pulled: set[int] = set()
+        if lease is not None and pull is not None and lease.new_slots:
+            t = time.perf_counter()
+            pulled = await self._pull(hashes, lease, pull, stats)
+            stats.pull_s = time.perf_counter() - t
+        # The prefix served without compute: local hits, then pulled blocks continuing the run.
+        run = cached
+        while run < len(hashes) and hashes[run] in pulled:
+            run += 1
+        stats.pulled_tokens = (run - cached) * bs
+        t = time.perf_counter()
+        await self._sleep((n_tokens - run * bs) / self.s.prefill_tokens_per_s)
+        if lease is not None:
+            for h, slot in lease.new_slots:
+                if h not in pulled:
+                    self.pool.fill(h, slot)
+            self.pool.commit(lease, [h for h, _ in lease.new_slots])
+        stats.prefill_s = time.perf_counter() - t
+
+    async def _peer(self, node_id: str, epoch: int) -> NodeInfo | None:
+        key = (node_id, epoch)
+        peer = self._peers.get(key)
+        if peer is None:
+            nodes = {n.node_id: n for n in await self.directory.nodes()}
+            peer = nodes.get(node_id)
+            if peer is None or peer.epoch != epoch:
+                return None
+            self._peers = {k: v for k, v in self._peers.items() if k[0] != node_id}
+            self._peers[key] = peer
+        return peer
+
+    async def _pull(self, hashes: list[int], lease: Lease, plan: PullPlan, stats: RequestStats) -> set[int]:
+        """Read the planned blocks from the peer into this lease's new slots; returns the verified ones."""
+        if self.transfer is None:
+            stats.pull_failures.append("no transfer engine")
+            return set()
+        index = {h: i for i, h in enumerate(hashes)}
+        wanted = [(h, s, plan.slots[index[h]]) for h, s in lease.new_slots if index[h] < len(plan.slots)]
+        if not wanted:
+            return set()
+        try:
+            peer = await self._peer(plan.source_node, plan.source_epoch)
+        except DirectoryError as exc:
+            peer = None
+            stats.pull_failures.append(f"directory: {exc}")
+        if peer is None or not peer.transfer_url:
+            self.counters["pull_errors"] += 1
+            stats.pull_failures.append(f"source {plan.source_node} epoch {plan.source_epoch} is not registered with a transfer URL")
+            return set()
+        regions = {r.rank: r for r in peer.regions}
+        local, remote, lengths = [], [], []
+        for mine in self.pool.regions:
+            theirs = regions.get(mine.rank)
+            if theirs is None or theirs.block_bytes != mine.block_bytes:
+                self.counters["pull_errors"] += 1
+                stats.pull_failures.append(f"source has no matching region for rank {mine.rank}")
+                return set()
+            for _, slot, src in wanted:
+                local.append(mine.base_addr + slot * mine.block_bytes)
+                remote.append(theirs.base_addr + src * theirs.block_bytes)
+                lengths.append(mine.block_bytes)
+        try:
+            await asyncio.to_thread(self.transfer.read, peer.transfer_url, local, remote, lengths)
+        except TransferError as exc:
+            self.counters["pull_errors"] += 1
+            self.counters["pull_failed_blocks"] += len(wanted)
+            stats.pull_failures.append(f"transfer: {exc}")
+            log.warning("pull from %s failed: %s; recomputing", plan.source_node, exc)
+            return set()
+        good = {h for h, slot, _ in wanted if self.pool.verify(h, slot)}
+        bad = len(wanted) - len(good)
+        self.counters["pulled_blocks"] += len(good)
+        if bad:
+            self.counters["pull_failed_blocks"] += bad
+            stats.pull_failures.append(f"{bad} blocks failed verification (slot reused on the source?)")
+            log.info("pull from %s: %d of %d blocks failed verification; recomputing them", plan.source_node, bad, len(wanted))
+        return good

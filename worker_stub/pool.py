@@ -1,0 +1,426 @@
+"""The worker stub's paged KV pool: a stand-in for an engine's GPU block pool.
+
+A node keeps KV blocks in `capacity_blocks` fixed-size slots per tensor-parallel
+rank. Each rank is one contiguous region of host memory (a numpy uint8 array),
+so a transfer engine can register it once and a peer can read slot `s` of rank
+`r` at `regions[r].base_addr + s * block_bytes` (protocol §2). Slots are
+mirrored: slot `s` holds the same block on every rank, so a directory entry is
+just `(hash -> node, slot)`.
+
+Block content is a pure function of `(block hash, rank)` (`expected`), so a node
+that pulled bytes from a peer can check them without trusting the peer, and a
+test can tell a mis-addressed read from a good one.
+
+Lifecycle of a request's blocks::
+
+    lease = pool.acquire(hashes)          # pin the cached ones, reserve slots for the rest
+    for h, s in lease.new_slots:          # prefill, or pull from a peer and verify
+        pool.fill(h, s)
+    pool.commit(lease, valid=[h for h, _ in lease.new_slots])
+    ...                                   # decode
+    pool.release(lease)                   # unpin; the blocks stay cached, evictable (LRU)
+
+Not thread-safe: the worker drives it from one asyncio loop, and no method awaits.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+DEFAULT_BLOCK_BYTES = 16384
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_hash_rank = struct.Struct("<QQ")
+_U64 = np.dtype("<u8")
+# SplitMix64 constants: a fixed, numpy-version-independent generator, so that two
+# nodes running different numpy releases still agree on a block's bytes.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+class PoolFull(RuntimeError):
+    """Not enough free or evictable (unpinned) slots for the blocks a request is missing."""
+
+    def __init__(self, needed: int, available: int, capacity: int) -> None:
+        super().__init__(f"need {needed} slots, {available} free or evictable (capacity {capacity})")
+        self.needed = needed
+        self.available = available
+        self.capacity = capacity
+
+
+@dataclass(frozen=True)
+class Region:
+    """One rank's KV memory, as registered with a transfer engine and the directory."""
+
+    rank: int
+    base_addr: int
+    length: int
+    block_bytes: int
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request's hold on its blocks, from `acquire` until `release`.
+
+    `slots[i]` is the slot of `hashes[i]` (a hash repeated in one request maps to
+    one slot). `cached` counts the leading hashes whose content was already valid:
+    the prefix hit. `new_slots` are the (hash, slot) pairs reserved for missing
+    blocks; their bytes are garbage until filled or pulled, and `commit` decides
+    which of them become cached. After `commit`, uncommitted slots are no longer
+    the lease's to write.
+    """
+
+    slots: list[int]
+    cached: int
+    new_slots: list[tuple[int, int]]
+    _pool: KVPool = field(repr=False)
+    _held: list[int] = field(repr=False)  # distinct slots this lease holds a refcount on, in order
+    _pending: dict[int, int] = field(repr=False)  # new hash -> slot, not yet committed
+    _private: set[int] = field(default_factory=set, repr=False)  # filled slots that lost a race
+    released: bool = False
+
+
+class KVPool:
+    """Fixed-capacity, LRU-evicting, refcounted block pool with mirrored TP ranks.
+
+    Invariants: a slot is free, reserved by a lease (content not yet valid), or
+    holds a cached block (in the prefix index). A slot with a non-zero refcount
+    (held by a lease or pinned for an outgoing transfer) is never evicted; only
+    cached blocks with refcount 0 are, least recently used first.
+    """
+
+    def __init__(self, capacity_blocks: int, block_bytes: int = DEFAULT_BLOCK_BYTES, tp: int = 1) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        self.capacity_blocks = capacity_blocks
+        self.block_bytes = block_bytes
+        self.tp = tp
+        # np.zeros maps fresh pages lazily: a large, mostly idle pool costs little RSS
+        self._bufs = [np.zeros(capacity_blocks * block_bytes, dtype=np.uint8) for _ in range(tp)]
+        self._views = [b.reshape(capacity_blocks, block_bytes) for b in self._bufs]
+        self.regions: list[Region] = [
+            Region(rank=r, base_addr=b.ctypes.data, length=b.nbytes, block_bytes=block_bytes)
+            for r, b in enumerate(self._bufs)
+        ]
+        self._slot_of: dict[int, int] = {}  # the local prefix index: cached hash -> slot
+        self._hash_at: list[int | None] = [None] * capacity_blocks  # cached or reserved hash per slot
+        self._ref: list[int] = [0] * capacity_blocks  # lease holds + pins
+        self._pins: dict[int, int] = {}  # slot -> pins by outgoing transfers (a subset of _ref)
+        self._lru: OrderedDict[int, int] = OrderedDict()  # evictable (cached, refcount 0): hash -> slot, LRU first
+        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() hands out low slots first
+        # hash -> slot it was published at (None: absent) when first touched since the last drain
+        self._dirty: OrderedDict[int, int | None] = OrderedDict()
+        self.stats: dict[str, int] = {
+            "acquires": 0,
+            "hits": 0,  # blocks of a cached prefix found by acquire
+            "late_hits": 0,  # cached blocks found after a miss (reused, not in `cached`)
+            "misses": 0,  # slots reserved for missing blocks
+            "stored": 0,  # blocks committed into the cache
+            "dropped": 0,  # reserved slots freed without being committed, or that lost a race
+            "evictions": 0,
+            "pool_full": 0,
+        }
+
+    # -- memory --------------------------------------------------------------------
+
+    def buffer(self, rank: int) -> np.ndarray:
+        """The rank's whole region (a view: writes land in the pool)."""
+        return self._bufs[self._rank(rank)]
+
+    def slot_addr(self, rank: int, slot: int) -> int:
+        """Address of `slot` on `rank`: what a peer reads or writes over the transfer engine."""
+        return self.regions[self._rank(rank)].base_addr + self._slot(slot) * self.block_bytes
+
+    def slot_view(self, rank: int, slot: int) -> np.ndarray:
+        """The bytes of one slot on one rank (a view)."""
+        return self._views[self._rank(rank)][self._slot(slot)]
+
+    # -- content -------------------------------------------------------------------
+
+    def expected(self, hash: int, rank: int) -> np.ndarray:
+        """The content function: SplitMix64 stream seeded by XXH3(le64(hash) || le64(rank)).
+
+        Vectorised (about 10 µs for 16 KiB) and computed afresh each time, so
+        verification costs no memory and cannot be fooled by a stale cache.
+        """
+        seed = np.uint64(_xxh3(_hash_rank.pack(hash, rank)))
+        n_words = -(-self.block_bytes // 8)
+        z = np.arange(1, n_words + 1, dtype=np.uint64)
+        z *= _GOLDEN
+        z += seed
+        z ^= z >> _S30
+        z *= _MIX1
+        z ^= z >> _S27
+        z *= _MIX2
+        z ^= z >> _S31
+        return z.astype(_U64, copy=False).view(np.uint8)[: self.block_bytes]
+
+    def fill(self, hash: int, slot: int) -> None:
+        """Write `hash`'s content into `slot` on every rank: the stub's "prefill" of a block."""
+        slot = self._slot(slot)
+        for rank, view in enumerate(self._views):
+            view[slot] = self.expected(hash, rank)
+
+    def verify(self, hash: int, slot: int) -> bool:
+        """Whether `slot` holds exactly `hash`'s content on every rank (e.g. after a pull)."""
+        slot = self._slot(slot)
+        return all(np.array_equal(view[slot], self.expected(hash, rank)) for rank, view in enumerate(self._views))
+
+    # -- the prefix index ----------------------------------------------------------
+
+    def lookup_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading hashes are cached here (each chained hash names its whole prefix)."""
+        n = 0
+        for h in hashes:
+            if h not in self._slot_of:
+                break
+            n += 1
+        return n
+
+    def slot_of(self, hash: int) -> int | None:
+        """The slot of a cached block, or None (reserved, uncommitted blocks are not cached)."""
+        return self._slot_of.get(hash)
+
+    def hash_at(self, slot: int) -> int | None:
+        """The hash cached in or reserved for `slot`, or None if the slot is free."""
+        return self._hash_at[self._slot(slot)]
+
+    def __contains__(self, hash: int) -> bool:
+        return hash in self._slot_of
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """Every cached (hash, slot): what to publish again after re-registering under a new epoch."""
+        return list(self._slot_of.items())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        """Slots cached or reserved: never more than capacity_blocks."""
+        return self.capacity_blocks - len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._slot_of)
+
+    def evictable(self) -> list[int]:
+        """Cached hashes with no holds, next victim first: the LRU order eviction follows."""
+        return list(self._lru)
+
+    def refcount(self, slot: int) -> int:
+        """Holds on `slot`: leases using it plus pins; evictable only at 0."""
+        return self._ref[self._slot(slot)]
+
+    # -- leases --------------------------------------------------------------------
+
+    def acquire(self, hashes: Sequence[int]) -> Lease:
+        """Pin a request's cached blocks and reserve slots for its missing ones.
+
+        All or nothing: if the missing blocks need more slots than are free or
+        evictable (after pinning this request's own cached blocks), raise
+        PoolFull and change nothing. Evicts least recently used unpinned blocks
+        only when no slot is free. A hash already cached after a miss is reused
+        rather than duplicated (it is valid), but `cached` counts only the
+        leading run, since an engine recomputes everything after the first miss.
+        """
+        self.stats["acquires"] += 1
+        hashes = [int(h) for h in hashes]
+        slot_of = self._slot_of
+        cached = self.lookup_prefix(hashes)
+        distinct = list(dict.fromkeys(hashes))
+        missing = [h for h in distinct if h not in slot_of]
+        if missing:
+            # this request's own cached blocks are about to be pinned: they cannot make room
+            own_evictable = sum(1 for h in distinct if h in self._lru)
+            available = len(self._free) + len(self._lru) - own_evictable
+            if len(missing) > available:
+                self.stats["pool_full"] += 1
+                raise PoolFull(len(missing), available, self.capacity_blocks)
+        for h in distinct:  # pin first, so that making room cannot evict this request's blocks
+            if h in slot_of:
+                self._incref(slot_of[h], h)
+        pending: dict[int, int] = {}
+        for h in missing:
+            s = self._take_slot()
+            self._hash_at[s] = h
+            self._ref[s] = 1
+            pending[h] = s
+        held = [pending[h] if h in pending else slot_of[h] for h in distinct]
+        prefix_hits = len(set(hashes[:cached]))
+        self.stats["hits"] += prefix_hits
+        self.stats["late_hits"] += len(distinct) - len(missing) - prefix_hits
+        self.stats["misses"] += len(missing)
+        return Lease(
+            slots=[pending[h] if h in pending else slot_of[h] for h in hashes],
+            cached=cached,
+            new_slots=list(pending.items()),
+            _pool=self,
+            _held=held,
+            _pending=pending,
+        )
+
+    def commit(self, lease: Lease, valid: Iterable[int]) -> None:
+        """Cache the lease's new blocks named in `valid` (filled, or pulled and verified); free the rest.
+
+        Emits a store event per block cached. If another lease cached the same
+        hash first (two requests missed it at once), this copy stays with the
+        lease until release and is then freed: one hash, one slot in the index.
+        """
+        self._check_lease(lease)
+        valid_set = set(valid)
+        unknown = valid_set.difference(lease._pending)
+        if unknown:
+            raise ValueError(f"not uncommitted new blocks of this lease: {sorted(unknown)[:8]}")
+        for h, s in lease._pending.items():
+            if h not in valid_set:
+                # the lease keeps no claim on an unfilled slot: hand it back now
+                self._ref[s] -= 1
+                lease._held.remove(s)
+                self._hash_at[s] = None
+                self._free.append(s)
+                self.stats["dropped"] += 1
+            elif h in self._slot_of:
+                lease._private.add(s)
+            else:
+                self._touch_event(h)
+                self._slot_of[h] = s
+                self.stats["stored"] += 1
+        lease._pending = {}
+
+    def release(self, lease: Lease) -> None:
+        """Drop the lease's hold; its cached blocks stay, now evictable and most recently used.
+
+        Blocks are queued tail first, so the head of the request's prefix is the
+        most recent: eviction eats a prefix from its end (as vLLM does) instead of
+        dropping the head block and orphaning every block chained after it.
+        Uncommitted reserved slots are freed.
+        """
+        self._check_lease(lease)
+        self.stats["dropped"] += len(lease._pending) + len(lease._private)
+        for s in reversed(lease._held):
+            self._decref(s)
+        for s in list(lease._pending.values()) + list(lease._private):
+            self._hash_at[s] = None
+            self._free.append(s)
+        lease._pending = {}
+        lease._private = set()
+        lease._held = []
+        lease.released = True
+
+    # -- pins for outgoing transfers -----------------------------------------------
+
+    def pin(self, slots: Iterable[int]) -> None:
+        """Hold cached blocks while a peer reads them: pinned blocks are never evicted.
+
+        All or nothing; every slot must hold a cached block. Counts per
+        occurrence, so unpin the same list.
+        """
+        slots = [self._slot(s) for s in slots]
+        for s in slots:
+            h = self._hash_at[s]
+            if h is None or self._slot_of.get(h) != s:
+                raise ValueError(f"slot {s} holds no cached block")
+        for s in slots:
+            self._incref(s, self._hash_at[s])
+            self._pins[s] = self._pins.get(s, 0) + 1
+
+    def unpin(self, slots: Iterable[int]) -> None:
+        """Undo `pin`; a block whose last hold goes becomes the most recently used (a read is a use)."""
+        slots = [self._slot(s) for s in slots]
+        need: dict[int, int] = {}
+        for s in slots:
+            need[s] = need.get(s, 0) + 1
+        for s, n in need.items():
+            if self._pins.get(s, 0) < n:
+                raise ValueError(f"slot {s} is not pinned {n} time(s)")
+        for s in slots:
+            n = self._pins[s] - 1
+            if n:
+                self._pins[s] = n
+            else:
+                del self._pins[s]
+            self._decref(s)
+
+    # -- events --------------------------------------------------------------------
+
+    def drain_events(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """(stored (hash, slot), removed hashes) since the last call, for publishing to the directory.
+
+        Coalesced per hash to its net change, ordered by each hash's last event:
+        a hash is in at most one list, so the two may be published in either
+        order or concurrently. (Uncoalesced, evict-then-store-again and
+        store-then-evict would need the exact interleaving to be replayed.) A
+        block stored and evicted between two drains, or re-cached in the slot
+        it was published at, yields nothing.
+        """
+        stored: list[tuple[int, int]] = []
+        removed: list[int] = []
+        for h, before in self._dirty.items():
+            now = self._slot_of.get(h)
+            if now == before:
+                continue
+            if now is None:
+                removed.append(h)
+            else:
+                stored.append((h, now))
+        self._dirty.clear()
+        return stored, removed
+
+    # -- internals -----------------------------------------------------------------
+
+    def _rank(self, rank: int) -> int:
+        if not 0 <= rank < self.tp:
+            raise IndexError(f"rank {rank} out of range 0..{self.tp - 1}")
+        return rank
+
+    def _slot(self, slot: int) -> int:
+        if not 0 <= slot < self.capacity_blocks:
+            raise IndexError(f"slot {slot} out of range 0..{self.capacity_blocks - 1}")
+        return slot
+
+    def _check_lease(self, lease: Lease) -> None:
+        if lease._pool is not self:
+            raise ValueError("lease belongs to another pool")
+        if lease.released:
+            raise ValueError("lease already released")
+
+    def _touch_event(self, h: int) -> None:
+        """Note a change of `h` for drain_events, keeping what was true at the last drain."""
+        before = self._dirty.pop(h, self._slot_of.get(h))
+        self._dirty[h] = before
+
+    def _incref(self, s: int, h: int | None) -> None:
+        if self._ref[s] == 0:
+            del self._lru[h]
+        self._ref[s] += 1
+
+    def _decref(self, s: int) -> None:
+        self._ref[s] -= 1
+        if self._ref[s] == 0:
+            h = self._hash_at[s]
+            if h is not None and self._slot_of.get(h) == s:
+                self._lru[h] = s
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        h, s = self._lru.popitem(last=False)
+        self._touch_event(h)
+        del self._slot_of[h]
+        self._hash_at[s] = None
+        self.stats["evictions"] += 1
+        return s
