@@ -204,6 +204,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         def extension() -> dict[str, Any]:
             return {"node_id": settings.node_id, "local_cached_tokens": stats.local_cached_tokens,
                     "pulled_tokens": stats.pulled_tokens, "queue_s": stats.queue_s, "pull_s": stats.pull_s,
+                    "pull_transfer_s": stats.pull_transfer_s, "pull_bytes": stats.pull_bytes,
                     "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "ttft_s": ttft,
                     "pull_failures": stats.pull_failures}
 

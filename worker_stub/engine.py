@@ -52,6 +52,8 @@ class RequestStats:
     completion_tokens: int = 0
     queue_s: float = 0.0
     pull_s: float = 0.0
+    pull_transfer_s: float = 0.0
+    pull_bytes: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     pull_failures: list[str] = field(default_factory=list)
@@ -191,8 +193,11 @@ class Engine:
                 local.append(mine.base_addr + slot * mine.block_bytes)
                 remote.append(theirs.base_addr + src * theirs.block_bytes)
                 lengths.append(mine.block_bytes)
+        t = time.perf_counter()
         try:
             await asyncio.to_thread(self.transfer.read, peer.transfer_url, local, remote, lengths)
+            stats.pull_transfer_s = time.perf_counter() - t
+            stats.pull_bytes = sum(lengths)
         except TransferError as exc:
             self.counters["pull_errors"] += 1
             self.counters["pull_failed_blocks"] += len(wanted)

@@ -107,8 +107,11 @@ class KVPool:
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
         self.tp = tp
-        # np.zeros maps fresh pages lazily: a large, mostly idle pool costs little RSS
-        self._bufs = [np.zeros(capacity_blocks * block_bytes, dtype=np.uint8) for _ in range(tp)]
+        # Touch every page now, as an engine's preallocated KV memory is: np.zeros alone maps
+        # pages lazily, and a pull into untouched memory would pay a page fault per 4 KiB.
+        self._bufs = [np.empty(capacity_blocks * block_bytes, dtype=np.uint8) for _ in range(tp)]
+        for b in self._bufs:
+            b.fill(0)
         self._views = [b.reshape(capacity_blocks, block_bytes) for b in self._bufs]
         self.regions: list[Region] = [
             Region(rank=r, base_addr=b.ctypes.data, length=b.nbytes, block_bytes=block_bytes)

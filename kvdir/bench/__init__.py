@@ -8,4 +8,8 @@ def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
         from kvdir.bench.directory import main
 
         return main(as_json=as_json, quick=quick)
+    if target == "worker":
+        from kvdir.bench.worker import main as worker_main
+
+        return worker_main(as_json=as_json, quick=quick)
     raise ValueError(f"unknown benchmark {target!r}")

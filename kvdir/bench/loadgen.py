@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 @dataclass
 class LoadSpec:
     urls: list[str]
-    mode: str  # "publish" or "lookup"
+    mode: str  # "publish", "lookup" or "complete"
     duration: float
     concurrency: int
     seed: int
@@ -75,7 +75,7 @@ async def _run(spec: LoadSpec) -> dict[str, object]:
     async def one(k: int) -> None:
         nonlocal errors, items
         conn = _Conn(spec.urls[k % len(spec.urls)])
-        node = k % len(spec.node_ids)
+        node = k % max(1, len(spec.node_ids))
         slot = k * 1_000_000
         try:
             while time.monotonic() < end:
@@ -84,6 +84,10 @@ async def _run(spec: LoadSpec) -> dict[str, object]:
                     blocks = [{"hash": rng.getrandbits(64), "slot": (slot + i) % (2**32)} for i in range(n)]
                     slot += n
                     path, body = "/v1/blocks", {"node_id": spec.node_ids[node], "epoch": spec.epochs[node], "blocks": blocks}
+                elif spec.mode == "complete":
+                    n = 1
+                    prompt = f"request {rng.getrandbits(64)}: " + "x" * 48
+                    path, body = "/v1/completions", {"model": "kvdir-stub", "prompt": prompt, "max_tokens": 1}
                 else:
                     assert spec.lookup_queries is not None
                     n = 1

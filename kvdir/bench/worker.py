@@ -1,0 +1,148 @@
+"""`kvdir bench worker`: pull throughput vs the transfer engine's raw reads, publish lag, and
+worker overhead (requests/s with no simulated time)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.launcher import Cluster, Workers, free_ports
+from worker_stub.transfer_bench import measure_read_bandwidth
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], p: float) -> float:
+    return float(np.percentile(np.asarray(values), p)) if values else float("nan")
+
+
+def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str, Any]:
+    """A 1 GiB prefix (256 blocks x 4 ranks x 1 MiB) pulled by one worker from another."""
+    tp, block_bytes = 4, 1 << 20
+    blocks = 64 if quick else 256
+    total = blocks * tp * block_bytes
+    w = Workers(tmp, free_ports(2), urls, extra_args=("--transfer", engine, "--tp", str(tp), "--block-bytes", str(block_bytes),
+                                                      "--capacity-blocks", str(blocks + 8), "--time-scale", "0"))
+    try:
+        w.start()
+        w.wait_ready(120)
+        tokens = list(range(blocks * 16))
+        with httpx.Client(timeout=300) as http:
+            body = {"model": "kvdir-stub", "prompt": tokens, "max_tokens": 1}
+            http.post(w.urls[0] + "/v1/completions", json=body).raise_for_status()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                res = http.post(urls[0] + "/v1/lookup", json={"tokens": tokens, "with_slots": True}).json()
+                if res["holders"] and res["holders"][0]["matched_blocks"] == blocks:
+                    break
+                time.sleep(0.05)
+            h = res["holders"][0]
+            plan = {"source_node": h["node_id"], "source_epoch": h["epoch"], "slots": h["slots"]}
+            r = http.post(w.urls[1] + "/v1/completions", json={**body, "kvdir_pull": plan}).json()
+        k = r["kvdir"]
+        if k["pulled_tokens"] != blocks * 16:
+            raise RuntimeError(f"pull failed: {k}")
+    finally:
+        w.stop()
+    _say(f"  raw {engine} reads of {total >> 20} MiB in one process pair...")
+    raw = measure_read_bandwidth(engine, total, block_bytes, pieces_per_batch=blocks * tp, repeats=3)
+    pull_gbps = k["pull_bytes"] / k["pull_transfer_s"] / 1e9
+    return {
+        "pull_engine": engine,
+        "pull_bytes": k["pull_bytes"],
+        "pull_transfer_gbps": pull_gbps,
+        "pull_with_verify_gbps": k["pull_bytes"] / k["pull_s"] / 1e9,
+        "raw_single_read_gbps": raw["single_read_gbps"],
+        "raw_batched_gbps": raw["batched_gbps"],
+        "pull_vs_raw_single": pull_gbps / raw["single_read_gbps"],
+    }
+
+
+async def _probe_lag(worker: str, follower: str, n: int, interval: float) -> list[float]:
+    """Send unique 2-block prompts; time from each answer to its blocks being visible on a follower."""
+    lags: list[float] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        for i in range(n):
+            tokens = [int(x) for x in np.random.default_rng(i + 10_000).integers(0, 2**31, 32)]
+            r = await http.post(worker + "/v1/completions", json={"model": "kvdir-stub", "prompt": tokens, "max_tokens": 0})
+            done = time.perf_counter()
+            r.raise_for_status()
+            while True:
+                res = (await http.post(follower + "/v1/lookup", json={"tokens": tokens})).json()
+                if res["holders"] and res["holders"][0]["matched_blocks"] == 2:
+                    lags.append(time.perf_counter() - done)
+                    break
+                if time.perf_counter() - done > 10:
+                    raise RuntimeError("a published block never became visible")
+            await asyncio.sleep(interval)
+    return lags
+
+
+def bench_publish_and_overhead(tmp: Path, c: Cluster, quick: bool) -> dict[str, Any]:
+    duration = 3.0 if quick else 10.0
+    w = Workers(tmp, free_ports(2), c.replica_urls, extra_args=("--transfer", "tcp", "--time-scale", "0",
+                                                                "--capacity-blocks", "65536", "--max-running", "256"))
+    out: dict[str, Any] = {}
+    try:
+        w.start()
+        w.wait_ready(120)
+        leader = c.wait_ready(30)
+        follower = next(u for u in c.replica_urls if u != leader)
+        # Background: unique 64-byte prompts (4 blocks each) to the other worker, as fast as it goes.
+        ctx = multiprocessing.get_context("spawn")
+        _say(f"  publish lag under load for {duration:.0f}s...")
+        with ctx.Pool(1) as pool:
+            bg = pool.apply_async(run_load, (LoadSpec([w.urls[1]], "complete", duration, 8, 1, [], []),))
+            lags = asyncio.run(_probe_lag(w.urls[0], follower, int(duration * 10), 0.1))
+            load = bg.get()
+        metrics = httpx.get(w.urls[1] + "/metrics").text
+        published = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvdir_worker_published_blocks_total"))
+        out.update(publish_lag_p50_ms=_pct(lags, 50) * 1e3, publish_lag_p99_ms=_pct(lags, 99) * 1e3,
+                   publish_background_blocks_per_s=published / duration, publish_background_requests_per_s=load["items"] / duration)
+        _say(f"  worker requests/s at --time-scale 0 for {duration:.0f}s...")
+        with ctx.Pool(1) as pool:
+            res = pool.apply(run_load, (LoadSpec([w.urls[0]], "complete", duration, 16, 2, [], []),))
+        out.update(worker_requests_per_s=res["items"] / duration, worker_p50_ms=_pct(res["latencies"], 50) * 1e3,
+                   worker_p99_ms=_pct(res["latencies"], 99) * 1e3, worker_errors=res["errors"])
+    finally:
+        w.stop()
+    return out
+
+
+def main(*, as_json: bool, quick: bool) -> int:
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": quick,
+    }
+    ports = free_ports(6)
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
+        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        try:
+            c.start()
+            c.wait_ready(60)
+            _say("pull of a 1 GiB prefix (4 ranks x 256 blocks x 1 MiB) between two workers (mooncake, tcp)...")
+            results.update(bench_pull(Path(tmp), c.replica_urls, quick, "mooncake"))
+            results.update(bench_publish_and_overhead(Path(tmp), c, quick))
+        finally:
+            c.stop()
+    if as_json:
+        print(json.dumps(results))
+    else:
+        for k, v in results.items():
+            print(f"{k:34s} {v:,.3f}" if isinstance(v, float) else f"{k:34s} {v}")
+    return 0
