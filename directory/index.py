@@ -1,39 +1,155 @@
 """The block index: which node holds which block hash, at which slot.
 
 Why this shape: the directory must hold millions of (hash, holder) entries in
-under 100 bytes each and answer 256-block prefix lookups in tens of
-microseconds. A dict of Python ints costs ~110 bytes per entry; here the bulk
-lives in three parallel numpy arrays sorted by hash (8 + 4 + 4 = 16 bytes an
-entry) and new entries land in a small dict (the delta) that is merged into
-the arrays once it reaches `merge_threshold` entries. Removals mark the
-entry's node as DEAD (a tombstone) and tombstones are compacted away when they
-make up a quarter of the arrays. Lookups are vectorised with searchsorted.
+well under 100 bytes each and answer 256-block prefix lookups in microseconds.
+A dict of Python ints costs ~110 bytes an entry and a numpy pipeline pays
+a microsecond or more per call, so the index keeps plain numpy arrays and
+walks them with two small compiled kernels (numba, released GIL):
 
-Everything here is deterministic (no clocks, no randomness, no I/O): it runs
-inside the Raft state machine, so every replica must reach the same layout
-from the same sequence of calls. Not thread-safe: the caller serialises
-mutations against reads.
+- the *main level*: entries sorted by hash in CSR form (each distinct hash
+  once in `_ukeys`; its holders' node indices and slots in `_nodes`/`_slots`
+  between `_starts[j]` and `_starts[j+1]`), plus an open-addressing table over
+  `_ukeys`. Block hashes are uniform, so a hash's home slot is its value
+  scaled to the table; keys sit in sorted order (ordered linear probing) and
+  empty slots repeat the next key, which keeps the table sorted: a probe
+  walks forward from home while the keys there are smaller. One or two cache
+  misses find a hash, instead of a twenty-step binary search.
+- the *recent level*: entries not merged yet, in three small arrays sorted by
+  hash. It is merged into the main level once it outgrows `merge_threshold`
+  and 1/16 of the main level, so merging costs O(1) amortised per entry.
+
+Removals mark an entry's node as DEAD (a tombstone) in the main level and
+delete it from the recent level; tombstones are compacted away when they make
+up a quarter of the main level. Every mutation is deterministic (no clocks,
+randomness or I/O): it runs inside the Raft state machine, so every replica
+reaches the same arrays from the same calls. Not thread-safe: the caller
+serialises mutations against reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import xxhash
+from numba import njit
 
 DEAD = np.uint32(0xFFFFFFFF)
+_U64_MAX = np.uint64(2**64 - 1)
+_LOAD = 0.5  # occupancy of the probe table
 _EMPTY_U64 = np.empty(0, dtype=np.uint64)
 _EMPTY_U32 = np.empty(0, dtype=np.uint32)
+_NO_MATCH = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty((0, 0), dtype=np.uint32))
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
-    """One holder of a looked-up prefix: node index, blocks matched from the start, their slots."""
+# -- kernels ------------------------------------------------------------------------
 
-    node: int
-    matched: int
-    slots: np.ndarray | None
+
+@njit(cache=True, nogil=True)
+def _home(h: np.uint64, tsize: np.uint64) -> np.int64:  # pragma: no cover - compiled
+    return np.int64(((h >> np.uint64(32)) * tsize) >> np.uint64(32))
+
+
+@njit(cache=True, nogil=True)
+def _main_row(h, tkey, trow, tsize, empty_row):  # pragma: no cover - compiled
+    p = _home(h, tsize)
+    while tkey[p] < h:
+        p += 1
+    return trow[p] if tkey[p] == h else empty_row
+
+
+@njit(cache=True, nogil=True)
+def _locate(hashes, node, tkey, trow, tsize, starts, nodes, rkeys, rnodes):  # pragma: no cover - compiled
+    """Where (hashes[i], node) lives: position in the main level, or in the recent level, or -1."""
+    n = len(hashes)
+    main = np.full(n, -1, np.int64)
+    recent = np.full(n, -1, np.int64)
+    empty_row = len(starts) - 2
+    for i in range(n):
+        h = hashes[i]
+        r = _main_row(h, tkey, trow, tsize, empty_row)
+        for e in range(starts[r], starts[r + 1]):
+            if nodes[e] == node:
+                main[i] = e
+                break
+        if main[i] < 0:
+            j = np.searchsorted(rkeys, h)
+            while j < len(rkeys) and rkeys[j] == h:
+                if rnodes[j] == node:
+                    recent[i] = j
+                    break
+                j += 1
+    return main, recent
+
+
+@njit(cache=True, nogil=True)
+def _prefix_match(q, tkey, trow, tsize, starts, nodes, slots, rkeys, rnodes, rslots, node_bound, want_slots):  # pragma: no cover - compiled
+    """Per node holding q[0], how many of q[0], q[1], ... it holds in a row (and their slots).
+
+    Walks the query once, following only the nodes still matching, and stops
+    at the first hash that advances none of them.
+    """
+    n = len(q)
+    empty_row = len(starts) - 2
+    dead = np.uint32(0xFFFFFFFF)
+    cand_of = np.full(node_bound, -1, np.int64)
+    cand = np.empty(node_bound, np.int64)
+    first_slot = np.empty(node_bound, np.uint32)
+    c = 0
+    r = _main_row(q[0], tkey, trow, tsize, empty_row)
+    for e in range(starts[r], starts[r + 1]):
+        if nodes[e] != dead:
+            cand_of[nodes[e]] = c
+            cand[c] = nodes[e]
+            first_slot[c] = slots[e]
+            c += 1
+    j = np.searchsorted(rkeys, q[0])
+    while j < len(rkeys) and rkeys[j] == q[0]:
+        cand_of[rnodes[j]] = c
+        cand[c] = rnodes[j]
+        first_slot[c] = rslots[j]
+        c += 1
+        j += 1
+    matched = np.ones(c, np.int64)
+    out_slots = np.zeros((c, n if want_slots else 0), np.uint32)
+    if want_slots:
+        for k in range(c):
+            out_slots[k, 0] = first_slot[k]
+    for i in range(1, n):
+        advanced = 0
+        h = q[i]
+        r = _main_row(h, tkey, trow, tsize, empty_row)
+        for e in range(starts[r], starts[r + 1]):
+            nd = nodes[e]
+            if nd != dead:
+                k = cand_of[nd]
+                if k >= 0 and matched[k] == i:
+                    matched[k] = i + 1
+                    if want_slots:
+                        out_slots[k, i] = slots[e]
+                    advanced += 1
+        j = np.searchsorted(rkeys, h)
+        while j < len(rkeys) and rkeys[j] == h:
+            k = cand_of[rnodes[j]]
+            if k >= 0 and matched[k] == i:
+                matched[k] = i + 1
+                if want_slots:
+                    out_slots[k, i] = rslots[j]
+                advanced += 1
+            j += 1
+        if advanced == 0:
+            break
+    # Longest first, ties by node index: an insertion sort, as c is small.
+    order = np.arange(c)
+    for a in range(1, c):
+        x = order[a]
+        b = a - 1
+        while b >= 0 and (matched[order[b]] < matched[x] or (matched[order[b]] == matched[x] and cand[order[b]] > cand[x])):
+            order[b + 1] = order[b]
+            b -= 1
+        order[b + 1] = x
+    return cand[order], matched[order], out_slots[order]
+
+
+# -- the index -------------------------------------------------------------------------
 
 
 class BlockIndex:
@@ -41,46 +157,43 @@ class BlockIndex:
 
     def __init__(self, merge_threshold: int = 16384) -> None:
         self.merge_threshold = merge_threshold
-        # Entries sorted by hash, stored as CSR: hash _ukeys[j] is held by
-        # _nodes[_starts[j]:_starts[j+1]] at the matching _slots.
+        # Main level (CSR); _starts has one more row than _ukeys: an empty row that
+        # probes for absent hashes land on.
+        self._ukeys = _EMPTY_U64
+        self._starts = np.zeros(2, dtype=np.int64)
         self._nodes = _EMPTY_U32
         self._slots = _EMPTY_U32
-        self._ukeys = _EMPTY_U64
-        self._starts = np.zeros(1, dtype=np.int64)
+        self._tsize = np.uint64(1)
+        self._tkey = np.full(2, _U64_MAX, dtype=np.uint64)
+        self._trow = np.zeros(2, dtype=np.int64)
         self._dead = 0
-        self._delta: dict[int, dict[int, int]] = {}
-        self._delta_len = 0
+        # Recent level, sorted by hash.
+        self._rkeys = _EMPTY_U64
+        self._rnodes = _EMPTY_U32
+        self._rslots = _EMPTY_U32
         self._counts: dict[int, int] = {}
+        self._node_bound = 0  # 1 + the largest node index ever stored
 
     # -- size ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._nodes) - self._dead + self._delta_len
+        return len(self._nodes) - self._dead + len(self._rkeys)
 
     def count(self, node: int) -> int:
         """Entries held by `node`."""
         return self._counts.get(node, 0)
 
     def nbytes(self) -> int:
-        """Bytes in the sorted arrays (the delta is bounded by merge_threshold)."""
-        arrays = (self._nodes, self._slots, self._ukeys, self._starts)
+        """Bytes held in arrays."""
+        arrays = (self._ukeys, self._starts, self._nodes, self._slots, self._tkey, self._trow,
+                  self._rkeys, self._rnodes, self._rslots)
         return sum(a.nbytes for a in arrays)
 
     # -- mutation -------------------------------------------------------------
 
-    def _base_positions(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray]:
-        """Positions in the arrays of live entries (hashes[i], node); returns (query index, position)."""
-        ukeys = self._ukeys
-        if not len(ukeys) or not len(hashes):
-            empty = np.empty(0, dtype=np.intp)
-            return empty, empty
-        ui = np.searchsorted(ukeys, hashes)
-        np.minimum(ui, len(ukeys) - 1, out=ui)
-        qi = np.flatnonzero(ukeys[ui] == hashes)
-        u = ui[qi]
-        qi, pos = _expand(self._starts[u], self._starts[u + 1], qi)
-        hit = self._nodes[pos] == node
-        return qi[hit], pos[hit]
+    def _locate(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray]:
+        return _locate(hashes, np.uint32(node), self._tkey, self._trow, self._tsize, self._starts, self._nodes,
+                       self._rkeys, self._rnodes)
 
     def put(self, node: int, hashes: np.ndarray, slots: np.ndarray) -> int:
         """Record that `node` holds hashes[i] at slots[i]; returns how many entries were new.
@@ -88,69 +201,58 @@ class BlockIndex:
         A hash the node already holds gets its slot updated; duplicates in one
         call resolve to the last slot given.
         """
-        qi, pos = self._base_positions(hashes, node)
-        in_base = np.zeros(len(hashes), dtype=bool)
-        if len(pos):
-            self._slots[pos] = slots[qi]
-            in_base[qi] = True
-        new = 0
-        delta = self._delta
-        for h, s in zip(hashes[~in_base].tolist(), slots[~in_base].tolist()):
-            holders = delta.get(h)
-            if holders is None:
-                delta[h] = {node: s}
-                new += 1
-            else:
-                if node not in holders:
-                    new += 1
-                holders[node] = s
-        self._delta_len += new
-        self._counts[node] = self._counts.get(node, 0) + new
-        if self._delta_len >= self.merge_threshold:
-            self.merge()
-        return new
+        if len(hashes) > 1:
+            hashes, last = np.unique(hashes[::-1], return_index=True)  # sorted, last occurrence wins
+            slots = slots[::-1][last]
+        main, recent = self._locate(hashes, node)
+        in_main = main >= 0
+        in_recent = recent >= 0
+        self._slots[main[in_main]] = slots[in_main]
+        self._rslots[recent[in_recent]] = slots[in_recent]
+        new = ~(in_main | in_recent)
+        added = int(new.sum())
+        if added:
+            nk = hashes[new]
+            at = np.searchsorted(self._rkeys, nk, "right")
+            self._rkeys = np.insert(self._rkeys, at, nk)
+            self._rnodes = np.insert(self._rnodes, at, np.uint32(node))
+            self._rslots = np.insert(self._rslots, at, slots[new])
+            self._counts[node] = self._counts.get(node, 0) + added
+            self._node_bound = max(self._node_bound, node + 1)
+            if len(self._rkeys) >= max(self.merge_threshold, len(self._nodes) // 16):
+                self.merge()
+        return added
 
     def remove(self, node: int, hashes: np.ndarray) -> int:
         """Forget that `node` holds these hashes; unknown ones are ignored. Returns entries removed."""
-        removed = 0
-        delta = self._delta
-        for h in hashes.tolist():
-            holders = delta.get(h)
-            if holders is not None and node in holders:
-                del holders[node]
-                if not holders:
-                    del delta[h]
-                removed += 1
-        self._delta_len -= removed
-        _, pos = self._base_positions(hashes, node)
-        if len(pos):
-            pos = np.unique(pos)
-            self._nodes[pos] = DEAD
-            self._dead += len(pos)
-            removed += len(pos)
+        main, recent = self._locate(hashes, node)
+        main = np.unique(main[main >= 0])
+        recent = np.unique(recent[recent >= 0])
+        self._nodes[main] = DEAD
+        self._dead += len(main)
+        if len(recent):
+            self._rkeys = np.delete(self._rkeys, recent)
+            self._rnodes = np.delete(self._rnodes, recent)
+            self._rslots = np.delete(self._rslots, recent)
+        removed = len(main) + len(recent)
         self._uncount(node, removed)
         self._maybe_compact()
         return removed
 
     def drop_node(self, node: int) -> int:
         """Forget every entry of `node` (new epoch, expiry, deregistration). Returns entries removed."""
-        removed = 0
-        for h in [h for h, holders in self._delta.items() if node in holders]:
-            holders = self._delta[h]
-            del holders[node]
-            if not holders:
-                del self._delta[h]
-            removed += 1
-        self._delta_len -= removed
-        if self._counts.get(node, 0) > removed:
-            mask = self._nodes == node
-            n = int(mask.sum())
-            self._nodes[mask] = DEAD
-            self._dead += n
-            removed += n
-        self._counts.pop(node, None)
+        if not self._counts.pop(node, 0):
+            return 0
+        mask = self._nodes == node
+        in_main = int(mask.sum())
+        self._nodes[mask] = DEAD
+        self._dead += in_main
+        keep = self._rnodes != node
+        in_recent = len(keep) - int(keep.sum())
+        if in_recent:
+            self._rkeys, self._rnodes, self._rslots = self._rkeys[keep], self._rnodes[keep], self._rslots[keep]
         self._maybe_compact()
-        return removed
+        return in_main + in_recent
 
     def _uncount(self, node: int, n: int) -> None:
         left = self._counts.get(node, 0) - n
@@ -163,156 +265,75 @@ class BlockIndex:
         if self._dead and self._dead * 4 >= len(self._nodes):
             self.merge()
 
-    def merge(self) -> None:
-        """Fold the delta into the sorted arrays and drop tombstones."""
-        keys, nodes, slots = self._expanded_keys(), self._nodes, self._slots
+    def _main_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Live entries of the main level as (hashes, nodes, slots), sorted by hash."""
+        keys = np.repeat(self._ukeys, np.diff(self._starts[:-1]))
+        nodes, slots = self._nodes, self._slots
         if self._dead:
             live = nodes != DEAD
             keys, nodes, slots = keys[live], nodes[live], slots[live]
-        if self._delta_len:
-            n = self._delta_len
-            dk = np.empty(n, dtype=np.uint64)
-            dn = np.empty(n, dtype=np.uint32)
-            ds = np.empty(n, dtype=np.uint32)
-            i = 0
-            for h, holders in self._delta.items():
-                for node, slot in holders.items():
-                    dk[i], dn[i], ds[i] = h, node, slot
-                    i += 1
-            order = np.argsort(dk, kind="stable")
-            dk, dn, ds = dk[order], dn[order], ds[order]
-            at = np.searchsorted(keys, dk, "right")
-            keys, nodes, slots = np.insert(keys, at, dk), np.insert(nodes, at, dn), np.insert(slots, at, ds)
-        self._nodes, self._slots = nodes, slots
+        return keys, nodes, slots
+
+    def merge(self) -> None:
+        """Fold the recent level into the main level, drop tombstones and rebuild the probe table."""
+        keys, nodes, slots = self._main_arrays()
+        if len(self._rkeys):
+            at = np.searchsorted(keys, self._rkeys, "right")
+            keys = np.insert(keys, at, self._rkeys)
+            nodes = np.insert(nodes, at, self._rnodes)
+            slots = np.insert(slots, at, self._rslots)
+        first = np.empty(len(keys), dtype=bool)
         if len(keys):
-            first = np.empty(len(keys), dtype=bool)
             first[0] = True
             np.not_equal(keys[1:], keys[:-1], out=first[1:])
-            starts = np.flatnonzero(first)
-            self._ukeys = keys[starts]
-            self._starts = np.append(starts, len(keys))
-        else:
-            self._ukeys = _EMPTY_U64
-            self._starts = np.zeros(1, dtype=np.int64)
+        starts = np.flatnonzero(first)
+        self._ukeys = keys[starts]
+        self._starts = np.append(starts, [len(keys), len(keys)]).astype(np.int64)
+        self._nodes, self._slots = nodes, slots
         self._dead = 0
-        self._delta = {}
-        self._delta_len = 0
+        self._rkeys, self._rnodes, self._rslots = _EMPTY_U64, _EMPTY_U32, _EMPTY_U32
+        self._build_table()
 
-    def _expanded_keys(self) -> np.ndarray:
-        return np.repeat(self._ukeys, np.diff(self._starts))
+    def _build_table(self) -> None:
+        ukeys = self._ukeys
+        u = len(ukeys)
+        size = max(1, int(np.ceil(u / _LOAD)))
+        self._tsize = np.uint64(size)
+        rank = np.arange(u, dtype=np.int64)
+        home = ((ukeys >> np.uint64(32)) * self._tsize >> np.uint64(32)).astype(np.int64)
+        pos = np.maximum.accumulate(home - rank) + rank if u else rank  # ordered linear probing
+        length = max(size, int(pos[-1]) + 1 if u else 0) + 1  # the last slot is a sentinel
+        nxt = np.full(length, length - 1, dtype=np.int64)
+        nxt[pos] = pos
+        nxt = np.minimum.accumulate(nxt[::-1])[::-1]  # each slot -> the next occupied slot
+        tkey = np.full(length, _U64_MAX, dtype=np.uint64)
+        trow = np.full(length, u, dtype=np.int64)  # row u: the empty row
+        tkey[pos] = ukeys
+        trow[pos] = rank
+        self._tkey, self._trow = tkey[nxt], trow[nxt]
 
     # -- queries ------------------------------------------------------------------
 
-    def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> list[Match]:
+    def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node, the longest run hashes[0..k-1] it holds entirely (k >= 1), longest first.
 
-        Ties are ordered by node index so that every replica answers alike.
+        Returns (node indices, run lengths, slots): slots[j, :k] are the slots of
+        holder j's run when `with_slots`, else slots has no columns. Ties are
+        ordered by node index so that every replica answers alike.
         """
-        ui, found, n = self._search_prefix(hashes)
-        if n == 0:
-            return []
-        delta_hits: list[tuple[int, dict[int, int]]] = []
-        if self._delta:
-            get = self._delta.get
-            delta_hits = [(i, d) for i, d in enumerate(map(get, hashes[:n].tolist())) if d]
-        parts_i: list[np.ndarray] = []
-        parts_n: list[np.ndarray] = []
-        parts_s: list[np.ndarray] = []
-        if len(self._ukeys):
-            qi = np.flatnonzero(found[:n])
-            u = ui[qi]
-            qi, pos = _expand(self._starts[u], self._starts[u + 1], qi)
-            if len(pos):
-                nd = self._nodes[pos]
-                if self._dead:
-                    live = nd != DEAD
-                    qi, pos, nd = qi[live], pos[live], nd[live]
-                parts_i.append(qi)
-                parts_n.append(nd)
-                if with_slots:
-                    parts_s.append(self._slots[pos])
-        if delta_hits:
-            di = [i for i, holders in delta_hits for _ in holders]
-            parts_i.append(np.asarray(di, dtype=np.intp))
-            parts_n.append(np.asarray([nd for _, holders in delta_hits for nd in holders], dtype=np.uint32))
-            if with_slots:
-                parts_s.append(np.asarray([s for _, holders in delta_hits for s in holders.values()], dtype=np.uint32))
-        if not parts_i:
-            return []
-        qi = np.concatenate(parts_i) if len(parts_i) > 1 else parts_i[0]
-        nd = np.concatenate(parts_n) if len(parts_n) > 1 else parts_n[0]
-        if not len(qi):
-            return []
-        counts = np.bincount(nd)
-        uniq = np.flatnonzero(counts)
-        row = np.zeros(len(counts), dtype=np.intp)
-        row[uniq] = np.arange(len(uniq))
-        inv = row[nd]
-        held = np.zeros((len(uniq), n + 1), dtype=bool)
-        held[inv, qi] = True
-        matched = held.argmin(axis=1)
-        slot_rows = None
-        if with_slots:
-            slot_rows = np.zeros((len(uniq), n), dtype=np.uint32)
-            slot_rows[inv, qi] = np.concatenate(parts_s) if len(parts_s) > 1 else parts_s[0]
-        order = np.lexsort((uniq, -matched))
-        out = []
-        for j in order.tolist():
-            k = int(matched[j])
-            if k == 0:
-                break
-            out.append(Match(int(uniq[j]), k, slot_rows[j, :k].copy() if slot_rows is not None else None))
-        return out
-
-    def _search_prefix(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """Locate hashes in the sorted arrays, stopping at the first hash nobody holds.
-
-        Returns (position in _ukeys, found in the arrays, cut): no node can match
-        past `cut`. Searching in growing chunks keeps a query whose prefix ends
-        early from paying a cache-missing binary search for every hash.
-        """
-        total = len(hashes)
-        ukeys = self._ukeys
-        ui = np.zeros(total, dtype=np.intp)
-        found = np.zeros(total, dtype=bool)
-        delta = self._delta
-        if not len(ukeys):
-            if not delta:
-                return ui, found, 0
-            listed = hashes.tolist()
-            return ui, found, next((i for i, h in enumerate(listed) if h not in delta), total)
-        last = len(ukeys) - 1
-        start, size = 0, 16
-        while start < total:
-            end = min(total, start + size)
-            seg = hashes[start:end]
-            u = np.searchsorted(ukeys, seg)
-            np.minimum(u, last, out=u)
-            f = ukeys[u] == seg
-            ui[start:end] = u
-            found[start:end] = f
-            if not f.all():
-                misses = (np.flatnonzero(~f) + start).tolist()
-                if not delta:
-                    return ui, found, misses[0]
-                for m in misses:
-                    if int(hashes[m]) not in delta:
-                        return ui, found, m
-            start = end
-            size *= 2
-        return ui, found, total
+        if not len(hashes) or not self._node_bound:
+            return _NO_MATCH
+        return _prefix_match(
+            np.ascontiguousarray(hashes, dtype=np.uint64), self._tkey, self._trow, self._tsize, self._starts,
+            self._nodes, self._slots, self._rkeys, self._rnodes, self._rslots, self._node_bound, with_slots,
+        )
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All live entries as (hashes, nodes, slots) sorted by (hash, node): a canonical form."""
-        keys, nodes, slots = self._expanded_keys(), self._nodes, self._slots
-        if self._dead:
-            live = nodes != DEAD
-            keys, nodes, slots = keys[live], nodes[live], slots[live]
-        if self._delta_len:
-            extra = [(h, n, s) for h, holders in self._delta.items() for n, s in holders.items()]
-            keys = np.concatenate([keys, np.fromiter((e[0] for e in extra), np.uint64, len(extra))])
-            nodes = np.concatenate([nodes, np.fromiter((e[1] for e in extra), np.uint32, len(extra))])
-            slots = np.concatenate([slots, np.fromiter((e[2] for e in extra), np.uint32, len(extra))])
+        keys, nodes, slots = self._main_arrays()
+        keys = np.concatenate([keys, self._rkeys])
+        nodes = np.concatenate([nodes, self._rnodes])
+        slots = np.concatenate([slots, self._rslots])
         order = np.lexsort((nodes, keys))
         return keys[order], nodes[order], slots[order]
 
@@ -330,14 +351,3 @@ class BlockIndex:
             h.update(keys[mask].astype("<u8").tobytes())
             h.update(slots[mask].astype("<u4").tobytes())
         return h.hexdigest()
-
-
-def _expand(lo: np.ndarray, hi: np.ndarray, qi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ranges [lo[j], hi[j]) belonging to query qi[j], every (query, position) pair."""
-    cnt = hi - lo
-    total = int(cnt.sum())
-    if total == 0:
-        empty = np.empty(0, dtype=np.intp)
-        return empty, empty
-    starts = np.repeat(lo - (np.cumsum(cnt) - cnt), cnt)
-    return np.repeat(qi, cnt), np.arange(total) + starts

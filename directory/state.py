@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from directory.index import BlockIndex, Match
+from directory.index import BlockIndex
 
 # -- commands -------------------------------------------------------------------
 
@@ -134,8 +134,9 @@ class Node:
     seen: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
+class Holder(NamedTuple):
+    """A node holding a looked-up prefix: `matched` blocks from the start, at `slots` if asked for."""
+
     node_id: str
     epoch: int
     matched: int
@@ -262,11 +263,11 @@ class DirectoryState:
 
     def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> list[Holder]:
         """Holders of the longest prefixes of `hashes`, longest first (protocol §3)."""
-        out = []
-        for m in self.index.lookup(hashes, with_slots):
-            node = self.by_idx[m.node]
-            out.append(Holder(node.node_id, node.epoch, m.matched, _slots(m)))
-        return out
+        nodes, matched, slots = self.index.lookup(hashes, with_slots)
+        found = map(self.by_idx.__getitem__, nodes.tolist())
+        if not with_slots:
+            return [Holder(n.node_id, n.epoch, k, None) for n, k in zip(found, matched.tolist())]
+        return [Holder(n.node_id, n.epoch, k, slots[j, :k].tolist()) for j, (n, k) in enumerate(zip(found, matched.tolist()))]
 
     def blocks_held(self, node: Node) -> int:
         return self.index.count(node.idx)
@@ -278,10 +279,6 @@ class DirectoryState:
             h.update(f"{node_id}\0{self.nodes[node_id].epoch}\0".encode())
         h.update(self.index.digest({n.idx: n.node_id for n in self.nodes.values()}).encode())
         return h.hexdigest()
-
-
-def _slots(m: Match) -> list[int] | None:
-    return None if m.slots is None else m.slots.tolist()
 
 
 _HANDLERS = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -25,11 +26,11 @@ def S(*xs) -> np.ndarray:
 class Ix:
     """A BlockIndex driven in one of four layouts.
 
-    delta:  merge_threshold huge, everything stays in the delta dict
-    merged: merge_threshold 1, every put lands in the sorted arrays
+    delta:  merge_threshold huge, everything stays in the recent level
+    merged: merge_threshold 1, every put lands in the main level
     t4:     merge_threshold 4, merges now and then
     mixed:  merge_threshold huge, but odd-numbered puts are merged explicitly, so
-            some entries live in the arrays and some in the delta
+            some entries live in the main level and some in the recent level
     """
 
     def __init__(self, mode: str) -> None:
@@ -49,10 +50,27 @@ class Ix:
         return self.ix.remove(node, H(*hashes))
 
     def lookup(self, hashes, with_slots=False):
-        return self.ix.lookup(H(*hashes), with_slots)
+        nodes, matched, slots = self.ix.lookup(H(*hashes), with_slots)
+        return [Match(int(n), int(k), slots[j, :k] if with_slots else None)
+                for j, (n, k) in enumerate(zip(nodes.tolist(), matched.tolist()))]
 
     def drop_node(self, node):
         return self.ix.drop_node(node)
+
+
+class Match(NamedTuple):
+    node: int
+    matched: int
+    slots: np.ndarray | None
+
+
+def look(ix, hashes, with_slots=False) -> list[Match]:
+    """Lookup through an Ix wrapper or on a bare BlockIndex, as Match tuples."""
+    if isinstance(ix, Ix):
+        return ix.lookup(hashes, with_slots)
+    nodes, matched, slots = ix.lookup(np.asarray(hashes, dtype=np.uint64), with_slots)
+    return [Match(int(n), int(k), slots[j, :k] if with_slots else None)
+            for j, (n, k) in enumerate(zip(nodes.tolist(), matched.tolist()))]
 
 
 def matches(ms):
@@ -74,22 +92,22 @@ def ix(request) -> Ix:
 def test_layouts_are_exercised():
     d = Ix("delta")
     d.put(0, [1, 2, 3], [0, 1, 2])
-    assert d.ix._delta_len == 3 and len(d.ix._nodes) == 0
+    assert d.ix._rkeys.size == 3 and len(d.ix._nodes) == 0
 
     m = Ix("merged")
     m.put(0, [1, 2, 3], [0, 1, 2])
-    assert m.ix._delta_len == 0 and len(m.ix._nodes) == 3
+    assert m.ix._rkeys.size == 0 and len(m.ix._nodes) == 3
 
     t = Ix("t4")
     t.put(0, [1, 2, 3], [0, 1, 2])
-    assert t.ix._delta_len == 3 and len(t.ix._nodes) == 0
+    assert t.ix._rkeys.size == 3 and len(t.ix._nodes) == 0
     t.put(1, [1], [9])
-    assert t.ix._delta_len == 0 and len(t.ix._nodes) == 4
+    assert t.ix._rkeys.size == 0 and len(t.ix._nodes) == 4
 
     x = Ix("mixed")
     x.put(0, [1, 2], [0, 1])  # merged
     x.put(1, [1, 3], [5, 6])  # stays in delta
-    assert x.ix._delta_len == 2 and len(x.ix._nodes) == 2
+    assert x.ix._rkeys.size == 2 and len(x.ix._nodes) == 2
 
 
 # -- put / len / count ------------------------------------------------------------
@@ -98,8 +116,8 @@ def test_layouts_are_exercised():
 def test_empty_index(ix):
     assert len(ix.ix) == 0
     assert ix.ix.count(0) == 0
-    assert ix.lookup([1, 2, 3]) == []
-    assert ix.lookup([]) == []
+    assert look(ix, [1, 2, 3]) == []
+    assert look(ix, []) == []
     assert ix.remove(0, [1]) == 0
     assert ix.drop_node(0) == 0
     keys, nodes, slots = ix.ix.items()
@@ -120,32 +138,32 @@ def test_reput_updates_slot(ix):
     ix.put(0, [10, 11, 12], [0, 1, 2])
     ix.put(1, [10, 11, 12], [20, 21, 22])
     assert ix.put(0, [11], [9]) == 0
-    assert matches_slots(ix.lookup([10, 11, 12], with_slots=True)) == [(0, 3, [0, 9, 2]), (1, 3, [20, 21, 22])]
+    assert matches_slots(look(ix, [10, 11, 12], with_slots=True)) == [(0, 3, [0, 9, 2]), (1, 3, [20, 21, 22])]
     assert len(ix.ix) == 6 and ix.ix.count(0) == 3
     # after a merge the updated slot persists, and can be updated again in the arrays
     ix.ix.merge()
     assert ix.put(0, [12], [42]) == 0
-    assert matches_slots(ix.lookup([10, 11, 12], with_slots=True))[0] == (0, 3, [0, 9, 42])
+    assert matches_slots(look(ix, [10, 11, 12], with_slots=True))[0] == (0, 3, [0, 9, 42])
     assert len(ix.ix) == 6
 
 
 def test_duplicates_in_one_put_resolve_to_last(ix):
     assert ix.put(0, [5, 6, 5], [1, 2, 3]) == 2
     assert len(ix.ix) == 2 and ix.ix.count(0) == 2
-    assert matches_slots(ix.lookup([5, 6], with_slots=True)) == [(0, 2, [3, 2])]
+    assert matches_slots(look(ix, [5, 6], with_slots=True)) == [(0, 2, [3, 2])]
     ix.ix.merge()
     assert ix.put(0, [6, 6], [7, 8]) == 0
-    assert matches_slots(ix.lookup([5, 6], with_slots=True)) == [(0, 2, [3, 8])]
+    assert matches_slots(look(ix, [5, 6], with_slots=True)) == [(0, 2, [3, 8])]
 
 
 def test_extreme_hash_values(ix):
     big = 2**64 - 1
     ix.put(0, [0, big, 2**63], [0, 1, 2])
     ix.put(1, [0, big], [3, 4])
-    assert matches_slots(ix.lookup([0, big, 2**63], with_slots=True)) == [(0, 3, [0, 1, 2]), (1, 2, [3, 4])]
+    assert matches_slots(look(ix, [0, big, 2**63], with_slots=True)) == [(0, 3, [0, 1, 2]), (1, 2, [3, 4])]
     # a lookup starting with the largest hash finds both of its holders
-    assert matches(ix.lookup([big, 2**63])) == [(0, 2), (1, 1)]
-    assert matches(ix.lookup([2**63, big])) == [(0, 2)]
+    assert matches(look(ix, [big, 2**63])) == [(0, 2), (1, 1)]
+    assert matches(look(ix, [2**63, big])) == [(0, 2)]
 
 
 def test_lookup_starting_with_max_hash():
@@ -154,7 +172,7 @@ def test_lookup_starting_with_max_hash():
         big = 2**64 - 1
         ix.put(0, [big, 1], [0, 1])
         ix.put(1, [big], [2])
-        assert matches(ix.lookup([big, 1])) == [(0, 2), (1, 1)], mode
+        assert matches(look(ix, [big, 1])) == [(0, 2), (1, 1)], mode
 
 
 # -- longest prefix semantics -----------------------------------------------------
@@ -166,16 +184,16 @@ def test_gap_stops_the_match(ix):
     ix.put(1, [101, 102, 103], [1, 2, 3])  # lacks seq[0]
     ix.put(2, seq, [0, 1, 2, 3])
     ix.put(3, [100, 101], [4, 5])
-    assert matches(ix.lookup(seq)) == [(2, 4), (3, 2), (0, 1)]
+    assert matches(look(ix, seq)) == [(2, 4), (3, 2), (0, 1)]
     # node 1 appears once the query starts where its run starts
-    assert matches(ix.lookup([101, 102, 103])) == [(1, 3), (2, 3), (3, 1)]
-    assert matches(ix.lookup([102, 103])) == [(0, 2), (1, 2), (2, 2)]
+    assert matches(look(ix, [101, 102, 103])) == [(1, 3), (2, 3), (3, 1)]
+    assert matches(look(ix, [102, 103])) == [(0, 2), (1, 2), (2, 2)]
 
 
 def test_first_hash_unknown_gives_nothing(ix):
     ix.put(0, [1, 2, 3], [0, 1, 2])
-    assert ix.lookup([9, 1, 2, 3]) == []
-    assert ix.lookup([9]) == []
+    assert look(ix, [9, 1, 2, 3]) == []
+    assert look(ix, [9]) == []
 
 
 def test_ties_ordered_by_node_index(ix):
@@ -184,7 +202,7 @@ def test_ties_ordered_by_node_index(ix):
     ix.put(3, [1, 2, 3], [0, 0, 0])
     ix.put(9, [1], [0])
     ix.put(4, [1], [0])
-    assert matches(ix.lookup([1, 2, 3])) == [(3, 3), (0, 2), (2, 2), (5, 2), (7, 2), (4, 1), (9, 1)]
+    assert matches(look(ix, [1, 2, 3])) == [(3, 3), (0, 2), (2, 2), (5, 2), (7, 2), (4, 1), (9, 1)]
 
 
 def test_with_slots(ix):
@@ -192,24 +210,24 @@ def test_with_slots(ix):
     ix.put(1, [1, 2], [11, 21])
     ix.put(1, [3], [31])  # node 1 completes the run in a later put (other layout in mixed)
     ix.put(2, [1, 3], [12, 32])
-    got = ix.lookup([1, 2, 3], with_slots=True)
+    got = look(ix, [1, 2, 3], with_slots=True)
     assert matches_slots(got) == [(0, 3, [10, 20, 30]), (1, 3, [11, 21, 31]), (2, 1, [12])]
     assert all(m.slots.dtype == np.uint32 for m in got)
     # without slots: slots is None, same matches
-    plain = ix.lookup([1, 2, 3])
+    plain = look(ix, [1, 2, 3])
     assert matches(plain) == [(0, 3), (1, 3), (2, 1)]
     assert all(m.slots is None for m in plain)
 
 
 def test_slots_only_cover_matched_prefix(ix):
     ix.put(0, [1, 3, 4], [10, 30, 40])
-    got = ix.lookup([1, 2, 3, 4], with_slots=True)
+    got = look(ix, [1, 2, 3, 4], with_slots=True)
     assert matches_slots(got) == [(0, 1, [10])]
 
 
 def test_slot_zero_and_max_slot(ix):
     ix.put(0, [1, 2], [0, 2**32 - 2])
-    assert matches_slots(ix.lookup([1, 2], with_slots=True)) == [(0, 2, [0, 2**32 - 2])]
+    assert matches_slots(look(ix, [1, 2], with_slots=True)) == [(0, 2, [0, 2**32 - 2])]
 
 
 def test_long_queries_cross_search_chunks(ix):
@@ -219,12 +237,12 @@ def test_long_queries_cross_search_chunks(ix):
     ix.put(1, seq[:40], list(range(40)))
     ix.put(2, seq[:17], [1] * 17)
     ix.put(3, seq[:100], [3] * 100)
-    got = ix.lookup(seq, with_slots=True)
+    got = look(ix, seq, with_slots=True)
     assert matches(got) == [(0, 200), (3, 100), (1, 40), (2, 17)]
     assert got[0].slots.tolist() == list(range(200))
     # a hole nobody fills at position 60 ends every match there
     q = seq[:60] + [5] + seq[61:]
-    assert matches(ix.lookup(q)) == [(0, 60), (3, 60), (1, 40), (2, 17)]
+    assert matches(look(ix, q)) == [(0, 60), (3, 60), (1, 40), (2, 17)]
 
 
 def test_long_query_mixed_layout_hole_filled_by_delta():
@@ -235,21 +253,21 @@ def test_long_query_mixed_layout_hole_filled_by_delta():
     ix.merge()
     ix.put(0, seq[50:], np.arange(50, 100, dtype=np.uint32))  # delta
     ix.put(1, seq[:30], np.zeros(30, dtype=np.uint32))  # delta, overlapping array keys
-    assert ix._delta_len == 80 and len(ix._nodes) == 50
-    got = ix.lookup(seq, with_slots=True)
+    assert ix._rkeys.size == 80 and len(ix._nodes) == 50
+    got = look(ix, seq, with_slots=True)
     assert [(m.node, m.matched) for m in got] == [(0, 100), (1, 30)]
     assert got[0].slots.tolist() == list(range(100))
     # a hole in the delta part (positions 70..) stops node 0 at 70
     ix.remove(0, seq[70:71])
-    assert [(m.node, m.matched) for m in ix.lookup(seq)] == [(0, 70), (1, 30)]
+    assert [(m.node, m.matched) for m in look(ix, seq)] == [(0, 70), (1, 30)]
     # a hole in the array part stops at 20
     ix.remove(0, seq[20:21])
-    assert [(m.node, m.matched) for m in ix.lookup(seq)] == [(1, 30), (0, 20)]
+    assert [(m.node, m.matched) for m in look(ix, seq)] == [(1, 30), (0, 20)]
 
 
 def test_repeated_hash_in_query(ix):
     ix.put(0, [7, 8], [1, 2])
-    assert matches_slots(ix.lookup([7, 7, 8], with_slots=True)) == [(0, 3, [1, 1, 2])]
+    assert matches_slots(look(ix, [7, 7, 8], with_slots=True)) == [(0, 3, [1, 1, 2])]
 
 
 # -- remove / drop_node / tombstones ---------------------------------------------
@@ -260,13 +278,13 @@ def test_remove(ix):
     ix.put(1, [1, 2, 3], [5, 6, 7])
     assert ix.remove(0, [2, 99]) == 1  # unknown hash ignored
     assert len(ix.ix) == 5 and ix.ix.count(0) == 2 and ix.ix.count(1) == 3
-    assert matches(ix.lookup([1, 2, 3])) == [(1, 3), (0, 1)]
+    assert matches(look(ix, [1, 2, 3])) == [(1, 3), (0, 1)]
     assert ix.remove(0, [2]) == 0  # already gone
     assert ix.remove(2, [1, 2, 3]) == 0  # node never held anything
     assert len(ix.ix) == 5
     assert ix.remove(0, [1, 1, 3]) == 2  # duplicates counted once
     assert ix.ix.count(0) == 0 and len(ix.ix) == 3
-    assert matches(ix.lookup([1, 2, 3])) == [(1, 3)]
+    assert matches(look(ix, [1, 2, 3])) == [(1, 3)]
 
 
 def test_remove_then_reput(ix):
@@ -274,7 +292,7 @@ def test_remove_then_reput(ix):
     ix.put(1, [1], [0])  # mixed: another layout
     ix.remove(0, [2])
     assert ix.put(0, [2], [8]) == 1
-    assert matches_slots(ix.lookup([1, 2, 3], with_slots=True)) == [(0, 3, [0, 8, 2]), (1, 1, [0])]
+    assert matches_slots(look(ix, [1, 2, 3], with_slots=True)) == [(0, 3, [0, 8, 2]), (1, 1, [0])]
     assert len(ix.ix) == 4 and ix.ix.count(0) == 3
 
 
@@ -285,13 +303,13 @@ def test_drop_node(ix):
     ix.put(2, [1], [9])
     assert ix.drop_node(0) == 5
     assert ix.ix.count(0) == 0 and len(ix.ix) == 3
-    assert matches(ix.lookup([1, 2, 3, 4, 5])) == [(1, 2), (2, 1)]
-    assert ix.lookup([4, 5]) == []
+    assert matches(look(ix, [1, 2, 3, 4, 5])) == [(1, 2), (2, 1)]
+    assert look(ix, [4, 5]) == []
     assert ix.drop_node(0) == 0
     # the node index can be used again without old entries showing up
     assert ix.put(0, [3], [1]) == 1
-    assert matches(ix.lookup([1, 2, 3])) == [(1, 2), (2, 1)]
-    assert matches(ix.lookup([3])) == [(0, 1)]
+    assert matches(look(ix, [1, 2, 3])) == [(1, 2), (2, 1)]
+    assert matches(look(ix, [3])) == [(0, 1)]
     assert ix.ix.count(0) == 1 and len(ix.ix) == 4
 
 
@@ -307,7 +325,7 @@ def test_tombstones_hidden_and_compacted():
     assert ix._dead == 10 and len(ix._nodes) == 120
     assert (ix._nodes == DEAD).sum() == 10
     assert len(ix) == 110 and ix.count(0) == 90
-    assert [(m.node, m.matched) for m in ix.lookup(hashes)] == [(1, 20), (0, 10)]
+    assert [(m.node, m.matched) for m in look(ix, hashes)] == [(1, 20), (0, 10)]
     keys, nodes, _ = ix.items()
     assert len(keys) == 110 and DEAD not in nodes
     # crossing a quarter compacts: tombstones are gone and the arrays shrink
@@ -315,9 +333,9 @@ def test_tombstones_hidden_and_compacted():
     assert ix._dead == 0 and len(ix._nodes) == 90
     assert ix.nbytes() < before
     assert len(ix) == 90 and ix.count(0) == 70 and ix.count(1) == 20
-    assert [(m.node, m.matched) for m in ix.lookup(hashes)] == [(1, 20), (0, 10)]
+    assert [(m.node, m.matched) for m in look(ix, hashes)] == [(1, 20), (0, 10)]
     # entries past the removed range still resolve with the right slots
-    got = ix.lookup(hashes[40:], with_slots=True)
+    got = look(ix, hashes[40:], with_slots=True)
     assert [(m.node, m.matched) for m in got] == [(0, 60)]
     assert got[0].slots.tolist() == list(range(40, 100))
 
@@ -337,12 +355,12 @@ def test_merge_preserves_content(ix):
     ix.put(2, [3], [5])
     ix.remove(0, [9])
     before_items = [a.tolist() for a in ix.ix.items()]
-    before = matches_slots(ix.lookup([1, 9, 5], with_slots=True))
+    before = matches_slots(look(ix, [1, 9, 5], with_slots=True))
     n = len(ix.ix)
     ix.ix.merge()
-    assert ix.ix._delta_len == 0 and ix.ix._dead == 0
+    assert ix.ix._rkeys.size == 0 and ix.ix._dead == 0
     assert [a.tolist() for a in ix.ix.items()] == before_items
-    assert matches_slots(ix.lookup([1, 9, 5], with_slots=True)) == before
+    assert matches_slots(look(ix, [1, 9, 5], with_slots=True)) == before
     assert len(ix.ix) == n and ix.ix.count(0) == 2 and ix.ix.count(1) == 2 and ix.ix.count(2) == 1
     ix.ix.merge()  # idempotent
     assert [a.tolist() for a in ix.ix.items()] == before_items
@@ -463,8 +481,8 @@ def test_pickle_roundtrip(ix):
     assert clone.digest(names) == ix.ix.digest(names)
     assert len(clone) == len(ix.ix) == 4
     clone.put(0, H(3), S(9))
-    assert matches(clone.lookup(H(1, 2, 3))) == [(0, 3), (1, 1)]
-    assert matches(ix.lookup([1, 2, 3])) == [(0, 2), (1, 1)]  # original untouched
+    assert matches(look(clone, H(1, 2, 3))) == [(0, 3), (1, 1)]
+    assert matches(look(ix, [1, 2, 3])) == [(0, 2), (1, 1)]  # original untouched
 
 
 # -- randomised comparison with a dict model ---------------------------------------
@@ -526,7 +544,7 @@ def test_index_matches_dict_model(threshold, ops, queries):
                 if k:
                     expected.append((-k, n, [held[h] for h in qh[:k]]))
             expected = [(n, -k, s) for k, n, s in sorted(expected)]
-            assert matches_slots(ix.lookup(H(*qh), with_slots=True)) == expected
+            assert matches_slots(look(ix, H(*qh), with_slots=True)) == expected
     keys, nodes, slots = ix.items()
     flat = sorted((h, n, s) for n, held in model.items() for h, s in held.items())
     assert list(zip(keys.tolist(), nodes.tolist(), slots.tolist())) == flat
