@@ -41,7 +41,9 @@ def test_client_fails_over_past_dead_replicas(make_cluster) -> None:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on the port (connections in TIME_WAIT do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -49,11 +51,14 @@ def _port_free(port: int) -> bool:
         return True
 
 
+PORTS = (1, 2, 3, 101, 102, 103, 11, 12)  # offsets of the replicas' HTTP and Raft ports and two workers'
+
+
 def _base_port() -> int:
-    """A base port whose replica ports (P+1..P+3, P+101..P+103) are free now."""
+    """A base port whose replica and worker ports are free now."""
     for _ in range(50):
         base = free_ports(1)[0] - 200
-        if base > 1024 and all(_port_free(base + d) for d in (1, 2, 3, 101, 102, 103)):
+        if base > 1024 and all(_port_free(base + d) for d in PORTS):
             return base
     raise RuntimeError("no free port range found")
 
@@ -61,7 +66,8 @@ def _base_port() -> int:
 def test_kvdir_up_demo_and_exit(tmp_path) -> None:
     base = _base_port()
     out = subprocess.run(
-        [sys.executable, "-m", "kvdir", "up", "--demo-and-exit", "--base-port", str(base), "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "kvdir", "up", "--demo-and-exit", "--base-port", str(base), "--data-dir", str(tmp_path),
+         "--workers", "2", "--worker-time-scale", "0.1"],
         capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr
@@ -72,8 +78,10 @@ def test_kvdir_up_demo_and_exit(tmp_path) -> None:
     assert ready["leader"] in ready["replicas"]
     assert any("21 blocks cached" in line for line in lines), out.stdout
     assert any("its old entries are gone" in line for line in lines), out.stdout
+    assert ready["workers"] == [f"http://127.0.0.1:{base + 11}", f"http://127.0.0.1:{base + 12}"]
+    assert any("worker-2 pulled 336 tokens of KV from worker-1" in line for line in lines), out.stdout
     # Everything it started is gone: the ports are free again, and the data dir holds each replica's journal.
-    assert all(_port_free(base + d) for d in (1, 2, 3, 101, 102, 103))
+    assert all(_port_free(base + d) for d in PORTS)
     assert all((tmp_path / f"replica{i}" / "raft.journal").exists() for i in (1, 2, 3))
 
 
