@@ -326,9 +326,13 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.statuses.add(got.status)
         check_against_model(self.state, self.model, queries)
 
-    @rule(op=op_strategy, queries=queries_strategy)
-    def command(self, op, queries):
+    @rule(op=op_strategy, queries=queries_strategy, merge_after=st.booleans())
+    def command(self, op, queries, merge_after):
         self._step(op, queries)
+        if merge_after:
+            # fold into the main level on this replica only: later writes then leave the
+            # state with entries in both levels (and tombstones); the twin keeps its own layout
+            self.state.index.merge()
 
     @rule(node_id=st.sampled_from(NODE_IDS), queries=queries_strategy)
     def heartbeat_voids_expire(self, node_id, queries):
