@@ -195,6 +195,11 @@ class BlockIndex:
         return _locate(hashes, np.uint32(node), self._tkey, self._trow, self._tsize, self._starts, self._nodes,
                        self._rkeys, self._rnodes)
 
+    def missing(self, node: int, hashes: np.ndarray) -> int:
+        """How many distinct hashes `node` does not hold yet (what a put would add)."""
+        main, recent = self._locate(np.unique(hashes), node)
+        return int(((main < 0) & (recent < 0)).sum())
+
     def put(self, node: int, hashes: np.ndarray, slots: np.ndarray) -> int:
         """Record that `node` holds hashes[i] at slots[i]; returns how many entries were new.
 

@@ -229,7 +229,8 @@ class DirectoryState:
             return node
         if node.capacity_blocks is not None and len(cmd.slots) and int(cmd.slots.max()) >= node.capacity_blocks:
             return Result(INVALID, detail=f"slot out of range: node {node.node_id!r} has {node.capacity_blocks} slots")
-        if len(self.index) + len(cmd.hashes) > self.max_entries:
+        if len(self.index) + len(cmd.hashes) > self.max_entries and len(self.index) + self.index.missing(node.idx, cmd.hashes) > self.max_entries:
+            # Only new entries count against the limit, so a retried or slot-updating publish still succeeds.
             return Result(INDEX_FULL, detail=f"the index holds its maximum of {self.max_entries} entries")
         return Result(OK, self.index.put(node.idx, cmd.hashes, cmd.slots))
 

@@ -311,6 +311,9 @@ def test_index_full():
     assert pub(st, "b", eb, [1, 2]).ok  # exactly at the limit
     assert len(st.index) == 5
     assert pub(st, "b", eb, [9]).status == INDEX_FULL
+    # A full index still takes a retried publish or a slot update: they add no entry.
+    assert pub(st, "b", eb, [1, 2]).ok and pub(st, "a", ea, [1, 2, 3]).ok
+    assert pub(st, "b", eb, [1, 9]).status == INDEX_FULL
     # room comes back after a removal
     st.apply(Remove("a", ea, H(3)))
     assert pub(st, "b", eb, [9]).ok

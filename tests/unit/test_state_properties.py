@@ -112,9 +112,9 @@ class Model:
             hashes, slots = cmd.hashes.tolist(), cmd.slots.tolist()
             if node.capacity is not None and any(s >= node.capacity for s in slots):
                 return (INVALID, None)
-            if self.total() + len(hashes) > self.max_entries:
-                return (INDEX_FULL, None)
             new = len(set(hashes) - set(node.entries))
+            if self.total() + new > self.max_entries:  # only new entries count against the limit
+                return (INDEX_FULL, None)
             for h, s in zip(hashes, slots):
                 node.entries[h] = s
             return (OK, new)
