@@ -27,6 +27,7 @@ class LoadSpec:
     epochs: list[int]
     blocks_per_request: int = 64
     lookup_queries: list[list[int]] | None = None
+    rate: float | None = None  # requests/s over all connections (open loop); None: as fast as answers come
 
 
 def run_load(spec: LoadSpec) -> dict[str, object]:
@@ -77,8 +78,13 @@ async def _run(spec: LoadSpec) -> dict[str, object]:
         conn = _Conn(spec.urls[k % len(spec.urls)])
         node = k % max(1, len(spec.node_ids))
         slot = k * 1_000_000
+        interval = spec.concurrency / spec.rate if spec.rate else 0.0
+        next_at = time.monotonic() + interval * k / spec.concurrency
         try:
             while time.monotonic() < end:
+                if interval:
+                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                    next_at += interval
                 if spec.mode == "publish":
                     n = spec.blocks_per_request
                     blocks = [{"hash": rng.getrandbits(64), "slot": (slot + i) % (2**32)} for i in range(n)]
