@@ -1,0 +1,26 @@
+"""The README's configuration tables list every setting, so docs cannot drift from the code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from directory.config import DirectorySettings
+from kvdir.launcher import UpSettings
+from worker_stub.config import WorkerSettings
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+@pytest.mark.parametrize("cls", [DirectorySettings, UpSettings, WorkerSettings])
+def test_every_setting_is_documented_with_flag_and_env(cls) -> None:
+    for name in cls.model_fields:
+        flag = "--" + name.replace("_", "-")
+        env = "KVDIR_" + name.upper()
+        assert f"| `{flag}` | `{env}` |" in README, f"{cls.__name__}.{name} is missing from README.md"
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    head = README[:600]
+    assert "make run" in head and "make test" in head
