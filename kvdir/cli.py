@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("directory", help="run one directory replica")
     add_settings_flags(d, DirectorySettings)
 
+    from gateway.config import GatewaySettings
+
+    g = sub.add_parser("gateway", help="run the OpenAI-compatible affinity gateway")
+    add_settings_flags(g, GatewaySettings)
+
     from worker_stub.config import WorkerSettings
 
     w = sub.add_parser("worker", help="run one worker stub (a stand-in GPU engine)")
@@ -63,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from directory.server import serve
 
             serve(build_settings(DirectorySettings, args))
+            return 0
+        if args.command == "gateway":
+            from gateway.config import GatewaySettings
+            from gateway.server import serve as serve_gateway
+
+            serve_gateway(build_settings(GatewaySettings, args))
             return 0
         if args.command == "worker":
             from worker_stub.config import WorkerSettings

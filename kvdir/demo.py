@@ -19,11 +19,29 @@ def _tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-async def run_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None]) -> None:
-    """The directory on its own, then (when workers run) a prompt reused locally and pulled by a peer."""
+async def run_demo(urls: Sequence[str], workers: Sequence[str], gateway: str | None, say: Callable[[str], None]) -> None:
+    """The directory on its own; a prompt reused locally and pulled by a peer; chats through the gateway."""
     await _directory_demo(urls, say)
     if len(workers) >= 2:
         await _worker_demo(urls, workers, say)
+    if gateway is not None:
+        await _gateway_demo(gateway, say)
+
+
+async def _gateway_demo(gateway: str, say: Callable[[str], None]) -> None:
+    """Three conversations of three turns through the gateway: each turn goes where the last one's KV is."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        for conv in range(3):
+            messages = [{"role": "system", "content": f"Conversation {conv}. " + SYSTEM}]
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"Question {turn} of conversation {conv}: what is cached now?"})
+                r = await http.post(gateway + "/v1/chat/completions", json={"model": "kvdir-stub", "messages": messages, "max_tokens": 8})
+                body = r.json()
+                say(f"gateway, conversation {conv} turn {turn + 1}: -> {r.headers['x-kvdir-node']} ({r.headers['x-kvdir-decision']}), "
+                    f"predicted {r.headers['x-kvdir-predicted-cached-tokens']} cached, engine reports "
+                    f"{body['usage']['prompt_tokens_details']['cached_tokens']} of {body['usage']['prompt_tokens']}")
+                messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                await asyncio.sleep(0.05)  # let the engine's asynchronous publish land, as a user's think time would
 
 
 async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None]) -> None:

@@ -36,7 +36,7 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     host: str = Field("127.0.0.1", description="address every component binds to (keep it on loopback)")
-    base_port: int = Field(8100, ge=1, le=65000, description="replica i serves HTTP on BASE_PORT+i and Raft on BASE_PORT+100+i")
+    base_port: int = Field(8100, ge=1, le=65000, description="the gateway serves on BASE_PORT, replica i on BASE_PORT+i (Raft BASE_PORT+100+i)")
     replicas: int = Field(3, ge=1, le=7, description="directory replicas to start")
     data_dir: Path | None = Field(None, description="where replicas keep state and logs (default: a temporary directory removed on exit)")
     lease_ttl_s: float = Field(10.0, gt=0.2, description="node lease TTL of the directory")
@@ -46,6 +46,8 @@ class UpSettings(BaseSettings):
     worker_capacity_blocks: int = Field(4096, ge=1, description="KV slots of each worker stub")
     worker_time_scale: float = Field(1.0, ge=0, description="time scale of the workers' simulated prefill and decode")
     worker_transfer: str = Field("mooncake", description="transfer engine of the workers: mooncake or tcp")
+    gateway: bool = Field(True, description="start the gateway on BASE_PORT")
+    policy: str = Field("kvdir", description="routing policy of the gateway")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
 
@@ -195,6 +197,37 @@ class Workers:
         _stop_all([p for p in self.procs if p is not None], grace)
 
 
+class Gateway:
+    """One gateway process in front of the workers."""
+
+    def __init__(self, data_dir: Path, port: int, directory_urls: Sequence[str], *, host: str = "127.0.0.1",
+                 log_level: str = "warning", extra_args: Sequence[str] = ()) -> None:
+        self.url = f"http://{host}:{port}"
+        cmd = [sys.executable, "-m", "kvdir", "gateway", "--http", f"{host}:{port}", "--directory", ",".join(directory_urls),
+               "--log-level", log_level, *extra_args]
+        with open(data_dir / "gateway.log", "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.data_dir = data_dir
+
+    def wait_ready(self, timeout: float, engines: int) -> None:
+        """Poll until the gateway answers and knows `engines` engines."""
+        end = time.monotonic() + timeout
+        with httpx.Client(timeout=1.0) as http:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the gateway exited with code {self.proc.returncode}; see {self.data_dir}/gateway.log")
+                try:
+                    if http.get(self.url + "/health").json().get("engines", -1) >= engines:
+                        return
+                except (httpx.HTTPError, ValueError):
+                    pass
+                time.sleep(0.05)
+        raise TimeoutError(f"the gateway was not ready within {timeout}s; see {self.data_dir}/gateway.log")
+
+    def stop(self, grace: float = 5.0) -> None:
+        _stop_all([self.proc], grace)
+
+
 def _stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
     """SIGTERM every process, then SIGKILL those still running after `grace` seconds."""
     for p in procs:
@@ -230,22 +263,29 @@ def run_up(settings: UpSettings) -> int:
         extra_args=["--capacity-blocks", str(settings.worker_capacity_blocks), "--time-scale", str(settings.worker_time_scale),
                     "--transfer", settings.worker_transfer, "--transfer-host", settings.host],
     )
+    gateway: Gateway | None = None
     try:
         cluster.start()
         leader = cluster.wait_ready(settings.ready_timeout_s)
         workers.start()
         workers.wait_ready(settings.ready_timeout_s)
-        ready = {"ready": True, "replicas": cluster.replica_urls, "leader": leader, "workers": workers.urls, "data_dir": str(data_dir)}
+        if settings.gateway:
+            gateway = Gateway(data_dir, settings.base_port, cluster.replica_urls, host=settings.host, log_level=settings.log_level,
+                              extra_args=["--policy", settings.policy, "--refresh-s", "0.2"])
+            gateway.wait_ready(settings.ready_timeout_s, engines=settings.workers)
+        ready = {"ready": True, "gateway": gateway.url if gateway else None, "replicas": cluster.replica_urls, "leader": leader,
+                 "workers": workers.urls, "data_dir": str(data_dir)}
         print(json.dumps(ready), flush=True)
         if settings.demo or settings.demo_and_exit:
             from kvdir.demo import run_demo
 
-            asyncio.run(run_demo(cluster.replica_urls, workers.urls, print))
+            asyncio.run(run_demo(cluster.replica_urls, workers.urls, gateway.url if gateway else None, print))
         if settings.demo_and_exit:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")
         while not stop.wait(0.5):
-            if len(cluster.alive()) < len(cluster.procs) or any(p is not None and p.poll() is not None for p in workers.procs):
+            if (len(cluster.alive()) < len(cluster.procs) or any(p is not None and p.poll() is not None for p in workers.procs)
+                    or (gateway is not None and gateway.proc.poll() is not None)):
                 log.error("a process exited; see the logs in %s", data_dir)
                 return 1
         return 0
@@ -253,6 +293,8 @@ def run_up(settings: UpSettings) -> int:
         log.error("kvdir up: %s", exc)
         return 1
     finally:
+        if gateway is not None:
+            gateway.stop()
         workers.stop()
         cluster.stop()
         if temp:

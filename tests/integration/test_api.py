@@ -26,7 +26,7 @@ def _publish(url: str, node_id: str, epoch: int, hashes: list[int]) -> httpx.Res
 
 
 def test_epochs_fence_restarted_nodes(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(3, lease_ttl_s=300)
     url = c.replica_urls[0]
     hashes = block_hashes(list(range(64)))
     e1 = _register(url, "n1", "boot-1")

@@ -17,7 +17,7 @@ from kvdir.launcher import free_ports
 
 
 def test_client_fails_over_past_dead_replicas(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(3, lease_ttl_s=300)
     dead = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
 
     async def main() -> None:

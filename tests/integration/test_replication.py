@@ -26,7 +26,7 @@ def _holds(url: str, chain: list[int], node_id: str, epoch: int) -> bool:
 
 
 def test_publish_through_follower_is_read_on_every_replica(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(3, lease_ttl_s=300)
     lead = leader_index(c)
     follower = c.replica_urls[(lead + 1) % 3]
     reg = httpx.post(follower + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:9"}).json()
@@ -90,7 +90,7 @@ async def _publish_through_kill(c, kill_after: int, after_kill: int, acked: list
 
 
 def test_leader_sigkill_loses_no_acknowledged_write(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(3, lease_ttl_s=300)  # no heartbeats here: the node must not expire while we check
     lead = leader_index(c)
     acked: list[list[int]] = []
     epoch, failover = asyncio.run(_publish_through_kill(c, kill_after=40, after_kill=40, acked=acked))
@@ -108,7 +108,7 @@ def test_leader_sigkill_loses_no_acknowledged_write(make_cluster) -> None:
 
 
 def test_full_cluster_sigkill_and_restart_recovers_acknowledged_writes(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(3, lease_ttl_s=300)
     rng = random.Random(3)
     reg = httpx.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:9"}).json()
     chains = [_chain(rng) for _ in range(20)]

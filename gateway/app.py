@@ -1,0 +1,358 @@
+"""The gateway: an OpenAI-compatible reverse proxy that routes by cached prefix and estimated TTFT.
+
+For each completion it tokenizes and hashes the prompt (as the engines do),
+asks the directory which engines hold how much of it (with slots), lets the
+routing policy pick an engine (and, for an engine that can pull, a pull plan
+from the holder's memory), and forwards the request body unchanged apart from
+that plan. Responses stream through as they come. A connection failure before
+any byte was received is retried on the next-best engine. When the directory
+is unreachable, requests are routed by load alone (decision `fallback`): a
+request never fails because the directory is down.
+
+Response headers say what happened: `x-kvdir-node`, `x-kvdir-decision`,
+`x-kvdir-predicted-cached-tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from directory.api import BodyLimit
+from directory.client import DirectoryClient
+from directory.errors import DirectoryError
+from directory.tokenizer import load_tokenizer, render_chat
+from gateway.config import GatewaySettings
+from gateway.engines import EngineRegistry, EngineState
+from gateway.policy import Candidate, CostModel, Decision, RouteRequest, make_policy
+from gateway.prefix_hasher import PrefixHasher
+
+log = logging.getLogger("kvdir.gateway")
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class _Body(BaseModel):
+    """What the gateway must understand of a request; everything else is forwarded untouched."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=0)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[TokenId]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = ""
+
+
+class ChatBody(_Body):
+    messages: list[_Message] = Field(min_length=1)
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> None:
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: EngineRegistry) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("kvdir_gateway_decisions_total", "Routing decisions, by reason", ["reason"], registry=r)
+        self.predicted = Counter("kvdir_gateway_predicted_cached_tokens_total", "Cached tokens the directory predicted", registry=r)
+        self.reported = Counter("kvdir_gateway_reported_cached_tokens_total", "Cached tokens the engines reported", registry=r)
+        self.prompt_tokens = Counter("kvdir_gateway_prompt_tokens_total", "Prompt tokens routed", registry=r)
+        self.prediction_error = Histogram("kvdir_gateway_prediction_error_tokens", "|predicted - reported| cached tokens per request",
+                                          buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r)
+        self.route_seconds = Histogram("kvdir_gateway_route_seconds", "Tokenize + hash + lookup + decide", buckets=_LATENCY, registry=r)
+        self.added_seconds = Histogram("kvdir_gateway_added_seconds", "From a request's arrival to its forwarding, tokenization excluded",
+                                       buckets=_LATENCY, registry=r)
+        self.upstream_errors = Counter("kvdir_gateway_upstream_errors_total", "Upstream failures, by kind", ["kind"], registry=r)
+        Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
+        Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(lambda: 1 if registry.directory_ok else 0)
+
+
+def _cached_tokens(payload: Any) -> int | None:
+    try:
+        return int(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    tokenizer = load_tokenizer(settings.tokenizer)
+    hasher = PrefixHasher(settings.block_size, settings.namespace)
+    cost = CostModel(prefill_tokens_per_s=settings.prefill_tokens_per_s, link_bytes_per_s=settings.link_gbps * 1e9,
+                     pull_setup_s=settings.pull_setup_ms / 1000, max_running=settings.max_running)
+    policy = make_policy(settings.policy, cost=cost)
+    rng = random.Random(settings.seed)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        directory = DirectoryClient(settings.directory_urls, timeout=1.0, deadline=settings.lookup_timeout_s)
+        registry = EngineRegistry(directory, settings.static_engines, settings.refresh_s, settings.unhealthy_s)
+        await registry.refresh()
+        registry.start()
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), limits=limits)
+        app.state.directory, app.state.registry, app.state.http = directory, registry, http
+        app.state.metrics = GatewayMetrics(registry)
+        app.state.models_cache = (0.0, [])
+        log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
+        try:
+            yield
+        finally:
+            await registry.stop()
+            await http.aclose()
+            await directory.aclose()
+
+    app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=64 << 20)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.type, exc.code)
+
+    async def parse(request: Request, model: type[_Body]) -> tuple[dict[str, Any], Any]:
+        try:
+            raw = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
+        if not isinstance(raw, dict):
+            raise GatewayError(400, "the request body must be a JSON object")
+        raw.pop("kvdir_pull", None)  # only the gateway writes pull plans
+        try:
+            return raw, model.model_validate(raw)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            loc = ".".join(str(x) for x in e["loc"])
+            raise GatewayError(400, f"{loc}: {e['msg']}") from exc
+
+    async def lookup(request: Request, hashes: list[int]) -> tuple[dict[str, Any], bool]:
+        """Holders by node id, and whether the directory answered."""
+        if not hashes:
+            return {}, True
+        directory: DirectoryClient = request.app.state.directory
+        try:
+            res = await asyncio.wait_for(directory.lookup(hashes, with_slots=True), settings.lookup_timeout_s)
+        except (asyncio.TimeoutError, DirectoryError) as exc:
+            log.info("directory lookup failed (%s): routing by load", exc)
+            return {}, False
+        return {h.node_id: h for h in res.holders}, True
+
+    def candidates(registry: EngineRegistry, holders: dict[str, Any], exclude: set[str]) -> list[Candidate]:
+        out = []
+        for e in registry.engines.values():
+            if e.node_id in exclude:
+                continue
+            h = holders.get(e.node_id)
+            held = h is not None and h.epoch == e.epoch
+            out.append(Candidate(
+                node_id=e.node_id, epoch=e.epoch, cached_blocks=h.matched_blocks if held else 0,
+                slots=tuple(h.slots or ()) if held else (), running=int(e.running), waiting=int(e.waiting),
+                pending_prefill_tokens=e.pending_prefill_tokens, inflight=e.inflight, healthy=e.healthy,
+            ))
+        return out
+
+    async def forward(request: Request, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, t_arrival: float,
+                      tokenize_s: float) -> Response:
+        registry: EngineRegistry = request.app.state.registry
+        http: httpx.AsyncClient = request.app.state.http
+        metrics: GatewayMetrics = request.app.state.metrics
+        t0 = time.perf_counter()
+        hashes = hasher.hashes(tokens)
+        t_hashed = time.perf_counter()
+        holders, directory_ok = await lookup(request, hashes)
+        rreq = RouteRequest(prompt_tokens=len(tokens), hashes=tuple(hashes), block_size=settings.block_size,
+                            max_tokens=int(raw.get("max_tokens") or 16))
+        exclude: set[str] = set()
+        while True:
+            cands = [c for c in candidates(registry, holders, exclude) if c.healthy]
+            if not cands:
+                raise GatewayError(503, "no engine is available", "service_unavailable", "no_engine")
+            decision: Decision = policy.choose(rreq, cands, rng)
+            if not directory_ok:
+                decision = replace(decision, reason="fallback", predicted_cached_tokens=0)
+            engine = registry.engines[decision.node_id]
+            body = raw
+            if decision.pull_from is not None:
+                if engine.can_pull:
+                    body = {**raw, "kvdir_pull": {"source_node": decision.pull_from, "source_epoch": decision.pull_epoch,
+                                                  "slots": list(decision.pull_slots)}}
+                else:  # it cannot pull: it will recompute what it lacks
+                    own = next(c.cached_blocks for c in cands if c.node_id == engine.node_id)
+                    decision = replace(decision, reason="recompute", predicted_cached_tokens=min(len(tokens), own * settings.block_size))
+            uncached = max(0, len(tokens) - decision.predicted_cached_tokens)
+            engine.inflight += 1
+            engine.pending_prefill_tokens += uncached
+            metrics.route_seconds.observe(time.perf_counter() - t0)
+            metrics.added_seconds.observe(time.perf_counter() - t_arrival - tokenize_s - (t_hashed - t0))
+            try:
+                upstream = await http.send(http.build_request("POST", engine.url + path, json=body), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                engine.inflight -= 1
+                engine.pending_prefill_tokens -= uncached
+                registry.mark_unhealthy(engine.node_id)
+                metrics.upstream_errors.labels("connect").inc()
+                exclude.add(engine.node_id)
+                log.warning("engine %s unreachable (%s): retrying on the next best", engine.node_id, exc)
+                continue
+            break
+        policy.on_routed(rreq, decision)
+        metrics.decisions.labels(decision.reason).inc()
+        metrics.predicted.inc(decision.predicted_cached_tokens)
+        metrics.prompt_tokens.inc(len(tokens))
+        engine.served += 1
+        engine.prompt_tokens += len(tokens)
+        log.debug("routed to %s: %s (%s)", engine.node_id, decision.reason, decision.detail)
+        headers = {"x-kvdir-node": engine.node_id, "x-kvdir-decision": decision.reason,
+                   "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
+        if upstream.status_code >= 400:
+            metrics.upstream_errors.labels(str(upstream.status_code)).inc()
+
+        def first_token(done: list[bool]) -> None:
+            if not done:
+                done.append(True)
+                engine.pending_prefill_tokens -= uncached
+
+        def finish(reported: int | None) -> None:
+            engine.inflight -= 1
+            if reported is not None:
+                engine.cached_tokens += reported
+                metrics.reported.inc(reported)
+                metrics.prediction_error.observe(abs(decision.predicted_cached_tokens - reported))
+
+        if not stream or upstream.status_code >= 400:
+            started: list[bool] = []
+            try:
+                content = await upstream.aread()
+            finally:
+                first_token(started)
+                await upstream.aclose()
+            reported = None
+            if upstream.status_code < 400:
+                try:
+                    reported = _cached_tokens(json.loads(content))
+                except ValueError:
+                    pass
+            finish(reported)
+            return Response(content, status_code=upstream.status_code, headers=headers,
+                            media_type=upstream.headers.get("content-type", "application/json"))
+
+        async def relay() -> AsyncIterator[bytes]:
+            started: list[bool] = []
+            tail = b""
+            try:
+                async for chunk in upstream.aiter_raw():
+                    first_token(started)
+                    tail = (tail + chunk)[-65536:]
+                    yield chunk
+            except httpx.HTTPError as exc:
+                metrics.upstream_errors.labels("stream").inc()
+                log.warning("stream from %s broke: %s", engine.node_id, exc)
+            finally:
+                first_token(started)
+                await upstream.aclose()
+                reported = None
+                for line in reversed(tail.split(b"\n")):
+                    if line.startswith(b"data: {") and b'"usage"' in line:
+                        try:
+                            reported = _cached_tokens(json.loads(line[6:]))
+                        except ValueError:
+                            pass
+                        break
+                finish(reported)
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers,
+                                 media_type=upstream.headers.get("content-type", "text/event-stream"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        t = time.perf_counter()
+        raw, body = await parse(request, CompletionBody)
+        t_tok = time.perf_counter()
+        tokens = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        return await forward(request, "/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        t = time.perf_counter()
+        raw, body = await parse(request, ChatBody)
+        t_tok = time.perf_counter()
+        tokens = tokenizer.encode(render_chat([m.model_dump() for m in body.messages]))
+        return await forward(request, "/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        stamp, cached = request.app.state.models_cache
+        if time.monotonic() - stamp > 5.0:
+            registry: EngineRegistry = request.app.state.registry
+            http: httpx.AsyncClient = request.app.state.http
+
+            async def one(e: EngineState) -> list[dict[str, Any]]:
+                try:
+                    return (await http.get(e.url + "/v1/models", timeout=2.0)).json().get("data", [])
+                except (httpx.HTTPError, ValueError):
+                    return []
+
+            merged: dict[str, dict[str, Any]] = {}
+            for data in await asyncio.gather(*(one(e) for e in registry.engines.values() if e.healthy)):
+                for m in data:
+                    merged.setdefault(m.get("id"), m)
+            cached = list(merged.values())
+            request.app.state.models_cache = (time.monotonic(), cached)
+        return JSONResponse({"object": "list", "data": cached})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        registry: EngineRegistry = request.app.state.registry
+        return JSONResponse({"ok": True, "engines": len(registry.engines), "directory": registry.directory_ok, "policy": settings.policy})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def status_page(request: Request) -> HTMLResponse:
+        registry: EngineRegistry = request.app.state.registry
+        rows = "".join(
+            f"<tr><td>{html.escape(e.node_id)}</td><td>{html.escape(e.url)}</td><td>{e.epoch}</td><td>{'yes' if e.healthy else 'no'}</td>"
+            f"<td>{e.running:.0f}</td><td>{e.waiting:.0f}</td><td>{e.inflight}</td><td>{e.served}</td>"
+            f"<td>{(e.cached_tokens / e.prompt_tokens * 100 if e.prompt_tokens else 0):.1f}%</td></tr>"
+            for e in sorted(registry.engines.values(), key=lambda e: e.node_id)
+        )
+        page = (
+            "<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
+            "<title>kvdir gateway</title><style>body{font-family:sans-serif}td,th{padding:4px 10px;text-align:left}</style></head>"
+            f"<body><h1>kvdir gateway</h1><p>policy <b>{html.escape(settings.policy)}</b>; directory "
+            f"<b>{'reachable' if registry.directory_ok else 'UNREACHABLE (routing by load)'}</b></p>"
+            "<table><tr><th>engine</th><th>url</th><th>epoch</th><th>healthy</th><th>running</th><th>waiting</th>"
+            f"<th>in flight</th><th>served</th><th>cached tokens</th></tr>{rows}</table></body></html>"
+        )
+        return HTMLResponse(page)
+
+    return app

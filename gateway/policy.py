@@ -1,0 +1,667 @@
+"""Routing policies: pure functions of (request, candidates, rng) -> Decision.
+
+The same code drives the HTTP gateway and the offline trace-replay simulator, so
+nothing here does I/O, reads a clock or uses global randomness: every random
+choice goes through the `random.Random` passed to `choose`, and a policy with
+state (round robin's position, the SGLang-modeled tree) changes it only in
+`choose` (round robin) or `on_routed` (SGLang-modeled). Given the same seed and
+the same inputs every policy makes the same decisions.
+
+Policies
+--------
+``kvdir`` (ours)
+    Estimated time to first token (TTFT) per healthy candidate, with the option
+    of pulling the missing part of the longest cached prefix from its holder
+    instead of recomputing it; minimum wins. The model:
+
+    - ``slot_interval_s = T_req / max_running`` with
+      ``T_req = output_tokens / decode_tokens_per_s`` (``output_tokens`` is
+      ``CostModel.mean_output_tokens`` when set, else the request's
+      ``max_tokens``): a request that finds all ``max_running`` places taken
+      waits for one to free; the running requests spend most of their life
+      decoding (their prefill is counted separately, below), so places free
+      at ``max_running / T_req`` per second and every request ahead in line
+      adds ``T_req / max_running``.
+    - ``queue_s = pending_prefill_tokens / prefill_tokens_per_s
+      + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval_s``
+    - ``cached_tokens = min(min(cached_blocks, len(hashes)) * block_size, prompt_tokens)``
+    - ``compute_s = (prompt_tokens - cached_tokens) / prefill_tokens_per_s``
+    - ``pull_s(n) = pull_setup_s + n * block_bytes / link_bytes_per_s``
+    - recompute: ``ttft = queue_s + compute_s``;
+      pull (candidates holding fewer blocks than the longest holder H):
+      ``ttft = queue_s + pull_s(H.blocks - c.blocks) + (prompt_tokens - H.cached_tokens) / prefill_tokens_per_s``,
+      taken only when ``pull_s < (H.cached_tokens - c.cached_tokens) / prefill_tokens_per_s``
+      (strictly: at the break-even the node recomputes; no network, no
+      dependency on the holder).
+    The holder's own load does not enter the pull cost: a pull is a one-sided
+    read of the holder's registered memory, it takes no engine place there.
+    A pull needs the holder's slots: H can serve blocks
+    ``[0, min(H.cached_blocks, len(H.slots)))`` only, so a lookup made without
+    slots never yields a pull plan (pass ``slots=()`` for a holder that cannot
+    serve reads), and only candidates with ``can_pull`` get the pull option.
+
+``round_robin``, ``least_loaded``, ``local_only``
+    What a stateless gateway does; ``local_only`` is random routing where each
+    node keeps its own cache (no pulls).
+
+``sglang`` (modeled after SGLang's cache-aware router)
+    Its own approximate tree of what it routed, not the directory.
+
+``dynamo`` (modeled after Dynamo's KV router)
+    ``cost = overlap_weight * prefill_blocks_needed + active_blocks``.
+
+Every policy fills ``estimated_ttft_s`` with kvdir's model of the chosen
+option, so decisions of all policies can be compared on the same scale.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+__all__ = [
+    "Candidate",
+    "CostModel",
+    "Decision",
+    "DynamoPolicy",
+    "KvdirPolicy",
+    "LeastLoadedPolicy",
+    "LocalOnlyPolicy",
+    "POLICIES",
+    "Policy",
+    "REASONS",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "SGLangPolicy",
+    "TTFTBreakdown",
+    "estimate_ttft",
+    "make_policy",
+    "pull_seconds",
+    "queue_seconds",
+    "slot_interval_seconds",
+    "ttft_breakdown",
+]
+
+REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback"})
+
+# Two estimates closer than this (seconds, or cost units for dynamo) are a tie.
+TIE_EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node_id: str
+    epoch: int
+    cached_blocks: int  # leading blocks of this prompt the node holds (from the directory lookup)
+    slots: tuple[int, ...] = ()  # the node's slots for blocks [0, cached_blocks); passed through into a pull plan
+    running: int = 0  # load the node reported (heartbeat)
+    waiting: int = 0
+    pending_prefill_tokens: float = 0.0  # uncached prompt tokens sent there that have not produced a first token yet
+    inflight: int = 0  # requests the gateway has sent there and not finished
+    healthy: bool = True
+    can_pull: bool = True  # the node can read a pull plan's blocks from a peer (else kvdir never plans a pull to it)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int
+    hashes: tuple[int, ...]  # the prompt's full-block sequence hashes (protocol §1)
+    block_size: int = 16
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    prefill_tokens_per_s: float = 10_000.0
+    block_bytes: int = 16_384 * 1  # KV bytes of one block summed over a node's TP ranks
+    link_bytes_per_s: float = 2e9  # measured pull bandwidth between nodes
+    pull_setup_s: float = 0.002  # per pull (handshake/lookup)
+    max_running: int = 32  # engine concurrency; above it requests queue
+    decode_tokens_per_s: float = 80.0
+    # Output length of a typical running request, for the queueing term; None: the request's max_tokens.
+    mean_output_tokens: float | None = None
+
+
+DEFAULT_COST = CostModel()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    node_id: str
+    reason: str  # one of REASONS
+    predicted_cached_tokens: int
+    pull_from: str | None = None
+    pull_epoch: int | None = None
+    pull_slots: tuple[int, ...] = ()  # the holder's slots for blocks [0, n)
+    estimated_ttft_s: float = 0.0
+    detail: str = ""  # the formula with values, for debug logs
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision: ...
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None: ...
+
+
+# ---------------------------------------------------------------------------
+# The TTFT model (kvdir's), as pure functions
+
+
+class TTFTBreakdown(NamedTuple):
+    queue_s: float
+    pull_s: float
+    compute_s: float
+    cached_tokens: int  # prompt tokens not recomputed (held locally or pulled)
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.pull_s + self.compute_s
+
+
+def slot_interval_seconds(req: RouteRequest, cost: CostModel = DEFAULT_COST) -> float:
+    """Mean wait added by each request ahead in an engine's queue: T_req / max_running.
+
+    T_req = output_tokens / decode_tokens_per_s is how long a running request
+    holds its place (its prefill is in `pending_prefill_tokens`); with
+    `max_running` places a place frees every T_req / max_running on average.
+    """
+    out = cost.mean_output_tokens if cost.mean_output_tokens is not None else req.max_tokens
+    return out / cost.decode_tokens_per_s / cost.max_running
+
+
+def queue_seconds(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
+    """pending_prefill_tokens / prefill_rate + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval."""
+    ahead = max(0, cand.running + cand.inflight - cost.max_running + 1) + cand.waiting
+    return cand.pending_prefill_tokens / cost.prefill_tokens_per_s + ahead * slot_interval_seconds(req, cost)
+
+
+def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST) -> float:
+    """pull_setup_s + n_blocks * block_bytes / link_bytes_per_s (0 for no blocks)."""
+    if n_blocks <= 0:
+        return 0.0
+    return cost.pull_setup_s + n_blocks * cost.block_bytes / cost.link_bytes_per_s
+
+
+def _blocks(cand: Candidate, n_hashes: int) -> int:
+    b = cand.cached_blocks
+    return 0 if b < 0 else (n_hashes if b > n_hashes else b)
+
+
+def ttft_breakdown(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0) -> TTFTBreakdown:
+    """kvdir's TTFT estimate for serving `req` on `cand`.
+
+    `pull_to_blocks` > the candidate's cached blocks means: pull blocks
+    [cached_blocks, pull_to_blocks) from a peer first, then compute the rest.
+    """
+    nh = len(req.hashes)
+    have = _blocks(cand, nh)
+    bs = req.block_size
+    prompt = req.prompt_tokens
+    queue_s = queue_seconds(req, cand, cost)
+    target = min(max(pull_to_blocks, 0), nh)
+    if target > have:
+        cached = min(target * bs, prompt)
+        return TTFTBreakdown(queue_s, pull_seconds(target - have, cost), (prompt - cached) / cost.prefill_tokens_per_s, cached)
+    cached = min(have * bs, prompt)
+    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / cost.prefill_tokens_per_s, cached)
+
+
+def estimate_ttft(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0) -> float:
+    """queue_s + pull_s + compute_s of `ttft_breakdown` (seconds)."""
+    return ttft_breakdown(req, cand, cost, pull_to_blocks=pull_to_blocks).total_s
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the policies
+
+
+def _healthy(candidates: Sequence[Candidate]) -> list[Candidate]:
+    healthy = [c for c in candidates if c.healthy]
+    if not healthy:
+        raise ValueError(f"no healthy candidate among {len(candidates)}")
+    return healthy
+
+
+def _longest(healthy: list[Candidate], nh: int) -> tuple[Candidate, int]:
+    """The healthy candidate with the most cached blocks (ties: lowest node_id) and its block count."""
+    best = healthy[0]
+    best_b = _blocks(best, nh)
+    for c in healthy[1:]:
+        b = _blocks(c, nh)
+        if b > best_b or (b == best_b and c.node_id < best.node_id):
+            best, best_b = c, b
+    return best, best_b
+
+
+def _cache_reason(blocks: int, longest: int) -> str:
+    if longest <= 0:
+        return "balance"
+    return "affinity" if blocks >= longest else "recompute"
+
+
+def _tokens(blocks: int, req: RouteRequest) -> int:
+    return min(blocks * req.block_size, req.prompt_tokens)
+
+
+def _plain(req: RouteRequest, chosen: Candidate, healthy: list[Candidate], cost: CostModel, reason: str | None, detail: str) -> Decision:
+    """A decision without a pull, reason by the directory's view unless given."""
+    nh = len(req.hashes)
+    blocks = _blocks(chosen, nh)
+    if reason is None:
+        reason = _cache_reason(blocks, _longest(healthy, nh)[1])
+    return Decision(chosen.node_id, reason, _tokens(blocks, req), estimated_ttft_s=estimate_ttft(req, chosen, cost), detail=detail)
+
+
+def _load(c: Candidate) -> int:
+    return c.inflight + c.running + c.waiting
+
+
+# ---------------------------------------------------------------------------
+# kvdir
+
+
+class KvdirPolicy:
+    """Minimum estimated TTFT over (candidate, recompute | pull from the longest holder).
+
+    Ties (within TIE_EPSILON seconds): more cached tokens (local or pulled),
+    then fewer inflight, then rng among the rest (ordered by node_id).
+    `allow_pull=False` gives the same policy without pulls (an ablation).
+    """
+
+    name = "kvdir"
+
+    def __init__(self, cost: CostModel | None = None, *, allow_pull: bool = True) -> None:
+        self.cost = cost or DEFAULT_COST
+        self.allow_pull = allow_pull
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+        healthy = _healthy(candidates)
+        cost = self.cost
+        nh = len(req.hashes)
+        bs = req.block_size
+        prompt = req.prompt_tokens
+        rate = cost.prefill_tokens_per_s
+        slot_s = slot_interval_seconds(req, cost)
+        free_after = cost.max_running - 1
+        holder, longest = _longest(healthy, nh)
+        pull_to = min(longest, len(holder.slots)) if self.allow_pull else 0
+        pull_tokens = pull_to * bs
+        if pull_tokens > prompt:
+            pull_tokens = prompt
+        per_block = cost.block_bytes / cost.link_bytes_per_s
+        setup = cost.pull_setup_s
+
+        best_t = math.inf
+        options: list[tuple[float, int, int, Candidate, bool]] = []
+        for c in healthy:
+            b = c.cached_blocks
+            b = 0 if b < 0 else (nh if b > nh else b)
+            cached = b * bs
+            if cached > prompt:
+                cached = prompt
+            ahead = c.running + c.inflight - free_after
+            q = c.pending_prefill_tokens / rate + ((ahead if ahead > 0 else 0) + c.waiting) * slot_s
+            t = q + (prompt - cached) / rate
+            pulled = False
+            if pull_to > b and c.can_pull:
+                p = setup + (pull_to - b) * per_block
+                if p < (pull_tokens - cached) / rate:
+                    t = q + p + (prompt - pull_tokens) / rate
+                    cached = pull_tokens
+                    pulled = True
+            options.append((t, cached, c.inflight, c, pulled))
+            if t < best_t:
+                best_t = t
+
+        limit = best_t + TIE_EPSILON
+        tied = [o for o in options if o[0] <= limit]
+        if len(tied) > 1:
+            top = max(tied, key=lambda o: (o[1], -o[2]))
+            tied = [o for o in tied if o[1] == top[1] and o[2] == top[2]]
+            if len(tied) > 1:
+                tied.sort(key=lambda o: o[3].node_id)
+                tied = [rng.choice(tied)]
+        t, cached, _, chosen, pulled = tied[0]
+
+        if pulled:
+            return Decision(
+                chosen.node_id, "pull", cached,
+                pull_from=holder.node_id, pull_epoch=holder.epoch, pull_slots=tuple(holder.slots[:pull_to]),
+                estimated_ttft_s=t, detail=self._detail(req, chosen, holder, longest, pull_to, t),
+            )
+        reason = _cache_reason(_blocks(chosen, nh), longest)
+        return Decision(chosen.node_id, reason, cached, estimated_ttft_s=t,
+                        detail=self._detail(req, chosen, holder, longest, 0, t))
+
+    def _detail(self, req: RouteRequest, c: Candidate, holder: Candidate, longest: int, pull_to: int, t: float) -> str:
+        cost = self.cost
+        br = ttft_breakdown(req, c, cost, pull_to_blocks=pull_to)
+        ahead = max(0, c.running + c.inflight - cost.max_running + 1)
+        s = (f"ttft={t:.6f}s = queue {br.queue_s:.6f} [{c.pending_prefill_tokens:g}/{cost.prefill_tokens_per_s:g}"
+             f" + (max(0,{c.running}+{c.inflight}-{cost.max_running}+1)={ahead} + {c.waiting})*{slot_interval_seconds(req, cost):.6f}]")
+        if br.pull_s:
+            n = pull_to - _blocks(c, len(req.hashes))
+            s += (f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {n}*{cost.block_bytes}/{cost.link_bytes_per_s:g}]"
+                  f" from {holder.node_id}@{holder.epoch}")
+        s += (f" + compute {br.compute_s:.6f} [({req.prompt_tokens}-{br.cached_tokens})/{cost.prefill_tokens_per_s:g}]"
+              f"; longest {holder.node_id}={longest} blocks")
+        return s
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Stateless baselines
+
+
+class RoundRobinPolicy:
+    """Cycles over the healthy candidates in node_id order: the next node_id after the last one chosen."""
+
+    name = "round_robin"
+
+    def __init__(self, cost: CostModel | None = None) -> None:
+        self.cost = cost or DEFAULT_COST
+        self._last: str | None = None
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+        healthy = _healthy(candidates)
+        order = sorted(healthy, key=lambda c: c.node_id)
+        chosen = order[0]
+        if self._last is not None:
+            for c in order:
+                if c.node_id > self._last:
+                    chosen = c
+                    break
+        self._last = chosen.node_id
+        return _plain(req, chosen, healthy, self.cost, "balance", "round robin")
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+
+class LeastLoadedPolicy:
+    """Fewest inflight + running + waiting; ties by node_id."""
+
+    name = "least_loaded"
+
+    def __init__(self, cost: CostModel | None = None) -> None:
+        self.cost = cost or DEFAULT_COST
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+        healthy = _healthy(candidates)
+        chosen = min(healthy, key=lambda c: (_load(c), c.node_id))
+        return _plain(req, chosen, healthy, self.cost, "balance", f"load {_load(chosen)}")
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+
+class LocalOnlyPolicy:
+    """A uniformly random healthy candidate (each node only reuses its own cache); 'affinity' when it holds a prefix."""
+
+    name = "local_only"
+
+    def __init__(self, cost: CostModel | None = None) -> None:
+        self.cost = cost or DEFAULT_COST
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+        healthy = _healthy(candidates)
+        chosen = rng.choice(sorted(healthy, key=lambda c: c.node_id))
+        reason = "affinity" if _blocks(chosen, len(req.hashes)) > 0 else "balance"
+        return _plain(req, chosen, healthy, self.cost, reason, "random")
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Modeled after SGLang's cache-aware router
+
+
+class SGLangPolicy:
+    """Modeled after SGLang's cache-aware router (not SGLang itself).
+
+    Keeps its own approximate tree of what it routed and ignores the
+    directory's `cached_blocks`. Because sequence hashes are chained, a trie
+    over block hashes is a dict hash -> nodes: the match length for node n is
+    the leading run of the request's hashes that were routed to n.
+
+    Per request, with load = inflight + running + waiting over healthy candidates:
+    1. if max_load - min_load > abs_threshold and max_load > rel_threshold * min_load:
+       the least loaded (ties: node_id), reason "balance";
+    2. elif max match / len(hashes) > cache_threshold: the best-matching node
+       (ties: lower load, then node_id), reason "affinity";
+    3. else the node with the smallest tree (fewest hashes routed to it; ties:
+       node_id), reason "balance".
+    `on_routed` inserts the request's hashes for the chosen node, whatever the
+    branch. The tree holds at most `max_tree_size` (hash, node) entries: the
+    least recently routed are dropped first, and within one request the
+    deepest blocks are the older ones, so eviction trims leaves before the
+    prefix they hang from (as a radix tree's LRU does). SGLang trims
+    periodically; this model trims at once, which keeps it deterministic.
+
+    `predicted_cached_tokens` is this tree's match for the chosen node (what
+    the modeled router believes), not the directory's.
+    """
+
+    name = "sglang"
+
+    def __init__(self, cost: CostModel | None = None, *, abs_threshold: float = 32, rel_threshold: float = 1.1,
+                 cache_threshold: float = 0.5, max_tree_size: int = 1_000_000) -> None:
+        if max_tree_size < 1:
+            raise ValueError("max_tree_size must be >= 1")
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be in [0, 1]")
+        self.cost = cost or DEFAULT_COST
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.cache_threshold = cache_threshold
+        self.max_tree_size = max_tree_size
+        self._holders: dict[int, set[str]] = {}
+        self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+
+    # --- the tree
+
+    def tree_size(self, node_id: str | None = None) -> int:
+        """(hash, node) entries held, for one node or in all."""
+        if node_id is None:
+            return len(self._lru)
+        return self._sizes.get(node_id, 0)
+
+    def match_blocks(self, hashes: Sequence[int], node_ids: Sequence[str]) -> dict[str, int]:
+        """Leading run of `hashes` routed to each node, per the tree."""
+        match = dict.fromkeys(node_ids, 0)
+        alive = set(node_ids)
+        depth = 0
+        holders = self._holders
+        for h in hashes:
+            s = holders.get(h)
+            if not s:
+                break
+            nxt = alive & s
+            if nxt != alive:
+                for n in alive - nxt:
+                    match[n] = depth
+                alive = nxt
+            if not alive:
+                break
+            depth += 1
+        for n in alive:
+            match[n] = depth
+        return match
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop a node's entries (it left the cluster)."""
+        for key in [k for k in self._lru if k[1] == node_id]:
+            self._remove(key)
+
+    def _remove(self, key: tuple[int, str]) -> None:
+        del self._lru[key]
+        h, n = key
+        s = self._holders[h]
+        s.discard(n)
+        if not s:
+            del self._holders[h]
+        left = self._sizes[n] - 1
+        if left:
+            self._sizes[n] = left
+        else:
+            del self._sizes[n]
+
+    # --- the policy
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+        healthy = _healthy(candidates)
+        loads = [_load(c) for c in healthy]
+        lo, hi = min(loads), max(loads)
+        nh = len(req.hashes)
+        if hi - lo > self.abs_threshold and hi > self.rel_threshold * lo:
+            chosen = min(healthy, key=lambda c: (_load(c), c.node_id))
+            match = self.match_blocks(req.hashes, [chosen.node_id])[chosen.node_id]
+            reason = "balance"
+            detail = f"imbalanced: max load {hi} - min {lo} > {self.abs_threshold} and {hi} > {self.rel_threshold}*{lo}"
+        else:
+            matches = self.match_blocks(req.hashes, [c.node_id for c in healthy])
+            best = min(healthy, key=lambda c: (-matches[c.node_id], _load(c), c.node_id))
+            match = matches[best.node_id]
+            ratio = match / nh if nh else 0.0
+            if ratio > self.cache_threshold:
+                chosen, reason = best, "affinity"
+                detail = f"match {match}/{nh}={ratio:.3f} > {self.cache_threshold}"
+            else:
+                chosen = min(healthy, key=lambda c: (self._sizes.get(c.node_id, 0), c.node_id))
+                match = matches[chosen.node_id]
+                reason = "balance"
+                detail = f"best match {match}/{nh}={ratio:.3f} <= {self.cache_threshold}: smallest tree ({self._sizes.get(chosen.node_id, 0)})"
+        return Decision(chosen.node_id, reason, _tokens(match, req),
+                        estimated_ttft_s=estimate_ttft(req, chosen, self.cost), detail=detail)
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        node = decision.node_id
+        lru = self._lru
+        holders = self._holders
+        added = 0
+        # Deepest first, so the prefix is the most recently used part of this request.
+        for h in reversed(req.hashes):
+            key = (h, node)
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                s = holders.get(h)
+                if s is None:
+                    holders[h] = {node}
+                else:
+                    s.add(node)
+                added += 1
+        if added:
+            self._sizes[node] = self._sizes.get(node, 0) + added
+        while len(lru) > self.max_tree_size:
+            self._remove(next(iter(lru)))
+
+
+# ---------------------------------------------------------------------------
+# Modeled after Dynamo's KV router
+
+
+class DynamoPolicy:
+    """Modeled after Dynamo's KV router (not Dynamo itself).
+
+    cost(c) = overlap_weight * prefill_blocks_needed + active_blocks, with
+      prefill_blocks_needed = len(hashes) - cached_blocks (the directory's view,
+          as Dynamo's is from engine events),
+      active_blocks = pending_prefill_tokens / block_size
+          + (running + inflight) * blocks_per_active_request,
+      blocks_per_active_request = the `blocks_per_active_request` option, else
+          (prompt_tokens + max_tokens) / block_size: each active sequence is
+          assumed as long as this one. Dynamo counts the distinct blocks of its
+          active sequences; counts of requests cannot see shared prefixes, so
+          this overstates the load of a node that runs many requests sharing one.
+    temperature 0: the minimum cost, random ties (rng); temperature T > 0: sample
+    p(c) ∝ exp(-((cost(c) - min) / (max - min)) / T) with rng (uniform when all
+    costs are equal). Candidates are ordered by node_id first, so the draw does
+    not depend on their input order.
+    """
+
+    name = "dynamo"
+
+    def __init__(self, cost: CostModel | None = None, *, overlap_weight: float = 1.0, temperature: float = 0.0,
+                 blocks_per_active_request: float | None = None) -> None:
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        self.cost = cost or DEFAULT_COST
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self.blocks_per_active_request = blocks_per_active_request
+
+    def costs(self, req: RouteRequest, healthy: Sequence[Candidate]) -> list[float]:
+        nh = len(req.hashes)
+        bs = req.block_size
+        per_req = self.blocks_per_active_request
+        if per_req is None:
+            per_req = (req.prompt_tokens + req.max_tokens) / bs
+        w = self.overlap_weight
+        return [w * (nh - _blocks(c, nh)) + c.pending_prefill_tokens / bs + (c.running + c.inflight) * per_req for c in healthy]
+
+    def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+        healthy = sorted(_healthy(candidates), key=lambda c: c.node_id)
+        costs = self.costs(req, healthy)
+        lo, hi = min(costs), max(costs)
+        if self.temperature == 0.0 or hi - lo <= TIE_EPSILON:
+            tied = [c for c, x in zip(healthy, costs) if x <= lo + TIE_EPSILON]
+            i = healthy.index(tied[0] if len(tied) == 1 else rng.choice(tied))
+            how = "argmin"
+        else:
+            span = hi - lo
+            t = self.temperature
+            weights = [math.exp(-((x - lo) / span) / t) for x in costs]
+            r = rng.random() * sum(weights)
+            i = len(weights) - 1
+            acc = 0.0
+            for j, w in enumerate(weights):
+                acc += w
+                if r < acc:
+                    i = j
+                    break
+            how = f"softmax T={t:g}"
+        chosen = healthy[i]
+        nh = len(req.hashes)
+        detail = (f"{how}: cost {costs[i]:.3f} = {self.overlap_weight:g}*{nh - _blocks(chosen, nh)}"
+                  f" + active {costs[i] - self.overlap_weight * (nh - _blocks(chosen, nh)):.3f}; min {lo:.3f} max {hi:.3f}")
+        return _plain(req, chosen, healthy, self.cost, None, detail)
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Registry
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "kvdir": KvdirPolicy,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "sglang": SGLangPolicy,
+    "dynamo": DynamoPolicy,
+    "local_only": LocalOnlyPolicy,
+}
+
+
+def make_policy(name: str, cost: CostModel | None = None, **options) -> Policy:
+    """A new policy object by name; options are the policy's keyword arguments."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(sorted(POLICIES))}")
+    try:
+        return factory(cost, **options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for policy {name!r}: {exc}") from None

@@ -1,0 +1,158 @@
+"""The gateway in front of real workers and a real directory: affinity, pulls, fallback, retries, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvdir.launcher import Gateway, free_ports
+from tests.integration.conftest import wait_for
+
+MODEL = "kvdir-stub"
+SYSTEM = "You are the assistant of a very long shared system prompt about KV caches. " * 8
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path):
+    started: list[Gateway] = []
+
+    def make(cluster, engines: int, extra: tuple[str, ...] = ()) -> Gateway:
+        g = Gateway(tmp_path, free_ports(1)[0], cluster.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1", *extra))
+        started.append(g)
+        g.wait_ready(60, engines=engines)
+        return g
+
+    yield make
+    for g in started:
+        g.stop()
+
+
+def _chat(url: str, messages: list[dict], **extra) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(3)
+    w = make_workers(c, 3)
+    g = make_gateway(c, 3)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    first = _chat(g.url, messages)
+    node = first.headers["x-kvdir-node"]
+    assert first.headers["x-kvdir-decision"] == "balance"
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "second question"}]
+    # Publishing is asynchronous: wait until the directory lists turn 1's blocks, as a user's think time would.
+    n_blocks = first.json()["usage"]["prompt_tokens"] // 16
+    wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(
+        ("<|system|>\n" + SYSTEM + "\n<|user|>\nfirst question\n<|assistant|>\n").encode())}).json()["holders"], what="turn 1 published")
+    second = _chat(g.url, messages)
+    assert second.headers["x-kvdir-node"] == node
+    assert second.headers["x-kvdir-decision"] == "affinity"
+    predicted = int(second.headers["x-kvdir-predicted-cached-tokens"])
+    reported = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert predicted == reported >= (n_blocks - 1) * 16
+    metrics = httpx.get(g.url + "/metrics").text
+    assert 'kvdir_gateway_decisions_total{reason="affinity"} 1.0' in metrics
+    assert "kvdir_gateway_reported_cached_tokens_total" in metrics
+    page = httpx.get(g.url + "/").text
+    assert "kvdir gateway" in page and node in page
+
+
+def test_saturated_holder_spreads_its_prefix_by_pulls(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(3)
+    # Slow prefill (1,000 tokens/s at time scale 1): recomputing a 2,000-token prompt costs ~2 s, pulling it ~ms.
+    w = make_workers(c, 2, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
+    g = make_gateway(c, 2, ("--prefill-tokens-per-s", "1000", "--max-running", "1"))
+    prompt = SYSTEM * 3
+    first = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60)
+    holder = first.headers["x-kvdir-node"]
+    wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(prompt.encode())}).json()["holders"],
+             what="the prompt published")
+    # Keep the holder busy with a long uncached request, then send the hot prompt again.
+    import threading
+
+    def busy() -> None:
+        httpx.post(w.urls[w.node_ids.index(holder)] + "/v1/completions",
+                   json={"model": MODEL, "prompt": "z" * 3000, "max_tokens": 1}, timeout=60)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        wait_for(lambda: httpx.get(w.urls[w.node_ids.index(holder)] + "/health").json()["load"]["running"] >= 1, what="holder busy")
+        wait_for(lambda: g_load(g, holder) >= 1, what="the gateway to see the holder's load")
+        hot = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + " again", "max_tokens": 1}, timeout=60)
+        assert hot.headers["x-kvdir-node"] != holder, hot.headers
+        assert hot.headers["x-kvdir-decision"] == "pull"
+        assert hot.json()["kvdir"]["pulled_tokens"] >= len(prompt) // 16 * 16 - 16
+    finally:
+        t.join()
+
+
+def g_load(g: Gateway, node: str) -> float:
+    page = httpx.get(g.url + "/").text
+    row = next(r for r in page.split("<tr>") if f"<td>{node}</td>" in r)
+    cells = [x.split("</td>")[0] for x in row.split("<td>")[1:]]
+    return float(cells[4])  # running, as the node reported it
+
+
+def test_directory_down_routes_by_load_and_never_fails(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(3)
+    make_workers(c, 2)
+    g = make_gateway(c, 2)
+    for i in range(3):
+        c.kill(i)
+    r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": SYSTEM, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    assert r.headers["x-kvdir-decision"] == "fallback"
+    wait_for(lambda: "directory_up 0.0" in httpx.get(g.url + "/metrics").text, what="the gateway to notice")
+
+
+def test_unreachable_engine_is_retried_on_the_next(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    w = make_workers(c, 1)
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+    g = make_gateway(c, 2, ("--engine", dead, "--policy", "round_robin"))
+    nodes = set()
+    for _ in range(4):  # round robin would hit the dead static engine; each request still succeeds
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        nodes.add(r.headers["x-kvdir-node"])
+    assert nodes == {"worker-1"}
+    assert 'kvdir_gateway_upstream_errors_total{kind="connect"} 1.0' in httpx.get(g.url + "/metrics").text
+
+
+def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    make_workers(c, 2)
+    g = make_gateway(c, 2)
+    with httpx.stream("POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": SYSTEM, "max_tokens": 6, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-kvdir-node"].startswith("worker-")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 6
+    assert [m["id"] for m in httpx.get(g.url + "/v1/models").json()["data"]] == [MODEL]
+    cases = [
+        (b"{oops", 400), (b"[1,2]", 400), (json.dumps({"prompt": "x"}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": 3}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode(), 400),
+    ]
+    for body, status in cases:
+        r = httpx.post(g.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["message"]
+    r = httpx.post(g.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400
+    r = httpx.post(g.url + "/v1/completions", json={"model": "unknown-model", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # the engine's error, passed through
+    r = httpx.post(g.url + "/v1/completions", content=b"x" * (65 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413
