@@ -171,10 +171,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 continue
             h = holders.get(e.node_id)
             held = h is not None and h.epoch == e.epoch
+            # The engine's reported `running` includes this gateway's own in-flight requests: count those once.
             out.append(Candidate(
                 node_id=e.node_id, epoch=e.epoch, cached_blocks=h.matched_blocks if held else 0,
-                slots=tuple(h.slots or ()) if held else (), running=int(e.running), waiting=int(e.waiting),
-                pending_prefill_tokens=e.pending_prefill_tokens, inflight=e.inflight, healthy=e.healthy,
+                slots=tuple(h.slots or ()) if held else (), running=max(0, int(e.running) - e.inflight), waiting=int(e.waiting),
+                pending_prefill_tokens=e.pending_prefill_tokens, inflight=e.inflight, healthy=e.healthy, can_pull=e.can_pull,
             ))
         return out
 
@@ -187,6 +188,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         hashes = hasher.hashes(tokens)
         t_hashed = time.perf_counter()
         holders, directory_ok = await lookup(request, hashes)
+        block_bytes = max((e.block_bytes for e in registry.engines.values() if e.can_pull), default=0)
+        if block_bytes and block_bytes != policy.cost.block_bytes:
+            # Pull cost depends on the engines' real block size (all TP ranks): learn it from their regions.
+            policy.cost = replace(policy.cost, block_bytes=block_bytes)
         rreq = RouteRequest(prompt_tokens=len(tokens), hashes=tuple(hashes), block_size=settings.block_size,
                             max_tokens=int(raw.get("max_tokens") or 16))
         exclude: set[str] = set()
@@ -200,12 +205,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             engine = registry.engines[decision.node_id]
             body = raw
             if decision.pull_from is not None:
-                if engine.can_pull:
-                    body = {**raw, "kvdir_pull": {"source_node": decision.pull_from, "source_epoch": decision.pull_epoch,
-                                                  "slots": list(decision.pull_slots)}}
-                else:  # it cannot pull: it will recompute what it lacks
-                    own = next(c.cached_blocks for c in cands if c.node_id == engine.node_id)
-                    decision = replace(decision, reason="recompute", predicted_cached_tokens=min(len(tokens), own * settings.block_size))
+                body = {**raw, "kvdir_pull": {"source_node": decision.pull_from, "source_epoch": decision.pull_epoch,
+                                              "slots": list(decision.pull_slots)}}
             uncached = max(0, len(tokens) - decision.predicted_cached_tokens)
             engine.inflight += 1
             engine.pending_prefill_tokens += uncached

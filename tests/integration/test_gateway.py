@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -66,41 +67,39 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
     assert "kvdir gateway" in page and node in page
 
 
-def test_saturated_holder_spreads_its_prefix_by_pulls(make_cluster, make_workers, make_gateway) -> None:
+def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_workers, make_gateway) -> None:
     c = make_cluster(3)
-    # Slow prefill (1,000 tokens/s at time scale 1): recomputing a 2,000-token prompt costs ~2 s, pulling it ~ms.
-    w = make_workers(c, 2, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
-    g = make_gateway(c, 2, ("--prefill-tokens-per-s", "1000", "--max-running", "1"))
+    # Slow prefill (1,000 tokens/s at time scale 1): recomputing the ~2,000-token prompt costs ~2 s, pulling it ~ms.
+    w = make_workers(c, 3, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
+    g = make_gateway(c, 3, ("--prefill-tokens-per-s", "1000", "--max-running", "1"))
     prompt = SYSTEM * 3
     first = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60)
     holder = first.headers["x-kvdir-node"]
     wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(prompt.encode())}).json()["holders"],
              what="the prompt published")
-    # Keep the holder busy with a long uncached request, then send the hot prompt again.
-    import threading
+    # Six users send the hot prompt at once; each decodes 40 tokens (0.5 s), so the holder stays busy.
+    results: list[httpx.Response] = []
 
-    def busy() -> None:
-        httpx.post(w.urls[w.node_ids.index(holder)] + "/v1/completions",
-                   json={"model": MODEL, "prompt": "z" * 3000, "max_tokens": 1}, timeout=60)
+    def user(i: int) -> None:
+        results.append(httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + f" user {i}",
+                                                                   "max_tokens": 40}, timeout=60))
 
-    t = threading.Thread(target=busy)
-    t.start()
-    try:
-        wait_for(lambda: httpx.get(w.urls[w.node_ids.index(holder)] + "/health").json()["load"]["running"] >= 1, what="holder busy")
-        wait_for(lambda: g_load(g, holder) >= 1, what="the gateway to see the holder's load")
-        hot = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + " again", "max_tokens": 1}, timeout=60)
-        assert hot.headers["x-kvdir-node"] != holder, hot.headers
-        assert hot.headers["x-kvdir-decision"] == "pull"
-        assert hot.json()["kvdir"]["pulled_tokens"] >= len(prompt) // 16 * 16 - 16
-    finally:
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
         t.join()
-
-
-def g_load(g: Gateway, node: str) -> float:
-    page = httpx.get(g.url + "/").text
-    row = next(r for r in page.split("<tr>") if f"<td>{node}</td>" in r)
-    cells = [x.split("</td>")[0] for x in row.split("<td>")[1:]]
-    return float(cells[4])  # running, as the node reported it
+    assert all(r.status_code == 200 for r in results)
+    nodes = {r.headers["x-kvdir-node"] for r in results}
+    decisions = [r.headers["x-kvdir-decision"] for r in results]
+    assert len(nodes) >= 2, decisions  # not all queued on the holder
+    assert "pull" in decisions, decisions
+    # A request sent to pull may find the blocks already there (an earlier pull landed first): either way
+    # nothing is recomputed from scratch, and every answer reports most of the prompt as cached.
+    assert any(r.json()["kvdir"]["pulled_tokens"] > 0 for r in results)
+    summary = [(r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+               for r in results]
+    assert all(cached >= len(prompt) - 32 for _, _, cached in summary), (holder, summary)
 
 
 def test_directory_down_routes_by_load_and_never_fails(make_cluster, make_workers, make_gateway) -> None:
@@ -156,3 +155,74 @@ def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, mak
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # the engine's error, passed through
     r = httpx.post(g.url + "/v1/completions", content=b"x" * (65 << 20), headers={"content-type": "application/json"})
     assert r.status_code == 413
+
+
+def _conversations(g: Gateway, c, n: int) -> list[bool]:
+    """n two-turn conversations; for each, did turn 2 land where turn 1 was served?"""
+    same = []
+    for k in range(n):
+        messages = [{"role": "system", "content": f"Conversation {k}: " + SYSTEM}, {"role": "user", "content": "turn one"}]
+        first = _chat(g.url, messages)
+        text = f"<|system|>\nConversation {k}: {SYSTEM}\n<|user|>\nturn one\n<|assistant|>\n"
+        wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
+                 what="turn 1 published")
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "turn two"}]
+        second = _chat(g.url, messages)
+        same.append(second.headers["x-kvdir-node"] == first.headers["x-kvdir-node"])
+    return same
+
+
+def test_round_robin_mostly_misses_what_kvdir_hits(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    make_workers(c, 3)
+    kv = make_gateway(c, 3)
+    rr = make_gateway(c, 3, ("--policy", "round_robin"))
+    assert all(_conversations(kv, c, 4))
+    assert sum(_conversations(rr, c, 4)) <= 1
+
+
+def test_killed_engine_is_avoided_and_no_request_fails(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    w = make_workers(c, 3)
+    g = make_gateway(c, 3, ("--policy", "round_robin"))
+    w.kill(1)  # SIGKILL: still listed by the directory until its lease lapses
+    served = [httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 1},
+                         timeout=60) for i in range(9)]
+    assert all(r.status_code == 200 for r in served)
+    assert "worker-2" not in {r.headers["x-kvdir-node"] for r in served}
+
+
+def test_streaming_arrives_incrementally(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    make_workers(c, 1, ("--time-scale", "1", "--decode-tokens-per-s", "40"))
+    g = make_gateway(c, 1)
+    arrivals = []
+    with httpx.stream("POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 12, "stream": True},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+    # 12 tokens at 40 tokens/s take ~0.3 s: the first chunk must not wait for the last.
+    assert len(arrivals) >= 12 and arrivals[-1] - arrivals[0] > 0.15
+
+
+def test_official_openai_client_works(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    make_workers(c, 1)
+    g = make_gateway(c, 1)
+    code = f"""
+import openai
+client = openai.OpenAI(base_url="{g.url}/v1", api_key="unused")
+c = client.completions.create(model="{MODEL}", prompt="Hello", max_tokens=3)
+assert c.choices[0].text and c.usage.prompt_tokens == 5, c
+ch = client.chat.completions.create(model="{MODEL}", messages=[{{"role": "user", "content": "Hi"}}], max_tokens=3)
+assert ch.choices[0].message.role == "assistant" and ch.choices[0].message.content, ch
+parts = [e.choices[0].delta.content or "" for e in client.chat.completions.create(
+    model="{MODEL}", messages=[{{"role": "user", "content": "Hi"}}], max_tokens=4, stream=True) if e.choices]
+assert len("".join(parts)) == 4, parts
+print([m.id for m in client.models.list()])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert MODEL in out.stdout
