@@ -45,7 +45,7 @@ class DirectoryClient:
         self._preferred = 0
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=8),
             transport=transport,
         )
 

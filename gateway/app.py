@@ -117,7 +117,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         registry = EngineRegistry(directory, settings.static_engines, settings.refresh_s, settings.unhealthy_s)
         await registry.refresh()
         registry.start()
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)
         http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), limits=limits)
         app.state.directory, app.state.registry, app.state.http = directory, registry, http
         app.state.metrics = GatewayMetrics(registry)

@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     add_settings_flags(u, UpSettings)
 
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
-    b.add_argument("target", choices=["directory", "worker"], help="what to measure")
+    b.add_argument("target", choices=["directory", "worker", "gateway"], help="what to measure")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     return p

@@ -1,0 +1,124 @@
+"""`kvdir bench gateway`: what the gateway adds to a request, and tokenize + hash times."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import platform
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from directory.hashing import block_hashes
+from directory.tokenizer import ByteTokenizer
+from gateway.prefix_hasher import PrefixHasher
+from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], p: float) -> float:
+    return float(np.percentile(np.asarray(values), p)) if values else float("nan")
+
+
+def bench_tokenize_hash() -> dict[str, Any]:
+    """Milliseconds to tokenize (bytes tokenizer) and hash prompts of 1k/10k/100k tokens, cold and as turn 2."""
+    out: dict[str, Any] = {}
+    tok = ByteTokenizer()
+    rng = random.Random(0)
+    for n in (1_000, 10_000, 100_000):
+        text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+        best_cold = best_turn = best_plain = float("inf")
+        for _ in range(5):
+            ph = PrefixHasher()
+            t0 = time.perf_counter()
+            tokens = tok.encode(text)
+            ph.hashes(tokens)
+            best_cold = min(best_cold, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            block_hashes(tokens)
+            best_plain = min(best_plain, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ph.hashes(tok.encode(text + " and the next user message of this conversation"))
+            best_turn = min(best_turn, time.perf_counter() - t0)
+        out[f"tokenize_hash_{n // 1000}k_ms"] = best_cold * 1e3
+        out[f"hash_only_{n // 1000}k_ms"] = best_plain * 1e3
+        out[f"tokenize_hash_{n // 1000}k_next_turn_ms"] = best_turn * 1e3
+    return out
+
+
+def _load(url: str, duration: float, rate: float) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(run_load, (LoadSpec([url], "complete", duration, 8, 3, [], [], rate=rate),))
+
+
+def bench_added_latency(quick: bool) -> dict[str, Any]:
+    duration, rate = (3.0, 200.0) if quick else (10.0, 200.0)
+    ports = free_ports(6)
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
+        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        w = Workers(Path(tmp), free_ports(1), c.replica_urls, extra_args=("--transfer", "tcp", "--time-scale", "0",
+                                                                         "--max-running", "256"))
+        g: Gateway | None = None
+        try:
+            c.start()
+            c.wait_ready(60)
+            w.start()
+            w.wait_ready(60)
+            g = Gateway(Path(tmp), free_ports(1)[0], c.replica_urls)
+            g.wait_ready(60, engines=1)
+            direct: list[float] = []
+            via: list[float] = []
+            for _ in range(2):  # interleaved, so both see the same machine
+                _say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through the gateway...")
+                direct += _load(w.urls[0], duration, rate)["latencies"]
+                via += _load(g.url, duration, rate)["latencies"]
+            metrics = httpx.get(g.url + "/metrics").text
+        finally:
+            if g is not None:
+                g.stop()
+            w.stop()
+            c.stop()
+    added = {}
+    for line in metrics.splitlines():
+        if line.startswith("kvdir_gateway_added_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            added[le] = float(line.split()[-1])
+    total = added.get("+Inf", 0.0)
+    p50_bucket = next((le for le, n in added.items() if total and n >= total / 2), None)
+    return {
+        "direct_p50_ms": _pct(direct, 50) * 1e3, "direct_p99_ms": _pct(direct, 99) * 1e3,
+        "gateway_p50_ms": _pct(via, 50) * 1e3, "gateway_p99_ms": _pct(via, 99) * 1e3,
+        "added_p50_ms": (_pct(via, 50) - _pct(direct, 50)) * 1e3, "added_p99_ms": (_pct(via, 99) - _pct(direct, 99)) * 1e3,
+        "gateway_internal_added_p50_le_s": p50_bucket,
+        "requests_per_s": rate,
+    }
+
+
+def main(*, as_json: bool, quick: bool) -> int:
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": quick,
+    }
+    _say("tokenize + hash, 1k / 10k / 100k tokens...")
+    results.update(bench_tokenize_hash())
+    _say("added latency of the gateway vs the worker directly (3 replicas, 1 worker at --time-scale 0)...")
+    results.update(bench_added_latency(quick))
+    if as_json:
+        print(json.dumps(results))
+    else:
+        for k, v in results.items():
+            print(f"{k:40s} {v:,.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+    return 0
