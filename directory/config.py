@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -16,14 +17,28 @@ def parse_hostport(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _hostport(value: str) -> str:
+    parse_hostport(value)
+    return value
+
+
+HostPort = Annotated[str, AfterValidator(_hostport)]
+"""A HOST:PORT setting, checked when the settings are read."""
+
+
+def url_list(value: str) -> list[str]:
+    """Comma-separated URLs, trailing slashes dropped."""
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
 class DirectorySettings(BaseSettings):
     """One directory replica (`kvdir directory`)."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
-    http: str = Field("127.0.0.1:8101", description="HOST:PORT the REST API listens on")
+    http: HostPort = Field("127.0.0.1:8101", description="HOST:PORT the REST API listens on")
     advertise_url: str | None = Field(None, description="URL other components reach this replica at (default http://HTTP)")
-    raft: str = Field("127.0.0.1:8201", description="HOST:PORT of this replica's Raft endpoint")
+    raft: HostPort = Field("127.0.0.1:8201", description="HOST:PORT of this replica's Raft endpoint")
     peers: str = Field("", description="comma-separated Raft HOST:PORT of the other replicas")
     data_dir: Path | None = Field(None, description="directory for the Raft journal and snapshots (default: in memory only)")
     lease_ttl_s: float = Field(10.0, gt=0.2, le=3600, description="a node silent for this long is expired with its entries")
@@ -38,12 +53,6 @@ class DirectorySettings(BaseSettings):
     raft_max_timeout_s: float = Field(0.7, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
     log_level: str = Field("info", description="debug, info, warning or error")
-
-    @field_validator("http", "raft")
-    @classmethod
-    def _hostport(cls, v: str) -> str:
-        parse_hostport(v)
-        return v
 
     @field_validator("peers")
     @classmethod

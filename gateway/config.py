@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.config import parse_hostport
+from directory.config import HostPort, url_list
 
 
 class GatewaySettings(BaseSettings):
@@ -13,7 +13,7 @@ class GatewaySettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
-    http: str = Field("127.0.0.1:8100", description="HOST:PORT the OpenAI-compatible API listens on")
+    http: HostPort = Field("127.0.0.1:8100", description="HOST:PORT the OpenAI-compatible API listens on")
     directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
     engine: str = Field("", description="comma-separated URLs of engines that do not register with the directory")
     policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
@@ -31,16 +31,10 @@ class GatewaySettings(BaseSettings):
     seed: int = Field(0, description="seed of the policies' random tie-breaks")
     log_level: str = Field("info", description="debug, info, warning or error")
 
-    @field_validator("http")
-    @classmethod
-    def _hostport(cls, v: str) -> str:
-        parse_hostport(v)
-        return v
-
     @property
     def directory_urls(self) -> list[str]:
-        return [u.strip() for u in self.directory.split(",") if u.strip()]
+        return url_list(self.directory)
 
     @property
     def static_engines(self) -> list[str]:
-        return [u.strip().rstrip("/") for u in self.engine.split(",") if u.strip()]
+        return url_list(self.engine)

@@ -8,10 +8,10 @@ so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.config import parse_hostport
+from directory.config import HostPort, url_list
 
 
 class WorkerSettings(BaseSettings):
@@ -20,7 +20,7 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     node_id: str = Field("worker-1", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$", description="this node's id in the directory")
-    http: str = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
+    http: HostPort = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
     advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
     directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
     model: str = Field("kvdir-stub", min_length=1, description="the model name served")
@@ -42,16 +42,10 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
     log_level: str = Field("info", description="debug, info, warning or error")
 
-    @field_validator("http")
-    @classmethod
-    def _hostport(cls, v: str) -> str:
-        parse_hostport(v)
-        return v
-
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.http}"
 
     @property
     def directory_urls(self) -> list[str]:
-        return [u.strip() for u in self.directory.split(",") if u.strip()]
+        return url_list(self.directory)

@@ -142,7 +142,7 @@ class Publisher:
             batch = list(self._store.items())[:BATCH]
             await self.directory.publish(self.node_id, self.epoch, [(h, slot) for h, (slot, _) in batch])
             now = time.monotonic()
-            for h, (slot, when) in batch:
+            for h, (slot, _) in batch:
                 if self._store.get(h, (None, 0.0))[0] == slot:
                     del self._store[h]
             if self.on_published is not None:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import platform
 import statistics
-import sys
 import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +22,12 @@ from directory.errors import DirectoryUnavailable
 from directory.hashing import block_hashes, chain_hashes, seed_for
 from directory.state import DirectoryState, Publish, Register
 from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
 
 SEED = seed_for("")
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    return float(np.percentile(np.asarray(values), p))
 
 
 def _best_rate(fn: Callable[[], int], rounds: int = 3) -> float:
@@ -137,7 +127,7 @@ def bench_lookups(quick: bool) -> dict[str, Any]:
         tree = w.build_dynamo()
     except ImportError:
         tree = None
-        _say("  (ai-dynamo-runtime not installed: `pip install -e '.[peers]'` to compare with Dynamo's RadixTree)")
+        say("  (ai-dynamo-runtime not installed: `pip install -e '.[peers]'` to compare with Dynamo's RadixTree)")
     if tree is None:
         out["lookup_per_s"] = _best_rate(ours, 5)
         return out
@@ -151,7 +141,7 @@ def bench_lookups(quick: bool) -> dict[str, Any]:
 
     def dynamo() -> int:
         for q in local_queries:
-            tree.find_matches(q).scores  # the per-worker overlaps as Python objects, as ours returns them
+            _ = tree.find_matches(q).scores  # the per-worker overlaps as Python objects, as ours returns them
         return len(local_queries)
 
     ours_rates, theirs_rates = [], []
@@ -214,11 +204,11 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
                           for n in range(8)]
             nodes = [f"pub{n}" for n in range(8)]
             for batch, key in ((64, "publish"), (1024, "publish_batch1024")):
-                _say(f"  publishing batches of {batch} blocks for {duration:.0f}s (16 connections over the 3 replicas)...")
+                say(f"  publishing batches of {batch} blocks for {duration:.0f}s (16 connections over the 3 replicas)...")
                 items, lat, errors = _load(urls, "publish", duration, nodes, epochs, blocks_per_request=batch)
                 out[f"{key}_blocks_per_s"] = items / duration
-                out[f"{key}_p50_ms"] = _pct(lat, 50) * 1e3
-                out[f"{key}_p99_ms"] = _pct(lat, 99) * 1e3
+                out[f"{key}_p50_ms"] = pct(lat, 50) * 1e3
+                out[f"{key}_p99_ms"] = pct(lat, 99) * 1e3
                 out[f"{key}_errors"] = errors
             with httpx.Client() as http:
                 seqs = [chain_hashes([i * 1000 + j for j in range(64)], SEED) for i in range(len(queries_tail))]
@@ -226,12 +216,12 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
                     http.post(urls[0] + "/v1/blocks", json={"node_id": nodes[i % 8], "epoch": epochs[i % 8],
                                                             "blocks": [{"hash": h, "slot": j} for j, h in enumerate(seq)]})
             queries = [s + q[:192] for s, q in zip(seqs, queries_tail)]
-            _say(f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)...")
+            say(f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)...")
             items, lat, errors = _load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
-            out.update(rest_lookup_per_s=items / duration, rest_lookup_p50_ms=_pct(lat, 50) * 1e3,
-                       rest_lookup_p99_ms=_pct(lat, 99) * 1e3, rest_lookup_errors=errors)
+            out.update(rest_lookup_per_s=items / duration, rest_lookup_p50_ms=pct(lat, 50) * 1e3,
+                       rest_lookup_p99_ms=pct(lat, 99) * 1e3, rest_lookup_errors=errors)
             rounds = 2 if quick else 5
-            _say(f"  failover: SIGKILL the leader under a steady writer, {rounds} times...")
+            say(f"  failover: SIGKILL the leader under a steady writer, {rounds} times...")
             out["failover_runs_s"] = [asyncio.run(_failover_once(c)) for _ in range(rounds)]
             out["failover_s"] = statistics.median(out["failover_runs_s"])
             return out
@@ -261,23 +251,15 @@ async def _failover_once(c: Cluster) -> float:
 
 
 def main(*, as_json: bool, quick: bool) -> int:
-    results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "quick": quick,
-    }
-    _say("hashing a 100k-token prompt...")
+    results: dict[str, Any] = header(quick)
+    say("hashing a 100k-token prompt...")
     results["hash_tokens_per_s"] = bench_hashing(quick)
-    _say("in-process lookups (256-block queries, 16 nodes x 20,000 sequences x 64 blocks)...")
+    say("in-process lookups (256-block queries, 16 nodes x 20,000 sequences x 64 blocks)...")
     lk = bench_lookups(quick)
     results.update(lk)
-    _say("memory per entry at 1M entries...")
+    say("memory per entry at 1M entries...")
     results["bytes_per_entry"] = bench_memory(200_000 if quick else 1_000_000)
-    _say("REST on 3 local replicas...")
+    say("REST on 3 local replicas...")
     results.update(bench_rest(quick, LookupWorkload(sequences=10, queries=200, seed=5).query_seq))
-    if as_json:
-        print(json.dumps(results))
-    else:
-        for k, v in results.items():
-            print(f"{k:28s} {v:,.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+    emit(results, as_json)
     return 0

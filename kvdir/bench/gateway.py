@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing
-import platform
 import random
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from directory.hashing import block_hashes
 from directory.tokenizer import ByteTokenizer
 from gateway.prefix_hasher import PrefixHasher
 from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _pct(values: list[float], p: float) -> float:
-    return float(np.percentile(np.asarray(values), p)) if values else float("nan")
 
 
 def bench_tokenize_hash() -> dict[str, Any]:
@@ -81,7 +69,7 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
             direct: list[float] = []
             via: list[float] = []
             for _ in range(2):  # interleaved, so both see the same machine
-                _say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through the gateway...")
+                say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through the gateway...")
                 direct += _load(w.urls[0], duration, rate)["latencies"]
                 via += _load(g.url, duration, rate)["latencies"]
             metrics = httpx.get(g.url + "/metrics").text
@@ -98,27 +86,19 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
     total = added.get("+Inf", 0.0)
     p50_bucket = next((le for le, n in added.items() if total and n >= total / 2), None)
     return {
-        "direct_p50_ms": _pct(direct, 50) * 1e3, "direct_p99_ms": _pct(direct, 99) * 1e3,
-        "gateway_p50_ms": _pct(via, 50) * 1e3, "gateway_p99_ms": _pct(via, 99) * 1e3,
-        "added_p50_ms": (_pct(via, 50) - _pct(direct, 50)) * 1e3, "added_p99_ms": (_pct(via, 99) - _pct(direct, 99)) * 1e3,
+        "direct_p50_ms": pct(direct, 50) * 1e3, "direct_p99_ms": pct(direct, 99) * 1e3,
+        "gateway_p50_ms": pct(via, 50) * 1e3, "gateway_p99_ms": pct(via, 99) * 1e3,
+        "added_p50_ms": (pct(via, 50) - pct(direct, 50)) * 1e3, "added_p99_ms": (pct(via, 99) - pct(direct, 99)) * 1e3,
         "gateway_internal_added_p50_le_s": p50_bucket,
         "requests_per_s": rate,
     }
 
 
 def main(*, as_json: bool, quick: bool) -> int:
-    results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "quick": quick,
-    }
-    _say("tokenize + hash, 1k / 10k / 100k tokens...")
+    results: dict[str, Any] = header(quick)
+    say("tokenize + hash, 1k / 10k / 100k tokens...")
     results.update(bench_tokenize_hash())
-    _say("added latency of the gateway vs the worker directly (3 replicas, 1 worker at --time-scale 0)...")
+    say("added latency of the gateway vs the worker directly (3 replicas, 1 worker at --time-scale 0)...")
     results.update(bench_added_latency(quick))
-    if as_json:
-        print(json.dumps(results))
-    else:
-        for k, v in results.items():
-            print(f"{k:40s} {v:,.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+    emit(results, as_json)
     return 0

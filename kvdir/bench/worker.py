@@ -4,14 +4,10 @@ worker overhead (requests/s with no simulated time)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
-import platform
 import statistics
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +15,9 @@ import httpx
 import numpy as np
 
 from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Workers, free_ports
 from worker_stub.transfer_bench import measure_read_bandwidth
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _pct(values: list[float], p: float) -> float:
-    return float(np.percentile(np.asarray(values), p)) if values else float("nan")
 
 
 def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str, Any]:
@@ -65,7 +54,7 @@ def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str
                 with_verify.append(k["pull_bytes"] / k["pull_s"] / 1e9)
     finally:
         w.stop()
-    _say(f"  raw {engine} reads of {total >> 20} MiB in one process pair...")
+    say(f"  raw {engine} reads of {total >> 20} MiB in one process pair...")
     raw = measure_read_bandwidth(engine, total, block_bytes, pieces_per_batch=blocks * tp, repeats=3)
     pull_gbps = statistics.median(rates)
     return {
@@ -111,45 +100,37 @@ def bench_publish_and_overhead(tmp: Path, c: Cluster, quick: bool) -> dict[str, 
         follower = next(u for u in c.replica_urls if u != leader)
         # Background: 250 unique prompts/s of 4 blocks each to the other worker: 1,000 block publishes/s.
         ctx = multiprocessing.get_context("spawn")
-        _say(f"  publish lag at 1,000 block publishes/s for {duration:.0f}s...")
+        say(f"  publish lag at 1,000 block publishes/s for {duration:.0f}s...")
         with ctx.Pool(1) as pool:
             bg = pool.apply_async(run_load, (LoadSpec([w.urls[1]], "complete", duration, 8, 1, [], [], rate=250.0),))
             lags = asyncio.run(_probe_lag(w.urls[0], follower, int(duration * 10), 0.1))
             load = bg.get()
         metrics = httpx.get(w.urls[1] + "/metrics").text
         published = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvdir_worker_published_blocks_total"))
-        out.update(publish_lag_p50_ms=_pct(lags, 50) * 1e3, publish_lag_p99_ms=_pct(lags, 99) * 1e3,
+        out.update(publish_lag_p50_ms=pct(lags, 50) * 1e3, publish_lag_p99_ms=pct(lags, 99) * 1e3,
                    publish_background_blocks_per_s=published / duration, publish_background_requests_per_s=load["items"] / duration)
-        _say(f"  worker requests/s at --time-scale 0 for {duration:.0f}s...")
+        say(f"  worker requests/s at --time-scale 0 for {duration:.0f}s...")
         with ctx.Pool(1) as pool:
             res = pool.apply(run_load, (LoadSpec([w.urls[0]], "complete", duration, 16, 2, [], []),))
-        out.update(worker_requests_per_s=res["items"] / duration, worker_p50_ms=_pct(res["latencies"], 50) * 1e3,
-                   worker_p99_ms=_pct(res["latencies"], 99) * 1e3, worker_errors=res["errors"])
+        out.update(worker_requests_per_s=res["items"] / duration, worker_p50_ms=pct(res["latencies"], 50) * 1e3,
+                   worker_p99_ms=pct(res["latencies"], 99) * 1e3, worker_errors=res["errors"])
     finally:
         w.stop()
     return out
 
 
 def main(*, as_json: bool, quick: bool) -> int:
-    results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "quick": quick,
-    }
+    results: dict[str, Any] = header(quick)
     ports = free_ports(6)
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
         c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
         try:
             c.start()
             c.wait_ready(60)
-            _say("pull of a 1 GiB prefix (4 ranks x 256 blocks x 1 MiB) between two workers (mooncake, tcp)...")
+            say("pull of a 1 GiB prefix (4 ranks x 256 blocks x 1 MiB) between two workers (mooncake, tcp)...")
             results.update(bench_pull(Path(tmp), c.replica_urls, quick, "mooncake"))
             results.update(bench_publish_and_overhead(Path(tmp), c, quick))
         finally:
             c.stop()
-    if as_json:
-        print(json.dumps(results))
-    else:
-        for k, v in results.items():
-            print(f"{k:34s} {v:,.3f}" if isinstance(v, float) else f"{k:34s} {v}")
+    emit(results, as_json)
     return 0

@@ -36,7 +36,7 @@ def test_epochs_fence_restarted_nodes(make_cluster) -> None:
     assert e2 > e1
     r = _publish(url, "n1", e1, hashes)
     assert r.status_code == 409 and r.json()["error"] == "stale_epoch", r.text
-    r = httpx.post(url + f"/v1/nodes/n1/heartbeat", json={"epoch": e1})
+    r = httpx.post(url + "/v1/nodes/n1/heartbeat", json={"epoch": e1})
     assert r.status_code == 409
     r = httpx.post(url + "/v1/blocks/remove", json={"node_id": "n1", "epoch": e1, "hashes": hashes})
     assert r.status_code == 409

@@ -42,7 +42,7 @@ def _chat(url: str, messages: list[dict], **extra) -> httpx.Response:
 
 def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, make_workers, make_gateway) -> None:
     c = make_cluster(3)
-    w = make_workers(c, 3)
+    make_workers(c, 3)
     g = make_gateway(c, 3)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
     first = _chat(g.url, messages)
@@ -70,7 +70,7 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
 def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_workers, make_gateway) -> None:
     c = make_cluster(3)
     # Slow prefill (1,000 tokens/s at time scale 1): recomputing the ~2,000-token prompt costs ~2 s, pulling it ~ms.
-    w = make_workers(c, 3, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
+    make_workers(c, 3, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
     g = make_gateway(c, 3, ("--prefill-tokens-per-s", "1000", "--max-running", "1"))
     prompt = SYSTEM * 3
     first = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60)
@@ -116,7 +116,7 @@ def test_directory_down_routes_by_load_and_never_fails(make_cluster, make_worker
 
 def test_unreachable_engine_is_retried_on_the_next(make_cluster, make_workers, make_gateway) -> None:
     c = make_cluster(1)
-    w = make_workers(c, 1)
+    make_workers(c, 1)
     dead = f"http://127.0.0.1:{free_ports(1)[0]}"
     g = make_gateway(c, 2, ("--engine", dead, "--policy", "round_robin"))
     nodes = set()
