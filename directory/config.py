@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, SecretStr, field_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -49,6 +49,7 @@ class DirectorySettings(BaseSettings):
     max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
+    raft_password_file: Path | None = Field(None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)")
     raft_min_timeout_s: float = Field(0.35, gt=0, description="Raft election timeout, lower bound")
     raft_max_timeout_s: float = Field(0.7, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
@@ -60,6 +61,17 @@ class DirectorySettings(BaseSettings):
         for p in filter(None, (x.strip() for x in v.split(","))):
             parse_hostport(p)
         return v
+
+    @model_validator(mode="after")
+    def _password_from_file(self) -> DirectorySettings:
+        if self.raft_password_file is not None:
+            if self.raft_password is not None:
+                raise ValueError("give the Raft password or its file, not both")
+            try:
+                self.raft_password = SecretStr(self.raft_password_file.read_text().strip())
+            except OSError as exc:
+                raise ValueError(f"cannot read the Raft password file: {exc}") from exc
+        return self
 
     @property
     def peer_list(self) -> list[str]:

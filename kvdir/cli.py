@@ -51,8 +51,12 @@ def _parser() -> argparse.ArgumentParser:
 
     from kvdir.launcher import UpSettings
 
-    u = sub.add_parser("up", help="start a local cluster on loopback (3 directory replicas)")
+    u = sub.add_parser("up", help="start a local cluster on loopback: directory replicas, worker stubs, gateway")
     add_settings_flags(u, UpSettings)
+
+    sub.add_parser("check-config", help="validate settings (flags, env, a docker-compose file) without starting anything",
+                   add_help=False)
+    sub.add_parser("health", help="probe a running component's health endpoint (for container health checks)", add_help=False)
 
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
     b.add_argument("target", choices=["directory", "worker", "gateway"], help="what to measure")
@@ -62,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["check-config"], ["health"]):  # they parse their own arguments
+        from kvdir.check_config import run_check_config, run_health
+
+        return (run_check_config if argv[0] == "check-config" else run_health)(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "directory":

@@ -1,0 +1,164 @@
+"""`kvdir check-config` and `kvdir health`: validate configurations without starting anything,
+and probe a running component (for container health checks).
+
+One settings class per role serves the command line, the environment,
+`kvdir up` and docker-compose.yml, so checking a compose file is checking the
+same settings the processes will read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+
+import httpx
+import yaml
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+from directory.config import DirectorySettings
+from gateway.config import GatewaySettings
+from kvdir.launcher import UpSettings
+from worker_stub.config import WorkerSettings
+
+# Variables read by `kvdir health`, allowed beside any role's settings.
+COMMON_ENV = {"KVDIR_HEALTH_URL"}
+
+ROLES: dict[str, type[BaseSettings]] = {
+    "directory": DirectorySettings,
+    "gateway": GatewaySettings,
+    "worker": WorkerSettings,
+    "up": UpSettings,
+}
+
+
+@contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Exactly `env` as the KVDIR_* environment for the duration (other variables kept)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("KVDIR_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
+
+
+def check(role: str, args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """Problems with running `kvdir ROLE ARGS...` under `env`; empty when it would start."""
+    from kvdir.cli import add_settings_flags, build_settings
+
+    cls = ROLES.get(role)
+    if cls is None:
+        return [f"unknown role {role!r}: expected one of {', '.join(ROLES)}"]
+    problems = []
+    prefix = cls.model_config.get("env_prefix", "")
+    for key in env:
+        if key.startswith(prefix) and key not in COMMON_ENV and key[len(prefix):].lower() not in cls.model_fields:
+            problems.append(f"{key}: not a setting of `kvdir {role}`")
+    parser = argparse.ArgumentParser(prog=f"kvdir {role}", add_help=False, exit_on_error=False)
+    add_settings_flags(parser, cls)
+    try:
+        ns, extra = parser.parse_known_args(list(args))
+    except argparse.ArgumentError as exc:
+        return [*problems, str(exc)]
+    problems += [f"{a}: not a flag of `kvdir {role}`" for a in extra]
+    with _environment({k: str(v) for k, v in env.items() if k.startswith(prefix) and k not in COMMON_ENV}):
+        try:
+            build_settings(cls, ns)
+        except ValidationError as exc:
+            problems += [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
+    return problems
+
+
+def compose_services(path: Path, secrets_stand_in: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
+    """Each kvdir service of a compose file as (role, args, environment).
+
+    A setting naming /run/secrets/NAME is checked to be a secret the compose
+    file declares and the service mounts; the secret's content is not read
+    (it may not exist outside the deployment), `secrets_stand_in` takes its place.
+    """
+    doc = yaml.safe_load(path.read_text())
+    declared = set((doc.get("secrets") or {}).keys())
+    out = {}
+    for name, svc in (doc.get("services") or {}).items():
+        command = svc.get("command") or []
+        if isinstance(command, str):
+            command = command.split()
+        if not command or command[0] not in ROLES:
+            continue  # not a kvdir service (an engine, say)
+        env = svc.get("environment") or {}
+        if isinstance(env, list):
+            env = dict(item.split("=", 1) for item in env)
+        mounted = {m if isinstance(m, str) else m.get("source") for m in svc.get("secrets") or []}
+        env = {k: str(v) for k, v in env.items()}
+        for k, v in env.items():
+            if v.startswith("/run/secrets/"):
+                secret = v.removeprefix("/run/secrets/")
+                if secret in declared and secret in mounted:
+                    env[k] = str(secrets_stand_in)
+        out[name] = (command[0], [str(a) for a in command[1:]], env)
+    return out
+
+
+def run_check_config(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvdir check-config", description=__doc__)
+    p.add_argument("--compose", type=Path, help="check every kvdir service of this docker-compose file")
+    p.add_argument("role", nargs="?", help="directory, gateway, worker or up (with its flags after it)")
+    args, rest = p.parse_known_args(list(argv))
+    if args.compose is None and args.role is None:
+        p.error("give --compose FILE or a role and its flags")
+    with tempfile.TemporaryDirectory(prefix="kvdir-check-") as tmp:
+        stand_in = Path(tmp) / "secret"
+        stand_in.write_text("stand-in for a secret\n")
+        return _run_checks(args.compose, args.role, rest, stand_in)
+
+
+def _run_checks(compose: Path | None, role: str | None, rest: list[str], stand_in: Path) -> int:
+    checks: dict[str, tuple[str, list[str], dict[str, str]]] = {}
+    if compose is not None:
+        try:
+            checks.update(compose_services(compose, stand_in))
+        except (OSError, yaml.YAMLError) as exc:
+            print(f"kvdir check-config: cannot read {compose}: {exc}", file=sys.stderr)
+            return 2
+        if not checks:
+            print(f"kvdir check-config: no kvdir service in {compose}", file=sys.stderr)
+            return 2
+    if role is not None:
+        checks["(command line)"] = (role, list(rest), {k: v for k, v in os.environ.items() if k.startswith("KVDIR_")})
+    failed = 0
+    for name, (role, cmd_args, env) in checks.items():
+        problems = check(role, cmd_args, env)
+        if problems:
+            failed += 1
+            for pr in problems:
+                print(f"{name} (kvdir {role}): {pr}", file=sys.stderr)
+        else:
+            print(f"ok: {name} (kvdir {role})")
+    return 2 if failed else 0
+
+
+def run_health(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvdir health", description="exit 0 if URL answers 2xx within the timeout (container health checks)")
+    p.add_argument("--url", default=os.environ.get("KVDIR_HEALTH_URL", "http://127.0.0.1:8100/health"),
+                   help="the endpoint to probe [env KVDIR_HEALTH_URL]")
+    p.add_argument("--timeout", type=float, default=2.0)
+    args = p.parse_args(list(argv))
+    try:
+        ok = httpx.get(args.url, timeout=args.timeout).is_success
+    except httpx.HTTPError as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+

@@ -1,0 +1,116 @@
+"""docker-compose.yml and the Dockerfile, checked statically.
+
+Docker itself is not available on the CI machines, so nothing here builds or
+runs a container: the checks are strict instead. Every kvdir service's command
+and environment go through `kvdir check-config` (the same settings classes the
+processes read), and the topology must be consistent and match `kvdir up`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from directory.config import parse_hostport
+from kvdir.check_config import check, compose_services
+from kvdir.launcher import UpSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    stand_in = tmp_path_factory.mktemp("secrets") / "secret"
+    stand_in.write_text("x")
+    return compose_services(COMPOSE, stand_in)
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_every_service_passes_check_config(services) -> None:
+    assert services, "no kvdir service found"
+    for name, (role, args, env) in services.items():
+        assert check(role, args, env) == [], name
+    out = subprocess.run([sys.executable, "-m", "kvdir", "check-config", "--compose", str(COMPOSE)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok: ") == len(services)
+
+
+def test_check_config_catches_mistakes(services, tmp_path) -> None:
+    role, args, env = services["dir1"]
+    assert any("KVDIR_HTTP" in p or "http" in p for p in check(role, args, {**env, "KVDIR_HTTP": "no-port"}))
+    assert any("KVDIR_TYPO" in p for p in check(role, args, {**env, "KVDIR_TYPO": "1"}))
+    assert any("--nope" in p for p in check(role, [*args, "--nope"], env))
+    assert check("nonsense", [], {})
+    # A secret the service does not mount is read for real, and is missing here.
+    broken = yaml.safe_load(COMPOSE.read_text())
+    del broken["services"]["dir2"]["secrets"]
+    path = tmp_path / "compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    stand_in = tmp_path / "s"
+    stand_in.write_text("x")
+    role, args, env = compose_services(path, stand_in)["dir2"]
+    assert any("password" in p.lower() for p in check(role, args, env))
+
+
+def test_topology_is_consistent_and_matches_kvdir_up(services, doc) -> None:
+    by_role: dict[str, list[str]] = {}
+    for name, (role, _, _) in services.items():
+        by_role.setdefault(role, []).append(name)
+    up = UpSettings()
+    assert len(by_role["directory"]) == up.replicas
+    assert len(by_role["worker"]) == up.workers
+    assert len(by_role["gateway"]) == 1 and up.gateway
+    directory_urls = set()
+    raft = {}
+    for name in by_role["directory"]:
+        env = services[name][2]
+        svc = doc["services"][name]
+        assert urlsplit(env["KVDIR_ADVERTISE_URL"]).hostname == name == svc["hostname"]
+        host, _ = parse_hostport(env["KVDIR_RAFT"])
+        assert host == name
+        raft[name] = env["KVDIR_RAFT"]
+        directory_urls.add(env["KVDIR_ADVERTISE_URL"])
+        # State survives container restarts: the data dir is a named volume.
+        volume, mount = svc["volumes"][0].split(":")
+        assert mount == env["KVDIR_DATA_DIR"] and volume in doc["volumes"]
+    for name in by_role["directory"]:
+        peers = set(services[name][2]["KVDIR_PEERS"].split(","))
+        assert peers == {a for n, a in raft.items() if n != name}
+    for name in by_role["worker"] + by_role["gateway"]:
+        env = services[name][2]
+        assert set(env["KVDIR_DIRECTORY"].split(",")) == directory_urls
+    node_ids = [services[n][2]["KVDIR_NODE_ID"] for n in by_role["worker"]]
+    assert len(set(node_ids)) == len(node_ids)
+    for name in by_role["worker"]:
+        env = services[name][2]
+        assert urlsplit(env["KVDIR_ADVERTISE_URL"]).hostname == name == env["KVDIR_TRANSFER_HOST"]
+    for name, (role, _, env) in services.items():
+        # Each health check probes the service's own port, and the directory's readiness.
+        _, port = parse_hostport(env["KVDIR_HTTP"])
+        url = urlsplit(env["KVDIR_HEALTH_URL"])
+        assert url.port == port
+        assert url.path == ("/readyz" if role == "directory" else "/health")
+    assert doc["services"]["gateway"]["ports"] == ["8000:8000"]
+    published = [n for n, s in doc["services"].items() if s.get("ports")]
+    assert published == ["gateway"]  # nothing else is reachable from outside
+
+
+def test_dockerfile_essentials() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "libibverbs1" in text
+    assert "\nUSER kvdir" in text and "useradd" in text
+    assert 'HEALTHCHECK' in text and '"kvdir", "health"' in text
+    assert 'ENTRYPOINT ["kvdir"]' in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
