@@ -104,7 +104,8 @@ def _cached_tokens(payload: Any) -> int | None:
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
-    tokenizer = load_tokenizer(settings.tokenizer)
+    use_engine_tokenizer = settings.tokenizer == "engine"
+    tokenizer = None if use_engine_tokenizer else load_tokenizer(settings.tokenizer)
     hasher = PrefixHasher(settings.block_size, settings.namespace)
     cost = CostModel(prefill_tokens_per_s=settings.prefill_tokens_per_s, link_bytes_per_s=settings.link_gbps * 1e9,
                      pull_setup_s=settings.pull_setup_ms / 1000, max_running=settings.max_running)
@@ -291,12 +292,34 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers,
                                  media_type=upstream.headers.get("content-type", "text/event-stream"))
 
+    async def engine_tokens(request: Request, payload: dict[str, Any]) -> list[int]:
+        """Tokens from an engine's own /tokenize (vLLM's API): its tokenizer and chat template, exactly."""
+        registry: EngineRegistry = request.app.state.registry
+        http: httpx.AsyncClient = request.app.state.http
+        for e in sorted(registry.engines.values(), key=lambda e: e.inflight):
+            if not e.healthy:
+                continue
+            try:
+                r = await http.post(e.url + "/tokenize", json={"model": payload.get("model"), **payload}, timeout=5.0)
+            except httpx.TransportError:
+                registry.mark_unhealthy(e.node_id)
+                continue
+            if r.status_code == 200:
+                return [int(t) for t in r.json()["tokens"]]
+            raise GatewayError(r.status_code if r.status_code < 500 else 502, f"the engine could not tokenize: {r.text[:300]}")
+        raise GatewayError(503, "no engine is available to tokenize", "service_unavailable", "no_engine")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         t = time.perf_counter()
         raw, body = await parse(request, CompletionBody)
         t_tok = time.perf_counter()
-        tokens = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not isinstance(body.prompt, str):
+            tokens = list(body.prompt)
+        elif tokenizer is None:
+            tokens = await engine_tokens(request, {"model": body.model, "prompt": body.prompt})
+        else:
+            tokens = tokenizer.encode(body.prompt)
         return await forward(request, "/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
     @app.post("/v1/chat/completions")
@@ -304,7 +327,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         t = time.perf_counter()
         raw, body = await parse(request, ChatBody)
         t_tok = time.perf_counter()
-        tokens = tokenizer.encode(render_chat([m.model_dump() for m in body.messages]))
+        messages = [m.model_dump() for m in body.messages]
+        if tokenizer is None:
+            tokens = await engine_tokens(request, {"model": body.model, "messages": raw["messages"]})
+        else:
+            tokens = tokenizer.encode(render_chat(messages))
         return await forward(request, "/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
     @app.get("/v1/models")

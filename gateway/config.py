@@ -17,7 +17,7 @@ class GatewaySettings(BaseSettings):
     directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
     engine: str = Field("", description="comma-separated URLs of engines that do not register with the directory")
     policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
-    tokenizer: str = Field("bytes", description="'bytes' (UTF-8 bytes as tokens) or a tokenizer.json path: the engines' tokenizer")
+    tokenizer: str = Field("bytes", description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)")
     namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the engines'")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the engines'")
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="engines' prefill rate, for the TTFT estimate")

@@ -72,6 +72,7 @@ class ChatRequest(_Req):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `model` and other vLLM fields are accepted
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
 

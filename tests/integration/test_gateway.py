@@ -226,3 +226,18 @@ print([m.id for m in client.models.list()])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert MODEL in out.stdout
+
+
+def test_engine_tokenizer_gives_the_same_routing(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(1)
+    make_workers(c, 2)
+    g = make_gateway(c, 2, ("--tokenizer", "engine"))
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "tokenized by the engine"}]
+    first = _chat(g.url, messages)
+    text = f"<|system|>\n{SYSTEM}\n<|user|>\ntokenized by the engine\n<|assistant|>\n"
+    wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
+             what="the first request published")
+    again = _chat(g.url, messages)
+    assert again.headers["x-kvdir-node"] == first.headers["x-kvdir-node"]
+    assert again.headers["x-kvdir-decision"] == "affinity"
+    assert int(again.headers["x-kvdir-predicted-cached-tokens"]) == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
