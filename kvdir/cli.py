@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("health", help="probe a running component's health endpoint (for container health checks)", add_help=False)
 
+    from kvdir.replay.report import add_arguments as add_replay_arguments
+
+    r = sub.add_parser("replay", help="replay a trace (Mooncake JSONL or synthetic) through the routing policies: simulated or live")
+    add_replay_arguments(r)
+
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
     b.add_argument("target", choices=["directory", "worker", "gateway"], help="what to measure")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -94,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvdir.launcher import UpSettings, run_up
 
             return run_up(build_settings(UpSettings, args))
+        if args.command == "replay":
+            from kvdir.replay.report import run_replay
+
+            return run_replay(args)
         if args.command == "bench":
             from kvdir.bench import run_bench
 

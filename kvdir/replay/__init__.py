@@ -1,0 +1,1 @@
+"""Offline trace replay: Mooncake traces and synthetic workloads through the gateway's routing policies."""

@@ -1,0 +1,315 @@
+"""The offline trace-replay simulator (kvdir/replay): trace loading, the oracle, the
+simulation's invariants, the synthetic workloads and the report.
+
+Pure code: no sockets, no clocks in the model, fixed seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.policy import POLICIES
+from kvdir.replay.report import main as replay_main
+from kvdir.replay.sim import SimParams, oracle_hit_rate, simulate
+from kvdir.replay.trace import (
+    TraceRequest,
+    chain_blocks,
+    hot_prefix_burst,
+    load_mooncake,
+    multi_turn,
+    shared_prefix,
+)
+
+ALL = sorted(POLICIES)
+B = 512
+
+
+def req(t: float, ids: list[int], tokens: int | None = None, out: int = 16) -> TraceRequest:
+    return TraceRequest(t, len(ids) * B if tokens is None else tokens, out, chain_blocks(ids))
+
+
+def write_trace(path, rows) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def strip(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "wall_s"}
+
+
+# ---------------------------------------------------------------------------
+# Block keys and the trace loader
+
+
+def test_chained_keys_name_the_whole_prefix():
+    a = chain_blocks([0, 1, 2])
+    assert chain_blocks([0, 1, 2, 3])[:3] == a  # a prefix keeps its keys
+    assert chain_blocks([0, 1, 9])[:2] == a[:2] and chain_blocks([0, 1, 9])[2] != a[2]
+    assert chain_blocks([5, 1, 2])[1] != a[1]  # same id after a different prefix: another block
+    assert chain_blocks([0, 1, 2]) == a  # deterministic (no per-process hash seed)
+    assert len(set(chain_blocks([7, 7, 7]))) == 3
+
+
+def test_load_mooncake_reads_the_fields(tmp_path):
+    p = tmp_path / "t.jsonl"
+    write_trace(p, [{"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+                    {"timestamp": 2000.5, "input_length": 600, "output_length": 0, "hash_ids": [0, 4]}])
+    reqs, errors = load_mooncake(p)
+    assert errors == []
+    assert reqs[0] == TraceRequest(1.5, 1100, 7, chain_blocks([0, 1, 2]))
+    assert reqs[1].arrival_s == pytest.approx(2.0005) and reqs[1].blocks[0] == reqs[0].blocks[0]
+
+
+def test_malformed_lines_are_reported_by_line_number_and_strict_raises(tmp_path):
+    good = {"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]}
+    rows = [
+        good,                                                                    # 1
+        "{not json",                                                             # 2
+        {"timestamp": 1, "input_length": 10, "output_length": 1},                # 3 missing hash_ids
+        {**good, "input_length": "1024"},                                        # 4 wrong type
+        {**good, "output_length": -1},                                           # 5 negative
+        "",                                                                      # 6 blank: ignored
+        {**good, "hash_ids": [0, "x"]},                                          # 7 wrong element type
+        {**good, "input_length": 512},                                           # 8 two blocks for 512 tokens
+        {**good, "timestamp": True},                                             # 9 bool is not a number
+        "[1, 2]",                                                                # 10 not an object
+        {**good, "hash_ids": [-1]},                                              # 11 negative id
+        good,                                                                    # 12
+    ]
+    p = tmp_path / "bad.jsonl"
+    write_trace(p, rows)
+    reqs, errors = load_mooncake(p)
+    assert len(reqs) == 2
+    assert [e.split(":")[0] for e in errors] == [f"line {n}" for n in (2, 3, 4, 5, 7, 8, 9, 10, 11)]
+    assert "hash_ids" in errors[1] and "input_length" in errors[2] and "output_length" in errors[3]
+    with pytest.raises(ValueError, match="line 2"):
+        load_mooncake(p, strict=True)
+    # a smaller block size makes line 8 valid
+    assert not any(e.startswith("line 8:") for e in load_mooncake(p, block_tokens=256)[1])
+
+
+# ---------------------------------------------------------------------------
+# The oracle
+
+
+def brute_oracle(requests: list[tuple[float, list[int], int]], by: str) -> float:
+    order = sorted(range(len(requests)), key=lambda k: requests[k][0])
+    hit = total = 0
+    for pos, k in enumerate(order):
+        _, ids, tokens = requests[k]
+        total += len(ids) if by == "blocks" else tokens
+        for i in range(len(ids)):
+            seen = any(len(requests[q][1]) > i and requests[q][1][:i + 1] == ids[:i + 1] for q in order[:pos])
+            if seen:
+                hit += 1 if by == "blocks" else max(0, min(B, tokens - i * B))
+    return hit / total if total else 0.0
+
+
+trace_st = st.lists(
+    st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=0, max_size=6), st.integers(0, 511)),
+    min_size=0, max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(trace_st)
+def test_oracle_equals_a_brute_force_count(rows):
+    requests = [(float(t), ids, max(0, len(ids) * B - short)) for t, ids, short in rows]
+    trs = [TraceRequest(t, tokens, 1, chain_blocks(ids)) for t, ids, tokens in requests]
+    assert oracle_hit_rate(trs) == pytest.approx(brute_oracle(requests, "blocks"))
+    assert oracle_hit_rate(trs, by="tokens") == pytest.approx(brute_oracle(requests, "tokens"))
+
+
+def test_oracle_of_a_known_trace():
+    trs = [req(0, [0, 1, 2]), req(1, [0, 1, 3]), req(2, [9, 1, 2]), req(3, [0, 1, 2, 4])]
+    # hits: -, (0,1), -, (0,1,2) -> 5 of 13 blocks
+    assert oracle_hit_rate(trs) == pytest.approx(5 / 13)
+
+
+# ---------------------------------------------------------------------------
+# Simulation invariants
+
+
+def no_reuse_trace(n: int = 60, seed: int = 3) -> list[TraceRequest]:
+    rnd = random.Random(seed)
+    out, t, nxt = [], 0.0, 0
+    for _ in range(n):
+        t += rnd.expovariate(4.0)
+        k = rnd.randint(1, 12)
+        out.append(req(t, list(range(nxt, nxt + k)), tokens=k * B - rnd.randint(0, 300), out=rnd.randint(1, 200)))
+        nxt += k
+    return out
+
+
+def reuse_trace(n: int = 150, seed: int = 5) -> list[TraceRequest]:
+    """Requests drawn from a few prefix families, some long, with random arrival gaps."""
+    rnd = random.Random(seed)
+    families = [[1000 * f + j for j in range(rnd.randint(4, 30))] for f in range(6)]
+    out, t = [], 0.0
+    for i in range(n):
+        t += rnd.expovariate(3.0)
+        fam = rnd.choice(families)
+        k = rnd.randint(1, len(fam))
+        ids = fam[:k] + [10**6 + i * 10 + j for j in range(rnd.randint(0, 3))]
+        out.append(req(t, ids, tokens=len(ids) * B - rnd.randint(0, 511), out=rnd.randint(1, 300)))
+    return out
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_no_reuse_gives_no_hits(policy):
+    r = simulate(no_reuse_trace(), policy, SimParams(nodes=4, capacity_blocks=50))
+    assert r["hit_rate"] == 0.0 and r["block_hit_rate"] == 0.0 and r["pulls"] == 0 and r["redundant_prefill"] == 0.0
+    assert r["requests"] == 60 and r["ttft_p50_s"] > 0
+
+
+def test_one_node_every_policy_is_the_local_cache():
+    trs = reuse_trace()
+    p = SimParams(nodes=1, capacity_blocks=40, publish_lag_s=0.2)
+    base = simulate(trs, "local_only", p)
+    assert 0 < base["hit_rate"] < 1 and base["evictions"] > 0
+    for policy in ALL:
+        r = simulate(trs, policy, p)
+        assert r["hit_rate"] == base["hit_rate"], policy
+        assert r["ttft_p99_s"] == base["ttft_p99_s"] and r["pulls"] == 0 and r["redundant_prefill"] == 0.0
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_hit_rate_never_exceeds_the_oracle(policy):
+    trs = reuse_trace()
+    r = simulate(trs, policy, SimParams(nodes=4, capacity_blocks=30, publish_lag_s=0.5))
+    assert 0.0 <= r["hit_rate"] <= oracle_hit_rate(trs, by="tokens") + 1e-12
+    assert r["hit_rate"] == pytest.approx(r["local_hit_rate"] + r["pulled_hit_rate"])
+    assert r["bytes_moved"] == r["pull_blocks"] * SimParams().block_bytes
+    assert sum(r["reasons"].values()) == len(trs)
+    assert len(r["busy_s"]) == 4 and r["imbalance"] >= 1.0
+
+
+def test_kvdir_reaches_the_oracle_with_unbounded_fresh_caches():
+    """Spaced arrivals, no publish lag, no evictions: kvdir finds every block seen before, and predicts exactly."""
+    trs = [TraceRequest(10.0 * i, r.input_tokens, r.output_tokens, r.blocks) for i, r in enumerate(reuse_trace(80))]
+    r = simulate(trs, "kvdir", SimParams(nodes=4, capacity_blocks=10**6, publish_lag_s=0.0))
+    assert r["hit_rate"] == pytest.approx(oracle_hit_rate(trs, by="tokens"))
+    assert r["prediction_exact"] == 1.0 and r["prediction_error"] == 0.0 and r["redundant_prefill"] == 0.0
+
+
+def test_kvdir_pulls_from_a_busy_holder():
+    """A long shared prefix on one node, then a burst on it: kvdir spreads it, pulling the prefix over the link."""
+    prefix = list(range(40))
+    trs = [req(0.0, prefix)]
+    trs += [req(5.0 + 0.01 * i, prefix + [1000 + i], out=100) for i in range(12)]
+    p = SimParams(nodes=4, publish_lag_s=0.0)
+    r = simulate(trs, "kvdir", p)
+    assert r["pulls"] > 0 and r["pulled_hit_rate"] > 0 and r["bytes_moved"] == r["pull_blocks"] * p.block_bytes
+    assert r["redundant_prefill"] == 0.0
+    rr = simulate(trs, "round_robin", p)
+    assert rr["redundant_prefill"] > 0 and r["ttft_p90_s"] < rr["ttft_p90_s"]
+
+
+def test_stale_directory_lowers_prediction_accuracy():
+    """With tiny caches and a long publish lag the directory lists evicted blocks: predictions miss."""
+    trs = reuse_trace(200)
+    fresh = simulate(trs, "kvdir", SimParams(nodes=4, capacity_blocks=20, publish_lag_s=0.0))
+    stale = simulate(trs, "kvdir", SimParams(nodes=4, capacity_blocks=20, publish_lag_s=30.0))
+    assert fresh["prediction_exact"] == 1.0
+    assert stale["prediction_exact"] < 1.0 and stale["prediction_error"] > 0.0
+
+
+def test_cost_model_matches_the_parameters():
+    p = SimParams(prefill_tokens_per_s=1234.0, block_bytes=99, link_bytes_per_s=5e8, pull_setup_s=0.01,
+                  max_running=7, decode_tokens_per_s=33.0)
+    c = p.cost_model()
+    assert (c.prefill_tokens_per_s, c.block_bytes, c.link_bytes_per_s, c.pull_setup_s, c.max_running,
+            c.decode_tokens_per_s) == (1234.0, 99, 5e8, 0.01, 7, 33.0)
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulate([], "nope")
+
+
+# ---------------------------------------------------------------------------
+# Synthetic workloads
+
+
+def test_multi_turn_shape():
+    trs = multi_turn(sessions=8, seed=1)
+    assert len(trs) == 40
+    lengths = sorted({r.input_tokens for r in trs})
+    assert lengths[0] >= 4000 and lengths[-1] <= 8100 and len(lengths) == 5
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(trs, trs[1:]))
+    assert all(len(r.blocks) == -(-r.input_tokens // B) for r in trs)
+
+
+def test_multi_turn_kvdir_hits_several_times_round_robin():
+    trs = multi_turn(seed=0)
+    p = SimParams(nodes=8, seed=0)
+    kv = simulate(trs, "kvdir", p)["hit_rate"]
+    rr = simulate(trs, "round_robin", p)["hit_rate"]
+    assert kv >= 2.5 * rr, (kv, rr)
+    assert kv == pytest.approx(oracle_hit_rate(trs, by="tokens"), abs=0.02)
+
+
+@pytest.mark.parametrize("gen", [multi_turn, shared_prefix, hot_prefix_burst])
+def test_generators_are_deterministic(gen):
+    assert gen(seed=4) == gen(seed=4)
+    assert gen(seed=4) != gen(seed=5)
+
+
+def test_shared_prefix_and_hot_prefix_share_what_they_say():
+    sp = shared_prefix(groups=3, prompts_per_group=5, prefix_tokens=1024, suffix_tokens=512, seed=0)
+    assert len(sp) == 15 and len({r.blocks[:2] for r in sp}) == 3 and len({r.blocks[2] for r in sp}) == 15
+    hp = hot_prefix_burst(n=20, prefix_tokens=2048, seed=0)
+    assert len({r.blocks[:4] for r in hp}) == 1 and len({r.blocks for r in hp}) == 20
+
+
+# ---------------------------------------------------------------------------
+# Determinism and the report
+
+
+def test_same_seed_same_results():
+    trs = reuse_trace()
+    p = SimParams(nodes=5, capacity_blocks=25, publish_lag_s=0.3, seed=11)
+    for policy in ALL:
+        assert strip(simulate(trs, policy, p)) == strip(simulate(trs, policy, p)), policy
+    a = simulate(trs, "local_only", p)
+    b = simulate(trs, "local_only", SimParams(nodes=5, capacity_blocks=25, publish_lag_s=0.3, seed=12))
+    assert strip(a) != strip(b)
+
+
+def test_report_writes_json_and_table(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    rows = [{"timestamp": int(r.arrival_s * 1000), "input_length": r.input_tokens, "output_length": r.output_tokens,
+             "hash_ids": [0, i % 3, i % 5]} for i, r in enumerate(reuse_trace(40))]
+    rows[7] = "garbage"
+    write_trace(p, rows)
+    out = tmp_path / "r.json"
+    rc = replay_main(["--trace", str(p), "--nodes", "3", "--capacity-blocks", "100", "--policies", "kvdir,round_robin",
+                      "--limit", "30", "--json", str(out), "--seed", "2"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "kvdir" in cap.out and "round_robin" in cap.out and "oracle" in cap.out
+    assert "line 8" in cap.err and "100%" in cap.err
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]) == {"kvdir", "round_robin"}
+    assert doc["params"]["nodes"] == 3 and doc["workload"]["requests"] == 30 and doc["workload"]["malformed_lines"] == 1
+    for r in doc["policies"].values():
+        for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "imbalance", "redundant_prefill", "pulls"):
+            assert key in r
+        assert r["hit_rate"] <= doc["oracle_hit_rate"] + 1e-12
+    assert replay_main(["--trace", str(p), "--strict"]) == 2
+    assert "line 8" in capsys.readouterr().err
+    assert replay_main(["--synthetic", "hot_prefix", "--policies", "bogus"]) == 2
+
+
+def test_report_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc = replay_main(["--synthetic", "shared_prefix", "--limit", "60", "--policies", "kvdir,sglang",
+                      "--plot", str(tmp_path / "plots")])
+    assert rc == 0
+    names = sorted(f.name for f in (tmp_path / "plots").iterdir())
+    assert names == ["hit_rate.png", "load_kvdir.png", "load_sglang.png", "ttft.png"]
+    assert all((tmp_path / "plots" / n).read_bytes()[:4] == b"\x89PNG" for n in names)
