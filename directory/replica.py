@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
@@ -38,17 +38,13 @@ class StateMachine(SyncObjConsumer):
 
     def __init__(self, state: DirectoryState) -> None:
         self.lock = threading.RLock()
-        self.on_applied: Callable[[list[Command], list[Result]], None] | None = None
         super().__init__()
         self.state = state
 
     @replicated
     def apply_batch(self, commands: list[Command]) -> list[Result]:
         with self.lock:
-            results = [self.state.apply(c) for c in commands]
-        if self.on_applied is not None:
-            self.on_applied(commands, results)
-        return results
+            return [self.state.apply(c) for c in commands]
 
     def _deserialize(self, data: dict[str, Any]) -> None:
         with self.lock:
@@ -70,7 +66,6 @@ class _Pending:
 class _InFlight:
     batch: list[_Pending]
     sent: float
-    retries: list[int] = field(default_factory=list)
 
 
 class GroupCommitter:
