@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from directory.config import DirectorySettings
+from directory.events_subscriber import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import UpSettings
 from worker_stub.config import WorkerSettings
@@ -34,6 +35,7 @@ ROLES: dict[str, type[BaseSettings]] = {
     "directory": DirectorySettings,
     "gateway": GatewaySettings,
     "worker": WorkerSettings,
+    "events": EventsSettings,
     "up": UpSettings,
 }
 

@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run one worker stub (a stand-in GPU engine)")
     add_settings_flags(w, WorkerSettings)
 
+    from directory.events_subscriber import EventsSettings
+
+    e = sub.add_parser("events", help="feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)")
+    add_settings_flags(e, EventsSettings)
+
     from kvdir.launcher import UpSettings
 
     u = sub.add_parser("up", help="start a local cluster on loopback: directory replicas, worker stubs, gateway")
@@ -88,6 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gateway.server import serve as serve_gateway
 
             serve_gateway(build_settings(GatewaySettings, args))
+            return 0
+        if args.command == "events":
+            from directory.events_subscriber import EventsSettings
+            from directory.events_subscriber import serve as serve_events
+
+            serve_events(build_settings(EventsSettings, args))
             return 0
         if args.command == "worker":
             from worker_stub.config import WorkerSettings

@@ -114,3 +114,13 @@ def test_dockerfile_essentials() -> None:
     assert 'ENTRYPOINT ["kvdir"]' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:
+    stand_in = tmp_path / "s"
+    stand_in.write_text("x")
+    services = compose_services(ROOT / "deploy" / "docker-compose.vllm.yml", stand_in)
+    assert {role for role, _, _ in services.values()} == {"events"}
+    for name, (role, args, env) in services.items():
+        assert check(role, args, env) == [], name
+        assert env["KVDIR_BIND"] == "true"  # vLLM connects its PUB socket to a non-wildcard endpoint

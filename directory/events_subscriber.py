@@ -1,0 +1,600 @@
+"""Feeds the directory from one real engine's KV events (vLLM, SGLang; protocol §5).
+
+One subscriber per engine (per data-parallel rank: each rank publishes on
+its own port). It
+
+* receives the engine's ZMQ event stream on a SUB socket. vLLM *connects*
+  its PUB socket when the endpoint has no ``*`` (``tcp://127.0.0.1:5557``),
+  so by default the subscriber *binds* ``--zmq``; ``--no-bind`` connects to
+  an engine that binds (``tcp://*:5557`` on the engine's side);
+* registers the engine as a node (``api_url`` = the engine's URL, so the
+  gateway routes to it; no memory regions, no transfer URL) and heartbeats
+  for it only while the engine's ``GET /health`` answers 200: a dead engine's
+  lease runs out and its entries go with it;
+* turns events into our block hashes (`directory.kv_events.HashMapper`) and
+  sends the net change in batches, one round per ``batch_window_s``
+  (10 ms): AllBlocksCleared first (as a clear of this node), then removals,
+  then stores.
+
+Slots: engines do not report which slot holds a block, so every entry is
+published with slot 0. That is enough for routing (the gateway only needs
+*who* holds a prefix). Pulling blocks from such a node needs the worker
+protocol (memory regions and real slots), so these nodes register no
+regions and no transfer URL, and the gateway never plans a pull from them.
+No load either: heartbeats carry none.
+
+Ordering (``seq``, one per message, +1 each):
+
+* the next seq: apply it;
+* the same seq again: a duplicate, dropped (unless its ts differs: then
+  it is a restarted engine's, as below);
+* a gap: with ``--replay`` (the engine's ROUTER replay endpoint), ask for the
+  missing batches and apply them first; if the replay cannot give all of
+  them (its buffer moved on, no answer in ``replay_timeout_s``), or without
+  ``--replay``: resync, i.e. clear this node's entries and the hash map, and
+  rebuild as the engine works (blocks stored before the gap come back when
+  the engine stores them again; until then they are misses, never stale
+  hits);
+* a seq lower than the last: the engine restarted (seq counts from 0 per
+  publisher). Register again with a new incarnation: a new epoch, so the old
+  entries vanish at once; the hash map starts empty.
+
+On its first message, a subscriber with ``--replay`` asks for everything
+from seq 0, to learn the blocks the engine stored before it started.
+
+Replay protocol (vLLM's ``ZmqEventPublisher._service_replay``, the same in
+SGLang): the client sends, on a DEALER socket, ``[b"", start_seq]`` (8 bytes
+big-endian; a REQ socket adds the empty delimiter itself); the ROUTER
+answers every buffered batch with ``seq >= start_seq`` as ``[b"", seq,
+payload]`` and ends with ``[b"", (-1 as 8 bytes), b""]``. TensorRT-LLM's
+variant puts the topic before the seq; both are understood. A new DEALER
+socket is used for each replay, so a late answer to an abandoned one can
+never be mistaken for the next.
+
+TensorRT-LLM (same framing, map-tagged events) starts its seq at the wall
+clock in ns, sends empty batches as heartbeats and an AllBlocksCleared
+first: a restart there looks like a gap (a resync) followed by that clear,
+which ends in the same place.
+
+If the directory answers 409 (the lease lapsed, or the directory lost the
+node), the subscriber registers again and republishes everything its hash
+map holds; if the engine was down in between, it may have restarted, so the
+map is dropped instead and rebuilt from new events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from directory.client import DirectoryClient
+from directory.config import HostPort, parse_hostport, url_list
+from directory.errors import DirectoryError, RequestRejected, StaleEpochError
+from directory.kv_events import (
+    END_SEQ,
+    Batch,
+    Cleared,
+    DecodeError,
+    DecodeStats,
+    HashMapper,
+    Stored,
+    decode_message,
+    decode_payload,
+    decode_replay_reply,
+    encode_seq,
+)
+
+log = logging.getLogger("kvdir.events")
+
+CHUNK = 4096  # blocks per publish/remove request (the directory accepts 16384 by default)
+SLOT = 0
+
+
+class EventsSettings(BaseSettings):
+    """The KV-events subscriber of one engine (`kvdir events`)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
+
+    engine_url: str = Field("http://127.0.0.1:8000", min_length=1,
+                            description="the engine's HTTP API: registered as the node's api_url; its /health gates heartbeats")
+    zmq: str = Field("tcp://127.0.0.1:5557", min_length=1, description="the engine's KV events ZMQ endpoint")
+    bind: bool = Field(True, description="bind the SUB socket (vLLM connects when its endpoint has no '*'); --no-bind connects")
+    replay: str | None = Field(None, description="the engine's ZMQ replay endpoint (ROUTER), to fetch missed batches; "
+                                                 "without it a gap means a resync")
+    topic: str = Field("", description="ZMQ topic to subscribe to (the engine's kv-events-config topic)")
+    block_size: int = Field(16, ge=1, le=4096, description="our tokens per block: must match the gateway's; "
+                                                             "the engine's block size must equal it or be a multiple")
+    namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
+    node_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$",
+                                description="the engine's node id in the directory (default: ENGINE_URL's host:port)")
+    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
+    metrics: HostPort | None = Field(None, description="HOST:PORT to serve Prometheus metrics on (default: none)")
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat and /health probe period (keep well under the lease TTL)")
+    batch_window_s: float = Field(0.01, ge=0, le=10, description="changes are gathered this long before they are sent")
+    replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
+    max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @model_validator(mode="after")
+    def _check(self) -> EventsSettings:
+        if not self.directory_urls:
+            raise ValueError("directory: at least one replica URL")
+        if not self.node:
+            raise ValueError("node_id: cannot derive one from engine_url; give --node-id")
+        return self
+
+    @property
+    def directory_urls(self) -> list[str]:
+        return url_list(self.directory)
+
+    @property
+    def node(self) -> str:
+        return self.node_id or urlparse(self.engine_url).netloc
+
+    @property
+    def api_url(self) -> str:
+        return self.engine_url.rstrip("/")
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays_ok: int = 0
+    replays_failed: int = 0
+    resyncs: int = 0
+    restarts: int = 0
+    clears: int = 0  # AllBlocksCleared applied
+    registrations: int = 0
+    published_blocks: int = 0
+    removed_blocks: int = 0
+    directory_clears: int = 0
+    rejected_blocks: int = 0  # changes the directory refused (4xx other than 409): dropped
+
+
+class _Collector:
+    """Exposes the counters of the decoder, the mapper and the subscriber at scrape time."""
+
+    def __init__(self, sub: EventsSubscriber) -> None:
+        self.sub = sub
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        s, d, m = self.sub.stats, self.sub.decode_stats, self.sub.mapper.stats
+        ev = CounterMetricFamily("kvdir_events_events", "engine events decoded, by type", labels=["type"])
+        for name, v in (("stored", d.stored), ("removed", d.removed), ("cleared", d.cleared),
+                        ("unknown", d.unknown_events), ("malformed", d.malformed_events), ("skipped_group", d.skipped_groups)):
+            ev.add_metric([name], v)
+        yield ev
+        rp = CounterMetricFamily("kvdir_events_replays", "replay requests, by outcome", labels=["outcome"])
+        rp.add_metric(["ok"], s.replays_ok)
+        rp.add_metric(["failed"], s.replays_failed)
+        yield rp
+        for name, doc, v in (
+            ("batches", "event batches (ZMQ messages) applied", s.batches),
+            ("duplicates", "batches dropped as duplicates (same seq again)", s.duplicates),
+            ("gaps", "gaps in the engine's seq", s.gaps),
+            ("resyncs", "resyncs: this node's entries cleared after an unrepaired gap", s.resyncs),
+            ("restarts", "engine restarts seen (seq went backwards): a new epoch each", s.restarts),
+            ("garbage_frames", "ZMQ messages that were not event batches (skipped)", d.garbage_frames),
+            ("unknown_events", "events of an unknown type (skipped)", d.unknown_events),
+            ("extra_fields", "event fields nobody here knows (ignored)", d.extra_fields),
+            ("missing_parents", "stores whose parent block is unknown (skipped)", m.missing_parents),
+            ("unsupported", "stores whose block size or tokens cannot be mapped (skipped)", m.unsupported),
+            ("unknown_removals", "removals of engine blocks not in the map (harmless)", m.unknown_removals),
+            ("evicted", "engine blocks dropped from the bounded map (and the directory)", m.evicted),
+            ("registrations", "registrations with the directory", s.registrations),
+            ("published_blocks", "block entries sent to the directory", s.published_blocks),
+            ("removed_blocks", "block removals sent to the directory", s.removed_blocks),
+            ("directory_clears", "clears of this node's entries sent to the directory", s.directory_clears),
+            ("rejected_blocks", "changes the directory refused (dropped)", s.rejected_blocks),
+        ):
+            yield CounterMetricFamily(f"kvdir_events_{name}", doc, value=v)
+        yield GaugeMetricFamily("kvdir_events_engine_up", "1 while the engine's /health answers", value=1 if self.sub.engine_healthy else 0)
+        yield GaugeMetricFamily("kvdir_events_epoch", "this node's current epoch (0: not registered)", value=self.sub.epoch or 0)
+        yield GaugeMetricFamily("kvdir_events_mapped_blocks", "engine blocks in the hash map", value=len(self.sub.mapper))
+        yield GaugeMetricFamily("kvdir_events_last_seq", "the last engine seq applied (-1: none)",
+                                value=-1 if self.sub.last_seq is None else self.sub.last_seq)
+
+
+class EventsSubscriber:
+    """The subscriber of one engine; `run()` until cancelled."""
+
+    def __init__(self, settings: EventsSettings, *, directory: DirectoryClient | None = None) -> None:
+        self.s = settings
+        self.node_id = settings.node
+        self.client = directory or DirectoryClient(settings.directory_urls)
+        self._own_client = directory is None
+        self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries)
+        self.decode_stats = DecodeStats()
+        self.stats = SubscriberStats()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))  # type: ignore[arg-type]
+        self.lag = Histogram("kvdir_events_lag_seconds", "engine event time (batch ts) to committed in the directory",
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
+        self.engine_healthy = False
+        self.epoch: int | None = None
+        self.last_seq: int | None = None
+        self._last_ts: float | None = None
+        self._incarnation = uuid.uuid4().hex
+        self._need_register = True
+        self._down_since_registered = False
+        # Pending net change since the last round: our hash -> medium to store, hashes to remove, a clear first.
+        self._store: dict[int, str | None] = {}
+        self._remove: set[int] = set()
+        self._clear = False
+        self._pending_ts: float | None = None
+        self._gen = 0  # bumped when pending changes stop following from earlier ones (clear, reset, new epoch)
+        self._wake = asyncio.Event()
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        server = None
+        if self.s.metrics:
+            host, port = parse_hostport(self.s.metrics)
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._ctx = zmq.asyncio.Context()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.s.topic.encode())
+        try:
+            if self.s.bind:
+                sub.bind(self.s.zmq)
+            else:
+                sub.connect(self.s.zmq)
+            log.info("events of %s (node %s) on %s (%s), replay %s, directory %s", self.s.api_url, self.node_id, self.s.zmq,
+                     "bound" if self.s.bind else "connected", self.s.replay or "off", self.s.directory)
+            async with httpx.AsyncClient() as http:
+                tasks = [asyncio.create_task(self._receive_loop(sub), name="receive"),
+                         asyncio.create_task(self._sync_loop(), name="sync"),
+                         asyncio.create_task(self._health_loop(http), name="health")]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            sub.close(linger=0)
+            self._ctx.destroy(linger=0)
+            if self.epoch is not None:
+                with contextlib.suppress(DirectoryError, asyncio.CancelledError):
+                    await self.client.request("DELETE", f"/v1/nodes/{self.node_id}", deadline=2.0)
+            if self._own_client:
+                await self.client.aclose()
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+
+    # -- events -------------------------------------------------------------------
+
+    async def _receive_loop(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sub.recv_multipart()
+            batch = decode_message(frames, self.decode_stats)
+            if batch is None:
+                log.debug("garbage message skipped (%d frames)", len(frames))
+                continue
+            try:
+                await self.on_batch(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch seq %d could not be applied", batch.seq)
+
+    async def on_batch(self, batch: Batch) -> None:
+        """Order one batch against the last seq (see the module docstring) and apply it."""
+        seq, last = batch.seq, self.last_seq
+        if last is None:
+            if seq > 0 and self.s.replay:
+                earlier = await self._fetch_replay(0, seq, partial=True)
+                for b in earlier or ():
+                    self._apply(b)
+        elif seq == last and (batch.ts is None or batch.ts == self._last_ts):
+            self.stats.duplicates += 1
+            return
+        elif seq <= last:
+            log.warning("engine seq went back from %d to %d: the engine restarted; registering a new epoch", last, seq)
+            self._restart()
+            if seq > 0 and self.s.replay:  # the new engine's first batches may have gone out before it reached us
+                for b in await self._fetch_replay(0, seq, partial=True) or ():
+                    self._apply(b)
+        elif seq > last + 1:
+            self.stats.gaps += 1
+            missed = await self._fetch_replay(last + 1, seq) if self.s.replay else None
+            if missed is not None:
+                log.info("gap %d..%d filled from the replay socket", last + 1, seq - 1)
+                for b in missed:
+                    self._apply(b)
+            else:
+                log.warning("gap in the engine's seq (%d..%d missed): resync (this node's entries cleared)", last + 1, seq - 1)
+                self._resync()
+        self._apply(batch)
+
+    def _apply(self, batch: Batch) -> None:
+        self.stats.batches += 1
+        self.last_seq, self._last_ts = batch.seq, batch.ts
+        changed = False
+        for ev in batch.events:
+            if isinstance(ev, Cleared):
+                self.stats.clears += 1
+                self._clear_all()
+                changed = True
+                continue
+            r = self.mapper.apply(ev)
+            if r.missing_parent:
+                log.debug("seq %d: a store whose parent is unknown, skipped", batch.seq)
+            elif r.unsupported:
+                log.debug("seq %d: %s", batch.seq, r.unsupported)
+            medium = ev.medium if isinstance(ev, Stored) else None
+            for h in r.publish:  # publish, then remove: an LRU eviction in the same event wins
+                self._remove.discard(h)
+                self._store[h] = medium
+            for h in r.remove:
+                self._store.pop(h, None)
+                self._remove.add(h)
+            changed = changed or bool(r.publish or r.remove)
+        if changed:
+            if batch.ts is not None:
+                self._pending_ts = batch.ts if self._pending_ts is None else min(self._pending_ts, batch.ts)
+            self._wake.set()
+
+    def _clear_all(self) -> None:
+        """Drop every entry of this node (and what was pending): AllBlocksCleared, or a resync."""
+        self.mapper.reset()
+        self._store.clear()
+        self._remove.clear()
+        self._clear = True
+        self._gen += 1
+        self._wake.set()
+
+    def _resync(self) -> None:
+        self.stats.resyncs += 1
+        self._clear_all()
+
+    def _restart(self) -> None:
+        """The engine is a new process: a new incarnation, so a new epoch, and an empty map."""
+        self.stats.restarts += 1
+        self.mapper.reset()
+        self._store.clear()
+        self._remove.clear()
+        self._clear = False
+        self._gen += 1
+        self._incarnation = uuid.uuid4().hex
+        self._need_register = True
+        self._wake.set()
+
+    async def _fetch_replay(self, start: int, stop: int, *, partial: bool = False) -> list[Batch] | None:
+        """Batches start..stop-1 from the engine's replay socket, in order.
+
+        None if it could not give every one of them; with `partial`, whatever
+        contiguous run ending at stop-1 it gave instead.
+        """
+        assert self._ctx is not None and self.s.replay
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: dict[int, Batch] = {}
+        ended = False
+        try:
+            sock.connect(self.s.replay)
+            await sock.send_multipart([b"", encode_seq(start)])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.s.replay_timeout_s
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await sock.poll(int(remaining * 1000) + 1):
+                    break
+                frames = await sock.recv_multipart()
+                try:
+                    seq, payload = decode_replay_reply(frames)
+                    if seq == END_SEQ:
+                        ended = True
+                        break
+                    if start <= seq < stop and seq not in got:
+                        ts, events, dp_rank = decode_payload(payload, self.decode_stats)
+                        got[seq] = Batch(seq, ts, events, b"", dp_rank)
+                except DecodeError:
+                    self.decode_stats.garbage_frames += 1
+        finally:
+            sock.close(linger=0)
+        complete = ended and len(got) == stop - start
+        if complete:
+            self.stats.replays_ok += 1
+            return [got[s] for s in range(start, stop)]
+        self.stats.replays_failed += 1
+        log.info("replay of %d..%d %s with %d of %d batches", start, stop - 1, "ended" if ended else "timed out",
+                 len(got), stop - start)
+        if not partial:
+            return None
+        run: list[Batch] = []
+        s = stop - 1
+        while s in got:
+            run.append(got[s])
+            s -= 1
+        return run[::-1]
+
+    # -- directory ------------------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            if self.s.batch_window_s:
+                await asyncio.sleep(self.s.batch_window_s)
+            self._wake.clear()
+            if not self.engine_healthy:
+                continue  # the health loop wakes us when it answers again; until then the lease runs out
+            try:
+                if self._need_register:
+                    await self._register()
+                if self._store or self._remove or self._clear:
+                    await self._flush()
+                backoff = 0.05
+            except StaleEpochError:
+                log.warning("directory answered 409 for %s epoch %s: registering again", self.node_id, self.epoch)
+                self._need_register = True
+                self._wake.set()
+            except RequestRejected as exc:
+                log.error("directory refused this node's changes: %s", exc)
+            except DirectoryError as exc:
+                log.info("directory unavailable (%s); changes kept for the next round", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("unexpected error while syncing with the directory")
+                await asyncio.sleep(backoff)
+                self._wake.set()
+
+    async def _register(self) -> None:
+        reg = await self.client.register(self.node_id, self.s.api_url, incarnation=self._incarnation, block_size=self.s.block_size)
+        if reg.epoch != self.epoch:
+            # A new epoch holds nothing: everything the map knows goes out again, nothing else.
+            self._gen += 1
+            self._store = self.mapper.snapshot()
+            self._remove = set()
+            self._clear = False
+        self.epoch = reg.epoch
+        self._need_register = False
+        self._down_since_registered = False
+        self.stats.registrations += 1
+        log.info("engine %s registered as %s, epoch %d (%d blocks to publish)", self.s.api_url, self.node_id, reg.epoch, len(self._store))
+
+    async def _flush(self) -> None:
+        epoch, gen = self.epoch, self._gen
+        assert epoch is not None
+        store, remove, clear, since = self._store, self._remove, self._clear, self._pending_ts
+        self._store, self._remove, self._clear, self._pending_ts = {}, set(), False, None
+        try:
+            if clear:
+                await self.client.clear(self.node_id, epoch)
+                self.stats.directory_clears += 1
+                clear = False
+            if remove:
+                todo = list(remove)
+                for i in range(0, len(todo), CHUNK):
+                    await self.client.remove(self.node_id, epoch, todo[i : i + CHUNK])
+                    remove.difference_update(todo[i : i + CHUNK])
+                    self.stats.removed_blocks += len(todo[i : i + CHUNK])
+            by_medium: dict[str | None, list[int]] = {}
+            for h, medium in store.items():
+                by_medium.setdefault(medium, []).append(h)
+            for medium, hashes in by_medium.items():
+                for i in range(0, len(hashes), CHUNK):
+                    part = hashes[i : i + CHUNK]
+                    await self.client.publish(self.node_id, epoch, [(h, SLOT) for h in part], medium=medium)
+                    for h in part:
+                        del store[h]
+                    self.stats.published_blocks += len(part)
+        except RequestRejected as exc:
+            if not isinstance(exc, StaleEpochError):
+                self.stats.rejected_blocks += len(store) + len(remove)
+                raise
+            self._merge_back(gen, store, remove, clear, since)
+            raise
+        except BaseException:
+            self._merge_back(gen, store, remove, clear, since)
+            raise
+        if since is not None:
+            self.lag.observe(max(0.0, time.time() - since))
+
+    def _merge_back(self, gen: int, store: dict[int, str | None], remove: set[int], clear: bool, since: float | None) -> None:
+        """Put back what a failed round did not send, under what changed since (newer changes win)."""
+        if gen != self._gen:
+            return  # a clear, reset or new epoch since: the old changes mean nothing now
+        for h in remove:
+            if h not in self._store:
+                self._remove.add(h)
+        for h, medium in store.items():
+            if h not in self._remove and h not in self._store:
+                self._store[h] = medium
+        self._clear = self._clear or clear
+        if since is not None:
+            self._pending_ts = since if self._pending_ts is None else min(self._pending_ts, since)
+
+    async def _health_loop(self, http: httpx.AsyncClient) -> None:
+        interval = self.s.heartbeat_interval_s
+        url = self.s.api_url + "/health"
+        while True:
+            try:
+                ok = (await http.get(url, timeout=max(0.2, min(2.0, interval)))).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok and not self.engine_healthy:
+                log.info("engine %s answers /health", self.s.api_url)
+                self._wake.set()
+            elif not ok and self.engine_healthy:
+                log.warning("engine %s does not answer /health: heartbeats stop", self.s.api_url)
+            if not ok:
+                self._down_since_registered = True
+            self.engine_healthy = ok
+            if ok and self.epoch is not None and not self._need_register:
+                try:
+                    await self.client.request("POST", f"/v1/nodes/{self.node_id}/heartbeat", {"epoch": self.epoch},
+                                              deadline=max(0.2, interval))
+                except StaleEpochError:
+                    self._lapsed()
+                except DirectoryError as exc:
+                    log.info("heartbeat failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    def _lapsed(self) -> None:
+        """The directory dropped this node (its lease ran out, or it lost it): register again."""
+        if self._down_since_registered:
+            log.warning("node %s expired while the engine was down: it may have restarted, starting from an empty map", self.node_id)
+            self.mapper.reset()
+            self._store.clear()
+            self._remove.clear()
+            self._clear = False
+            self._gen += 1
+            self._incarnation = uuid.uuid4().hex
+        else:
+            log.warning("node %s epoch %s is no longer current: registering again and republishing", self.node_id, self.epoch)
+        self._need_register = True
+        self._wake.set()
+
+
+async def run_subscriber(settings: EventsSettings) -> None:
+    """Run the subscriber of one engine until cancelled; on the way out it deregisters the node."""
+    await EventsSubscriber(settings).run()
+
+
+def serve(settings: EventsSettings) -> None:
+    """Run until SIGINT/SIGTERM (for a command line), logging at settings.log_level."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await run_subscriber(settings)
+
+    asyncio.run(main())

@@ -1,0 +1,621 @@
+"""Engine KV events (protocol §5): decoding and mapping engine block hashes to ours.
+
+Pure code: no sockets, no clocks. `directory.events_subscriber` feeds it ZMQ
+frames and sends what it returns to the directory.
+
+Wire format
+-----------
+One ZMQ multipart message per engine step that has events:
+``[topic, seq, payload]``.
+
+* ``topic``: bytes, the publisher's configured topic (vLLM's default is empty).
+* ``seq``: 8 bytes, big-endian signed; counts up from 0 per publisher
+  (so it restarts at 0 when the engine restarts). The replay socket uses -1
+  as its end marker.
+* ``payload``: msgpack of an event batch. Positional (msgspec
+  ``array_like=True``): ``[ts, events]`` or ``[ts, events, data_parallel_rank]``
+  (the rank is left out when None). A map form ``{"ts", "events",
+  "data_parallel_rank" | "attn_dp_rank"}`` is accepted too: vLLM's
+  ``EventBatch`` dropped ``array_like`` in some revisions.
+
+Each event is decided on its own:
+
+* positional, tagged by class name (msgspec ``array_like=True, tag=True``,
+  older vLLM and SGLang): ``["BlockStored", block_hashes, parent_block_hash,
+  token_ids, block_size, lora_id, medium?, lora_name?, extra_keys?, ...]``,
+  ``["BlockRemoved", block_hashes, medium?, group_idx?, ...]``,
+  ``["AllBlocksCleared"]``;
+* a map with a ``"type"`` field (vLLM >= 0.11, the captures in
+  shared/data/vllm_kv_events, TensorRT-LLM): ``{"type": "BlockStored",
+  "block_hashes": [...], ...}``.
+
+Block hashes are opaque engine values: unsigned 64-bit ints (vLLM's default,
+the low 64 bits of a sha256), signed 64-bit ints (SGLang), or raw bytes
+(vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: 32-byte digests). They are
+only ever compared for equality here.
+
+Never fatal: a message with the wrong frame count, a seq that is not 8
+bytes or a payload that is not msgpack of a batch is a *garbage frame*
+(counted, skipped). An event of an unknown type is counted and skipped; so
+is a malformed one (wrong field types, token count not matching). Fields
+nobody here knows are counted as *extra fields* and ignored.
+
+What SGLang sends, and how it differs from vLLM
+-----------------------------------------------
+Read in sgl-project/sglang, python/sglang/srt/disaggregation/kv_events.py
+(stored revisions 006d053f and 612d5790) and
+python/sglang/srt/mem_cache/events.py (revision 06f643f4):
+
+* Same ZMQ framing and the same ``ZmqEventPublisher`` (PUB + optional ROUTER
+  replay, seq from 0, -1 end marker), copied from vLLM.
+* The batch is positional, ``[ts, events]``, with ``attn_dp_rank`` as the
+  optional third element in newer revisions (vLLM calls it
+  ``data_parallel_rank``).
+* Events are positional arrays tagged by class name (``array_like=True,
+  tag=True``), never maps. Older revisions: ``["BlockStored", block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id]`` and
+  ``["BlockRemoved", block_hashes]``. Newer ones add ``medium``,
+  ``lora_name``, ``cache_salt`` and ``session_id`` after those: positions 0-4
+  are the same as vLLM's, and the later ones are only taken when their type
+  fits (a string or None), so an unexpected order costs at worst a namespace
+  no lookup uses (a miss, never a wrong hit).
+* Hashes are signed int64 (``hash_str_to_int64``), so they can be negative.
+* One BlockStored per page, coalesced into parent-linked chains; the last
+  page of a radix node may be partial, and then ``block_size`` is that
+  page's token count. Such a block is not a full block of ours: it is
+  skipped (counted as unsupported), like a block of any size that is not a
+  multiple of ours. SGLang's default page size is 1: run it with
+  ``--page-size`` equal to (or a multiple of) our block size.
+* ``token_ids`` may hold pairs (EAGLE bigram keys): malformed here, skipped.
+
+Hash mapping
+------------
+`HashMapper` keeps, per engine (one mapper per subscriber), engine hash ->
+our sequence hashes (protocol §1), bounded by an LRU of `max_entries`
+engine hashes. A BlockStored's tokens are hashed with our block size and
+chained from the sequence hash of its parent (``parent_block_hash``, looked
+up in the map; None means the start of a sequence). A parent the map does
+not know (evicted from the LRU, or stored before the subscriber started or
+during a resync) makes the event a *missing parent*: counted, nothing
+published, since the chain cannot be computed. BlockRemoved resolves through
+the map; an unknown hash is counted and harmless.
+
+Block sizes: equal sizes map one to one. An engine block size that is a
+multiple k of ours splits each engine block into k of our blocks: the
+engine hash maps to all k (removing it removes all k) and chains its
+children from the last of them. Anything else is unsupported (counted,
+skipped).
+
+Several engine hashes may name the same block of ours (the same tokens
+under two cache groups or media): ours are reference counted, and a removal
+reaches the directory only when no engine hash holds the block any more.
+An engine hash evicted from the LRU is removed from the directory too (a
+miss is safe, a stale entry is not), so `max_entries` must exceed the
+engine's pool (vLLM's num_gpu_blocks, plus offloaded tiers).
+
+Namespaces: the subscriber's namespace (model, tenant) is the base. A
+block stored under a LoRA adapter is hashed under ``engine_namespace(base,
+lora_name=...)`` = ``base + "|lora=" + name`` (``"|lora_id=" + id`` when only
+the deprecated id is sent), and an SGLang ``cache_salt`` adds ``"|salt=" +
+salt``: a gateway looking up a LoRA request must hash under the same string.
+vLLM's per-block ``extra_keys`` (multimodal inputs, cache salt, prompt
+embeddings; the LoRA name is dropped from them since it is in the namespace)
+are mixed into that block's hash, and so into every later block of the
+chain: a plain token lookup never matches such a block (a miss, not a wrong
+hit). Events for cache groups that are not full attention
+(``kv_cache_spec_kind``, e.g. sliding window) are skipped: they say nothing
+about reusable prefixes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgspec
+import xxhash
+
+from directory.hashing import U32_MAX, local_hashes, seed_for
+
+EngineHash = Union[int, bytes]
+"""An engine's block hash: opaque, compared for equality only."""
+
+END_SEQ = -1
+"""The seq of the replay socket's end-of-replay marker."""
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pair = struct.Struct("<QQ")
+_seq = struct.Struct(">q")
+
+
+# -- decoded events --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Full blocks stored by the engine: ``len(token_ids) == block_size * len(engine_hashes)``."""
+
+    engine_hashes: tuple[EngineHash, ...]
+    parent: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    extra_keys: tuple[Any, ...] | None = None  # one entry per engine block, None where there is none
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    engine_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """AllBlocksCleared: the engine dropped every block (e.g. /reset_prefix_cache)."""
+
+
+Event = Union[Stored, Removed, Cleared]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One ZMQ message: the events of one engine step, in order."""
+
+    seq: int
+    ts: float | None
+    events: tuple[Event, ...]
+    topic: bytes = b""
+    dp_rank: int | None = None
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """Counters of what decoding saw; the subscriber exports them as Prometheus counters."""
+
+    messages: int = 0  # messages decoded (garbage excluded)
+    garbage_frames: int = 0  # messages skipped: wrong frame count, bad seq, bad payload
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    unknown_events: int = 0  # an event type nobody here knows
+    malformed_events: int = 0  # a known type with fields of the wrong shape
+    extra_fields: int = 0  # fields nobody here knows (ignored)
+    skipped_groups: int = 0  # stores of cache groups that are not full attention
+
+
+class DecodeError(ValueError):
+    """A message or payload that is not a KV event batch."""
+
+
+# -- decoding --------------------------------------------------------------------
+
+_STORED_MAP_KEYS = frozenset({
+    "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+    "lora_name", "extra_keys", "cache_salt", "group_idx",
+})
+_REMOVED_MAP_KEYS = frozenset({"type", "block_hashes", "medium", "group_idx"})
+# Known, carry nothing the directory needs: not counted as extra.
+_IGNORED_KEYS = frozenset({
+    "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+})
+# vLLM's positional field order after the tag; positions past the last are extra.
+_STORED_POSITIONS = (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+    "ownership", "session_id",
+)
+_REMOVED_POSITIONS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+_FULL_ATTENTION = "full_attention"
+
+
+class _Malformed(Exception):
+    pass
+
+
+def parse_seq(raw: bytes) -> int:
+    """An 8-byte big-endian signed sequence number."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) != 8:
+        raise DecodeError(f"a seq frame has 8 bytes, got {len(raw) if hasattr(raw, '__len__') else raw!r}")
+    return _seq.unpack(bytes(raw))[0]
+
+
+def encode_seq(seq: int) -> bytes:
+    return _seq.pack(seq)
+
+
+def decode_message(frames: Sequence[bytes], stats: DecodeStats | None = None) -> Batch | None:
+    """A ``[topic, seq, payload]`` message -> Batch; None (counted as garbage) if it is not one."""
+    stats = stats if stats is not None else DecodeStats()
+    try:
+        if len(frames) != 3:
+            raise DecodeError(f"expected 3 frames, got {len(frames)}")
+        topic, raw_seq, payload = frames
+        seq = parse_seq(raw_seq)
+        ts, events, dp_rank = decode_payload(payload, stats)
+    except DecodeError:
+        stats.garbage_frames += 1
+        return None
+    stats.messages += 1
+    return Batch(seq=seq, ts=ts, events=events, topic=bytes(topic), dp_rank=dp_rank)
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """One reply of a replay socket, as a DEALER receives it -> (seq, payload); seq is END_SEQ at the end.
+
+    vLLM and SGLang send ``[b"", seq, payload]`` (and ``[b"", END, b""]`` last);
+    TensorRT-LLM puts the topic first: ``[b"", topic, seq, payload]``. A REQ
+    socket strips the empty delimiter, so it is optional here.
+    """
+    parts = list(frames)
+    if parts and len(parts) in (3, 4) and len(parts[0]) == 0:
+        parts = parts[1:]
+    if len(parts) == 3:
+        parts = parts[1:]  # topic first
+    if len(parts) != 2:
+        raise DecodeError(f"a replay reply has [seq, payload], got {len(frames)} frames")
+    return parse_seq(parts[0]), bytes(parts[1])
+
+
+def decode_payload(payload: bytes, stats: DecodeStats | None = None) -> tuple[float | None, tuple[Event, ...], int | None]:
+    """msgpack of an event batch -> (ts, events, dp_rank). Raises DecodeError if it is not a batch."""
+    stats = stats if stats is not None else DecodeStats()
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except Exception as exc:  # msgspec.DecodeError, or anything odd in a garbage buffer
+        raise DecodeError(f"not msgpack: {exc}") from None
+    ts: Any
+    dp_rank: Any = None
+    if isinstance(obj, list):
+        if not 2 <= len(obj) <= 3:
+            raise DecodeError(f"a batch array has 2 or 3 elements, got {len(obj)}")
+        ts, raw_events = obj[0], obj[1]
+        if len(obj) == 3:
+            dp_rank = obj[2]
+    elif isinstance(obj, dict):
+        if "events" not in obj:
+            raise DecodeError("a batch map has an 'events' field")
+        ts, raw_events = obj.get("ts"), obj["events"]
+        dp_rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
+        stats.extra_fields += sum(1 for k in obj if k not in ("ts", "events", "data_parallel_rank", "attn_dp_rank"))
+    else:
+        raise DecodeError(f"a batch is an array or a map, got {type(obj).__name__}")
+    if not isinstance(raw_events, list):
+        raise DecodeError("a batch's events are an array")
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+        raise DecodeError("a batch's ts is a number")
+    if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
+        dp_rank = None
+    events: list[Event] = []
+    for raw in raw_events:
+        ev = decode_event(raw, stats)
+        if ev is not None:
+            events.append(ev)
+    return (float(ts) if ts is not None else None), tuple(events), dp_rank
+
+
+def decode_event(raw: Any, stats: DecodeStats | None = None) -> Event | None:
+    """One event, positional (tag first) or a map with "type"; None if unknown or malformed (counted)."""
+    stats = stats if stats is not None else DecodeStats()
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind, fields = raw[0], _positional(raw[0], raw[1:], stats)
+    elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
+        kind, fields = raw["type"], raw
+        known = {"BlockStored": _STORED_MAP_KEYS, "BlockRemoved": _REMOVED_MAP_KEYS, "AllBlocksCleared": frozenset({"type"})}.get(kind)
+        if known is not None:
+            stats.extra_fields += sum(1 for k in raw if k not in known and k not in _IGNORED_KEYS)
+    else:
+        stats.malformed_events += 1
+        return None
+    try:
+        if kind == "BlockStored":
+            if fields is None:
+                raise _Malformed
+            kind_of_cache = fields.get("kv_cache_spec_kind")
+            if kind_of_cache is not None and kind_of_cache != _FULL_ATTENTION:
+                stats.skipped_groups += 1
+                return None
+            ev: Event = _stored(fields)
+            stats.stored += 1
+        elif kind == "BlockRemoved":
+            if fields is None:
+                raise _Malformed
+            ev = Removed(_hashes(fields.get("block_hashes")), _opt_str(fields.get("medium")), _opt_int(fields.get("group_idx")))
+            stats.removed += 1
+        elif kind == "AllBlocksCleared":
+            ev = Cleared()
+            stats.cleared += 1
+        else:
+            stats.unknown_events += 1
+            return None
+    except _Malformed:
+        stats.malformed_events += 1
+        return None
+    return ev
+
+
+def _positional(kind: str, values: list[Any], stats: DecodeStats) -> dict[str, Any] | None:
+    names = {"BlockStored": _STORED_POSITIONS, "BlockRemoved": _REMOVED_POSITIONS, "AllBlocksCleared": ()}.get(kind)
+    if names is None:
+        return None
+    if len(values) > len(names):
+        stats.extra_fields += len(values) - len(names)
+    out = dict(zip(names, values))
+    # Past the fields every version shares, keep a value only if its type fits (SGLang's later fields differ).
+    for name in ("medium", "lora_name", "kv_cache_spec_kind"):
+        if name in out and out[name] is not None and not isinstance(out[name], str):
+            del out[name]
+    if "extra_keys" in out and out["extra_keys"] is not None and not isinstance(out["extra_keys"], list):
+        del out["extra_keys"]
+    if "group_idx" in out and not (out["group_idx"] is None or (isinstance(out["group_idx"], int) and not isinstance(out["group_idx"], bool))):
+        del out["group_idx"]
+    if kind == "BlockStored" and len(values) < 4:
+        return None
+    if kind == "BlockRemoved" and len(values) < 1:
+        return None
+    return out
+
+
+def _stored(f: dict[str, Any]) -> Stored:
+    hashes = _hashes(f.get("block_hashes"))
+    parent = f.get("parent_block_hash")
+    if parent is not None:
+        parent = _hash(parent)
+    tokens = f.get("token_ids")
+    size = f.get("block_size")
+    if not isinstance(tokens, list) or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise _Malformed
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= U32_MAX:
+            raise _Malformed  # also EAGLE bigram pairs
+    if len(tokens) != size * len(hashes):
+        raise _Malformed
+    extra = f.get("extra_keys")
+    extra_keys: tuple[Any, ...] | None = None
+    if isinstance(extra, list) and len(extra) == len(hashes) and any(e is not None for e in extra):
+        extra_keys = tuple(_freeze(e) for e in extra)
+    return Stored(
+        engine_hashes=hashes,
+        parent=parent,
+        token_ids=tuple(tokens),
+        block_size=size,
+        lora_id=_opt_int(f.get("lora_id")),
+        lora_name=_opt_str(f.get("lora_name")) or None,
+        medium=_opt_str(f.get("medium")),
+        cache_salt=_opt_str(f.get("cache_salt")) or None,
+        extra_keys=extra_keys,
+        group_idx=_opt_int(f.get("group_idx")),
+    )
+
+
+def _hash(v: Any) -> EngineHash:
+    if isinstance(v, bool):
+        raise _Malformed
+    if isinstance(v, int):
+        return v
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v)
+    raise _Malformed
+
+
+def _hashes(v: Any) -> tuple[EngineHash, ...]:
+    if not isinstance(v, list):
+        raise _Malformed
+    return tuple(_hash(h) for h in v)
+
+
+def _opt_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _opt_str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted(((_freeze(k), _freeze(x)) for k, x in v.items()), key=repr))
+    return v
+
+
+# -- hash mapping ----------------------------------------------------------------
+
+
+def engine_namespace(base: str = "", *, lora_name: str | None = None, lora_id: int | None = None, cache_salt: str | None = None) -> str:
+    """The namespace blocks of an engine event are hashed under (see the module docstring)."""
+    ns = base
+    if lora_name:
+        ns += "|lora=" + lora_name
+    elif lora_id is not None:
+        ns += f"|lora_id={lora_id}"
+    if cache_salt:
+        ns += "|salt=" + cache_salt
+    return ns
+
+
+@dataclass(frozen=True, slots=True)
+class MapResult:
+    """What an event changes in the directory: our hashes to publish and to remove."""
+
+    publish: tuple[int, ...] = ()
+    remove: tuple[int, ...] = ()
+    missing_parent: bool = False
+    unsupported: str | None = None  # why the event could not be mapped
+
+
+@dataclass(slots=True)
+class _Entry:
+    ours: tuple[int, ...]
+    holders: set[tuple[int | None, str | None]] = field(default_factory=set)  # (group_idx, medium)
+    medium: str | None = None
+
+
+@dataclass(slots=True)
+class MapperStats:
+    stored_blocks: int = 0  # engine blocks mapped
+    removed_blocks: int = 0  # engine blocks removed
+    missing_parents: int = 0
+    unsupported: int = 0
+    unknown_removals: int = 0
+    evicted: int = 0  # engine hashes dropped by the LRU bound
+
+
+class HashMapper:
+    """Engine hash -> our sequence hashes for one engine, LRU-bounded. Not thread-safe."""
+
+    def __init__(self, block_size: int, namespace: str = "", max_entries: int = 1 << 20) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.block_size = block_size
+        self.namespace = namespace
+        self.max_entries = max_entries
+        self.stats = MapperStats()
+        self._map: OrderedDict[EngineHash, _Entry] = OrderedDict()
+        self._refs: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, engine_hash: object) -> bool:
+        return engine_hash in self._map
+
+    def ours(self, engine_hash: EngineHash) -> tuple[int, ...] | None:
+        """Our hashes for an engine hash (no LRU touch), or None."""
+        e = self._map.get(engine_hash)
+        return e.ours if e is not None else None
+
+    def reset(self) -> None:
+        """Forget everything (engine cleared, restarted, or a resync); counters stay."""
+        self._map.clear()
+        self._refs.clear()
+
+    def snapshot(self) -> dict[int, str | None]:
+        """Every hash of ours that some engine block holds -> a medium: what to republish under a new epoch."""
+        out: dict[int, str | None] = {}
+        for e in self._map.values():
+            for h in e.ours:
+                out.setdefault(h, e.medium)
+        return out
+
+    def apply(self, ev: Event) -> MapResult:
+        if isinstance(ev, Stored):
+            return self.store(ev)
+        if isinstance(ev, Removed):
+            return self.remove(ev)
+        removed = tuple(self._refs)
+        self.reset()
+        return MapResult(remove=removed)
+
+    def store(self, ev: Stored) -> MapResult:
+        n = len(ev.engine_hashes)
+        if n == 0:
+            return MapResult()
+        eb, ours_b = ev.block_size, self.block_size
+        if len(ev.token_ids) != eb * n:
+            self.stats.unsupported += 1
+            return MapResult(unsupported=f"{len(ev.token_ids)} tokens for {n} blocks of {eb}")
+        if eb % ours_b:
+            self.stats.unsupported += 1
+            return MapResult(unsupported=f"engine block size {eb} is not a multiple of {ours_b}")
+        k = eb // ours_b
+        prev: int | None = None
+        if ev.parent is not None:
+            parent = self._map.get(ev.parent)
+            if parent is None:
+                self.stats.missing_parents += 1
+                return MapResult(missing_parent=True)
+            self._map.move_to_end(ev.parent)
+            prev = parent.ours[-1]
+        ns = engine_namespace(self.namespace, lora_name=ev.lora_name, lora_id=ev.lora_id, cache_salt=ev.cache_salt)
+        seed = seed_for(ns)
+        local = local_hashes(ev.token_ids, ours_b, ns)
+        holder = (ev.group_idx, ev.medium)
+        publish: list[int] = []
+        remove: list[int] = []
+        for i, eh in enumerate(ev.engine_hashes):
+            ours: list[int] = []
+            for j in range(k):
+                cur = local[i * k + j] if prev is None else _xxh3(_pair.pack(prev, local[i * k + j]), seed)
+                if j == 0 and ev.extra_keys is not None:
+                    cur = _mix_extra(cur, ev.extra_keys[i], ev.lora_name, seed)
+                ours.append(cur)
+                prev = cur
+            self._put(eh, tuple(ours), holder, ev.medium, publish, remove)
+        self.stats.stored_blocks += n
+        while len(self._map) > self.max_entries:
+            _, old = self._map.popitem(last=False)
+            self.stats.evicted += 1
+            self._release(old.ours, remove)
+        return MapResult(publish=tuple(publish), remove=tuple(remove))
+
+    def remove(self, ev: Removed) -> MapResult:
+        remove: list[int] = []
+        holder = (ev.group_idx, ev.medium)
+        for eh in ev.engine_hashes:
+            e = self._map.get(eh)
+            if e is None:
+                self.stats.unknown_removals += 1
+                continue
+            if holder in e.holders:
+                e.holders.discard(holder)
+            elif len(e.holders) == 1:
+                e.holders.clear()  # one holder, labelled differently (an engine version mismatch): it is that one
+            else:
+                self.stats.unknown_removals += 1
+                continue
+            if e.holders:
+                continue
+            del self._map[eh]
+            self._release(e.ours, remove)
+            self.stats.removed_blocks += 1
+        return MapResult(remove=tuple(remove))
+
+    def _put(self, eh: EngineHash, ours: tuple[int, ...], holder: tuple[int | None, str | None], medium: str | None,
+             publish: list[int], remove: list[int]) -> None:
+        e = self._map.get(eh)
+        if e is not None:
+            self._map.move_to_end(eh)
+            if e.ours == ours:
+                e.holders.add(holder)
+                return
+            self._release(e.ours, remove)  # the engine reused a hash for other content: trust the newest
+            del self._map[eh]
+        self._map[eh] = _Entry(ours, {holder}, medium)
+        for h in ours:
+            c = self._refs.get(h, 0)
+            self._refs[h] = c + 1
+            if c == 0:
+                publish.append(h)
+                if h in remove:
+                    remove.remove(h)
+
+    def _release(self, ours: Iterable[int], remove: list[int]) -> None:
+        for h in ours:
+            c = self._refs.get(h, 0) - 1
+            if c <= 0:
+                self._refs.pop(h, None)
+                remove.append(h)
+            else:
+                self._refs[h] = c
+
+
+def _mix_extra(h: int, extra: Any, lora_name: str | None, seed: int) -> int:
+    """Fold a block's extra keys (multimodal ids, salt...) into its hash; the LoRA name is in the namespace already."""
+    if extra is None:
+        return h
+    items = extra if isinstance(extra, tuple) else (extra,)
+    items = tuple(x for x in items if not (lora_name and x == lora_name))
+    if not items:
+        return h
+    return _xxh3(h.to_bytes(8, "little") + msgspec.msgpack.encode(items), seed)
