@@ -35,7 +35,7 @@ def test_live_multi_turn_hit_rate_matches_the_simulation(make_cluster, make_work
     make_workers(c, 4, ("--time-scale", "0.01"))
     g = gateway_for(c, 4)
     requests = multi_turn(sessions=6, rounds=3, seed=3, block_tokens=512)
-    live = live_replay(g.url, requests, block_tokens=512, time_scale=0.05, max_output=4, progress=False)
+    live = live_replay(g.url, requests, block_tokens=512, time_scale=0.2, max_output=4, progress=False)
     assert live["failed"] == 0
     # Workers hold 4,096 blocks of 16 tokens: 128 blocks of 512 tokens each.
     sim = simulate(requests, "kvdir", SimParams(nodes=4, capacity_blocks=128, block_tokens=512))

@@ -30,30 +30,25 @@ from directory.kv_events import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-CAPTURES = next((p for p in (ROOT / "shared" / "data" / "vllm_kv_events", ROOT.parent / "shared" / "data" / "vllm_kv_events")
-                 if p.is_dir()), None)
-needs_captures = pytest.mark.skipif(CAPTURES is None, reason="shared/data/vllm_kv_events is not beside the repository")
+CAPTURES = ROOT / "tests" / "data" / "vllm_kv_events"  # a copy of shared/data/vllm_kv_events (vLLM 0.32 captures)
 
 A0, A1 = 6616113538505953862, 3410895834723361670  # seq 10: the shared 70-token prefix's two full blocks
 A2, B2 = 11144390117411643634, 16310062092427750112  # seq 11 and 12: the third block of prompts A and B
 
 
 def captured(run: str = "") -> list[list[bytes]]:
-    assert CAPTURES is not None
     folder = CAPTURES / run if run else CAPTURES
     return [[(folder / f.name.replace("frame0", f"frame{i}")).read_bytes() for i in range(3)]
             for f in sorted(folder.glob("msg*_frame0.bin"))]
 
 
 def prompts() -> dict[str, list[int]]:
-    assert CAPTURES is not None
     return json.loads((CAPTURES / "prompts_sent.json").read_text())
 
 
 # -- the captured vLLM 0.32 frames ------------------------------------------------
 
 
-@needs_captures
 def test_captured_frames_decode_to_the_expected_events() -> None:
     stats = DecodeStats()
     batches = [decode_message(m, stats) for m in captured()]
@@ -83,7 +78,6 @@ def test_captured_frames_decode_to_the_expected_events() -> None:
     assert len(batches[4].events[0].engine_hashes) == 14 and len(batches[4].events[0].token_ids) == 448
 
 
-@needs_captures
 def test_captured_frames_map_to_our_seq_hashes_through_the_parent_chain() -> None:
     p = prompts()
     batches = [decode_message(m) for m in captured()]
@@ -121,9 +115,8 @@ def test_captured_frames_map_to_our_seq_hashes_through_the_parent_chain() -> Non
     assert len(m) == 0 and set(r.remove) == expected
 
 
-@needs_captures
 def test_second_capture_continues_the_first_and_maps_the_same_blocks_the_same_way() -> None:
-    assert CAPTURES is not None and (CAPTURES / "run2").is_dir()
+    assert (CAPTURES / "run2").is_dir()
     first = [decode_message(m) for m in captured()]
     second = [decode_message(m) for m in captured("run2")]
     assert [b.seq for b in second] == list(range(21, 35))  # no gap after run 1's seq 20
