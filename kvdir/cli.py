@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("events", help="feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)")
     add_settings_flags(e, EventsSettings)
+    e.add_argument("--connect", dest="bind", action="store_false", help="connect the SUB socket (same as --no-bind)")
 
     from kvdir.launcher import UpSettings
 
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     add_replay_arguments(r)
 
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
-    b.add_argument("target", choices=["directory", "worker", "gateway"], help="what to measure")
+    b.add_argument("target", choices=["directory", "worker", "gateway", "events"], help="what to measure")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     return p

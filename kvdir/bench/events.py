@@ -1,0 +1,185 @@
+"""`kvdir bench events`: engine KV events ingested end to end into a 3-replica directory.
+
+Fake engines (a /health endpoint and a ZMQ XPUB socket each, in this process) publish
+vLLM-shaped BlockStored batches at an offered rate to one `kvdir events` process each;
+the figure is how many blocks reach the directory per second, and the lag from an
+event's publication to its entry being visible on a follower replica.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import zmq
+
+from directory.hashing import block_hashes
+from kvdir.bench.report import emit, header, pct, say
+from kvdir.launcher import Cluster, free_ports
+
+BS = 16
+BLOCKS_PER_EVENT = 64
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _stored(rng: random.Random, blocks: int) -> tuple[dict[str, Any], list[int]]:
+    tokens = [rng.randrange(50_000) for _ in range(blocks * BS)]
+    event = {"type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(blocks)], "parent_block_hash": None,
+             "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return event, tokens
+
+
+def bench_events(quick: bool, offered: float) -> dict[str, Any]:
+    """Offer `offered` blocks/s over all engines; report what the directory ingested and the lag."""
+    engines = 2 if quick else 4
+    duration = 3.0 if quick else 10.0
+    ports = free_ports(6)
+    procs: list[subprocess.Popen[bytes]] = []
+    servers: list[ThreadingHTTPServer] = []
+    ctx = zmq.Context()
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
+        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        try:
+            c.start()
+            leader = c.wait_ready(60)
+            follower = next(u for u in c.replica_urls if u != leader)
+            pubs = []
+            for i in range(engines + 1):  # the last engine only sends the latency probes
+                http = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+                threading.Thread(target=http.serve_forever, daemon=True).start()
+                servers.append(http)
+                endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+                env = {**os.environ, "KVDIR_ENGINE_URL": f"http://127.0.0.1:{http.server_address[1]}", "KVDIR_ZMQ": endpoint,
+                       "KVDIR_BIND": "true", "KVDIR_TOPIC": "kv", "KVDIR_BLOCK_SIZE": str(BS), "KVDIR_NODE_ID": f"engine-{i}",
+                       "KVDIR_DIRECTORY": ",".join(c.replica_urls), "KVDIR_LOG_LEVEL": "warning",
+                       "KVDIR_MAX_ENTRIES": str(4 << 20)}
+                with open(Path(tmp) / f"events-{i}.log", "ab") as logf:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "kvdir", "events"], env=env, stdout=logf,
+                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                pub = ctx.socket(zmq.XPUB)
+                pub.setsockopt(zmq.LINGER, 0)
+                pub.setsockopt(zmq.SNDHWM, 100_000)
+                pub.connect(endpoint)
+                if not pub.poll(30_000):
+                    raise RuntimeError(f"kvdir events {i} did not subscribe; see {tmp}/events-{i}.log")
+                pub.recv()
+                pubs.append(pub)
+            # Every message is encoded before the clock starts: the publisher must not be the bottleneck.
+            per_engine = int(offered / engines * duration / BLOCKS_PER_EVENT) + 1
+            nrng = np.random.default_rng(0)
+            messages = []
+            for i in range(engines):
+                msgs = []
+                for seq in range(per_engine):
+                    ev = {"type": "BlockStored", "block_hashes": nrng.integers(0, 2**63, BLOCKS_PER_EVENT).tolist(),
+                          "parent_block_hash": None, "token_ids": nrng.integers(0, 50_000, BLOCKS_PER_EVENT * BS).tolist(),
+                          "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+                    msgs.append([b"kv", seq.to_bytes(8, "big", signed=True), msgspec.msgpack.encode([0.0, [ev], 0])])
+                messages.append(msgs)
+            probes: list[tuple[float, list[int]]] = []
+            lags: list[float] = []
+            growth: list[tuple[float, int]] = []
+            done = threading.Event()
+
+            def watch() -> None:
+                # Probe visibility on a follower and the index's growth, without slowing the publisher.
+                with httpx.Client(timeout=5) as client:
+                    seen = 0
+                    while not done.is_set() or seen < len(probes):
+                        while seen < len(probes):
+                            t0, h = probes[seen]
+                            if client.post(follower + "/v1/lookup", json={"hashes": h}).json()["holders"]:
+                                lags.append(time.monotonic() - t0)
+                                seen += 1
+                            elif time.monotonic() - t0 > 30:
+                                seen += 1
+                            else:
+                                break
+                        growth.append((time.monotonic(), client.get(follower + "/v1/digest").json()["entries"]))
+                        time.sleep(0.05)
+
+            watcher = threading.Thread(target=watch)
+            rng = random.Random(0)
+            say(f"  offering {offered:,.0f} blocks/s from {engines} engines for {duration:.0f}s...")
+            interval = BLOCKS_PER_EVENT / (offered / engines)
+            start = time.monotonic()
+            watcher.start()
+            next_probe = start
+            sent = 0
+            probe_seq = 0
+            for k in range(per_engine):
+                now = time.monotonic()
+                if start + k * interval > now:
+                    time.sleep(start + k * interval - now)
+                for i in range(engines):
+                    pubs[i].send_multipart(messages[i][k])
+                    sent += BLOCKS_PER_EVENT
+                if time.monotonic() >= next_probe:  # one probe every 200 ms, from the probe engine
+                    next_probe += 0.2
+                    probe, tokens = _stored(rng, 1)
+                    pubs[-1].send_multipart([b"kv", probe_seq.to_bytes(8, "big", signed=True),
+                                             msgspec.msgpack.encode([0.0, [probe], 0])])
+                    probes.append((time.monotonic(), block_hashes(tokens, BS)))
+                    probe_seq += 1
+                    sent += 1
+            elapsed = time.monotonic() - start
+            # Wait until the index stops growing.
+            while True:
+                time.sleep(1.0)
+                if len(growth) > 40 and growth[-1][1] == growth[-20][1]:
+                    break
+            done.set()
+            watcher.join(60)
+            final = growth[-1][1]
+            reached = next(t for t, n in growth if n >= 0.99 * final)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            for s in servers:
+                s.shutdown()
+            ctx.destroy(linger=0)
+            c.stop()
+    return {
+        "engines": engines,
+        "offered_blocks_per_s": sent / elapsed,
+        "ingested_blocks_per_s": final / (reached - start),
+        "ingested_events_per_s": final / (reached - start) / BLOCKS_PER_EVENT,
+        "lost_fraction": 1 - final / sent,
+        "lag_p50_ms": pct(lags, 50) * 1e3,
+        "lag_p99_ms": pct(lags, 99) * 1e3,
+        "probes_seen": f"{len(lags)}/{len(probes)}",
+    }
+
+
+def main(*, as_json: bool, quick: bool) -> int:
+    results = header(quick)
+    for offered in (100_000.0, 20_000.0):  # the target, then a rate these 2 cores sustain
+        say(f"engine KV events into a 3-replica directory, {offered:,.0f} blocks/s offered...")
+        results.update({f"at_{int(offered / 1000)}k_{k}": v for k, v in bench_events(quick, offered).items()})
+    emit(results, as_json)
+    return 0
