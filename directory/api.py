@@ -4,10 +4,13 @@ Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
 404 unknown node, 409 stale epoch or expired node (register again), 413 body
 too large, 422 invalid fields or limits, 429 node limit, 503 not committed in
 time (retry: every write is idempotent), 507 index full. A 500 means a bug.
+With `auth_tokens_file` set, 401 without a known bearer token and 403 for a
+role or node the token may not write (directory.auth).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 import uuid
@@ -25,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from directory import state as st
-from directory.config import DirectorySettings
+from directory.auth import PRINCIPAL, BearerAuth, Principal
+from directory.config import DirectorySettings, parse_hostport
 from directory.errors import CommitTimeout
 from directory.hashing import block_hashes
 from directory.metrics import DirectoryMetrics
@@ -57,9 +61,10 @@ _STATUS = {
     st.INDEX_FULL: 507,
     st.INVALID: 422,
 }
-_ERRORS = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 409: "conflict", 413: "body_too_large", 422: "invalid_request"}
+_ERRORS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
+           413: "body_too_large", 422: "invalid_request"}
 _RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 422, 429, 503, 507)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503, 507)
 }
 
 
@@ -133,6 +138,16 @@ async def _commit(replica: Replica, cmd: st.Command) -> st.Result:
     return res
 
 
+def _may_write(request: Request, node_id: str) -> None:
+    """403 unless the request's token may write `node_id` (always allowed with auth off)."""
+    if not request.app.state.auth:
+        return
+    principal: Principal | None = request.scope.get(PRINCIPAL)
+    if principal is None or not principal.may_write(node_id):
+        role = principal.role if principal is not None else "no"
+        raise ApiError(403, "forbidden", f"this {role} token may not write node {node_id!r}")
+
+
 def _check_count(n: int, limit: int, what: str) -> None:
     if n > limit:
         raise ApiError(422, "too_many", f"{n} {what.replace('_', ' ')} in one request; the limit is {limit} (KVDIR_MAX_{what.upper()})")
@@ -142,7 +157,15 @@ router = APIRouter(responses=_RESPONSES)
 
 
 @router.post("/v1/nodes", response_model=RegisterResponse)
-async def register(body: RegisterRequest, replica: Replica = Depends(_replica)) -> Any:
+async def register(request: Request, body: RegisterRequest, replica: Replica = Depends(_replica)) -> Any:
+    _may_write(request, body.node_id)
+    with replica.sm.lock:
+        state = replica.state
+        full = body.node_id not in state.nodes and len(state.nodes) >= state.max_nodes
+    if full:
+        # Refused here, before Raft: a flood of registrations over the limit must not fill the Raft log.
+        # The state machine still enforces the limit on every replica (this replica's view may lag).
+        raise ApiError(429, st.NODE_LIMIT, f"the directory holds its maximum of {state.max_nodes} nodes")
     cmd = st.Register(
         node_id=body.node_id,
         incarnation=body.incarnation or uuid.uuid4().hex,
@@ -158,13 +181,15 @@ async def register(body: RegisterRequest, replica: Replica = Depends(_replica)) 
 
 
 @router.post("/v1/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(node_id: str, body: HeartbeatRequest, replica: Replica = Depends(_replica)) -> Any:
+async def heartbeat(request: Request, node_id: str, body: HeartbeatRequest, replica: Replica = Depends(_replica)) -> Any:
+    _may_write(request, node_id)
     res = await _commit(replica, st.Heartbeat(node_id, body.epoch, body.load))
     return JSONResponse({"node_id": node_id, "epoch": res.value})
 
 
 @router.delete("/v1/nodes/{node_id}", response_model=DeregisterResponse)
-async def deregister(node_id: str, replica: Replica = Depends(_replica)) -> Any:
+async def deregister(request: Request, node_id: str, replica: Replica = Depends(_replica)) -> Any:
+    _may_write(request, node_id)
     try:
         res = await _commit(replica, st.Deregister(node_id))
     except ApiError as exc:
@@ -213,7 +238,9 @@ def _settings_limit(replica: Replica, n: int) -> None:
 
 
 @router.post("/v1/blocks", response_model=PublishResponse)
-async def publish(body: PublishRequest, replica: Replica = Depends(_replica), metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
+async def publish(request: Request, body: PublishRequest, replica: Replica = Depends(_replica),
+                  metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
+    _may_write(request, body.node_id)
     _settings_limit(replica, len(body.blocks))
     t0 = time.perf_counter()
     hashes = np.fromiter((b.hash for b in body.blocks), dtype=np.uint64, count=len(body.blocks))
@@ -224,7 +251,9 @@ async def publish(body: PublishRequest, replica: Replica = Depends(_replica), me
 
 
 @router.post("/v1/blocks/remove", response_model=RemoveResponse)
-async def remove(body: RemoveRequest, replica: Replica = Depends(_replica), metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
+async def remove(request: Request, body: RemoveRequest, replica: Replica = Depends(_replica),
+                 metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
+    _may_write(request, body.node_id)
     _settings_limit(replica, len(body.hashes))
     t0 = time.perf_counter()
     hashes = np.fromiter(body.hashes, dtype=np.uint64, count=len(body.hashes))
@@ -234,7 +263,8 @@ async def remove(body: RemoveRequest, replica: Replica = Depends(_replica), metr
 
 
 @router.post("/v1/blocks/clear", response_model=RemoveResponse)
-async def clear(body: ClearRequest, replica: Replica = Depends(_replica)) -> Any:
+async def clear(request: Request, body: ClearRequest, replica: Replica = Depends(_replica)) -> Any:
+    _may_write(request, body.node_id)
     res = await _commit(replica, st.Clear(body.node_id, body.epoch))
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
 
@@ -305,6 +335,14 @@ async def metrics_endpoint(metrics: DirectoryMetrics = Depends(_metrics)) -> Res
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _is_loopback(hostport: str) -> bool:
+    host = parse_hostport(hostport)[0]
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def create_app(settings: DirectorySettings, replica_factory: Callable[[DirectorySettings], Replica] = Replica) -> FastAPI:
     """The ASGI app of one replica; the Raft node starts and stops with the app's lifespan."""
 
@@ -323,6 +361,14 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
     app = FastAPI(title="kvdir directory", version="1", lifespan=lifespan)
     app.include_router(router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    tokens = settings.auth_tokens
+    app.state.auth = tokens is not None
+    if tokens is not None:
+        # Added last, so outermost: an unauthenticated request is refused before its body is read.
+        app.add_middleware(BearerAuth, tokens=tokens)
+        log.info("bearer-token auth on: %d tokens from %s", len(tokens), settings.auth_tokens_file)
+    elif not _is_loopback(settings.http):
+        log.warning("auth is off (no --auth-tokens-file) on %s: any client that reaches it may write", settings.http)
 
     def count(request: Request, error: str) -> None:
         m = getattr(request.app.state, "metrics", None)

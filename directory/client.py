@@ -5,7 +5,8 @@ moving on when one is down. Writes may go to any replica (followers forward
 to the Raft leader) and are retried with backoff on the next replica when a
 replica is unreachable or answers 503: every write is idempotent, so a retry
 after an unknown outcome is safe. 4xx answers are raised at once as
-`RequestRejected` subclasses (see directory.errors).
+`RequestRejected` subclasses (see directory.errors). With `token`, every
+request carries `Authorization: Bearer TOKEN` (the directory's auth_tokens_file).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from directory.errors import DirectoryUnavailable, rejection
 from directory.schemas import LookupResponse, NodeInfo, RegisterResponse
@@ -35,6 +37,7 @@ class DirectoryClient:
         timeout: float = 2.0,
         deadline: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        token: str | SecretStr | None = None,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -43,8 +46,12 @@ class DirectoryClient:
         self.urls = [u.strip().rstrip("/") for u in urls]
         self.deadline = deadline
         self._preferred = 0
+        if isinstance(token, SecretStr):
+            token = token.get_secret_value()
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout),
+            headers=headers,
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=8),
             transport=transport,
         )

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from directory.auth import TokenTable, load_tokens
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -50,10 +52,14 @@ class DirectorySettings(BaseSettings):
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
     raft_password_file: Path | None = Field(None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)")
+    auth_tokens_file: Path | None = Field(
+        None, description="file of bearer tokens, one ROLE:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)")
     raft_min_timeout_s: float = Field(0.35, gt=0, description="Raft election timeout, lower bound")
     raft_max_timeout_s: float = Field(0.7, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
     log_level: str = Field("info", description="debug, info, warning or error")
+
+    _auth_tokens: TokenTable | None = PrivateAttr(None)
 
     @field_validator("peers")
     @classmethod
@@ -73,6 +79,17 @@ class DirectorySettings(BaseSettings):
                 raise ValueError(f"cannot read the Raft password file: {exc}") from exc
         return self
 
+    @model_validator(mode="after")
+    def _tokens_from_file(self) -> DirectorySettings:
+        if self.auth_tokens_file is not None:
+            self._auth_tokens = load_tokens(self.auth_tokens_file)
+        return self
+
+    @property
+    def auth_tokens(self) -> TokenTable | None:
+        """The tokens read from `auth_tokens_file` when the settings were read; None: auth is off."""
+        return self._auth_tokens
+
     @property
     def peer_list(self) -> list[str]:
         return [p.strip() for p in self.peers.split(",") if p.strip()]
@@ -80,3 +97,16 @@ class DirectorySettings(BaseSettings):
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.http}"
+
+
+def read_secret_file(path: Path | None, what: str) -> SecretStr | None:
+    """The stripped content of a secret file (a Docker or Kubernetes secret), or None without a path."""
+    if path is None:
+        return None
+    try:
+        value = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the {what} file: {exc}") from exc
+    if not value:
+        raise ValueError(f"the {what} file {path} is empty")
+    return SecretStr(value)

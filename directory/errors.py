@@ -7,6 +7,7 @@
         ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
         ├── NotFoundError         404
         ├── InvalidRequestError   400, 413, 422
+        ├── AuthError             401 (no or unknown bearer token), 403 (the token may not do this)
         └── LimitError            429, 507: a configured limit (nodes, entries) is reached
 """
 
@@ -49,9 +50,13 @@ class LimitError(RequestRejected):
     pass
 
 
+class AuthError(RequestRejected):
+    pass
+
+
 def rejection(status: int, error: str, detail: object = None) -> RequestRejected:
     """The RequestRejected subclass for an HTTP status."""
-    cls = {409: StaleEpochError, 404: NotFoundError, 429: LimitError, 507: LimitError}.get(status)
+    cls = {409: StaleEpochError, 404: NotFoundError, 429: LimitError, 507: LimitError, 401: AuthError, 403: AuthError}.get(status)
     if cls is None:
         cls = InvalidRequestError if status in (400, 413, 422) else RequestRejected
     return cls(status, error, detail)

@@ -71,6 +71,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -79,11 +80,11 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from directory.client import DirectoryClient
-from directory.config import HostPort, parse_hostport, url_list
+from directory.config import HostPort, parse_hostport, read_secret_file, url_list
 from directory.errors import DirectoryError, RequestRejected, StaleEpochError
 from directory.kv_events import (
     END_SEQ,
@@ -123,6 +124,8 @@ class EventsSettings(BaseSettings):
     node_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$",
                                 description="the engine's node id in the directory (default: ENGINE_URL's host:port)")
     directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
+    directory_token_file: Path | None = Field(
+        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
     metrics: HostPort | None = Field(None, description="HOST:PORT to serve Prometheus metrics on (default: none)")
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat and /health probe period (keep well under the lease TTL)")
     batch_window_s: float = Field(0.01, ge=0, le=10, description="changes are gathered this long before they are sent")
@@ -130,8 +133,11 @@ class EventsSettings(BaseSettings):
     max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
     log_level: str = Field("info", description="debug, info, warning or error")
 
+    _directory_token: SecretStr | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _check(self) -> EventsSettings:
+        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
         if not self.directory_urls:
             raise ValueError("directory: at least one replica URL")
         if not self.node:
@@ -221,7 +227,8 @@ class EventsSubscriber:
     def __init__(self, settings: EventsSettings, *, directory: DirectoryClient | None = None) -> None:
         self.s = settings
         self.node_id = settings.node
-        self.client = directory or DirectoryClient(settings.directory_urls)
+        token = settings._directory_token.get_secret_value() if settings._directory_token else None
+        self.client = directory or DirectoryClient(settings.directory_urls, token=token)
         self._own_client = directory is None
         self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries)
         self.decode_stats = DecodeStats()

@@ -53,9 +53,14 @@ class RegisterResponse(_Model):
     lease_ttl_s: float
 
 
+# NaN and infinities (Python's JSON parser accepts `NaN`, `Infinity` and 1e999) would be stored in the
+# replicated state and make every answer listing the node unserialisable (500): refused with 422.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class HeartbeatRequest(_Model):
     epoch: Epoch
-    load: Annotated[dict[Label, float], Field(max_length=64)] | None = None
+    load: Annotated[dict[Label, FiniteFloat], Field(max_length=64)] | None = None
 
 
 class HeartbeatResponse(_Model):

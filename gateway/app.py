@@ -70,6 +70,28 @@ class ChatBody(_Body):
     messages: list[_Message] = Field(min_length=1)
 
 
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An OpenAPI `requestBody` for a route that reads the raw request (its schema inlined, no `$defs`).
+
+    The routes parse bodies themselves (everything unknown is forwarded as is),
+    so FastAPI cannot infer them; this tells clients and fuzzers what is expected.
+    """
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> None:
         self.status, self.message, self.type, self.code = status, message, type_, code
@@ -114,7 +136,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        directory = DirectoryClient(settings.directory_urls, timeout=1.0, deadline=settings.lookup_timeout_s)
+        directory = DirectoryClient(settings.directory_urls, timeout=1.0, deadline=settings.lookup_timeout_s,
+                                    token=settings.directory_token)
         registry = EngineRegistry(directory, settings.static_engines, settings.refresh_s, settings.unhealthy_s)
         await registry.refresh()
         registry.start()
@@ -141,7 +164,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def parse(request: Request, model: type[_Body]) -> tuple[dict[str, Any], Any]:
         try:
             raw = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's limit
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
         if not isinstance(raw, dict):
             raise GatewayError(400, "the request body must be a JSON object")
@@ -309,7 +332,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise GatewayError(r.status_code if r.status_code < 500 else 502, f"the engine could not tokenize: {r.text[:300]}")
         raise GatewayError(503, "no engine is available to tokenize", "service_unavailable", "no_engine")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionBody))
     async def completions(request: Request) -> Response:
         t = time.perf_counter()
         raw, body = await parse(request, CompletionBody)
@@ -322,7 +345,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             tokens = tokenizer.encode(body.prompt)
         return await forward(request, "/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatBody))
     async def chat(request: Request) -> Response:
         t = time.perf_counter()
         raw, body = await parse(request, ChatBody)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.config import HostPort, url_list
+from directory.config import HostPort, read_secret_file, url_list
 
 
 class GatewaySettings(BaseSettings):
@@ -15,6 +17,8 @@ class GatewaySettings(BaseSettings):
 
     http: HostPort = Field("127.0.0.1:8100", description="HOST:PORT the OpenAI-compatible API listens on")
     directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
+    directory_token_file: Path | None = Field(
+        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
     engine: str = Field("", description="comma-separated URLs of engines that do not register with the directory")
     policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
     tokenizer: str = Field("bytes", description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)")
@@ -30,6 +34,18 @@ class GatewaySettings(BaseSettings):
     unhealthy_s: float = Field(5.0, ge=0, description="how long an engine that refused a connection is skipped")
     seed: int = Field(0, description="seed of the policies' random tie-breaks")
     log_level: str = Field("info", description="debug, info, warning or error")
+
+    _directory_token: SecretStr | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> GatewaySettings:
+        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
+        return self
+
+    @property
+    def directory_token(self) -> SecretStr | None:
+        """The token read from `directory_token_file` when the settings were read."""
+        return self._directory_token
 
     @property
     def directory_urls(self) -> list[str]:

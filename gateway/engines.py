@@ -14,10 +14,25 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import httpx
+
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
 
 log = logging.getLogger("kvdir.gateway")
+
+
+def usable_url(url: str) -> bool:
+    """Whether `url` is an absolute http(s) URL the gateway can send requests to.
+
+    The directory stores whatever a node registered; a garbage URL must make
+    the gateway skip that node, not fail the requests routed there.
+    """
+    try:
+        u = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return False
+    return u.scheme in ("http", "https") and bool(u.host) and (u.port is None or 0 < u.port < 65536)
 
 
 @dataclass(slots=True)
@@ -55,6 +70,7 @@ class EngineRegistry:
             self.engines[f"static-{i + 1}"] = EngineState(f"static-{i + 1}", url, registered=False)
         self.directory_ok = False
         self._task: asyncio.Task[None] | None = None
+        self._unusable: set[tuple[str, str]] = set()  # (node id, URL) already warned about
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -75,6 +91,11 @@ class EngineRegistry:
         self.directory_ok = True
         seen = set()
         for n in nodes:
+            if not usable_url(n.api_url):
+                if (n.node_id, n.api_url) not in self._unusable:
+                    self._unusable.add((n.node_id, n.api_url))
+                    log.warning("node %r registered an unusable API URL %r: not routed to", n.node_id, n.api_url[:200])
+                continue
             seen.add(n.node_id)
             e = self.engines.get(n.node_id)
             if e is None or e.url != n.api_url.rstrip("/"):

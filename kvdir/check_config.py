@@ -121,7 +121,8 @@ def run_check_config(argv: Sequence[str]) -> int:
         p.error("give --compose FILE or a role and its flags")
     with tempfile.TemporaryDirectory(prefix="kvdir-check-") as tmp:
         stand_in = Path(tmp) / "secret"
-        stand_in.write_text("stand-in for a secret\n")
+        # Valid as any secret a setting reads: a password, a token, and a tokens file (ROLE:NODE_PATTERN:TOKEN).
+        stand_in.write_text("admin:*:stand-in-for-a-secret\n")
         return _run_checks(args.compose, args.role, rest, stand_in)
 
 

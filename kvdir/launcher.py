@@ -79,8 +79,10 @@ class Cluster:
         lease_ttl_s: float = 10.0,
         log_level: str = "warning",
         extra_args: Sequence[str] = (),
+        token: str | None = None,
     ) -> None:
         self.data_dir = data_dir
+        self.token = token  # bearer token for wait_ready when the replicas run with an auth tokens file
         self.lease_ttl_s = lease_ttl_s
         self.log_level = log_level
         self.extra_args = list(extra_args)
@@ -124,7 +126,8 @@ class Cluster:
     def wait_ready(self, timeout: float, among: Sequence[int] | None = None) -> str:
         """Poll until the running replicas (or `among`) agree on a leader whose URL they know; returns it."""
         end = time.monotonic() + timeout
-        with httpx.Client(timeout=1.0) as http:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        with httpx.Client(timeout=1.0, headers=headers) as http:
             while time.monotonic() < end:
                 for p in self.procs:
                     if p is not None and p.poll() not in (None, -signal.SIGKILL):

@@ -122,11 +122,13 @@ class Publisher:
                 self._registered.clear()
                 continue
             except RequestRejected as exc:
-                # Retrying cannot help (a limit, or a bug): drop what is pending, keep serving.
+                # Retrying cannot help (a limit, a wrong token, or a bug): drop what is pending, keep serving,
+                # and back off so that a misconfiguration (401/403 on every try) does not flood the log.
                 log.error("directory refused this node's changes (%s); dropping %d pending changes", exc, self.pending)
                 self.rejected += self.pending
                 self._store.clear()
                 self._remove.clear()
+                backoff = min(backoff * 2, 2.0)
             except DirectoryError as exc:
                 backoff = min(backoff * 2, 2.0)
                 log.info("directory unavailable (%s); %d changes pending", exc, self.pending)

@@ -88,7 +88,7 @@ def bench_events(quick: bool, offered: float) -> dict[str, Any]:
             per_engine = int(offered / engines * duration / BLOCKS_PER_EVENT) + 1
             nrng = np.random.default_rng(0)
             messages = []
-            for i in range(engines):
+            for _ in range(engines):
                 msgs = []
                 for seq in range(per_engine):
                     ev = {"type": "BlockStored", "block_hashes": nrng.integers(0, 2**63, BLOCKS_PER_EVENT).tolist(),

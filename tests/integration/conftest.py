@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Workers, free_ports
+from kvdir.launcher import Cluster, Gateway, Workers, free_ports
 
 
 @pytest.fixture
@@ -18,11 +18,12 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     """Start clusters of n replicas; every one is stopped at teardown, pass or fail."""
     started: list[Cluster] = []
 
-    def make(n: int = 3, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> Cluster:
+    def make(n: int = 3, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = (), token: str | None = None) -> Cluster:
         ports = free_ports(2 * n)
         data_dir = tmp_path / f"cluster{len(started)}"
         data_dir.mkdir()
-        cluster = Cluster(data_dir, ports[:n], ports[n:], lease_ttl_s=lease_ttl_s, log_level="info", extra_args=extra_args)
+        cluster = Cluster(data_dir, ports[:n], ports[n:], lease_ttl_s=lease_ttl_s, log_level="info", extra_args=extra_args,
+                          token=token)
         started.append(cluster)
         cluster.start()
         cluster.wait_ready(60)
@@ -76,3 +77,21 @@ def make_workers(tmp_path: Path) -> Iterator[Callable[..., Workers]]:
     yield make
     for w in started:
         w.stop()
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
+    """Start gateways in front of a cluster; every one is stopped at teardown."""
+    started: list[Gateway] = []
+
+    def make(cluster: Cluster, engines: int, extra_args: tuple[str, ...] = ()) -> Gateway:
+        data_dir = tmp_path / f"gateway{len(started)}"
+        data_dir.mkdir()
+        g = Gateway(data_dir, free_ports(1)[0], cluster.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1", *extra_args))
+        started.append(g)
+        g.wait_ready(60, engines=engines)
+        return g
+
+    yield make
+    for g in started:
+        g.stop()

@@ -95,7 +95,7 @@ def test_topology_is_consistent_and_matches_kvdir_up(services, doc) -> None:
     for name in by_role["worker"]:
         env = services[name][2]
         assert urlsplit(env["KVDIR_ADVERTISE_URL"]).hostname == name == env["KVDIR_TRANSFER_HOST"]
-    for name, (role, _, env) in services.items():
+    for role, _, env in services.values():
         # Each health check probes the service's own port, and the directory's readiness.
         _, port = parse_hostport(env["KVDIR_HTTP"])
         url = urlsplit(env["KVDIR_HEALTH_URL"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from directory.config import DirectorySettings
+from directory.events_subscriber import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import UpSettings
 from worker_stub.config import WorkerSettings
@@ -14,7 +15,7 @@ from worker_stub.config import WorkerSettings
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
-@pytest.mark.parametrize("cls", [DirectorySettings, GatewaySettings, UpSettings, WorkerSettings])
+@pytest.mark.parametrize("cls", [DirectorySettings, EventsSettings, GatewaySettings, UpSettings, WorkerSettings])
 def test_every_setting_is_documented_with_flag_and_env(cls) -> None:
     for name in cls.model_fields:
         flag = "--" + name.replace("_", "-")

@@ -1,0 +1,159 @@
+"""Bearer tokens with roles for the directory's REST API.
+
+The tokens file (`--auth-tokens-file`, `KVDIR_AUTH_TOKENS_FILE`) holds one token
+per line as `ROLE:NODE_PATTERN:TOKEN`; blank lines and lines starting with `#`
+are ignored, and the token is everything after the second colon:
+
+    engine:worker-*:s3cr3t      # may write entries, heartbeats, (de)registration of nodes matching worker-*
+    gateway:*:abc               # may only read: lookups, nodes, cluster
+    admin:*:xyz                 # may do everything, including deleting any node
+
+NODE_PATTERN is a shell-style glob (`fnmatch`, case-sensitive) over node ids; it
+only matters for engine tokens. Every role may read (GET routes and
+`POST /v1/lookup`): engines read `/v1/nodes` to find a pull source's transfer
+endpoint. Every request needs a token except `/healthz`, `/readyz` and
+`/metrics`: 401 without one or with an unknown one, 403 for a route or node the
+token's role may not write. Tokens are compared in constant time (SHA-256 of
+both sides through `hmac.compare_digest`, against every entry, so neither the
+match nor its position nor the length leaks through timing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+ROLES = ("engine", "gateway", "admin")
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+READ_METHODS = frozenset({"GET", "HEAD"})
+READ_POSTS = frozenset({"/v1/lookup"})
+PRINCIPAL = "kvdir.principal"
+"""The ASGI scope key under which the middleware leaves the request's `Principal`."""
+
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an Authorization header can carry
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token speaks for: a role and, for engines, the node ids it may write."""
+
+    role: str
+    pattern: str
+    line: int
+
+    def may_write(self, node_id: str) -> bool:
+        return self.role == "admin" or (self.role == "engine" and fnmatchcase(node_id, self.pattern))
+
+    def __str__(self) -> str:
+        return f"{self.role}:{self.pattern} (line {self.line})"
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+class TokenTable:
+    """The tokens of a tokens file, looked up in constant time."""
+
+    def __init__(self, entries: list[tuple[str, Principal]]) -> None:
+        self._entries = [(_digest(t.encode()), p) for t, p in entries]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, token: bytes) -> Principal | None:
+        """The principal of `token`, or None; compares against every entry, whatever matches."""
+        given = _digest(token)
+        found = None
+        for secret, principal in self._entries:
+            if hmac.compare_digest(secret, given):
+                found = principal
+        return found
+
+
+def load_tokens(path: Path) -> TokenTable:
+    """Parse a tokens file; ValueError (with the line number, never the secret) when it is malformed."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the auth tokens file: {exc}") from exc
+    entries: list[tuple[str, Principal]] = []
+    seen: set[str] = set()
+    for no, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            raise ValueError(f"{path}:{no}: expected ROLE:NODE_PATTERN:TOKEN")
+        role, pattern, token = (p.strip() for p in parts)
+        if role not in ROLES:
+            raise ValueError(f"{path}:{no}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if not pattern:
+            raise ValueError(f"{path}:{no}: empty node pattern (use * for any node)")
+        if not _TOKEN.fullmatch(token):
+            raise ValueError(f"{path}:{no}: the token must be non-empty visible ASCII without spaces")
+        if token in seen:
+            raise ValueError(f"{path}:{no}: the same token appears twice")
+        seen.add(token)
+        entries.append((token, Principal(role, pattern, no)))
+    if not entries:
+        raise ValueError(f"{path}: no tokens (auth would refuse every request); leave the setting unset to turn auth off")
+    return TokenTable(entries)
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The token of an `Authorization: Bearer TOKEN` header, if there is one."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            token = token.strip()
+            if scheme.lower() == b"bearer" and token:
+                return token
+            return None
+    return None
+
+
+class BearerAuth:
+    """ASGI middleware: authenticates every request but the open paths, and refuses writes by read-only roles.
+
+    Node-level checks (an engine token writing another node) happen in the
+    routes, which know the node id once the body is parsed; they read the
+    principal from `scope[PRINCIPAL]`.
+    """
+
+    def __init__(self, app: ASGIApp, tokens: TokenTable) -> None:
+        self.app, self.tokens = app, tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        token = bearer_token(scope)
+        if token is None:
+            return await self._deny(scope, receive, send, 401, "unauthorized", "this API needs an `Authorization: Bearer TOKEN` header")
+        principal = self.tokens.find(token)
+        if principal is None:
+            return await self._deny(scope, receive, send, 401, "unauthorized", "unknown token")
+        is_read = scope["method"] in READ_METHODS or (scope["method"] == "POST" and scope["path"] in READ_POSTS)
+        if not is_read and principal.role == "gateway":
+            return await self._deny(scope, receive, send, 403, "forbidden", "a gateway token may only read (lookups, nodes, cluster)")
+        scope[PRINCIPAL] = principal
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _deny(scope: Scope, receive: Receive, send: Send, status: int, error: str, detail: str) -> None:
+        app = scope.get("app")
+        metrics = getattr(getattr(app, "state", None), "metrics", None)
+        if metrics is not None:
+            metrics.rejected.labels(error).inc()
+        headers = {"WWW-Authenticate": 'Bearer realm="kvdir"'} if status == 401 else None
+        resp = JSONResponse({"error": error, "detail": jsonable_encoder(detail)}, status_code=status, headers=headers)
+        await resp(scope, receive, send)

@@ -1,0 +1,172 @@
+"""Bearer tokens with roles on real replicas: 401 without a known token, 403 for what a role may
+not do, open health endpoints, and workers, the gateway and the client sending their tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from directory.client import DirectoryClient
+from directory.errors import AuthError
+from directory.hashing import block_hashes
+from tests.integration.conftest import wait_for
+
+ENGINE, GATEWAY, ADMIN = "engine-tok-3f9a1c0d2b", "gateway-tok-77aa01bc", "admin-tok-5e5e1234abcd"
+TOKENS = f"""\
+# role:node pattern:token
+engine:worker-*:{ENGINE}
+
+gateway:*:{GATEWAY}
+admin:*:{ADMIN}
+"""
+MODEL = "kvdir-stub"
+PROMPT = "Tokens guard the directory; the cache still works behind them. " * 4
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def secured(make_cluster, tmp_path: Path):
+    """A 3-replica cluster with an auth tokens file, and one file per client token."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    tokens.chmod(0o600)
+    files = {}
+    for name, token in (("engine", ENGINE), ("gateway", GATEWAY), ("admin", ADMIN)):
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token + "\n")
+    c = make_cluster(3, lease_ttl_s=300, extra_args=("--auth-tokens-file", str(tokens)), token=ADMIN)
+    return c, files
+
+
+def _err(r: httpx.Response, status: int, error: str) -> None:
+    assert r.status_code == status, (r.request.method, r.request.url, r.status_code, r.text)
+    body = r.json()
+    assert body["error"] == error and body["detail"], body
+
+
+def test_requests_without_a_known_token_are_401_and_health_is_open(secured) -> None:
+    c, _ = secured
+    for url in c.replica_urls:
+        http = httpx.Client(timeout=5)
+        for method, path, body in [("GET", "/v1/nodes", None), ("GET", "/v1/nodes/x", None), ("GET", "/v1/cluster", None),
+                                   ("GET", "/v1/digest", None), ("POST", "/v1/lookup", {"hashes": [1]}),
+                                   ("POST", "/v1/nodes", {"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}),
+                                   ("DELETE", "/v1/nodes/worker-1", None), ("GET", "/openapi.json", None),
+                                   ("GET", "/v1/no-such-route", None)]:
+            for headers in ({}, bearer("not-a-token"), bearer(ADMIN + "x"), bearer(ADMIN[:-1]), {"Authorization": ADMIN},
+                            {"Authorization": f"Basic {ADMIN}"}, {"Authorization": "Bearer"}):
+                r = http.request(method, url + path, json=body, headers=headers)
+                _err(r, 401, "unauthorized")
+                assert r.headers["www-authenticate"].startswith("Bearer")
+        http.close()
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert httpx.get(url + path).status_code == 200, path
+        assert 'kvdir_directory_requests_rejected_total{error="unauthorized"}' in httpx.get(url + "/metrics").text
+    # With a token, unknown routes are the usual 404, and the schema is readable by every role.
+    _err(httpx.get(c.replica_urls[0] + "/v1/no-such-route", headers=bearer(GATEWAY)), 404, "not_found")
+    assert httpx.get(c.replica_urls[0] + "/openapi.json", headers=bearer(ENGINE)).status_code == 200
+
+
+def test_roles_and_node_patterns(secured) -> None:
+    c, _ = secured
+    leader = c.wait_ready(30)
+    follower = next(u for u in c.replica_urls if u != leader)
+    hashes = block_hashes(list(range(64)))
+    blocks = [{"hash": h, "slot": i} for i, h in enumerate(hashes)]
+    admin, engine, gateway = bearer(ADMIN), bearer(ENGINE), bearer(GATEWAY)
+    # The admin registers a node the engine token does not cover.
+    r = httpx.post(leader + "/v1/nodes", json={"node_id": "other-1", "api_url": "http://127.0.0.1:9"}, headers=admin)
+    assert r.status_code == 200, r.text
+    other_epoch = r.json()["epoch"]
+    for url in (leader, follower):  # every replica enforces the same rules
+        # engine:worker-* registers, publishes, heartbeats, removes and clears for worker-1 ...
+        r = httpx.post(url + "/v1/nodes", json={"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}, headers=engine)
+        assert r.status_code == 200, r.text
+        epoch = r.json()["epoch"]
+        assert httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=engine).status_code == 200
+        assert httpx.post(url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch, "load": {"running": 1}}, headers=engine).status_code == 200
+        assert httpx.post(url + "/v1/blocks/remove", json={"node_id": "worker-1", "epoch": epoch, "hashes": hashes[-1:]},
+                          headers=engine).status_code == 200
+        assert httpx.post(url + "/v1/lookup", json={"hashes": hashes}, headers=engine).status_code == 200  # engines may read
+        # ... but nothing for other-1, nor for ids that only look alike.
+        for node_id in ("other-1", "worker", "xworker-1", "Worker-1"):
+            _err(httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=engine), 403, "forbidden")
+        _err(httpx.post(url + "/v1/blocks", json={"node_id": "other-1", "epoch": other_epoch, "blocks": blocks}, headers=engine),
+             403, "forbidden")
+        _err(httpx.post(url + "/v1/blocks/remove", json={"node_id": "other-1", "epoch": other_epoch, "hashes": hashes}, headers=engine),
+             403, "forbidden")
+        _err(httpx.post(url + "/v1/blocks/clear", json={"node_id": "other-1", "epoch": other_epoch}, headers=engine), 403, "forbidden")
+        _err(httpx.post(url + "/v1/nodes/other-1/heartbeat", json={"epoch": other_epoch}, headers=engine), 403, "forbidden")
+        _err(httpx.delete(url + "/v1/nodes/other-1", headers=engine), 403, "forbidden")
+        # The gateway token reads (lookups, nodes, cluster) and writes nothing.
+        r = httpx.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": hashes}, headers=gateway)
+        assert r.status_code == 200 and r.json()["holders"][0]["node_id"] == "worker-1", r.text
+        assert {n["node_id"] for n in httpx.get(url + "/v1/nodes", headers=gateway).json()["nodes"]} == {"worker-1", "other-1"}
+        assert httpx.get(url + "/v1/nodes/worker-1", headers=gateway).status_code == 200
+        assert httpx.get(url + "/v1/cluster", headers=gateway).json()["leader_url"] in c.replica_urls
+        _err(httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=gateway),
+             403, "forbidden")
+        _err(httpx.post(url + "/v1/nodes", json={"node_id": "worker-9", "api_url": "http://127.0.0.1:9"}, headers=gateway), 403, "forbidden")
+        _err(httpx.post(url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch}, headers=gateway), 403, "forbidden")
+        _err(httpx.delete(url + "/v1/nodes/worker-1", headers=gateway), 403, "forbidden")
+        # The engine deregisters its own node.
+        assert httpx.delete(url + "/v1/nodes/worker-1", headers=engine).status_code == 200
+    # The admin deletes any node.
+    r = httpx.post(leader + "/v1/nodes", json={"node_id": "worker-2", "api_url": "http://127.0.0.1:9"}, headers=engine)
+    assert r.status_code == 200
+    for node_id in ("other-1", "worker-2"):
+        r = httpx.delete(follower + f"/v1/nodes/{node_id}", headers=admin)
+        assert r.status_code == 200 and r.json()["node_id"] == node_id, r.text
+    assert httpx.get(leader + "/v1/nodes", headers=admin).json()["nodes"] == []
+    metrics = httpx.get(leader + "/metrics").text
+    assert 'kvdir_directory_requests_rejected_total{error="forbidden"}' in metrics
+
+
+def test_client_sends_its_token(secured) -> None:
+    c, _ = secured
+
+    async def main() -> None:
+        async with DirectoryClient(c.replica_urls, token=ENGINE, deadline=10) as d:
+            reg = await d.register("worker-7", "http://127.0.0.1:9")
+            assert await d.publish("worker-7", reg.epoch, [(1, 0), (2, 1)]) == 2
+            assert [n.node_id for n in await d.nodes()] == ["worker-7"]
+            with pytest.raises(AuthError) as e:
+                await d.register("other-7", "http://127.0.0.1:9")
+            assert e.value.status == 403 and e.value.error == "forbidden"
+            assert await d.deregister("worker-7") == 2
+        async with DirectoryClient(c.replica_urls, deadline=10) as anonymous:
+            with pytest.raises(AuthError) as e:
+                await anonymous.lookup([1])
+            assert e.value.status == 401 and e.value.error == "unauthorized"
+
+    asyncio.run(main())
+
+
+def test_worker_and_gateway_send_tokens_from_files(secured, make_workers, make_gateway) -> None:
+    c, files = secured
+    w = make_workers(c, 1, ("--directory-token-file", str(files["engine"]), "--transfer", "tcp"))  # registers as worker-1
+    g = make_gateway(c, 1, ("--directory-token-file", str(files["gateway"])))  # reads the engine list with its token
+    r = httpx.post(w.urls[0] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    n_blocks = len(PROMPT.encode()) // 16
+
+    def holders(url: str) -> dict[str, int]:
+        res = httpx.post(url + "/v1/lookup", json={"tokens": list(PROMPT.encode())}, headers=bearer(GATEWAY), timeout=5).json()
+        return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
+
+    for url in c.replica_urls:  # the worker published with its engine token
+        wait_for(lambda: holders(url) == {"worker-1": n_blocks}, what=f"worker-1's blocks on {url}")
+    node = httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()
+    wait_for(lambda: httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()["load"], what="a heartbeat")
+    assert node["api_url"] == w.urls[0]
+    # The gateway looked the prompt up with its token: an affinity decision, not a fallback.
+    r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvdir-decision"] == "affinity", (r.headers, r.text)
+    assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == n_blocks * 16
+    assert httpx.get(g.url + "/health").json()["directory"] is True

@@ -1,0 +1,93 @@
+"""The tokens file, roles and node patterns, and the settings that read token files (no sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from directory.auth import Principal, bearer_token, load_tokens
+from directory.config import DirectorySettings
+from gateway.config import GatewaySettings
+from worker_stub.config import WorkerSettings
+
+
+def _file(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "tokens"
+    p.write_text(text)
+    return p
+
+
+def test_tokens_file_format(tmp_path: Path) -> None:
+    table = load_tokens(_file(tmp_path, """
+# comment
+engine:worker-*:s3cr3t
+  gateway:*:abc
+admin:*:x:y:z
+"""))
+    assert len(table) == 3
+    assert table.find(b"s3cr3t") == Principal("engine", "worker-*", 3)
+    assert table.find(b"abc").role == "gateway"
+    assert table.find(b"x:y:z").role == "admin"  # the token is everything after the second colon
+    for unknown in (b"", b"s3cr3", b"s3cr3tt", b"S3CR3T", b"abc "):
+        assert table.find(unknown) is None
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "no tokens"),
+    ("# only a comment\n", "no tokens"),
+    ("engine:worker-1\n", "ROLE:NODE_PATTERN:TOKEN"),
+    ("root:*:abc\n", "unknown role"),
+    ("engine::abc\n", "empty node pattern"),
+    ("engine:*:\n", "non-empty"),
+    ("engine:*:two words\n", "without spaces"),
+    ("engine:*:abc\nadmin:*:abc\n", "twice"),
+])
+def test_malformed_tokens_files_are_refused_without_echoing_secrets(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as e:
+        load_tokens(_file(tmp_path, text))
+    assert "abc" not in str(e.value)
+
+
+def test_roles_may_write() -> None:
+    engine = Principal("engine", "worker-*", 1)
+    assert engine.may_write("worker-1") and engine.may_write("worker-a.b")
+    assert not engine.may_write("other-1") and not engine.may_write("worker") and not engine.may_write("Worker-1")
+    assert Principal("engine", "vllm-[ab]?", 1).may_write("vllm-a7")
+    assert not Principal("gateway", "*", 1).may_write("worker-1")
+    assert Principal("admin", "*", 1).may_write("anything")
+
+
+def test_bearer_header_parsing() -> None:
+    def scope(*headers: tuple[bytes, bytes]) -> dict:
+        return {"headers": list(headers)}
+
+    assert bearer_token(scope((b"authorization", b"Bearer abc"))) == b"abc"
+    assert bearer_token(scope((b"authorization", b"bearer   abc "))) == b"abc"
+    assert bearer_token(scope()) is None
+    assert bearer_token(scope((b"authorization", b"Basic abc"))) is None
+    assert bearer_token(scope((b"authorization", b"Bearer"))) is None
+    assert bearer_token(scope((b"authorization", b"abc"))) is None
+
+
+def test_settings_read_token_files(tmp_path: Path, monkeypatch) -> None:
+    assert DirectorySettings().auth_tokens is None  # auth off by default
+    tokens = _file(tmp_path, "admin:*:xyz\n")
+    monkeypatch.setenv("KVDIR_AUTH_TOKENS_FILE", str(tokens))
+    assert DirectorySettings().auth_tokens.find(b"xyz").role == "admin"
+    monkeypatch.delenv("KVDIR_AUTH_TOKENS_FILE")
+    with pytest.raises(ValidationError, match="unknown role"):
+        DirectorySettings(auth_tokens_file=_file(tmp_path, "root:*:xyz\n"))
+    with pytest.raises(ValidationError, match="cannot read"):
+        DirectorySettings(auth_tokens_file=tmp_path / "missing")
+    token = tmp_path / "token"
+    token.write_text("  s3cr3t\n")
+    for cls in (WorkerSettings, GatewaySettings):
+        assert cls().directory_token is None
+        assert cls(directory_token_file=token).directory_token.get_secret_value() == "s3cr3t"
+        assert "s3cr3t" not in repr(cls(directory_token_file=token))
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        with pytest.raises(ValidationError, match="empty"):
+            cls(directory_token_file=empty)
