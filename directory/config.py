@@ -110,3 +110,29 @@ def read_secret_file(path: Path | None, what: str) -> SecretStr | None:
     if not value:
         raise ValueError(f"the {what} file {path} is empty")
     return SecretStr(value)
+
+
+class DirectoryClientSettings(BaseSettings):
+    """What every component that talks to the directory needs: where the replicas are, and its token."""
+
+    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
+
+    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
+    directory_token_file: Path | None = Field(
+        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
+
+    _directory_token: SecretStr | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> DirectoryClientSettings:
+        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
+        return self
+
+    @property
+    def directory_token(self) -> SecretStr | None:
+        """The token read from `directory_token_file` when the settings were read."""
+        return self._directory_token
+
+    @property
+    def directory_urls(self) -> list[str]:
+        return url_list(self.directory)

@@ -71,7 +71,6 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -80,11 +79,11 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from directory.client import DirectoryClient
-from directory.config import HostPort, parse_hostport, read_secret_file, url_list
+from directory.config import DirectoryClientSettings, HostPort, parse_hostport
 from directory.errors import DirectoryError, RequestRejected, StaleEpochError
 from directory.kv_events import (
     END_SEQ,
@@ -106,7 +105,7 @@ CHUNK = 4096  # blocks per publish/remove request (the directory accepts 16384 b
 SLOT = 0
 
 
-class EventsSettings(BaseSettings):
+class EventsSettings(DirectoryClientSettings):
     """The KV-events subscriber of one engine (`kvdir events`)."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
@@ -123,9 +122,6 @@ class EventsSettings(BaseSettings):
     namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
     node_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$",
                                 description="the engine's node id in the directory (default: ENGINE_URL's host:port)")
-    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
-    directory_token_file: Path | None = Field(
-        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
     metrics: HostPort | None = Field(None, description="HOST:PORT to serve Prometheus metrics on (default: none)")
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat and /health probe period (keep well under the lease TTL)")
     batch_window_s: float = Field(0.01, ge=0, le=10, description="changes are gathered this long before they are sent")
@@ -133,20 +129,13 @@ class EventsSettings(BaseSettings):
     max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
     log_level: str = Field("info", description="debug, info, warning or error")
 
-    _directory_token: SecretStr | None = PrivateAttr(None)
-
     @model_validator(mode="after")
     def _check(self) -> EventsSettings:
-        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
         if not self.directory_urls:
             raise ValueError("directory: at least one replica URL")
         if not self.node:
             raise ValueError("node_id: cannot derive one from engine_url; give --node-id")
         return self
-
-    @property
-    def directory_urls(self) -> list[str]:
-        return url_list(self.directory)
 
     @property
     def node(self) -> str:
@@ -227,7 +216,7 @@ class EventsSubscriber:
     def __init__(self, settings: EventsSettings, *, directory: DirectoryClient | None = None) -> None:
         self.s = settings
         self.node_id = settings.node
-        token = settings._directory_token.get_secret_value() if settings._directory_token else None
+        token = settings.directory_token.get_secret_value() if settings.directory_token else None
         self.client = directory or DirectoryClient(settings.directory_urls, token=token)
         self._own_client = directory is None
         self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries)

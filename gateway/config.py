@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from directory.config import HostPort, read_secret_file, url_list
+from directory.config import DirectoryClientSettings, HostPort, url_list
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(DirectoryClientSettings):
     """The OpenAI-compatible affinity gateway."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     http: HostPort = Field("127.0.0.1:8100", description="HOST:PORT the OpenAI-compatible API listens on")
-    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
-    directory_token_file: Path | None = Field(
-        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
     engine: str = Field("", description="comma-separated URLs of engines that do not register with the directory")
     policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
     tokenizer: str = Field("bytes", description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)")
@@ -35,21 +30,7 @@ class GatewaySettings(BaseSettings):
     seed: int = Field(0, description="seed of the policies' random tie-breaks")
     log_level: str = Field("info", description="debug, info, warning or error")
 
-    _directory_token: SecretStr | None = PrivateAttr(None)
 
-    @model_validator(mode="after")
-    def _token_from_file(self) -> GatewaySettings:
-        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
-        return self
-
-    @property
-    def directory_token(self) -> SecretStr | None:
-        """The token read from `directory_token_file` when the settings were read."""
-        return self._directory_token
-
-    @property
-    def directory_urls(self) -> list[str]:
-        return url_list(self.directory)
 
     @property
     def static_engines(self) -> list[str]:

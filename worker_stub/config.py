@@ -8,15 +8,13 @@ so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
 
 from __future__ import annotations
 
-from pathlib import Path
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from directory.config import HostPort, read_secret_file, url_list
+from directory.config import DirectoryClientSettings, HostPort
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(DirectoryClientSettings):
     """One stand-in GPU engine."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
@@ -24,9 +22,6 @@ class WorkerSettings(BaseSettings):
     node_id: str = Field("worker-1", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$", description="this node's id in the directory")
     http: HostPort = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
     advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
-    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
-    directory_token_file: Path | None = Field(
-        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
     model: str = Field("kvdir-stub", min_length=1, description="the model name served")
     max_model_len: int = Field(131072, ge=16, description="longest prompt + completion, in tokens")
     tokenizer: str = Field("bytes", description="'bytes' (UTF-8 bytes as tokens) or a tokenizer.json path")
@@ -46,22 +41,8 @@ class WorkerSettings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
     log_level: str = Field("info", description="debug, info, warning or error")
 
-    _directory_token: SecretStr | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _token_from_file(self) -> WorkerSettings:
-        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
-        return self
-
-    @property
-    def directory_token(self) -> SecretStr | None:
-        """The token read from `directory_token_file` when the settings were read."""
-        return self._directory_token
 
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.http}"
 
-    @property
-    def directory_urls(self) -> list[str]:
-        return url_list(self.directory)

@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import sys
+import threading
 import time
-from pathlib import Path
 
 import httpx
-import pytest
 
 from kvdir.launcher import Gateway, free_ports
 from tests.integration.conftest import wait_for
 
 MODEL = "kvdir-stub"
 SYSTEM = "You are the assistant of a very long shared system prompt about KV caches. " * 8
-
-
-@pytest.fixture
-def make_gateway(tmp_path: Path):
-    started: list[Gateway] = []
-
-    def make(cluster, engines: int, extra: tuple[str, ...] = ()) -> Gateway:
-        g = Gateway(tmp_path, free_ports(1)[0], cluster.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1", *extra))
-        started.append(g)
-        g.wait_ready(60, engines=engines)
-        return g
-
-    yield make
-    for g in started:
-        g.stop()
 
 
 def _chat(url: str, messages: list[dict], **extra) -> httpx.Response:

@@ -5,35 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-from kvdir.launcher import Gateway, free_ports
 from kvdir.replay.live import live_replay
 from kvdir.replay.sim import SimParams, simulate
 from kvdir.replay.trace import multi_turn
 
 
-@pytest.fixture
-def gateway_for(tmp_path: Path):
-    started: list[Gateway] = []
-
-    def make(cluster, engines: int) -> Gateway:
-        g = Gateway(tmp_path, free_ports(1)[0], cluster.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1"))
-        started.append(g)
-        g.wait_ready(60, engines=engines)
-        return g
-
-    yield make
-    for g in started:
-        g.stop()
-
-
-def test_live_multi_turn_hit_rate_matches_the_simulation(make_cluster, make_workers, gateway_for, tmp_path) -> None:
+def test_live_multi_turn_hit_rate_matches_the_simulation(make_cluster, make_workers, make_gateway, tmp_path) -> None:
     c = make_cluster(1)
     make_workers(c, 4, ("--time-scale", "0.01"))
-    g = gateway_for(c, 4)
+    g = make_gateway(c, 4)
     requests = multi_turn(sessions=6, rounds=3, seed=3, block_tokens=512)
     live = live_replay(g.url, requests, block_tokens=512, time_scale=0.2, max_output=4, progress=False)
     assert live["failed"] == 0
