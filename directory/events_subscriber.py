@@ -232,6 +232,7 @@ class EventsSubscriber:
         self._last_ts: float | None = None
         self._incarnation = uuid.uuid4().hex
         self._need_register = True
+        self._entries_lost = False  # set by a 409: the directory holds none of this node's entries
         self._down_since_registered = False
         # Pending net change since the last round: our hash -> medium to store, hashes to remove, a clear first.
         self._store: dict[int, str | None] = {}
@@ -450,6 +451,7 @@ class EventsSubscriber:
             except StaleEpochError:
                 log.warning("directory answered 409 for %s epoch %s: registering again", self.node_id, self.epoch)
                 self._need_register = True
+                self._entries_lost = True
                 self._wake.set()
             except RequestRejected as exc:
                 log.error("directory refused this node's changes: %s", exc)
@@ -467,8 +469,10 @@ class EventsSubscriber:
 
     async def _register(self) -> None:
         reg = await self.client.register(self.node_id, self.s.api_url, incarnation=self._incarnation, block_size=self.s.block_size)
-        if reg.epoch != self.epoch:
-            # A new epoch holds nothing: everything the map knows goes out again, nothing else.
+        if reg.epoch != self.epoch or self._entries_lost:
+            # A new epoch holds nothing, and after a 409 neither does ours (a directory that lost its
+            # state even hands out the same epoch number again): everything the map knows goes out again.
+            self._entries_lost = False
             self._gen += 1
             self._store = self.mapper.snapshot()
             self._remove = set()

@@ -97,8 +97,10 @@ class Publisher:
             self.node_id, self.api_url, incarnation=self.incarnation, transfer_url=self.transfer_url,
             regions=regions, capacity_blocks=self.pool.capacity_blocks, block_size=self.block_size,
         )
-        if self.epoch is not None and reg.epoch != self.epoch:
-            # The directory dropped our entries: everything the pool holds must be published again.
+        if self.epoch is not None:
+            # A registration after the first follows a 409: the directory no longer holds our entries
+            # (lease expired, or it lost its state and even hands out the same epoch number again),
+            # so everything the pool holds must be published again.
             self._drain()
             now = time.monotonic()
             self._store = {h: (s, now) for h, s in self.pool.blocks()}

@@ -162,3 +162,24 @@ def test_openai_api_shapes_streaming_and_errors(make_cluster, make_workers) -> N
         assert err["message"] and err["type"]
     assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 999, "max_tokens": 10}).json()["error"]["code"] == "context_length_exceeded"
     assert block_hashes(list(PROMPT.encode()))  # the gateway hashes exactly what the worker caches
+
+
+def test_directory_rebuilds_from_workers_after_losing_all_state(make_cluster, make_workers) -> None:
+    """Every replica loses its data dir at once (the worst case): the workers' next heartbeat
+    gets a 409, they register again and republish what they hold, and lookups find it again."""
+    import shutil
+
+    c = make_cluster(3)
+    w = make_workers(c, 1)
+    _complete(w.urls[0], PROMPT)
+    wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="blocks published")
+    old_epoch = httpx.get(w.urls[0] + "/health").json()["epoch"]
+    for i in range(3):
+        c.kill(i)
+    for i in range(3):
+        shutil.rmtree(c.data_dir / f"replica{i + 1}")
+    c.start()
+    c.wait_ready(60)
+    wait_for(lambda: _holders(c.replica_urls[1], PROMPT) == {"worker-1": 25}, timeout=30, what="blocks republished")
+    assert httpx.get(w.urls[0] + "/health").json()["epoch"] >= 1
+    assert old_epoch >= 1

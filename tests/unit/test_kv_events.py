@@ -528,3 +528,38 @@ def test_subscriber_flushes_clear_then_removals_then_stores_and_keeps_failed_rou
         assert fake.calls == [("clear", 1), ("remove", 1, frozenset({ours[0]}))]
 
     asyncio.run(go())
+
+
+def test_after_a_409_everything_is_published_again_even_under_the_same_epoch_number() -> None:
+    """A directory that lost all its state restarts its epoch counter: re-registering can return the
+    very epoch number we had. The 409 already said our entries are gone, so all of them go out again."""
+    import asyncio
+
+    from directory.errors import StaleEpochError
+    from directory.schemas import RegisterResponse
+
+    sub, fake = _subscriber()
+    t = list(range(32))
+    ours = block_hashes(t, 16)
+
+    async def register(node_id: str, api_url: str, **kw) -> RegisterResponse:
+        fake.calls.append(("register",))
+        return RegisterResponse(node_id=node_id, epoch=1, lease_ttl_s=10.0)
+
+    fake.register = register  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        await sub.on_batch(_batch(0, _chain(t, 16, [1, 2])))
+        await sub._flush()
+        fake.calls.clear()
+        fake.fail = StaleEpochError(409, "unknown_node", "not registered")
+        await sub.on_batch(_batch(1, Removed((2,))))
+        with pytest.raises(StaleEpochError):
+            await sub._flush()
+        sub._entries_lost = True  # what the sync loop records on a 409
+        await sub._register()
+        assert sub.epoch == 1 and sub._store == {ours[0]: None} and sub._remove == set()
+        await sub._flush()
+        assert fake.calls[-1] == ("publish", 1, frozenset({ours[0]}), None)
+
+    asyncio.run(go())
