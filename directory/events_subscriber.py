@@ -370,15 +370,19 @@ class EventsSubscriber:
         self.stats.resyncs += 1
         self._clear_all()
 
-    def _restart(self) -> None:
-        """The engine is a new process: a new incarnation, so a new epoch, and an empty map."""
-        self.stats.restarts += 1
+    def _forget_engine(self) -> None:
+        """Start over as a new incarnation (so a new epoch) with an empty map and nothing pending."""
         self.mapper.reset()
         self._store.clear()
         self._remove.clear()
         self._clear = False
         self._gen += 1
         self._incarnation = uuid.uuid4().hex
+
+    def _restart(self) -> None:
+        """The engine is a new process: a new incarnation, so a new epoch, and an empty map."""
+        self.stats.restarts += 1
+        self._forget_engine()
         self._need_register = True
         self._wake.set()
 
@@ -565,12 +569,7 @@ class EventsSubscriber:
         """The directory dropped this node (its lease ran out, or it lost it): register again."""
         if self._down_since_registered:
             log.warning("node %s expired while the engine was down: it may have restarted, starting from an empty map", self.node_id)
-            self.mapper.reset()
-            self._store.clear()
-            self._remove.clear()
-            self._clear = False
-            self._gen += 1
-            self._incarnation = uuid.uuid4().hex
+            self._forget_engine()
         else:
             log.warning("node %s epoch %s is no longer current: registering again and republishing", self.node_id, self.epoch)
         self._need_register = True

@@ -4,6 +4,7 @@ setting has a `--flag` and a `KVDIR_*` environment variable (flags win)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from directory.config import DirectorySettings
+from kvdir.check_config import ROLES
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
@@ -32,28 +33,24 @@ def build_settings(cls: type[BaseSettings], args: argparse.Namespace) -> Any:
     return cls(**given)
 
 
+# The long-running roles: each is a settings class (kvdir.check_config.ROLES) and a module whose
+# serve(settings) runs it until SIGINT/SIGTERM.
+_SERVERS = {
+    "directory": ("run one directory replica", "directory.server"),
+    "gateway": ("run the OpenAI-compatible affinity gateway", "gateway.server"),
+    "worker": ("run one worker stub (a stand-in GPU engine)", "worker_stub.server"),
+    "events": ("feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)", "directory.events_subscriber"),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdir", description="A Raft-replicated KV-cache directory for LLM inference clusters.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("directory", help="run one directory replica")
-    add_settings_flags(d, DirectorySettings)
-
-    from gateway.config import GatewaySettings
-
-    g = sub.add_parser("gateway", help="run the OpenAI-compatible affinity gateway")
-    add_settings_flags(g, GatewaySettings)
-
-    from worker_stub.config import WorkerSettings
-
-    w = sub.add_parser("worker", help="run one worker stub (a stand-in GPU engine)")
-    add_settings_flags(w, WorkerSettings)
-
-    from directory.events_subscriber import EventsSettings
-
-    e = sub.add_parser("events", help="feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)")
-    add_settings_flags(e, EventsSettings)
-    e.add_argument("--connect", dest="bind", action="store_false", help="connect the SUB socket (same as --no-bind)")
+    for role, (help_text, _) in _SERVERS.items():
+        add_settings_flags(sub.add_parser(role, help=help_text), ROLES[role])
+    sub.choices["events"].add_argument("--connect", dest="bind", action="store_false",
+                                       help="connect the SUB socket (same as --no-bind)")
 
     from kvdir.launcher import UpSettings
 
@@ -84,28 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return (run_check_config if argv[0] == "check-config" else run_health)(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        if args.command == "directory":
-            from directory.server import serve
-
-            serve(build_settings(DirectorySettings, args))
-            return 0
-        if args.command == "gateway":
-            from gateway.config import GatewaySettings
-            from gateway.server import serve as serve_gateway
-
-            serve_gateway(build_settings(GatewaySettings, args))
-            return 0
-        if args.command == "events":
-            from directory.events_subscriber import EventsSettings
-            from directory.events_subscriber import serve as serve_events
-
-            serve_events(build_settings(EventsSettings, args))
-            return 0
-        if args.command == "worker":
-            from worker_stub.config import WorkerSettings
-            from worker_stub.server import serve as serve_worker
-
-            serve_worker(build_settings(WorkerSettings, args))
+        if args.command in _SERVERS:
+            importlib.import_module(_SERVERS[args.command][1]).serve(build_settings(ROLES[args.command], args))
             return 0
         if args.command == "up":
             from kvdir.launcher import UpSettings, run_up
