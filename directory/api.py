@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -174,6 +175,7 @@ async def register(request: Request, body: RegisterRequest, replica: Replica = D
         regions=tuple(r.model_dump() for r in body.regions),
         capacity_blocks=body.capacity_blocks,
         block_size=body.block_size,
+        epoch_base=st.new_epoch_base(secrets.randbits(st.EPOCH_BASE_BITS)),
     )
     res = await _commit(replica, cmd)
     log.info("node %s registered with epoch %d", body.node_id, res.value)
@@ -289,6 +291,10 @@ async def lookup(
     mode = consistency or body.consistency
     if mode == "linearizable":
         await _commit(replica, st.Noop())
+    elif not replica.has_leader:
+        # Cut off from the leader (a partition, an election): this replica's view may be falling
+        # behind, so refuse rather than serve it; clients try another replica. See "Staleness".
+        raise ApiError(503, "no_leader", "this replica knows no leader: its entries may be stale; try another replica")
     t0 = time.perf_counter()
     with replica.sm.lock:
         holders = replica.state.lookup(hashes, body.with_slots)

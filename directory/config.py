@@ -43,6 +43,7 @@ class DirectorySettings(BaseSettings):
     raft: HostPort = Field("127.0.0.1:8201", description="HOST:PORT of this replica's Raft endpoint")
     peers: str = Field("", description="comma-separated Raft HOST:PORT of the other replicas")
     data_dir: Path | None = Field(None, description="directory for the Raft journal and snapshots (default: in memory only)")
+    fsync: bool = Field(True, description="sync the Raft journal, term and vote to disk before acting on them (survives power loss; with --data-dir)")
     lease_ttl_s: float = Field(10.0, gt=0.2, le=3600, description="a node silent for this long is expired with its entries")
     write_timeout_s: float = Field(5.0, gt=0, le=120, description="deadline for a write to commit; then 503 (retry: writes are idempotent)")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")

@@ -24,6 +24,7 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 
+from directory import journal
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.state import AnnounceReplica, Command, DirectoryState, Expire, Publish, Remove, Result
@@ -252,6 +253,9 @@ class Replica:
             appendEntriesPeriod=settings.raft_append_period_s,
             connectionRetryTime=0.5,
             connectionTimeout=1.0,
+            # A leader cut off from the majority steps down within one election timeout (pysyncobj's
+            # default is 30 s), so it stops serving local reads about when the majority elects anew.
+            leaderFallbackTimeout=settings.raft_max_timeout_s,
             logCompactionMinEntries=20000,
             logCompactionMinTime=300,
             password=settings.raft_password.get_secret_value() if settings.raft_password else None,
@@ -261,6 +265,7 @@ class Replica:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             conf.journalFile = str(settings.data_dir / "raft.journal")
             conf.fullDumpFile = str(settings.data_dir / "raft.dump")
+        journal.install(settings.fsync, conf.fullDumpFile)
         self.raft = SyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm])
         self.committer: GroupCommitter | None = None
         self.leases: LeaseKeeper | None = None
@@ -326,6 +331,11 @@ class Replica:
             "has_quorum": bool(s["has_quorum"]),
             "replicas": [{"raft": self.settings.raft, "url": self.settings.url, "connected": True}, *others],
         }
+
+    @property
+    def has_leader(self) -> bool:
+        """Whether this replica currently follows (or is) a leader."""
+        return self.raft._getLeader() is not None
 
     @property
     def ready(self) -> bool:

@@ -6,7 +6,11 @@ Rules (everything that changes replicated state lives here):
   decisions (lease expiry) are taken by the leader outside and arrive here as
   `Expire` commands.
 - Every node registration gets a new epoch from one global counter, so epochs
-  strictly increase per node id without remembering departed nodes.
+  strictly increase per node id without remembering departed nodes. The
+  counter starts at a random base (drawn by the replica that took the first
+  registration and committed in it), so a directory rebuilt from nothing
+  never hands out an epoch that an earlier incarnation of it handed out: a
+  zombie write fenced by the old directory stays fenced by the new one.
 - A write carrying an epoch other than the node's current one changes nothing
   (fencing). A new epoch for a node drops every entry of the old one, as do
   expiry and deregistration: an entry is only ever handed out while its node's
@@ -40,6 +44,18 @@ class Register:
     regions: tuple[dict[str, Any], ...] = ()
     capacity_blocks: int | None = None
     block_size: int | None = None
+    epoch_base: int = 0
+    """Where the epoch counter starts if no epoch was ever handed out (see `new_epoch_base`)."""
+
+
+EPOCH_BASE_BITS = 31
+"""Epochs are `base + n` with a random base below 2**62: unique across directory incarnations with
+probability about 1 - 2**-30 each, and still exact as an int64."""
+
+
+def new_epoch_base(random_bits: int) -> int:
+    """The epoch base for `EPOCH_BASE_BITS` random bits (drawn outside the state machine)."""
+    return (random_bits & ((1 << EPOCH_BASE_BITS) - 1)) << EPOCH_BASE_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +196,8 @@ class DirectoryState:
         else:
             idx = node.idx
             self.index.drop_node(idx)
+        if self.epoch_counter == 0:
+            self.epoch_counter = cmd.epoch_base
         self.epoch_counter += 1
         node = Node(
             cmd.node_id, idx, self.epoch_counter, cmd.incarnation, cmd.api_url, cmd.transfer_url,

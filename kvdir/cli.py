@@ -67,9 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     add_replay_arguments(r)
 
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
-    b.add_argument("target", choices=["directory", "worker", "gateway", "events"], help="what to measure")
+    b.add_argument("target", choices=["directory", "worker", "gateway", "events", "soak"],
+                   help="what to measure (soak: the fault harness, cycling its schedule under load)")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to cycle the fault schedule")
+    b.add_argument("--replicas", type=int, choices=[3, 5], default=3, help="soak: directory replicas")
     return p
 
 
@@ -95,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from kvdir.bench import run_bench
 
+            if args.target == "soak":
+                from kvdir.faults.run import main as soak_main
+
+                return soak_main(minutes=args.minutes, replicas=args.replicas, as_json=args.json)
             return run_bench(args.target, as_json=args.json, quick=args.quick)
     except ValidationError as exc:
         for e in exc.errors():

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -80,14 +80,20 @@ class Cluster:
         log_level: str = "warning",
         extra_args: Sequence[str] = (),
         token: str | None = None,
+        hosts: Sequence[str] | None = None,
+        prefix: Callable[[int], list[str]] | None = None,
     ) -> None:
+        """`hosts` gives each replica its own address and `prefix(i)` a command prefix (the fault
+        harness runs each replica in a network namespace); by default all share `host`."""
         self.data_dir = data_dir
         self.token = token  # bearer token for wait_ready when the replicas run with an auth tokens file
         self.lease_ttl_s = lease_ttl_s
         self.log_level = log_level
         self.extra_args = list(extra_args)
-        self.replica_urls = [f"http://{host}:{p}" for p in http_ports]
-        self.raft_addrs = [f"{host}:{p}" for p in raft_ports]
+        hosts = list(hosts) if hosts is not None else [host] * len(http_ports)
+        self.replica_urls = [f"http://{h}:{p}" for h, p in zip(hosts, http_ports)]
+        self.raft_addrs = [f"{h}:{p}" for h, p in zip(hosts, raft_ports)]
+        self._prefix = prefix
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
 
     @classmethod
@@ -105,7 +111,7 @@ class Cluster:
         raft = self.raft_addrs[i]
         peers = ",".join(a for a in self.raft_addrs if a != raft)
         cmd = [
-            sys.executable, "-m", "kvdir", "directory",
+            *(self._prefix(i) if self._prefix else []), sys.executable, "-m", "kvdir", "directory",
             "--http", self.replica_urls[i].removeprefix("http://"), "--raft", raft, "--peers", peers,
             "--data-dir", str(self.data_dir / f"replica{i + 1}"),
             "--lease-ttl-s", str(self.lease_ttl_s), "--log-level", self.log_level, *self.extra_args,

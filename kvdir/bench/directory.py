@@ -229,6 +229,29 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
             c.stop()
 
 
+def bench_fsync(quick: bool) -> dict[str, Any]:
+    """Publish rate (batches of 64) on 3 fresh replicas with and without `--fsync` (the default)."""
+    duration = 3.0 if quick else 10.0
+    out: dict[str, Any] = {}
+    for mode, args in (("fsync", ()), ("no_fsync", ("--no-fsync",))):
+        ports = free_ports(6)
+        with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
+            c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning", extra_args=args)
+            try:
+                c.start()
+                c.wait_ready(60)
+                with httpx.Client() as http:
+                    epochs = [http.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": f"pub{n}", "api_url": "http://127.0.0.1:1"})
+                              .json()["epoch"] for n in range(8)]
+                say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
+                items, lat, _ = _load(c.replica_urls, "publish", duration, [f"pub{n}" for n in range(8)], epochs, blocks_per_request=64)
+                out[f"publish_{mode}_blocks_per_s"] = items / duration
+                out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
+            finally:
+                c.stop()
+    return out
+
+
 async def _failover_once(c: Cluster) -> float:
     """Seconds from SIGKILL of the leader to the first acknowledgement of a write sent after it."""
     lead = c.replica_urls.index(c.wait_ready(60))
@@ -261,5 +284,7 @@ def main(*, as_json: bool, quick: bool) -> int:
     results["bytes_per_entry"] = bench_memory(200_000 if quick else 1_000_000)
     say("REST on 3 local replicas...")
     results.update(bench_rest(quick, LookupWorkload(sequences=10, queries=200, seed=5).query_seq))
+    say("the cost of syncing the Raft journal...")
+    results.update(bench_fsync(quick))
     emit(results, as_json)
     return 0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from directory.state import (
+    EPOCH_BASE_BITS,
     INDEX_FULL,
     INVALID,
     NODE_LIMIT,
@@ -27,6 +28,7 @@ from directory.state import (
     Register,
     Remove,
     Result,
+    new_epoch_base,
 )
 
 
@@ -136,6 +138,29 @@ def test_epochs_strictly_increase_globally_across_reuse(st):
         epochs.append(reg(st, "a", "same"))  # after deregistration, a fresh epoch
         st.apply(Expire("a", epochs[-1], st.nodes["a"].seen))
     assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs)
+
+
+def test_epoch_counter_starts_at_the_first_registrations_base(st):
+    base = new_epoch_base(12345)
+    assert st.apply(Register("a", "i1", "http://a", epoch_base=base)).value == base + 1
+    # Later bases are ignored: the counter only ever moves forward from the first one.
+    assert st.apply(Register("b", "i1", "http://b", epoch_base=new_epoch_base(7))).value == base + 2
+
+
+def test_a_rebuilt_directory_does_not_reuse_the_old_ones_epochs():
+    # A directory whose state was lost (every replica wiped) starts from a new random base, so a
+    # zombie write carrying an epoch of the old directory is refused instead of matching a new node.
+    old, new = DirectoryState(), DirectoryState()
+    e_old = old.apply(Register("a", "i1", "http://a", epoch_base=new_epoch_base(1))).value
+    e_new = new.apply(Register("a", "i2", "http://a", epoch_base=new_epoch_base(2))).value
+    assert e_old != e_new
+    assert pub(new, "a", e_old, [1]).status == STALE_EPOCH
+    assert view(new, [1]) == []
+
+
+def test_epoch_base_stays_below_2_to_the_62():
+    assert new_epoch_base((1 << 64) - 1) < 1 << 62
+    assert new_epoch_base(0) == 0 and new_epoch_base(1) == 1 << EPOCH_BASE_BITS
 
 
 # -- fencing ---------------------------------------------------------------------------

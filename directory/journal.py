@@ -1,0 +1,102 @@
+"""A Raft journal that reaches the disk before pysyncobj acts on it.
+
+pysyncobj 0.3.17 keeps its log in an mmap-ed file and its term and vote in a
+`.meta` file written with a rename, and never syncs either: that survives a
+process crash (the page cache outlives the process) but not a machine crash
+or power loss. Raft's safety needs an entry on disk before the replica
+acknowledges it, and the term and vote on disk before the replica votes;
+otherwise a majority that loses power together can forget a committed write
+or vote twice in one term. `DurableJournal` syncs on every change:
+
+- appended or truncated entries: `msync` of the mapping (an `fdatasync` of
+  the journal's pages) before `add`/`deleteEntriesFrom`/`clear` return;
+- term, vote and commit index: the temporary file is fsynced before the
+  rename and the directory after it;
+- log compaction: the snapshot (`raft.dump`) and its directory are fsynced
+  before the journal entries it replaces are dropped.
+
+pysyncobj offers no journal option, so `install` swaps the journal factory
+that `SyncObj.__init__` calls (`pysyncobj.syncobj.createJournal`). The
+private names used below are pysyncobj 0.3.17's; the version is pinned.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pysyncobj.syncobj as _syncobj
+from pysyncobj.journal import FileJournal, MetaStorer, createJournal
+from pysyncobj.pickle import dumps
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or directory by path (a directory sync makes a rename or a new file durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DurableMetaStorer(MetaStorer):
+    """pysyncobj's term/vote/commit-index file, written crash-safely: fsync, rename, fsync the directory."""
+
+    def storeMeta(self, meta: dict[str, Any]) -> None:  # noqa: N802 (pysyncobj's name)
+        path = self.getPath()
+        with open(path + ".tmp", "wb") as f:
+            f.write(dumps(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.move(path + ".tmp", path)
+        fsync_path(os.path.dirname(path) or ".")
+
+
+class DurableJournal(FileJournal):
+    """pysyncobj's FileJournal, synced to disk before every change is acted on."""
+
+    def __init__(self, journal_file: str, dump_file: str | None) -> None:
+        super().__init__(journal_file)
+        self._FileJournal__metaStorer = DurableMetaStorer(journal_file + ".meta")
+        self._dump_file = dump_file
+        self._deferred = False
+        fsync_path(os.path.dirname(journal_file) or ".")  # the journal file itself may be new
+
+    def add(self, command: bytes, idx: int, term: int) -> None:
+        super().add(command, idx, term)
+        if not self._deferred:
+            self.flush()
+
+    def clear(self) -> None:
+        super().clear()
+        if not self._deferred:
+            self.flush()
+
+    def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802, N803 (pysyncobj's names)
+        super().deleteEntriesFrom(entryFrom)
+        self.flush()
+
+    def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802, N803
+        # Called once a snapshot covering these entries is written: make it durable before they go.
+        if self._dump_file is not None and os.path.exists(self._dump_file):
+            fsync_path(self._dump_file)
+            fsync_path(os.path.dirname(self._dump_file) or ".")
+        self._deferred = True  # it rewrites the log with clear() + add() per entry: one sync at the end
+        try:
+            super().deleteEntriesTo(entryTo)
+        finally:
+            self._deferred = False
+        self.flush()
+
+
+def install(fsync: bool, dump_file: str | None) -> None:
+    """Make the next SyncObj in this process use a `DurableJournal` (fsync=True) or pysyncobj's own."""
+
+    def factory(journal_file: str | None = None) -> Any:
+        if journal_file is None or not fsync:
+            return createJournal(journal_file)
+        return DurableJournal(journal_file, dump_file)
+
+    _syncobj.createJournal = factory

@@ -1,0 +1,153 @@
+"""The checker: decides from a history and the replicas' final state whether anything went wrong.
+
+Pure functions of their inputs, so they can be tested on hand-made histories.
+The rules (each violation is one line of the report):
+
+1. Lost write: an acknowledged publish whose node is still at the publish's
+   epoch on a replica, and which no remove could have superseded, must be on
+   that replica with its slots.
+2. Resurrected entry: a sequence whose remove was acknowledged must be gone,
+   unless a publish of it has an unknown outcome (it may land later).
+3. Stale entry at rest: every entry on a replica carries its node's current
+   epoch there (a new epoch, expiry or deregistration dropped the old ones).
+4. Divergence: every replica ends with the same digest.
+5. Stale read: a lookup must not return a node's epoch `e` once a
+   registration giving that node a newer epoch was acknowledged before the
+   lookup started, nor a sequence whose remove was acknowledged before it
+   started (bar an unknown publish). Linearizable lookups: never. Local
+   lookups: not later than `stale_bound_s` after that acknowledgement.
+6. Minority commit: during a partition, the commit index of the minority
+   side stays put, and no write sent to it is acknowledged before the heal.
+7. Epoch reuse: a registration of a new incarnation, started after an
+   earlier one of the same node was acknowledged, gets a greater epoch (else
+   a fenced process's writes would become valid again).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvdir.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, WRITES, Fault, Op
+
+
+@dataclass(slots=True)
+class Observed:
+    """What one replica holds at the end: node epochs, the holders of every sequence, its digest."""
+
+    replica: int
+    nodes: dict[str, int]
+    seqs: dict[int, dict[str, tuple[int, int, tuple[int, ...]]]]  # seq -> node -> (epoch, matched, slots)
+    digest: str
+
+
+def check_final(ops: list[Op], observed: list[Observed]) -> tuple[list[str], dict[str, int]]:
+    """Rules 1-4."""
+    violations: list[str] = []
+    acked: dict[tuple[int, str], dict[int, Op]] = defaultdict(dict)  # (seq, node) -> epoch -> publish
+    removes: dict[tuple[int, str], list[Op]] = defaultdict(list)
+    unknown_publish: set[tuple[int, str]] = set()
+    for o in ops:
+        if o.kind == "publish" and o.seq is not None:
+            if o.outcome == OK:
+                acked[(o.seq, o.node)][o.epoch or 0] = o
+            elif o.outcome == UNKNOWN:
+                unknown_publish.add((o.seq, o.node))
+        elif o.kind == "remove" and o.seq is not None and o.outcome != FAIL:
+            removes[(o.seq, o.node)].append(o)
+    checked = superseded = 0
+    for obs in observed:
+        for (seq, node), by_epoch in acked.items():
+            rm = removes.get((seq, node), [])
+            held = obs.seqs.get(seq, {}).get(node)
+            if any(r.outcome == OK for r in rm):
+                if held is not None and (seq, node) not in unknown_publish:
+                    violations.append(f"replica {obs.replica}: seq {seq} of {node} is back after its remove was acknowledged")
+                continue
+            if rm:
+                continue  # a remove with an unknown outcome may or may not have happened
+            epoch = obs.nodes.get(node)
+            pub = by_epoch.get(epoch) if epoch is not None else None
+            if pub is None:
+                superseded += 1  # published under an epoch that is no longer current
+                continue
+            checked += 1
+            if held is None or held[0] != epoch or held[1] != SEQ_BLOCKS or held[2] != pub.slots:
+                violations.append(f"replica {obs.replica}: acknowledged publish of seq {seq} by {node} epoch {epoch} "
+                                  f"is lost (holds {held})")
+        for seq, holders in obs.seqs.items():
+            for node, (epoch, _, _) in holders.items():
+                if obs.nodes.get(node) != epoch:
+                    violations.append(f"replica {obs.replica}: seq {seq} held by {node} with epoch {epoch}, "
+                                      f"but the node's epoch there is {obs.nodes.get(node)}")
+    digests = {obs.digest for obs in observed}
+    if len(digests) > 1:
+        violations.append(f"replicas diverged: digests {sorted((o.replica, o.digest) for o in observed)}")
+    return violations, {"publishes_checked": checked, "publishes_superseded": superseded}
+
+
+def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[str, int]]:
+    """Rule 5."""
+    violations: list[str] = []
+    registered: dict[str, list[tuple[float, int]]] = defaultdict(list)  # node -> (acked at, epoch)
+    removed: dict[tuple[int, str], float] = {}
+    unknown_publish: set[tuple[int, str]] = set()
+    for o in ops:
+        if o.kind == "register" and o.outcome == OK and o.epoch is not None:
+            registered[o.node].append((o.t1, o.epoch))
+        elif o.kind == "remove" and o.outcome == OK and o.seq is not None:
+            removed[(o.seq, o.node)] = min(o.t1, removed.get((o.seq, o.node), o.t1))
+        elif o.kind == "publish" and o.outcome == UNKNOWN and o.seq is not None:
+            unknown_publish.add((o.seq, o.node))
+    stats = {"lookups_checked": 0, "local_stale_within_bound": 0}
+    for o in ops:
+        if o.kind != "lookup" or o.outcome != OK or o.holders is None:
+            continue
+        stats["lookups_checked"] += 1
+        for node, (epoch, _, _) in o.holders.items():
+            newer = [t for t, e in registered.get(node, []) if e > epoch and t < o.t0]
+            gone = removed.get((o.seq, node)) if o.seq is not None and (o.seq, node) not in unknown_publish else None
+            since = min([*newer, *([gone] if gone is not None and gone < o.t0 else [])], default=None)
+            if since is None:
+                continue
+            lag = o.t0 - since
+            if o.consistency == "local" and lag <= stale_bound_s:
+                stats["local_stale_within_bound"] += 1
+                continue
+            what = "a newer epoch" if newer and min(newer) == since else "its remove"
+            violations.append(f"stale read: {o.consistency} lookup of seq {o.seq} on replica {o.replica} returned {node} "
+                              f"epoch {epoch}, {lag:.3f}s after {what} was acknowledged")
+    return violations, stats
+
+
+def check_minority(ops: list[Op], faults: list[Fault]) -> list[str]:
+    """Rule 6."""
+    violations: list[str] = []
+    for f in faults:
+        if not f.minority:
+            continue
+        for r, (settled, at_heal) in f.minority_commit.items():
+            if at_heal != settled:
+                violations.append(f"{f.kind}: minority replica {r} advanced its commit index {settled} -> {at_heal}")
+        for o in ops:
+            if o.kind in WRITES and o.replica in f.minority and f.t0 <= o.t0 < f.t1 and o.outcome == OK and o.t1 < f.t1:
+                violations.append(f"{f.kind}: {o.kind} of {o.node} sent to minority replica {o.replica} "
+                                  f"was acknowledged {o.t1 - f.t0:.3f}s into the partition")
+    return violations
+
+
+def check_epochs(ops: list[Op]) -> list[str]:
+    """Rule 7."""
+    violations: list[str] = []
+    regs: dict[str, list[Op]] = defaultdict(list)
+    for o in ops:
+        if o.kind == "register" and o.outcome == OK and o.epoch is not None:
+            regs[o.node].append(o)
+    for node, rs in regs.items():
+        for later in rs:
+            for earlier in rs:
+                if earlier.t1 < later.t0 and earlier.incarnation != later.incarnation and later.epoch <= earlier.epoch:  # type: ignore[operator]
+                    violations.append(f"epoch reuse: {node} incarnation {later.incarnation} got epoch {later.epoch}, "
+                                      f"not above epoch {earlier.epoch} acknowledged earlier to incarnation {earlier.incarnation}")
+                    break
+    return violations

@@ -1,0 +1,62 @@
+"""The fault harness, shortened for CI: real replicas, real faults, the checker decides.
+
+Each run starts its own cluster (on 127.0.0.1, or in network namespaces for
+partitions), drives simulated engines and a reader against it, injects every
+fault of its schedule, heals, waits for convergence and checks the history
+(kvdir/faults/checker.py). The long run is `kvdir bench soak`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvdir.faults import netns
+from kvdir.faults.run import Plan, format_report, run
+
+pytestmark = pytest.mark.timeout(600)
+
+NO_NETNS = netns.available()
+
+
+def check(report: dict, planned: list[str]) -> None:
+    print(format_report(report))  # shown with -rA or on failure: the history size, faults and violations
+    assert report["violations"] == []
+    assert sorted(k for k, n in report["faults"].items() for _ in range(n)) == sorted(planned)
+    h = report["history"]
+    # The load kept going through the faults and the checker had real work.
+    assert h["publish"]["ok"] > 50 and h["lookup"]["ok"] > 20 and h["register"]["ok"] >= 4
+    assert report["checker"]["publishes_checked"] > 0 and report["checker"]["lookups_checked"] > 20
+
+
+def test_kills_pauses_and_full_restart_lose_nothing(tmp_path: Path) -> None:
+    planned = ["kill_leader", "kill_follower", "pause_leader", "pause_follower", "kill_leader", "restart_all"]
+    report = run(Plan(replicas=3, faults=planned, steady_s=1.0, data_dir=tmp_path, use_netns=False))
+    check(report, planned)
+    assert report["writes_resume_after_leader_kill_s"]["n"] == 2
+
+
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"partitions need network namespaces: {NO_NETNS}")
+@pytest.mark.parametrize("replicas", [3, 5])
+def test_partitions_minority_commits_nothing_and_nothing_is_lost(tmp_path: Path, replicas: int) -> None:
+    planned = ["partition_leader", "partition_follower", "kill_leader"]
+    report = run(Plan(replicas=replicas, faults=planned, steady_s=1.5, data_dir=tmp_path))
+    check(report, planned)
+    cuts = [f for f in report["fault_log"] if f["kind"].startswith("partition")]
+    assert all(len(f["minority_commit"]) == (1 if replicas == 3 else 2) for f in cuts)
+
+
+def test_power_loss_without_fsync_is_caught_by_the_checker(tmp_path: Path) -> None:
+    """The gap pysyncobj leaves, reproduced: every machine loses its last seconds of unsynced writes.
+
+    With `--no-fsync` that loses acknowledged writes (and rolls the epoch counter back); the checker
+    must say so. With `--fsync` (the default) the disk holds everything acknowledged, so this crash
+    is the `restart_all` of the test above, which loses nothing.
+    """
+    report = run(Plan(replicas=3, faults=["power_loss"], steady_s=2.0, data_dir=tmp_path, use_netns=False,
+                      replica_args=("--no-fsync",)))
+    print(format_report(report))
+    # Nodes that kept their epoch lost the publishes of the last seconds; nodes that registered in
+    # those seconds get their epoch handed out again to a new incarnation. Either is a violation.
+    assert any("is lost" in v or "epoch reuse" in v for v in report["violations"])
