@@ -5,7 +5,10 @@ Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
 too large, 422 invalid fields or limits, 429 node limit, 503 not committed in
 time (retry: every write is idempotent), 507 index full. A 500 means a bug.
 With `auth_tokens_file` set, 401 without a known bearer token and 403 for a
-role or node the token may not write (directory.auth).
+role, node or tenant the token may not use (directory.auth).
+
+Entries are keyed per tenant (directory.tenancy): publish, remove and lookup
+map their hashes to the tenant's keys here, before anything goes through Raft.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from directory.schemas import (
     RemoveRequest,
     RemoveResponse,
 )
+from directory.tenancy import Tenancy
 
 log = logging.getLogger("kvdir.directory")
 
@@ -149,6 +153,24 @@ def _may_write(request: Request, node_id: str) -> None:
         raise ApiError(403, "forbidden", f"this {role} token may not write node {node_id!r}")
 
 
+def _tenant(request: Request, requested: str | None) -> str:
+    """The tenant a request acts in (a confined token's own when it names none); 403 for one its token may not use."""
+    if not request.app.state.auth:
+        return requested or ""
+    principal: Principal | None = request.scope.get(PRINCIPAL)
+    tenant = principal.tenant_for(requested) if principal is not None else None
+    if tenant is None:
+        confined = f"; it is confined to tenant {principal.tenant!r}" if principal is not None else ""
+        raise ApiError(403, "forbidden", f"this token may not use tenant {requested!r}{confined}")
+    return tenant
+
+
+def _keys(request: Request, hashes: np.ndarray, tenant: str) -> np.ndarray:
+    """The directory keys of a tenant's block hashes."""
+    tenancy: Tenancy = request.app.state.tenancy
+    return tenancy.keys(hashes, tenant)
+
+
 def _check_count(n: int, limit: int, what: str) -> None:
     if n > limit:
         raise ApiError(422, "too_many", f"{n} {what.replace('_', ' ')} in one request; the limit is {limit} (KVDIR_MAX_{what.upper()})")
@@ -243,11 +265,13 @@ def _settings_limit(replica: Replica, n: int) -> None:
 async def publish(request: Request, body: PublishRequest, replica: Replica = Depends(_replica),
                   metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
     _may_write(request, body.node_id)
+    tenant = _tenant(request, body.tenant)
     _settings_limit(replica, len(body.blocks))
     t0 = time.perf_counter()
     hashes = np.fromiter((b.hash for b in body.blocks), dtype=np.uint64, count=len(body.blocks))
+    keys = _keys(request, hashes, tenant)
     slots = np.fromiter((b.slot for b in body.blocks), dtype=np.uint32, count=len(body.blocks))
-    res = await _commit(replica, st.Publish(body.node_id, body.epoch, hashes, slots, body.medium))
+    res = await _commit(replica, st.Publish(body.node_id, body.epoch, keys, slots, body.medium))
     metrics.write_seconds.labels("publish").observe(time.perf_counter() - t0)
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "stored": res.value})
 
@@ -256,10 +280,11 @@ async def publish(request: Request, body: PublishRequest, replica: Replica = Dep
 async def remove(request: Request, body: RemoveRequest, replica: Replica = Depends(_replica),
                  metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
     _may_write(request, body.node_id)
+    tenant = _tenant(request, body.tenant)
     _settings_limit(replica, len(body.hashes))
     t0 = time.perf_counter()
     hashes = np.fromiter(body.hashes, dtype=np.uint64, count=len(body.hashes))
-    res = await _commit(replica, st.Remove(body.node_id, body.epoch, hashes))
+    res = await _commit(replica, st.Remove(body.node_id, body.epoch, _keys(request, hashes, tenant)))
     metrics.write_seconds.labels("remove").observe(time.perf_counter() - t0)
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
 
@@ -273,11 +298,13 @@ async def clear(request: Request, body: ClearRequest, replica: Replica = Depends
 
 @router.post("/v1/lookup", response_model=LookupResponse)
 async def lookup(
+    request: Request,
     body: LookupRequest,
     consistency: str | None = Query(None, pattern="^(local|linearizable)$", description="overrides the body field"),
     replica: Replica = Depends(_replica),
     metrics: DirectoryMetrics = Depends(_metrics),
 ) -> Any:
+    tenant = _tenant(request, body.tenant)
     limit = replica.settings.max_hashes_per_lookup
     if (body.hashes is None) == (body.tokens is None):
         raise ApiError(422, "invalid_request", "give exactly one of `hashes` or `tokens`")
@@ -288,6 +315,7 @@ async def lookup(
         assert body.hashes is not None
         _check_count(len(body.hashes), limit, "hashes_per_lookup")
         hashes = np.asarray(body.hashes, dtype=np.uint64)
+    keys = _keys(request, hashes, tenant)
     mode = consistency or body.consistency
     if mode == "linearizable":
         await _commit(replica, st.Noop())
@@ -297,7 +325,7 @@ async def lookup(
         raise ApiError(503, "no_leader", "this replica knows no leader: its entries may be stale; try another replica")
     t0 = time.perf_counter()
     with replica.sm.lock:
-        holders = replica.state.lookup(hashes, body.with_slots)
+        holders = replica.state.lookup(keys, body.with_slots)
     metrics.lookup_seconds.observe(time.perf_counter() - t0)
     metrics.lookups.labels(mode).inc()
     out = [
@@ -369,10 +397,14 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     tokens = settings.auth_tokens
     app.state.auth = tokens is not None
+    app.state.tenancy = settings.tenancy
     if tokens is not None:
         # Added last, so outermost: an unauthenticated request is refused before its body is read.
         app.add_middleware(BearerAuth, tokens=tokens)
         log.info("bearer-token auth on: %d tokens from %s", len(tokens), settings.auth_tokens_file)
+    if settings.tenant_secret_file is not None:
+        log.info("tenant keys from %s (fingerprint %s: equal on every replica)", settings.tenant_secret_file,
+                 settings.tenancy.fingerprint())
     elif not _is_loopback(settings.http):
         log.warning("auth is off (no --auth-tokens-file) on %s: any client that reaches it may write", settings.http)
 

@@ -1,12 +1,20 @@
 """Bearer tokens with roles for the directory's REST API.
 
 The tokens file (`--auth-tokens-file`, `KVDIR_AUTH_TOKENS_FILE`) holds one token
-per line as `ROLE:NODE_PATTERN:TOKEN`; blank lines and lines starting with `#`
-are ignored, and the token is everything after the second colon:
+per line as `ROLE[@TENANT]:NODE_PATTERN:TOKEN`; blank lines and lines starting
+with `#` are ignored, and the token is everything after the second colon:
 
     engine:worker-*:s3cr3t      # may write entries, heartbeats, (de)registration of nodes matching worker-*
     gateway:*:abc               # may only read: lookups, nodes, cluster
+    gateway@acme:*:def          # reads too, but only in tenant acme (directory.tenancy)
     admin:*:xyz                 # may do everything, including deleting any node
+
+`@TENANT` confines an engine or gateway token to one tenant: routes that take
+a `tenant` (publish, remove, lookup) act in that tenant when the request names
+none, and refuse any other (403), the shared tenant "" included. A token
+without it may name any tenant and defaults to "". The tenant rides on the
+role because node ids may contain `@`, so NODE_PATTERN could not carry it
+unambiguously; admin tokens cannot be confined (they may delete any node).
 
 NODE_PATTERN is a shell-style glob (`fnmatch`, case-sensitive) over node ids; it
 only matters for engine tokens. Every role may read (GET routes and
@@ -31,6 +39,8 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from directory.tenancy import TENANT_MAX_LEN
+
 ROLES = ("engine", "gateway", "admin")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 READ_METHODS = frozenset({"GET", "HEAD"})
@@ -39,21 +49,30 @@ PRINCIPAL = "kvdir.principal"
 """The ASGI scope key under which the middleware leaves the request's `Principal`."""
 
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an Authorization header can carry
+_TENANT = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_MAX_LEN}}}")  # directory.tenancy.TENANT_PATTERN, non-empty
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a token speaks for: a role and, for engines, the node ids it may write."""
+    """Who a token speaks for: a role, for engines the node ids it may write, and the tenant it is confined to (None: any)."""
 
     role: str
     pattern: str
     line: int
+    tenant: str | None = None
 
     def may_write(self, node_id: str) -> bool:
         return self.role == "admin" or (self.role == "engine" and fnmatchcase(node_id, self.pattern))
 
+    def tenant_for(self, requested: str | None) -> str | None:
+        """The tenant a request naming `requested` (None: none) acts in, or None when this token may not use it."""
+        if self.tenant is None:
+            return requested or ""
+        return self.tenant if requested in (None, self.tenant) else None
+
     def __str__(self) -> str:
-        return f"{self.role}:{self.pattern} (line {self.line})"
+        confined = f"@{self.tenant}" if self.tenant is not None else ""
+        return f"{self.role}{confined}:{self.pattern} (line {self.line})"
 
 
 def _digest(token: bytes) -> bytes:
@@ -68,6 +87,11 @@ class TokenTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def confined(self) -> bool:
+        """Whether any token is confined to a tenant."""
+        return any(p.tenant is not None for _, p in self._entries)
 
     def find(self, token: bytes) -> Principal | None:
         """The principal of `token`, or None; compares against every entry, whatever matches."""
@@ -93,10 +117,15 @@ def load_tokens(path: Path) -> TokenTable:
             continue
         parts = line.split(":", 2)
         if len(parts) != 3:
-            raise ValueError(f"{path}:{no}: expected ROLE:NODE_PATTERN:TOKEN")
-        role, pattern, token = (p.strip() for p in parts)
+            raise ValueError(f"{path}:{no}: expected ROLE[@TENANT]:NODE_PATTERN:TOKEN")
+        scope, pattern, token = (p.strip() for p in parts)
+        role, at, tenant = scope.partition("@")
         if role not in ROLES:
             raise ValueError(f"{path}:{no}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if at and not _TENANT.fullmatch(tenant):
+            raise ValueError(f"{path}:{no}: a tenant is 1-{TENANT_MAX_LEN} of A-Z a-z 0-9 . _ -, got {tenant!r}")
+        if at and role == "admin":
+            raise ValueError(f"{path}:{no}: admin tokens cannot be confined to a tenant (they may delete any node)")
         if not pattern:
             raise ValueError(f"{path}:{no}: empty node pattern (use * for any node)")
         if not _TOKEN.fullmatch(token):
@@ -104,7 +133,7 @@ def load_tokens(path: Path) -> TokenTable:
         if token in seen:
             raise ValueError(f"{path}:{no}: the same token appears twice")
         seen.add(token)
-        entries.append((token, Principal(role, pattern, no)))
+        entries.append((token, Principal(role, pattern, no, tenant if at else None)))
     if not entries:
         raise ValueError(f"{path}: no tokens (auth would refuse every request); leave the setting unset to turn auth off")
     return TokenTable(entries)

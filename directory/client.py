@@ -7,6 +7,9 @@ replica is unreachable or answers 503: every write is idempotent, so a retry
 after an unknown outcome is safe. 4xx answers are raised at once as
 `RequestRejected` subclasses (see directory.errors). With `token`, every
 request carries `Authorization: Bearer TOKEN` (the directory's auth_tokens_file).
+With `tenant`, publishes, removals and lookups act in that tenant
+(directory.tenancy); without it, in the token's tenant if it is confined to
+one, else in the shared tenant "".
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class DirectoryClient:
         deadline: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
         token: str | SecretStr | None = None,
+        tenant: str = "",
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -45,6 +49,7 @@ class DirectoryClient:
             raise ValueError("DirectoryClient needs at least one replica URL")
         self.urls = [u.strip().rstrip("/") for u in urls]
         self.deadline = deadline
+        self._tenant = {"tenant": tenant} if tenant else {}  # omitted: the directory picks the token's default
         self._preferred = 0
         if isinstance(token, SecretStr):
             token = token.get_secret_value()
@@ -137,11 +142,12 @@ class DirectoryClient:
 
     async def publish(self, node_id: str, epoch: int, blocks: Iterable[tuple[int, int]], medium: str | None = None) -> int:
         """Publish (hash, slot) pairs; returns how many entries were new."""
-        body = {"node_id": node_id, "epoch": epoch, "blocks": [{"hash": h, "slot": s} for h, s in blocks], "medium": medium}
+        body = {"node_id": node_id, "epoch": epoch, "blocks": [{"hash": h, "slot": s} for h, s in blocks], "medium": medium,
+                **self._tenant}
         return (await self.request("POST", "/v1/blocks", body))["stored"]
 
     async def remove(self, node_id: str, epoch: int, hashes: Iterable[int]) -> int:
-        body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes)}
+        body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes), **self._tenant}
         return (await self.request("POST", "/v1/blocks/remove", body))["removed"]
 
     async def clear(self, node_id: str, epoch: int) -> int:
@@ -158,7 +164,7 @@ class DirectoryClient:
         linearizable: bool = False,
     ) -> LookupResponse:
         """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica)."""
-        body: dict[str, Any] = {"with_slots": with_slots, "consistency": "linearizable" if linearizable else "local"}
+        body: dict[str, Any] = {"with_slots": with_slots, "consistency": "linearizable" if linearizable else "local", **self._tenant}
         if tokens is not None:
             body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
         else:

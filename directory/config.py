@@ -9,6 +9,7 @@ from pydantic import AfterValidator, Field, PrivateAttr, SecretStr, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from directory.auth import TokenTable, load_tokens
+from directory.tenancy import TENANT_MAX_LEN, TENANT_PATTERN, Tenancy
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -54,13 +55,17 @@ class DirectorySettings(BaseSettings):
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
     raft_password_file: Path | None = Field(None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)")
     auth_tokens_file: Path | None = Field(
-        None, description="file of bearer tokens, one ROLE:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)")
+        None, description="file of bearer tokens, one ROLE[@TENANT]:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)")
+    tenant_secret_file: Path | None = Field(
+        None, description="file holding the secret that tenants' directory keys derive from (the same on every replica); "
+                          "needed for tokens confined to a tenant")
     raft_min_timeout_s: float = Field(0.35, gt=0, description="Raft election timeout, lower bound")
     raft_max_timeout_s: float = Field(0.7, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
     log_level: str = Field("info", description="debug, info, warning or error")
 
     _auth_tokens: TokenTable | None = PrivateAttr(None)
+    _tenancy: Tenancy = PrivateAttr(default_factory=Tenancy)
 
     @field_validator("peers")
     @classmethod
@@ -81,15 +86,26 @@ class DirectorySettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _tokens_from_file(self) -> DirectorySettings:
+    def _auth_from_files(self) -> DirectorySettings:
         if self.auth_tokens_file is not None:
             self._auth_tokens = load_tokens(self.auth_tokens_file)
+        secret = read_secret_file(self.tenant_secret_file, "tenant secret")
+        if secret is not None:
+            self._tenancy = Tenancy(secret.get_secret_value().encode())
+        elif self._auth_tokens is not None and self._auth_tokens.confined:
+            # With public tenant keys a confined token could compute another tenant's keys (directory.tenancy).
+            raise ValueError("tokens confined to a tenant need a tenant secret (tenant_secret_file, the same on every replica)")
         return self
 
     @property
     def auth_tokens(self) -> TokenTable | None:
         """The tokens read from `auth_tokens_file` when the settings were read; None: auth is off."""
         return self._auth_tokens
+
+    @property
+    def tenancy(self) -> Tenancy:
+        """Tenants' directory keys, from `tenant_secret_file` when the settings were read (public keys without it)."""
+        return self._tenancy
 
     @property
     def peer_list(self) -> list[str]:
@@ -114,13 +130,15 @@ def read_secret_file(path: Path | None, what: str) -> SecretStr | None:
 
 
 class DirectoryClientSettings(BaseSettings):
-    """What every component that talks to the directory needs: where the replicas are, and its token."""
+    """What every component that talks to the directory needs: where the replicas are, its token and its tenant."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
     directory_token_file: Path | None = Field(
         None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
+    tenant: str = Field("", max_length=TENANT_MAX_LEN, pattern=TENANT_PATTERN,
+                        description="tenant whose directory entries this reads and writes (default: the token's, else the shared one)")
 
     _directory_token: SecretStr | None = PrivateAttr(None)
 

@@ -217,7 +217,7 @@ class EventsSubscriber:
         self.s = settings
         self.node_id = settings.node
         token = settings.directory_token.get_secret_value() if settings.directory_token else None
-        self.client = directory or DirectoryClient(settings.directory_urls, token=token)
+        self.client = directory or DirectoryClient(settings.directory_urls, token=token, tenant=settings.tenant)
         self._own_client = directory is None
         self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries)
         self.decode_stats = DecodeStats()

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from directory.hashing import U32_MAX, U64_MAX
+from directory.tenancy import TENANT_MAX_LEN, TENANT_PATTERN
 
 U64 = Annotated[int, Field(strict=True, ge=0, le=U64_MAX)]
 U32 = Annotated[int, Field(strict=True, ge=0, le=U32_MAX)]
@@ -18,6 +19,11 @@ Epoch = Annotated[int, Field(strict=True, ge=1)]
 NodeId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$")]
 Url = Annotated[str, StringConstraints(min_length=1, max_length=2048)]
 Label = Annotated[str, StringConstraints(max_length=64)]
+TenantField = Annotated[
+    str | None,
+    Field(max_length=TENANT_MAX_LEN, pattern=TENANT_PATTERN,
+          description='the tenant whose entries this touches (directory.tenancy); omitted: the token\'s own, else the shared ""'),
+]
 
 
 class _Model(BaseModel):
@@ -78,6 +84,7 @@ class PublishRequest(_Model):
     epoch: Epoch
     blocks: list[BlockRef]
     medium: Label | None = None
+    tenant: TenantField = None
 
 
 class PublishResponse(_Model):
@@ -90,6 +97,7 @@ class RemoveRequest(_Model):
     node_id: NodeId
     epoch: Epoch
     hashes: list[U64]
+    tenant: TenantField = None
 
 
 class ClearRequest(_Model):
@@ -110,6 +118,7 @@ class LookupRequest(_Model):
     block_size: Annotated[int, Field(strict=True, ge=1, le=65536)] = 16
     with_slots: bool = False
     consistency: Literal["local", "linearizable"] = "local"
+    tenant: TenantField = None
 
 
 class Holder(_Model):

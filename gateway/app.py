@@ -137,7 +137,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         directory = DirectoryClient(settings.directory_urls, timeout=1.0, deadline=settings.lookup_timeout_s,
-                                    token=settings.directory_token)
+                                    token=settings.directory_token, tenant=settings.tenant)
         registry = EngineRegistry(directory, settings.static_engines, settings.refresh_s, settings.unhealthy_s)
         await registry.refresh()
         registry.start()

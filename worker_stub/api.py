@@ -126,7 +126,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         transfer = create_engine(settings.transfer, settings.transfer_host)
         for region in pool.regions:
             transfer.register(region.base_addr, region.length)
-        directory = DirectoryClient(settings.directory_urls, deadline=5.0, token=settings.directory_token)
+        directory = DirectoryClient(settings.directory_urls, deadline=5.0, token=settings.directory_token, tenant=settings.tenant)
         engine = Engine(settings, pool, transfer, directory)
         metrics_box: list[WorkerMetrics] = []
         publisher = Publisher(

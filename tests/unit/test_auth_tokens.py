@@ -1,14 +1,17 @@
-"""The tokens file, roles and node patterns, and the settings that read token files (no sockets)."""
+"""The tokens file, roles, node patterns and tenants, and the settings that read token and secret files (no sockets)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from directory.auth import Principal, bearer_token, load_tokens
 from directory.config import DirectorySettings
+from directory.events_subscriber import EventsSettings
+from directory.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from worker_stub.config import WorkerSettings
 
@@ -37,17 +40,50 @@ admin:*:x:y:z
 @pytest.mark.parametrize("text,message", [
     ("", "no tokens"),
     ("# only a comment\n", "no tokens"),
-    ("engine:worker-1\n", "ROLE:NODE_PATTERN:TOKEN"),
+    ("engine:worker-1\n", r"ROLE\[@TENANT\]:NODE_PATTERN:TOKEN"),
     ("root:*:abc\n", "unknown role"),
     ("engine::abc\n", "empty node pattern"),
     ("engine:*:\n", "non-empty"),
     ("engine:*:two words\n", "without spaces"),
     ("engine:*:abc\nadmin:*:abc\n", "twice"),
+    ("engine@:*:abc\n", "a tenant is"),
+    ("gateway@a b:*:abc\n", "a tenant is"),
+    ("gateway@a/b:*:abc\n", "a tenant is"),
+    (f"gateway@{'t' * 65}:*:abc\n", "a tenant is"),
+    ("admin@acme:*:abc\n", "admin tokens cannot be confined"),
+    ("root@acme:*:abc\n", "unknown role"),
 ])
 def test_malformed_tokens_files_are_refused_without_echoing_secrets(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as e:
         load_tokens(_file(tmp_path, text))
     assert "abc" not in str(e.value)
+
+
+def test_tokens_confined_to_a_tenant(tmp_path: Path) -> None:
+    table = load_tokens(_file(tmp_path, """
+engine@acme:worker-*:e1
+gateway@acme.eu-2_x:*:g1
+gateway:*@x:g2
+"""))
+    assert table.confined
+    assert table.find(b"e1") == Principal("engine", "worker-*", 2, "acme")
+    assert table.find(b"g1").tenant == "acme.eu-2_x"
+    # `@` in NODE_PATTERN is part of the pattern (node ids may contain it), not a tenant.
+    assert table.find(b"g2") == Principal("gateway", "*@x", 4, None)
+    assert str(table.find(b"e1")) == "engine@acme:worker-* (line 2)"
+    assert not load_tokens(_file(tmp_path, "engine:*:a\nadmin:*:b\n")).confined
+
+
+def test_the_tenant_a_request_acts_in() -> None:
+    confined = Principal("gateway", "*", 1, "acme")
+    assert confined.tenant_for(None) == "acme"  # names none: its own
+    assert confined.tenant_for("acme") == "acme"
+    assert confined.tenant_for("") is None  # not even the shared tenant
+    assert confined.tenant_for("other") is None
+    assert confined.tenant_for("Acme") is None
+    for free in (Principal("engine", "*", 1), Principal("admin", "*", 1)):
+        assert free.tenant_for(None) == "" and free.tenant_for("") == ""
+        assert free.tenant_for("acme") == "acme" and free.tenant_for("other") == "other"
 
 
 def test_roles_may_write() -> None:
@@ -69,6 +105,35 @@ def test_bearer_header_parsing() -> None:
     assert bearer_token(scope((b"authorization", b"Basic abc"))) is None
     assert bearer_token(scope((b"authorization", b"Bearer"))) is None
     assert bearer_token(scope((b"authorization", b"abc"))) is None
+
+
+def test_confined_tokens_need_a_tenant_secret(tmp_path: Path) -> None:
+    tokens = _file(tmp_path, "gateway@acme:*:xyz\n")
+    with pytest.raises(ValidationError, match="need a tenant secret") as e:
+        DirectorySettings(auth_tokens_file=tokens)
+    assert "xyz" not in str(e.value)
+    secret = tmp_path / "secret"
+    secret.write_text("k3y\n")
+    s = DirectorySettings(auth_tokens_file=tokens, tenant_secret_file=secret)
+    assert s.auth_tokens.find(b"xyz").tenant == "acme"
+    hashes = np.arange(4, dtype=np.uint64)
+    assert not np.array_equal(s.tenancy.keys(hashes, "acme"), DirectorySettings().tenancy.keys(hashes, "acme"))
+    assert s.tenancy.key("acme") == Tenancy(b"k3y").key("acme")  # stripped, as every secret file
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValidationError, match="empty"):
+        DirectorySettings(tenant_secret_file=tmp_path / "empty")
+
+
+def test_clients_take_a_tenant(monkeypatch) -> None:
+    for cls in (WorkerSettings, GatewaySettings, EventsSettings):
+        assert cls().tenant == ""
+        assert cls(tenant="acme-1").tenant == "acme-1"
+        monkeypatch.setenv("KVDIR_TENANT", "acme.2")
+        assert cls().tenant == "acme.2"
+        monkeypatch.delenv("KVDIR_TENANT")
+        for bad in ("a b", "a:b", "a@b", "t" * 65):
+            with pytest.raises(ValidationError, match="tenant"):
+                cls(tenant=bad)
 
 
 def test_settings_read_token_files(tmp_path: Path, monkeypatch) -> None:

@@ -1,0 +1,180 @@
+"""Tenants on real replicas: lookups see only the caller's tenant, tokens confined to a tenant cannot
+name another, and a worker and a gateway of one tenant still route by cached prefix."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from directory.client import DirectoryClient
+from directory.errors import AuthError
+from directory.hashing import block_hashes
+from tests.integration.conftest import wait_for
+
+ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d", "engine-bravo-1f2e3d4c"
+GATEWAY, GATEWAY_BRAVO, ADMIN = "gateway-any-55aa66bb", "gateway-bravo-77cc88dd", "admin-tok-0a0b0c0d"
+TOKENS = f"""\
+engine:worker-*:{ENGINE}
+engine@acme:worker-*:{ENGINE_ACME}
+engine@bravo:worker-*:{ENGINE_BRAVO}
+gateway:*:{GATEWAY}
+gateway@bravo:*:{GATEWAY_BRAVO}
+admin:*:{ADMIN}
+"""
+MODEL = "kvdir-stub"
+PROMPT = "Acme's system prompt is nobody else's business, and their cache is theirs alone. " * 3
+TOKENS_40 = list(range(1, 41))
+HASHES = block_hashes(TOKENS_40)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def tenanted(make_cluster, tmp_path: Path):
+    """A 3-replica cluster with confined tokens and a tenant secret, and one file per client token."""
+    tokens, secret = tmp_path / "tokens", tmp_path / "tenant-secret"
+    tokens.write_text(TOKENS)
+    secret.write_text("a-secret-only-the-replicas-know\n")
+    files = {}
+    for name, token in (("engine_acme", ENGINE_ACME), ("gateway", GATEWAY), ("gateway_bravo", GATEWAY_BRAVO)):
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token + "\n")
+    c = make_cluster(3, lease_ttl_s=300, token=ADMIN,
+                     extra_args=("--auth-tokens-file", str(tokens), "--tenant-secret-file", str(secret)))
+    return c, files
+
+
+def _holders(url: str, token: str, **body: object) -> dict[str, int]:
+    r = httpx.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": HASHES, **body}, headers=bearer(token), timeout=10)
+    assert r.status_code == 200, r.text
+    return {h["node_id"]: h["matched_blocks"] for h in r.json()["holders"]}
+
+
+def _forbidden(r: httpx.Response) -> None:
+    assert r.status_code == 403, (r.request.url, r.status_code, r.text)
+    body = r.json()
+    assert body["error"] == "forbidden" and "tenant" in body["detail"], body
+
+
+def _register(url: str, node_id: str, token: str) -> int:
+    r = httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=bearer(token), timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["epoch"]
+
+
+def test_lookups_see_only_the_callers_tenant(tenanted) -> None:
+    c, _ = tenanted
+    leader = c.wait_ready(30)
+    follower = next(u for u in c.replica_urls if u != leader)
+    blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
+    e1, e2 = _register(leader, "worker-1", ENGINE), _register(leader, "worker-2", ENGINE)
+    # A token confined to acme publishes without naming a tenant: its entries land in acme.
+    r = httpx.post(follower + "/v1/blocks", json={"node_id": "worker-1", "epoch": e1, "blocks": blocks}, headers=bearer(ENGINE_ACME))
+    assert r.status_code == 200 and r.json()["stored"] == 2, r.text
+    for url in (leader, follower):
+        assert _holders(url, GATEWAY, tenant="acme") == {"worker-1": 2}
+        assert _holders(url, ADMIN, tenant="acme") == {"worker-1": 2}
+        assert _holders(url, ENGINE_ACME) == {"worker-1": 2}  # its own tenant by default
+        # The same raw hashes in any other tenant find nothing: the shared one, bravo, a look-alike.
+        for tenant in ("", "bravo", "Acme", "acme-"):
+            assert _holders(url, GATEWAY, tenant=tenant) == {}, tenant
+        assert _holders(url, GATEWAY) == {}
+        assert _holders(url, GATEWAY_BRAVO) == {}
+        # By tokens (hashed by the replica) the same holds.
+        assert _holders(url, GATEWAY, hashes=None, tokens=TOKENS_40, tenant="acme") == {"worker-1": 2}
+        assert _holders(url, GATEWAY, hashes=None, tokens=TOKENS_40) == {}
+    # An unconfined engine token writes the same raw hashes into bravo for worker-2: the tenants stay apart.
+    r = httpx.post(leader + "/v1/blocks", json={"node_id": "worker-2", "epoch": e2, "blocks": blocks[:1], "tenant": "bravo"},
+                   headers=bearer(ENGINE))
+    assert r.status_code == 200, r.text
+    assert _holders(follower, GATEWAY_BRAVO) == {"worker-2": 1} == _holders(follower, GATEWAY, tenant="bravo")
+    assert _holders(follower, GATEWAY, tenant="acme") == {"worker-1": 2}
+    # Removing in acme leaves bravo's entry of the same hash alone.
+    r = httpx.post(leader + "/v1/blocks/remove", json={"node_id": "worker-2", "epoch": e2, "hashes": HASHES[:1], "tenant": "acme"},
+                   headers=bearer(ENGINE))
+    assert r.status_code == 200 and r.json()["removed"] == 0, r.text
+    assert _holders(follower, GATEWAY_BRAVO) == {"worker-2": 1}
+
+
+def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
+    c, _ = tenanted
+    leader = c.wait_ready(30)
+    epoch = _register(leader, "worker-1", ENGINE)
+    blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
+    r = httpx.post(leader + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"},
+                   headers=bearer(ENGINE))
+    assert r.status_code == 200, r.text
+    for url in c.replica_urls:
+        # Probing acme with a token confined to bravo, or the shared tenant: refused, whatever the body holds.
+        for tenant in ("acme", ""):
+            _forbidden(httpx.post(url + "/v1/lookup", json={"hashes": HASHES, "tenant": tenant}, headers=bearer(GATEWAY_BRAVO)))
+            _forbidden(httpx.post(url + "/v1/lookup", json={"tokens": TOKENS_40, "tenant": tenant}, headers=bearer(GATEWAY_BRAVO)))
+            # Poisoning or erasing acme's entries with an engine token confined to bravo: refused too.
+            _forbidden(httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": tenant},
+                                  headers=bearer(ENGINE_BRAVO)))
+            _forbidden(httpx.post(url + "/v1/blocks/remove", json={"node_id": "worker-1", "epoch": epoch, "hashes": HASHES,
+                                                                   "tenant": tenant}, headers=bearer(ENGINE_BRAVO)))
+        # Bad tenant names are 422 for everyone.
+        for bad in ("a b", "a:b", "a@b", "t" * 65, 7):
+            r = httpx.post(url + "/v1/lookup", json={"hashes": HASHES, "tenant": bad}, headers=bearer(ADMIN))
+            assert r.status_code == 422 and r.json()["error"] == "invalid_request", (bad, r.text)
+    assert _holders(leader, ADMIN, tenant="acme") == {"worker-1": 2}  # nothing changed
+    metrics = httpx.get(leader + "/metrics").text
+    assert 'kvdir_directory_requests_rejected_total{error="forbidden"}' in metrics
+
+    async def client() -> None:
+        async with DirectoryClient(c.replica_urls, token=GATEWAY_BRAVO, tenant="acme", deadline=10) as d:
+            with pytest.raises(AuthError) as e:
+                await d.lookup(HASHES)
+            assert e.value.status == 403
+        async with DirectoryClient(c.replica_urls, token=GATEWAY, tenant="acme", deadline=10) as d:
+            assert [h.node_id for h in (await d.lookup(HASHES)).holders] == ["worker-1"]
+        async with DirectoryClient(c.replica_urls, token=ENGINE_BRAVO, deadline=10) as d:  # its own tenant
+            assert await d.publish("worker-1", epoch, [(HASHES[0], 7)]) == 1
+            assert (await d.lookup(HASHES, with_slots=True)).holders[0].slots == [7]
+            assert await d.remove("worker-1", epoch, HASHES) == 1
+
+    asyncio.run(client())
+
+
+def test_tenants_without_auth(make_cluster) -> None:
+    c = make_cluster(1)
+    url = c.wait_ready(30)
+    epoch = _register(url, "worker-1", "none")
+    blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
+    assert httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"}).status_code == 200
+    assert _holders(url, "none", tenant="acme") == {"worker-1": 2}
+    assert _holders(url, "none") == {} == _holders(url, "none", tenant="bravo")
+
+
+def test_worker_and_gateway_of_one_tenant_share_their_cache(tenanted, make_workers, make_gateway) -> None:
+    c, files = tenanted
+    # The worker's token is confined to acme, so it publishes there without --tenant.
+    w = make_workers(c, 1, ("--directory-token-file", str(files["engine_acme"]), "--transfer", "tcp"))
+    acme = make_gateway(c, 1, ("--directory-token-file", str(files["gateway"]), "--tenant", "acme"))
+    bravo = make_gateway(c, 1, ("--directory-token-file", str(files["gateway_bravo"])))
+    r = httpx.post(w.urls[0] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    n_blocks = len(PROMPT.encode()) // 16
+
+    def holders(**body: object) -> dict[str, int]:
+        res = httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), **body},
+                         headers=bearer(GATEWAY), timeout=5).json()
+        return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
+
+    wait_for(lambda: holders(tenant="acme") == {"worker-1": n_blocks}, what="worker-1's blocks in tenant acme")
+    assert holders() == {}
+    r = httpx.post(acme.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvdir-decision"] == "affinity", (r.headers, r.text)
+    assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == n_blocks * 16
+    # The same prompt through bravo's gateway: the directory shows it nothing cached (the engine's own cache is
+    # another matter: docs/operations.md).
+    r = httpx.post(bravo.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvdir-decision"] != "affinity", (r.headers, r.text)
+    assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == 0
+    assert httpx.get(bravo.url + "/health").json()["directory"] is True
