@@ -30,6 +30,9 @@ from worker_stub.config import WorkerSettings
 
 # Variables read by `kvdir health`, allowed beside any role's settings.
 COMMON_ENV = {"KVDIR_HEALTH_URL"}
+# What stands in for a compose secret's file: valid as any secret a setting reads, a password,
+# a token, and a tokens file (ROLE:NODE_PATTERN:TOKEN).
+STAND_IN_SECRET = "admin:*:stand-in-for-a-secret\n"
 
 ROLES: dict[str, type[BaseSettings]] = {
     "directory": DirectorySettings,
@@ -112,6 +115,31 @@ def compose_services(path: Path, secrets_stand_in: Path) -> dict[str, tuple[str,
     return out
 
 
+CLIENT_ROLES = ("gateway", "worker", "events")  # the roles that talk to the directory
+
+
+def _sets(name: str, args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether a service gives the setting `name`, as a flag or a KVDIR_* variable."""
+    flag = "--" + name.replace("_", "-")
+    return f"KVDIR_{name.upper()}" in env or any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def compose_auth_problems(services: Mapping[str, tuple[str, list[str], dict[str, str]]]) -> list[str]:
+    """With auth on any replica of a compose file: it must be on all of them, and every client must send a token.
+
+    Each service on its own is valid without these, and would only meet 401s once deployed.
+    """
+    replicas = [n for n, (role, _, _) in services.items() if role == "directory"]
+    secured = [n for n in replicas if _sets("auth_tokens_file", *services[n][1:])]
+    if not secured:
+        return []
+    problems = [f"{n}: no auth tokens file, while {secured[0]} has one (replicas would disagree on who may write)"
+                for n in replicas if n not in secured]
+    problems += [f"{n}: no directory token file, while the directory has auth on (every request would be 401)"
+                 for n, (role, args, env) in services.items() if role in CLIENT_ROLES and not _sets("directory_token_file", args, env)]
+    return problems
+
+
 def run_check_config(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="kvdir check-config", description=__doc__)
     p.add_argument("--compose", type=Path, help="check every kvdir service of this docker-compose file")
@@ -121,8 +149,7 @@ def run_check_config(argv: Sequence[str]) -> int:
         p.error("give --compose FILE or a role and its flags")
     with tempfile.TemporaryDirectory(prefix="kvdir-check-") as tmp:
         stand_in = Path(tmp) / "secret"
-        # Valid as any secret a setting reads: a password, a token, and a tokens file (ROLE:NODE_PATTERN:TOKEN).
-        stand_in.write_text("admin:*:stand-in-for-a-secret\n")
+        stand_in.write_text(STAND_IN_SECRET)
         return _run_checks(args.compose, args.role, rest, stand_in)
 
 
@@ -148,6 +175,10 @@ def _run_checks(compose: Path | None, role: str | None, rest: list[str], stand_i
                 print(f"{name} (kvdir {role}): {pr}", file=sys.stderr)
         else:
             print(f"ok: {name} (kvdir {role})")
+    if compose is not None:
+        for pr in compose_auth_problems({k: v for k, v in checks.items() if k != "(command line)"}):
+            failed += 1
+            print(f"{compose}: {pr}", file=sys.stderr)
     return 2 if failed else 0
 
 

@@ -19,11 +19,15 @@ def _tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-async def run_demo(urls: Sequence[str], workers: Sequence[str], gateway: str | None, say: Callable[[str], None]) -> None:
-    """The directory on its own; a prompt reused locally and pulled by a peer; chats through the gateway."""
-    await _directory_demo(urls, say)
+async def run_demo(urls: Sequence[str], workers: Sequence[str], gateway: str | None, say: Callable[[str], None],
+                   token: str | None = None) -> None:
+    """The directory on its own; a prompt reused locally and pulled by a peer; chats through the gateway.
+
+    `token` is an admin token when the directory has auth on: the demo registers nodes no engine token covers.
+    """
+    await _directory_demo(urls, say, token)
     if len(workers) >= 2:
-        await _worker_demo(urls, workers, say)
+        await _worker_demo(urls, workers, say, token)
     if gateway is not None:
         await _gateway_demo(gateway, say)
 
@@ -44,10 +48,10 @@ async def _gateway_demo(gateway: str, say: Callable[[str], None]) -> None:
                 await asyncio.sleep(0.05)  # let the engine's asynchronous publish land, as a user's think time would
 
 
-async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None]) -> None:
+async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None], token: str | None) -> None:
     prompt = SYSTEM + TURN1
     body = {"model": "kvdir-stub", "prompt": prompt, "max_tokens": 8}
-    async with httpx.AsyncClient(timeout=60) as http, DirectoryClient(urls) as d:
+    async with httpx.AsyncClient(timeout=60) as http, DirectoryClient(urls, token=token) as d:
         for attempt in ("cold", "warm"):
             r = (await http.post(workers[0] + "/v1/completions", json=body)).json()
             say(f"worker-1, {attempt}: {r['usage']['prompt_tokens']} prompt tokens, {r['usage']['prompt_tokens_details']['cached_tokens']} cached, "
@@ -66,9 +70,9 @@ async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callabl
             f"instead of recomputing them; cached_tokens={r['usage']['prompt_tokens_details']['cached_tokens']}")
 
 
-async def _directory_demo(urls: Sequence[str], say: Callable[[str], None]) -> None:
+async def _directory_demo(urls: Sequence[str], say: Callable[[str], None], token: str | None) -> None:
     """Register two nodes, publish what each 'computed', look prompts up through a follower, restart one."""
-    async with DirectoryClient(urls) as d:
+    async with DirectoryClient(urls, token=token) as d:
         a = await d.register("demo-a", "http://127.0.0.1:9001", capacity_blocks=1024, block_size=16,
                              regions=[{"rank": 0, "base_addr": 0x7F0000000000, "length": 1024 * 16384, "rkey": 17, "block_bytes": 16384}])
         b = await d.register("demo-b", "http://127.0.0.1:9002", capacity_blocks=1024, block_size=16)
@@ -78,7 +82,7 @@ async def _directory_demo(urls: Sequence[str], say: Callable[[str], None]) -> No
         await d.publish("demo-a", a.epoch, [(h, slot) for slot, h in enumerate(conv)])
         await d.publish("demo-b", b.epoch, [(h, 100 + slot) for slot, h in enumerate(sys_only)])
         say(f"demo-a published {len(conv)} blocks (system prompt + turn 1); demo-b published the {len(sys_only)}-block system prompt")
-        follower = DirectoryClient(list(urls[1:]) + list(urls[:1]))
+        follower = DirectoryClient(list(urls[1:]) + list(urls[:1]), token=token)
         try:
             res = await follower.lookup(tokens=_tokens(SYSTEM + TURN1 + TURN2), with_slots=True)
         finally:

@@ -4,6 +4,12 @@ Replica i (1-based) serves HTTP on base_port+i and Raft on base_port+100+i.
 Once a leader is elected it prints one JSON line `{"ready": true, ...}` on
 stdout, optionally drives a demo, and keeps the cluster up until SIGINT or
 SIGTERM; then it stops every process it started, whatever happened.
+
+With `auth` it writes fresh random secrets into DATA_DIR/secrets (mode 0600)
+and hands every process the path of its own: the replicas' tokens file and Raft
+password, one engine token per worker confined to its node id, a read-only
+token for the gateway. Only paths go on command lines, which `ps` shows to
+every user of the machine.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,7 +27,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -50,6 +59,7 @@ class UpSettings(BaseSettings):
     policy: str = Field("kvdir", description="routing policy of the gateway")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
+    auth: bool = Field(False, description="directory auth: fresh random tokens and Raft password in DATA_DIR/secrets (mode 0600)")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -64,6 +74,59 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def worker_node_ids(n: int) -> list[str]:
+    """The node ids of n worker stubs started by `Workers`."""
+    return [f"worker-{i}" for i in range(1, n + 1)]
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """Write `text` to a fresh file that only its owner can read (never briefly readable by others)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+@dataclass(frozen=True)
+class AuthFiles:
+    """The secret files of `kvdir up --auth`: paths only, which may appear on command lines."""
+
+    dir: Path
+    tokens: Path  # the replicas' --auth-tokens-file
+    raft_password: Path
+    admin: Path
+    gateway: Path
+    engines: dict[str, Path]  # node id -> that worker's engine token
+
+    @classmethod
+    def generate(cls, directory: Path, node_ids: Sequence[str]) -> AuthFiles:
+        """Fresh secrets in `directory` (mode 0700): one admin, one gateway, one engine token per node id, a Raft password.
+
+        Each engine token may write only its own node (the pattern is the exact
+        id), so one compromised worker cannot publish entries for another.
+        """
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory.chmod(0o700)
+        files = cls(directory, directory / "tokens", directory / "raft_password", directory / "admin.token",
+                    directory / "gateway.token", {n: directory / f"{n}.token" for n in node_ids})
+        lines = ["# role:node pattern:token, written by `kvdir up --auth` (fresh on every start)"]
+        for role, pattern, path in [("admin", "*", files.admin), ("gateway", "*", files.gateway),
+                                    *(("engine", n, p) for n, p in files.engines.items())]:
+            token = secrets.token_urlsafe(32)
+            _write_secret(path, token + "\n")
+            lines.append(f"{role}:{pattern}:{token}")
+        _write_secret(files.tokens, "\n".join(lines) + "\n")
+        _write_secret(files.raft_password, secrets.token_urlsafe(32) + "\n")
+        return files
+
+    @property
+    def replica_args(self) -> list[str]:
+        return ["--auth-tokens-file", str(self.tokens), "--raft-password-file", str(self.raft_password)]
+
+    def admin_token(self) -> str:
+        return self.admin.read_text().strip()
 
 
 class Cluster:
@@ -97,10 +160,11 @@ class Cluster:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
 
     @classmethod
-    def from_settings(cls, s: UpSettings, data_dir: Path) -> Cluster:
+    def from_settings(cls, s: UpSettings, data_dir: Path, auth: AuthFiles | None = None) -> Cluster:
         n = range(1, s.replicas + 1)
         return cls(data_dir, [s.base_port + i for i in n], [s.base_port + 100 + i for i in n],
-                   host=s.host, lease_ttl_s=s.lease_ttl_s, log_level=s.log_level)
+                   host=s.host, lease_ttl_s=s.lease_ttl_s, log_level=s.log_level,
+                   extra_args=auth.replica_args if auth else (), token=auth.admin_token() if auth else None)
 
     def start(self) -> None:
         for i in range(len(self.procs)):
@@ -157,13 +221,15 @@ class Workers:
     """Worker stub processes registered with a directory; `stop()` ends them all."""
 
     def __init__(self, data_dir: Path, http_ports: Sequence[int], directory_urls: Sequence[str], *,
-                 host: str = "127.0.0.1", log_level: str = "warning", extra_args: Sequence[str] = ()) -> None:
+                 host: str = "127.0.0.1", log_level: str = "warning", extra_args: Sequence[str] = (),
+                 token_files: Mapping[str, Path] | None = None) -> None:
         self.data_dir = data_dir
         self.urls = [f"http://{host}:{p}" for p in http_ports]
-        self.node_ids = [f"worker-{i + 1}" for i in range(len(http_ports))]
+        self.node_ids = worker_node_ids(len(http_ports))
         self.directory_urls = list(directory_urls)
         self.log_level = log_level
         self.extra_args = list(extra_args)
+        self.token_files = dict(token_files or {})  # node id -> file of its directory token
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
 
     def start(self) -> None:
@@ -171,9 +237,11 @@ class Workers:
             self.start_worker(i)
 
     def start_worker(self, i: int, *extra: str) -> None:
+        token_file = self.token_files.get(self.node_ids[i])
         cmd = [sys.executable, "-m", "kvdir", "worker", "--node-id", self.node_ids[i],
                "--http", self.urls[i].removeprefix("http://"), "--directory", ",".join(self.directory_urls),
-               "--log-level", self.log_level, *self.extra_args, *extra]
+               "--log-level", self.log_level, *(["--directory-token-file", str(token_file)] if token_file else []),
+               *self.extra_args, *extra]
         with open(self.data_dir / f"{self.node_ids[i]}.log", "ab") as logf:
             self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -210,10 +278,10 @@ class Gateway:
     """One gateway process in front of the workers."""
 
     def __init__(self, data_dir: Path, port: int, directory_urls: Sequence[str], *, host: str = "127.0.0.1",
-                 log_level: str = "warning", extra_args: Sequence[str] = ()) -> None:
+                 log_level: str = "warning", extra_args: Sequence[str] = (), token_file: Path | None = None) -> None:
         self.url = f"http://{host}:{port}"
         cmd = [sys.executable, "-m", "kvdir", "gateway", "--http", f"{host}:{port}", "--directory", ",".join(directory_urls),
-               "--log-level", log_level, *extra_args]
+               "--log-level", log_level, *(["--directory-token-file", str(token_file)] if token_file else []), *extra_args]
         with open(data_dir / "gateway.log", "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.data_dir = data_dir
@@ -265,12 +333,14 @@ def run_up(settings: UpSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster = Cluster.from_settings(settings, data_dir)
+    auth = AuthFiles.generate(data_dir / "secrets", worker_node_ids(settings.workers)) if settings.auth else None
+    cluster = Cluster.from_settings(settings, data_dir, auth)
     workers = Workers(
         data_dir, [settings.base_port + 10 + i for i in range(1, settings.workers + 1)], cluster.replica_urls,
         host=settings.host, log_level=settings.log_level,
         extra_args=["--capacity-blocks", str(settings.worker_capacity_blocks), "--time-scale", str(settings.worker_time_scale),
                     "--transfer", settings.worker_transfer, "--transfer-host", settings.host],
+        token_files=auth.engines if auth else None,
     )
     gateway: Gateway | None = None
     try:
@@ -280,15 +350,21 @@ def run_up(settings: UpSettings) -> int:
         workers.wait_ready(settings.ready_timeout_s)
         if settings.gateway:
             gateway = Gateway(data_dir, settings.base_port, cluster.replica_urls, host=settings.host, log_level=settings.log_level,
-                              extra_args=["--policy", settings.policy, "--refresh-s", "0.2"])
+                              extra_args=["--policy", settings.policy, "--refresh-s", "0.2"],
+                              token_file=auth.gateway if auth else None)
             gateway.wait_ready(settings.ready_timeout_s, engines=settings.workers)
         ready = {"ready": True, "gateway": gateway.url if gateway else None, "replicas": cluster.replica_urls, "leader": leader,
-                 "workers": workers.urls, "data_dir": str(data_dir)}
+                 "workers": workers.urls, "data_dir": str(data_dir),
+                 "admin_token_file": str(auth.admin) if auth else None, "gateway_token_file": str(auth.gateway) if auth else None}
         print(json.dumps(ready), flush=True)
+        if auth is not None:
+            log.info("directory auth on: tokens file %s, Raft password %s; admin token in %s, e.g.\n"
+                     "  curl -H \"Authorization: Bearer $(cat %s)\" %s/v1/nodes",
+                     auth.tokens, auth.raft_password, auth.admin, auth.admin, leader)
         if settings.demo or settings.demo_and_exit:
             from kvdir.demo import run_demo
 
-            asyncio.run(run_demo(cluster.replica_urls, workers.urls, gateway.url if gateway else None, print))
+            asyncio.run(run_demo(cluster.replica_urls, workers.urls, gateway.url if gateway else None, print, token=cluster.token))
         if settings.demo_and_exit:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")

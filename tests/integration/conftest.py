@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,26 @@ def wait_for(cond: Callable[[], Any], timeout: float = 15.0, interval: float = 0
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on the port (connections in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_base_port(offsets: Sequence[int]) -> int:
+    """A base port for `kvdir up` such that base+offset is free now for every offset."""
+    for _ in range(50):
+        base = free_ports(1)[0] - 200
+        if base > 1024 and all(port_free(base + d) for d in offsets):
+            return base
+    raise RuntimeError("no free port range found")
 
 
 def leader_index(cluster: Cluster) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 from directory.client import DirectoryClient
 from directory.errors import DirectoryUnavailable, InvalidRequestError, StaleEpochError
 from kvdir.launcher import free_ports
+from tests.integration.conftest import free_base_port, port_free
 
 
 def test_client_fails_over_past_dead_replicas(make_cluster) -> None:
@@ -40,31 +40,11 @@ def test_client_fails_over_past_dead_replicas(make_cluster) -> None:
     asyncio.run(main())
 
 
-def _port_free(port: int) -> bool:
-    """Nothing listens on the port (connections in TIME_WAIT do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-PORTS = (1, 2, 3, 101, 102, 103, 11, 12)  # offsets of the replicas' HTTP and Raft ports and two workers'
-
-
-def _base_port() -> int:
-    """A base port whose replica and worker ports are free now."""
-    for _ in range(50):
-        base = free_ports(1)[0] - 200
-        if base > 1024 and all(_port_free(base + d) for d in PORTS):
-            return base
-    raise RuntimeError("no free port range found")
+PORTS = (0, 1, 2, 3, 101, 102, 103, 11, 12)  # offsets of the gateway's, the replicas' HTTP and Raft ports and two workers'
 
 
 def test_kvdir_up_demo_and_exit(tmp_path) -> None:
-    base = _base_port()
+    base = free_base_port(PORTS)
     out = subprocess.run(
         [sys.executable, "-m", "kvdir", "up", "--demo-and-exit", "--base-port", str(base), "--data-dir", str(tmp_path),
          "--workers", "2", "--worker-time-scale", "0.1"],
@@ -81,7 +61,7 @@ def test_kvdir_up_demo_and_exit(tmp_path) -> None:
     assert ready["workers"] == [f"http://127.0.0.1:{base + 11}", f"http://127.0.0.1:{base + 12}"]
     assert any("worker-2 pulled 336 tokens of KV from worker-1" in line for line in lines), out.stdout
     # Everything it started is gone: the ports are free again, and the data dir holds each replica's journal.
-    assert all(_port_free(base + d) for d in PORTS)
+    assert all(port_free(base + d) for d in PORTS)
     assert all((tmp_path / f"replica{i}" / "raft.journal").exists() for i in (1, 2, 3))
 
 

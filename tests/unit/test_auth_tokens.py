@@ -13,6 +13,7 @@ from directory.config import DirectorySettings
 from directory.events_subscriber import EventsSettings
 from directory.tenancy import Tenancy
 from gateway.config import GatewaySettings
+from kvdir.launcher import AuthFiles
 from worker_stub.config import WorkerSettings
 
 
@@ -156,3 +157,22 @@ def test_settings_read_token_files(tmp_path: Path, monkeypatch) -> None:
         empty.write_text("\n")
         with pytest.raises(ValidationError, match="empty"):
             cls(directory_token_file=empty)
+
+
+def test_kvdir_up_auth_files(tmp_path: Path) -> None:
+    first = AuthFiles.generate(tmp_path / "secrets", ["worker-1", "worker-2"])
+    old_admin = first.admin_token()
+    files = AuthFiles.generate(tmp_path / "secrets", ["worker-1", "worker-2"])  # a restart: fresh secrets, same paths
+    assert files == first and files.admin_token() != old_admin
+    table = load_tokens(files.tokens)
+    assert len(table) == 4
+    token = {name: path.read_text().strip() for name, path in [("admin", files.admin), ("gateway", files.gateway),
+                                                                *files.engines.items()]}
+    assert table.find(token["admin"].encode()).role == "admin"
+    assert table.find(token["gateway"].encode()).role == "gateway"
+    engine = table.find(token["worker-1"].encode())
+    assert engine.may_write("worker-1") and not engine.may_write("worker-2") and not engine.may_write("worker-10")
+    settings = DirectorySettings(auth_tokens_file=files.tokens, raft_password_file=files.raft_password)
+    assert settings.raft_password is not None and len(settings.raft_password.get_secret_value()) >= 40
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files.dir.iterdir())
+    assert files.dir.stat().st_mode & 0o777 == 0o700

@@ -8,6 +8,8 @@ processes read), and the topology must be consistent and match `kvdir up`.
 
 from __future__ import annotations
 
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,18 +18,20 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from directory.auth import load_tokens
 from directory.config import parse_hostport
-from kvdir.check_config import check, compose_services
+from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services
 from kvdir.launcher import UpSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+SECRETS = ROOT / "deploy" / "secrets"
 
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     stand_in = tmp_path_factory.mktemp("secrets") / "secret"
-    stand_in.write_text("x")
+    stand_in.write_text(STAND_IN_SECRET)
     return compose_services(COMPOSE, stand_in)
 
 
@@ -124,3 +128,76 @@ def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:
     for name, (role, args, env) in services.items():
         assert check(role, args, env) == [], name
         assert env["KVDIR_BIND"] == "true"  # vLLM connects its PUB socket to a non-wildcard endpoint
+
+
+def _mounted_secret(doc: dict, name: str, variable: str) -> str:
+    """The compose secret a service's setting names, checked to be declared and mounted by that service."""
+    svc = doc["services"][name]
+    secret = svc["environment"][variable].removeprefix("/run/secrets/")
+    assert secret in doc["secrets"] and secret in svc.get("secrets", []), (name, variable)
+    return secret
+
+
+def test_secrets_are_wired(services, doc) -> None:
+    """Auth is on in compose: every replica reads the tokens file, every client its own token file."""
+    files = {}
+    for name, (role, _, env) in services.items():
+        if role == "directory":
+            assert _mounted_secret(doc, name, "KVDIR_AUTH_TOKENS_FILE") == "auth_tokens"
+            assert _mounted_secret(doc, name, "KVDIR_RAFT_PASSWORD_FILE") == "raft_password"
+        else:
+            secret = _mounted_secret(doc, name, "KVDIR_DIRECTORY_TOKEN_FILE")
+            files[name] = doc["secrets"][secret]["file"]
+    # One token file per worker, named after its node id (generate.sh writes engine:NODE_ID:TOKEN for each).
+    for name, (role, _, env) in services.items():
+        if role == "worker":
+            assert files[name] == f"./deploy/secrets/{env['KVDIR_NODE_ID']}.token"
+    assert files["gateway"] == "./deploy/secrets/gateway.token"
+    assert len(set(files.values())) == len(files)
+    # Every secret file has an example beside it, and the real ones are git-ignored.
+    ignored = (ROOT / ".gitignore").read_text().split()
+    for secret in doc["secrets"].values():
+        path = ROOT / secret["file"]
+        assert path.with_name(path.name + ".example").exists(), path
+        assert f"deploy/secrets/{path.name}" in ignored or "deploy/secrets/*" + path.suffix in ignored, path
+    assert compose_auth_problems(services) == []
+
+
+def test_check_config_catches_a_client_without_a_token(tmp_path) -> None:
+    broken = yaml.safe_load(COMPOSE.read_text())
+    del broken["services"]["worker3"]["environment"]["KVDIR_DIRECTORY_TOKEN_FILE"]
+    del broken["services"]["dir2"]["environment"]["KVDIR_AUTH_TOKENS_FILE"]
+    path = tmp_path / "compose.yml"
+    path.write_text(yaml.safe_dump(broken))
+    stand_in = tmp_path / "s"
+    stand_in.write_text("x")
+    problems = compose_auth_problems(compose_services(path, stand_in))
+    assert len(problems) == 2 and problems[0].startswith("dir2:") and problems[1].startswith("worker3:"), problems
+    out = subprocess.run([sys.executable, "-m", "kvdir", "check-config", "--compose", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "worker3: no directory token file" in out.stderr, out.stderr
+
+
+def test_generate_secrets_script(tmp_path, services) -> None:
+    """deploy/secrets/generate.sh writes every file the compose secrets name, consistent with each other."""
+    script = tmp_path / "secrets" / "generate.sh"
+    script.parent.mkdir()
+    shutil.copy(SECRETS / "generate.sh", script)
+    node_ids = [env["KVDIR_NODE_ID"] for role, _, env in services.values() if role == "worker"]
+    subprocess.run(["sh", str(script), *node_ids], check=True, capture_output=True, timeout=60)
+    d = script.parent
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700  # the files are 0644 for the containers' user; the directory guards them
+    table = load_tokens(d / "auth_tokens")
+    assert len(table) == 2 + len(node_ids)
+
+    def principal(name: str):
+        return table.find((d / name).read_text().strip().encode())
+
+    assert principal("admin.token").role == "admin" and principal("gateway.token").role == "gateway"
+    for node_id in node_ids:
+        engine = principal(f"{node_id}.token")
+        assert engine.role == "engine" and engine.may_write(node_id)
+        assert not any(engine.may_write(other) for other in node_ids if other != node_id)
+    assert len((d / "raft_password").read_text().strip()) >= 40
+    tokens = {(d / f"{n}.token").read_text() for n in [*node_ids, "admin", "gateway"]}
+    assert len(tokens) == len(node_ids) + 2
