@@ -11,7 +11,13 @@ The rules (each violation is one line of the report):
 3. Stale entry at rest: every entry on a replica carries its node's current
    epoch there (a new epoch, expiry or deregistration dropped the old ones).
 4. Divergence: every replica ends with the same digest.
-5. Stale read: a lookup must not return a node's epoch `e` once a
+5. Missed read: a linearizable lookup that starts after a publish was
+   acknowledged returns it, unless a registration of the node or a remove
+   of the sequence may have happened in between (an unknown write counts as
+   pending for `UNKNOWN_HORIZON_S` after it started: replicas drop a write
+   at its deadline, 3 s in the harness, and a command in Raft's log then
+   commits or is discarded within an election).
+   Stale read: a lookup must not return a node's epoch `e` once a
    registration giving that node a newer epoch was acknowledged before the
    lookup started, nor a sequence whose remove was acknowledged before it
    started (bar an unknown publish). Linearizable lookups: never. Local
@@ -86,9 +92,25 @@ def check_final(ops: list[Op], observed: list[Observed]) -> tuple[list[str], dic
     return violations, {"publishes_checked": checked, "publishes_superseded": superseded}
 
 
+UNKNOWN_HORIZON_S = 10.0
+
+
+def _may_overlap(o: Op, start: float, end: float) -> bool:
+    """Whether write `o` may have taken effect between `start` and `end`."""
+    last = o.t1 if o.outcome == OK else o.t0 + UNKNOWN_HORIZON_S
+    return o.outcome != FAIL and o.t0 < end and last > start
+
+
 def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[str, int]]:
     """Rule 5."""
     violations: list[str] = []
+    pubs: dict[tuple[int, str], list[Op]] = defaultdict(list)
+    interfering: dict[str, list[Op]] = defaultdict(list)  # node -> its registrations and removes
+    for o in ops:
+        if o.kind == "publish" and o.outcome == OK and o.seq is not None:
+            pubs[(o.seq, o.node)].append(o)
+        elif o.kind == "register" or o.kind == "remove":
+            interfering[o.node].append(o)
     registered: dict[str, list[tuple[float, int]]] = defaultdict(list)  # node -> (acked at, epoch)
     removed: dict[tuple[int, str], float] = {}
     unknown_publish: set[tuple[int, str]] = set()
@@ -99,11 +121,22 @@ def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[st
             removed[(o.seq, o.node)] = min(o.t1, removed.get((o.seq, o.node), o.t1))
         elif o.kind == "publish" and o.outcome == UNKNOWN and o.seq is not None:
             unknown_publish.add((o.seq, o.node))
-    stats = {"lookups_checked": 0, "local_stale_within_bound": 0}
+    stats = {"lookups_checked": 0, "local_stale_within_bound": 0, "lookups_must_find": 0}
     for o in ops:
         if o.kind != "lookup" or o.outcome != OK or o.holders is None:
             continue
         stats["lookups_checked"] += 1
+        if o.consistency == "linearizable":
+            for p in pubs.get((o.seq, o.node), []):  # type: ignore[arg-type]
+                if p.t1 >= o.t0 or any(_may_overlap(w, p.t0, o.t1) for w in interfering[o.node]
+                                       if w.kind == "register" or w.seq == o.seq):
+                    continue
+                stats["lookups_must_find"] += 1
+                if o.holders.get(o.node, (None, 0, ()))[:3] != (p.epoch, SEQ_BLOCKS, p.slots):
+                    violations.append(f"missed read: linearizable lookup of seq {o.seq} on replica {o.replica} "
+                                      f"{o.t0 - p.t1:.3f}s after its publish by {o.node} epoch {p.epoch} was acknowledged "
+                                      f"got {o.holders.get(o.node)}")
+                break
         for node, (epoch, _, _) in o.holders.items():
             newer = [t for t, e in registered.get(node, []) if e > epoch and t < o.t0]
             gone = removed.get((o.seq, node)) if o.seq is not None and (o.seq, node) not in unknown_publish else None

@@ -139,7 +139,7 @@ class Load:
                     body = {"node_id": node, "epoch": epoch, "hashes": seq_hashes(seq)}
                     op, _ = self._until_definite(
                         http, rng, lambda: Op("remove", node, 0, 0.0, epoch=epoch, seq=seq), "POST", "/v1/blocks/remove", body)
-                elif x < 0.78:
+                elif x < 0.755:
                     epoch = None  # a restart: the next registration is a new incarnation
                     continue
                 else:

@@ -121,3 +121,22 @@ def test_epochs_of_new_incarnations_must_grow() -> None:
     v = check_epochs([first, again])
     assert len(v) == 1 and "epoch reuse" in v[0]
     assert check_epochs([first, Op("register", "a", 0, 2.0, 2.1, OK, 200, 8, incarnation="i2")]) == []
+
+
+def test_linearizable_lookup_after_an_acknowledged_publish_must_find_it() -> None:
+    ops = [reg("a", 5, 0.5), pub("a", 5, 1, t0=1.0)]
+    found = look(1, {"a": 5}, 2.0)
+    found.node = "a"
+    v, stats = check_reads([*ops, found], 1.0)
+    assert v == [] and stats["lookups_must_find"] == 1
+    missed = look(1, {}, 2.0)
+    missed.node = "a"
+    v, _ = check_reads([*ops, missed], 1.0)
+    assert len(v) == 1 and "missed read" in v[0]
+    # A registration or a remove that may have happened in between excuses the miss.
+    for w in (reg("a", 9, 1.5), rm("a", 5, 1, t0=1.5, outcome=UNKNOWN)):
+        assert check_reads([*ops, w, missed], 1.0)[0] == []
+    # A local lookup may miss it (it may lag).
+    local = look(1, {}, 2.0, "local")
+    local.node = "a"
+    assert check_reads([*ops, local], 1.0)[0] == []
