@@ -59,8 +59,8 @@ class DirectorySettings(BaseSettings):
     tenant_secret_file: Path | None = Field(
         None, description="file holding the secret that tenants' directory keys derive from (the same on every replica); "
                           "needed for tokens confined to a tenant")
-    raft_min_timeout_s: float = Field(0.35, gt=0, description="Raft election timeout, lower bound")
-    raft_max_timeout_s: float = Field(0.7, gt=0, description="Raft election timeout, upper bound")
+    raft_min_timeout_s: float = Field(0.25, gt=0, description="Raft election timeout, lower bound")
+    raft_max_timeout_s: float = Field(0.5, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
     log_level: str = Field("info", description="debug, info, warning or error")
 
