@@ -145,9 +145,11 @@ class Cluster:
         token: str | None = None,
         hosts: Sequence[str] | None = None,
         prefix: Callable[[int], list[str]] | None = None,
+        peers: Callable[[int], list[str]] | None = None,
     ) -> None:
-        """`hosts` gives each replica its own address and `prefix(i)` a command prefix (the fault
-        harness runs each replica in a network namespace); by default all share `host`."""
+        """`hosts` gives each replica its own address, `prefix(i)` a command prefix and `peers(i)` its
+        Raft peers (the fault harness runs replicas in network namespaces or behind link proxies);
+        by default all share `host` and each peers with the others' Raft addresses."""
         self.data_dir = data_dir
         self.token = token  # bearer token for wait_ready when the replicas run with an auth tokens file
         self.lease_ttl_s = lease_ttl_s
@@ -157,6 +159,7 @@ class Cluster:
         self.replica_urls = [f"http://{h}:{p}" for h, p in zip(hosts, http_ports)]
         self.raft_addrs = [f"{h}:{p}" for h, p in zip(hosts, raft_ports)]
         self._prefix = prefix
+        self._peers = peers
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
 
     @classmethod
@@ -173,7 +176,7 @@ class Cluster:
     def start_replica(self, i: int) -> None:
         """Start replica i (0-based) from its data dir; it catches up from the others."""
         raft = self.raft_addrs[i]
-        peers = ",".join(a for a in self.raft_addrs if a != raft)
+        peers = ",".join(self._peers(i) if self._peers else [a for a in self.raft_addrs if a != raft])
         cmd = [
             *(self._prefix(i) if self._prefix else []), sys.executable, "-m", "kvdir", "directory",
             "--http", self.replica_urls[i].removeprefix("http://"), "--raft", raft, "--peers", peers,

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from kvdir.faults import checker, netns
+from kvdir.faults.proxy import ProxyNetwork
 from kvdir.faults.history import OK, WRITES, Fault, History, seq_hashes
 from kvdir.faults.load import Load
 from kvdir.launcher import Cluster, free_ports
@@ -65,33 +66,47 @@ class _Run:
     def __init__(self, plan: Plan, data_dir: Path) -> None:
         self.plan = plan
         self.history = History()
-        self.net: netns.Network | None = None
-        self.netns_missing: str | None = None
-        if plan.use_netns:
-            self.netns_missing = netns.available()
-            if self.netns_missing is None:
-                self.net = netns.Network(plan.replicas)
         n = plan.replicas
         ports = free_ports(2 * n)
+        self.netns_missing = netns.available() if plan.use_netns else "not asked for"
+        self.net: netns.Network | ProxyNetwork
+        if self.netns_missing is None:
+            self.net = netns.Network(n)
+            prefix, peers = self.net.prefix, None
+        else:
+            self.net = ProxyNetwork(n, ports[n:])
+            prefix, peers = None, self.net.peers
         self.cluster = Cluster(
             data_dir, ports[:n], ports[n:], lease_ttl_s=300, log_level="info",
             extra_args=("--write-timeout-s", "3", *plan.replica_args),
-            hosts=self.net.hosts if self.net else None, prefix=self.net.prefix if self.net else None,
+            hosts=self.net.hosts, prefix=prefix, peers=peers,
         )
         self.http = httpx.Client(timeout=2.0, trust_env=False)
 
     # -- helpers --------------------------------------------------------------------------
 
     def leader(self, among: list[int] | None = None, timeout: float = 60) -> int:
-        """The leader that the replicas (or `among`) agree on, waiting until it is one of them."""
+        """The replica among the running ones (or `among`) that leads with every one of them following it.
+
+        Judged by roles and terms, not by leader URLs: behind link proxies a replica knows its
+        leader by the proxy's address.
+        """
         end = time.monotonic() + timeout
-        while True:
-            i = self.cluster.replica_urls.index(self.cluster.wait_ready(max(0.1, end - time.monotonic()), among))
-            if among is None or i in among:
-                return i
-            if time.monotonic() > end:
-                raise TimeoutError(f"no leader among replicas {among} within {timeout}s")
+        while time.monotonic() < end:
+            group = self.cluster.alive() if among is None else among
+            status = {}
+            for i in group:
+                try:
+                    status[i] = self.http.get(self.cluster.replica_urls[i] + "/v1/cluster", timeout=1.0).json()
+                except (httpx.HTTPError, ValueError):
+                    break
+            else:
+                leaders = [i for i, s in status.items() if s["role"] == "leader"]
+                if len(leaders) == 1 and all(s["leader"] is not None and s["term"] == status[leaders[0]]["term"]
+                                             for s in status.values()):
+                    return leaders[0]
             time.sleep(0.05)
+        raise TimeoutError(f"no leader agreed among replicas {among or 'all'} within {timeout}s")
 
     def commit_index(self, i: int) -> int:
         return int(self.http.get(self.cluster.replica_urls[i] + "/v1/cluster").json()["commit_index"])
@@ -137,7 +152,6 @@ class _Run:
             time.sleep(steady)
             self.cluster.kill(victim, signal.SIGCONT)
         elif kind in PARTITIONS:
-            assert self.net is not None
             minority = [leader] if kind == "partition_leader" else [others[0]]
             if n >= 5:
                 minority.append(others[-1])
@@ -225,8 +239,8 @@ class _Run:
 
     def execute(self) -> dict[str, Any]:
         plan = self.plan
-        schedule = [k for k in plan.faults if k not in PARTITIONS or self.net is not None]
-        if self.net is not None:
+        schedule = list(plan.faults)
+        if isinstance(self.net, netns.Network):
             self.net.setup()
         self.cluster.start()
         self.leader()
@@ -245,8 +259,7 @@ class _Run:
                     break
         finally:
             load.stop()
-        if self.net is not None:
-            self.net.heal()
+        self.net.heal()
         self.all_back()
         digests = self.converge()
         observed = self.observe(digests)
@@ -263,8 +276,7 @@ class _Run:
         kills = [s for k, s in resume if k == "kill_leader"]
         return {
             "replicas": plan.replicas,
-            "netns": self.net is not None,
-            "partitions_unavailable": self.netns_missing,
+            "network": "namespaces" if self.netns_missing is None else f"loopback link proxies (no namespaces: {self.netns_missing})",
             "rounds": rounds,
             "seconds": round(time.monotonic() - self.history.start, 1),
             "history": self.history.counts(),
@@ -284,8 +296,7 @@ class _Run:
     def close(self) -> None:
         self.cluster.stop()
         self.http.close()
-        if self.net is not None:
-            self.net.close()
+        self.net.close()
 
 
 def run(plan: Plan) -> dict[str, Any]:
@@ -304,7 +315,7 @@ def format_report(report: dict[str, Any]) -> str:
     h = report["history"]
     lines = [
         f"replicas {report['replicas']}, {report['seconds']}s, {report['rounds']} rounds of the schedule, "
-        f"network namespaces: {'yes' if report['netns'] else 'no (' + str(report['partitions_unavailable']) + ')'}",
+        f"network: {report['network']}",
         f"history: {h['ops']} operations: " + ", ".join(
             f"{k} {v['ok']} ok/{v['fail']} failed/{v['unknown']} unknown" for k, v in h.items() if k != "ops"),
         "faults: " + ", ".join(f"{k} x{v}" for k, v in report["faults"].items()),
