@@ -10,7 +10,8 @@ import statistics
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -189,44 +190,51 @@ def _load(urls: list[str], mode: str, duration: float, nodes: list[str], epochs:
     return r["items"], r["latencies"], r["errors"]
 
 
-def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
-    duration = 3.0 if quick else 10.0
+@contextmanager
+def _publishing_cluster(extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Cluster, list[str], list[int]]]:
+    """Three fresh local replicas with 8 registered publisher nodes: (cluster, node ids, epochs); stopped on exit."""
     ports = free_ports(6)
-    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
-        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning", extra_args=extra_args)
         try:
             c.start()
             c.wait_ready(60)
-            urls = c.replica_urls
-            with httpx.Client() as http:
-                epochs = [http.post(urls[0] + "/v1/nodes", json={"node_id": f"pub{n}", "api_url": "http://127.0.0.1:1"}).json()["epoch"]
-                          for n in range(8)]
             nodes = [f"pub{n}" for n in range(8)]
-            for batch, key in ((64, "publish"), (1024, "publish_batch1024")):
-                say(f"  publishing batches of {batch} blocks for {duration:.0f}s (16 connections over the 3 replicas)...")
-                items, lat, errors = _load(urls, "publish", duration, nodes, epochs, blocks_per_request=batch)
-                out[f"{key}_blocks_per_s"] = items / duration
-                out[f"{key}_p50_ms"] = pct(lat, 50) * 1e3
-                out[f"{key}_p99_ms"] = pct(lat, 99) * 1e3
-                out[f"{key}_errors"] = errors
             with httpx.Client() as http:
-                seqs = [chain_hashes([i * 1000 + j for j in range(64)], SEED) for i in range(len(queries_tail))]
-                for i, seq in enumerate(seqs):
-                    http.post(urls[0] + "/v1/blocks", json={"node_id": nodes[i % 8], "epoch": epochs[i % 8],
-                                                            "blocks": [{"hash": h, "slot": j} for j, h in enumerate(seq)]})
-            queries = [s + q[:192] for s, q in zip(seqs, queries_tail)]
-            say(f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)...")
-            items, lat, errors = _load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
-            out.update(rest_lookup_per_s=items / duration, rest_lookup_p50_ms=pct(lat, 50) * 1e3,
-                       rest_lookup_p99_ms=pct(lat, 99) * 1e3, rest_lookup_errors=errors)
-            rounds = 2 if quick else 5
-            say(f"  failover: SIGKILL the leader under a steady writer, {rounds} times...")
-            out["failover_runs_s"] = [asyncio.run(_failover_once(c)) for _ in range(rounds)]
-            out["failover_s"] = statistics.median(out["failover_runs_s"])
-            return out
+                epochs = [http.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": n, "api_url": "http://127.0.0.1:1"}).json()["epoch"]
+                          for n in nodes]
+            yield c, nodes, epochs
         finally:
             c.stop()
+
+
+def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
+    duration = 3.0 if quick else 10.0
+    out: dict[str, Any] = {}
+    with _publishing_cluster() as (c, nodes, epochs):
+        urls = c.replica_urls
+        for batch, key in ((64, "publish"), (1024, "publish_batch1024")):
+            say(f"  publishing batches of {batch} blocks for {duration:.0f}s (16 connections over the 3 replicas)...")
+            items, lat, errors = _load(urls, "publish", duration, nodes, epochs, blocks_per_request=batch)
+            out[f"{key}_blocks_per_s"] = items / duration
+            out[f"{key}_p50_ms"] = pct(lat, 50) * 1e3
+            out[f"{key}_p99_ms"] = pct(lat, 99) * 1e3
+            out[f"{key}_errors"] = errors
+        with httpx.Client() as http:
+            seqs = [chain_hashes([i * 1000 + j for j in range(64)], SEED) for i in range(len(queries_tail))]
+            for i, seq in enumerate(seqs):
+                http.post(urls[0] + "/v1/blocks", json={"node_id": nodes[i % 8], "epoch": epochs[i % 8],
+                                                        "blocks": [{"hash": h, "slot": j} for j, h in enumerate(seq)]})
+        queries = [s + q[:192] for s, q in zip(seqs, queries_tail)]
+        say(f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)...")
+        items, lat, errors = _load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
+        out.update(rest_lookup_per_s=items / duration, rest_lookup_p50_ms=pct(lat, 50) * 1e3,
+                   rest_lookup_p99_ms=pct(lat, 99) * 1e3, rest_lookup_errors=errors)
+        rounds = 2 if quick else 5
+        say(f"  failover: SIGKILL the leader under a steady writer, {rounds} times...")
+        out["failover_runs_s"] = [asyncio.run(_failover_once(c)) for _ in range(rounds)]
+        out["failover_s"] = statistics.median(out["failover_runs_s"])
+        return out
 
 
 def bench_fsync(quick: bool) -> dict[str, Any]:
@@ -234,21 +242,11 @@ def bench_fsync(quick: bool) -> dict[str, Any]:
     duration = 3.0 if quick else 10.0
     out: dict[str, Any] = {}
     for mode, args in (("fsync", ()), ("no_fsync", ("--no-fsync",))):
-        ports = free_ports(6)
-        with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
-            c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning", extra_args=args)
-            try:
-                c.start()
-                c.wait_ready(60)
-                with httpx.Client() as http:
-                    epochs = [http.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": f"pub{n}", "api_url": "http://127.0.0.1:1"})
-                              .json()["epoch"] for n in range(8)]
-                say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
-                items, lat, _ = _load(c.replica_urls, "publish", duration, [f"pub{n}" for n in range(8)], epochs, blocks_per_request=64)
-                out[f"publish_{mode}_blocks_per_s"] = items / duration
-                out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
-            finally:
-                c.stop()
+        with _publishing_cluster(args) as (c, nodes, epochs):
+            say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
+            items, lat, _ = _load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)
+            out[f"publish_{mode}_blocks_per_s"] = items / duration
+            out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
     return out
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 
 from kvdir.faults import checker, netns
-from kvdir.faults.proxy import ProxyNetwork
 from kvdir.faults.history import OK, WRITES, Fault, History, seq_hashes
 from kvdir.faults.load import Load
+from kvdir.faults.proxy import ProxyNetwork
 from kvdir.launcher import Cluster, free_ports
 
 log = logging.getLogger("kvdir.faults")
@@ -266,7 +266,8 @@ class _Run:
         ops, faults = self.history.ops, self.history.faults
         final_v, final_stats = checker.check_final(ops, observed)
         read_v, read_stats = checker.check_reads(ops, STALE_BOUND_S)
-        minority_v = checker.check_minority(ops, faults) + checker.check_epochs(ops)
+        minority_v = checker.check_minority(ops, faults)
+        epoch_v = checker.check_epochs(ops)
         resume = []
         for f in faults:
             if f.kind in LEADER_LOSS:
@@ -290,7 +291,7 @@ class _Run:
             "writes_resume_s": [(k, round(s, 3)) for k, s in resume],
             "stale_bound_s": STALE_BOUND_S,
             "checker": {**final_stats, **read_stats},
-            "violations": final_v + read_v + minority_v,
+            "violations": final_v + read_v + minority_v + epoch_v,
         }
 
     def close(self) -> None:
