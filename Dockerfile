@@ -13,11 +13,13 @@ COPY directory ./directory
 COPY gateway ./gateway
 COPY worker_stub ./worker_stub
 COPY kvdir ./kvdir
-RUN pip install --no-cache-dir . && mkdir -p /data && chown kvdir /data
+# The index's numba kernels are compiled here, into a cache the image carries, so that a replica's
+# first start does not spend seconds compiling them (kvdir bench elections, BENCHMARKS.md).
+ENV NUMBA_CACHE_DIR=/var/cache/kvdir-numba
+RUN pip install --no-cache-dir . && mkdir -p /data && chown kvdir /data \
+ && python -c "from directory.index import warm_up; warm_up()" && chown -R kvdir "$NUMBA_CACHE_DIR"
 
 USER kvdir
-# Numba caches compiled kernels next to the code; keep its cache where the user may write.
-ENV NUMBA_CACHE_DIR=/tmp/numba-cache
 # Each role probes its own endpoint: set KVDIR_HEALTH_URL per service (docker-compose.yml does).
 HEALTHCHECK --interval=5s --timeout=3s --start-period=20s --retries=5 CMD ["kvdir", "health"]
 ENTRYPOINT ["kvdir"]

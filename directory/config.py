@@ -62,6 +62,9 @@ class DirectorySettings(BaseSettings):
     raft_min_timeout_s: float = Field(0.25, gt=0, description="Raft election timeout, lower bound")
     raft_max_timeout_s: float = Field(0.5, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
+    raft_connection_timeout_s: float = Field(
+        3.0, gt=0, description="a Raft link silent this long is dropped and redialled; a replica stalled for less "
+                               "(GC, slow disk, starved CPU) rejoins without an election")
     log_level: str = Field("info", description="debug, info, warning or error")
 
     _auth_tokens: TokenTable | None = PrivateAttr(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 
-from directory import journal
+from directory import index, journal
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.state import AnnounceReplica, Command, DirectoryState, Expire, Publish, Remove, Result
@@ -239,6 +240,48 @@ class LeaseKeeper:
             log.warning("expiry of %s epoch %d did not commit; will retry", node_id, epoch)
 
 
+class _ReadFirstSyncObj(SyncObj):
+    """pysyncobj that lets a healthy leader keep its place.
+
+    pysyncobj judges a follower's election deadline at the top of each tick, before reading its
+    sockets, and restarts it when a leader's message arrives rather than when it has been journaled
+    and applied. So a follower that stalled (a slow fsync, a GC pause, a starved CPU) or took long to
+    catch up started an election with its leader's heartbeats unread in the socket buffer, and the
+    higher term deposed a healthy leader. Likewise a restarted replica, whose deadline ran out while
+    it loaded its snapshot and journal, stood for election the moment its first link came up, before
+    the leader could reach it. Here a tick first reads what has arrived, a follower reads again for
+    as long as reading took long (what queued up meanwhile restarts its deadline), and a replica
+    that had no link to anyone waits a whole election timeout after its first link comes up.
+    `kvdir bench elections` measures all three (BENCHMARKS.md). The private names are pysyncobj
+    0.3.17's; the version is pinned.
+    """
+
+    #: a follower drains its sockets at most this many times per tick, so a tick always ends
+    MAX_DRAIN_PASSES = 16
+
+    def __init__(self, *args: Any, election_timeout: tuple[float, float], **kwargs: Any) -> None:
+        # Set before super() starts the tick thread, which reads them.
+        self._election_timeout = election_timeout
+        self._quick_pass_s = election_timeout[0] / 4
+        self._was_connected = False
+        super().__init__(*args, **kwargs)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        leader = self._isLeader()
+        for _ in range(1 if leader else self.MAX_DRAIN_PASSES):
+            started = time.monotonic()
+            self._poller.poll(0)
+            if time.monotonic() - started < self._quick_pass_s:
+                break
+        connected = any(self.isNodeConnected(n) for n in self.otherNodes)
+        if connected and not self._was_connected and not leader:
+            lo, hi = self._election_timeout
+            deadline = time.monotonic() + random.uniform(lo, hi)
+            self._SyncObj__raftElectionDeadline = max(self._SyncObj__raftElectionDeadline, deadline)
+        self._was_connected = connected
+        super()._onTick(timeToWait)
+
+
 class Replica:
     """One directory replica: Raft node, state machine, group commit and lease keeper."""
 
@@ -251,8 +294,8 @@ class Replica:
             raftMinTimeout=settings.raft_min_timeout_s,
             raftMaxTimeout=settings.raft_max_timeout_s,
             appendEntriesPeriod=settings.raft_append_period_s,
-            connectionRetryTime=0.5,
-            connectionTimeout=1.0,
+            connectionRetryTime=settings.raft_min_timeout_s / 5,
+            connectionTimeout=settings.raft_connection_timeout_s,
             # A leader cut off from the majority steps down within one election timeout (pysyncobj's
             # default is 30 s), so it stops serving local reads about when the majority elects anew.
             leaderFallbackTimeout=settings.raft_max_timeout_s,
@@ -260,16 +303,29 @@ class Replica:
             logCompactionMinTime=300,
             password=settings.raft_password.get_secret_value() if settings.raft_password else None,
             dynamicMembershipChange=False,
+            onStateChanged=self._log_role_change,
         )
         if settings.data_dir is not None:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             conf.journalFile = str(settings.data_dir / "raft.journal")
             conf.fullDumpFile = str(settings.data_dir / "raft.dump")
         journal.install(settings.fsync, conf.fullDumpFile)
-        self.raft = SyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm])
+        started = time.monotonic()
+        index.warm_up()  # before the Raft thread exists: a first compile there would stall its heartbeats
+        log.info("index kernels ready in %.2f s", time.monotonic() - started)
+        self.raft = _ReadFirstSyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm],
+                                      election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s))
         self.committer: GroupCommitter | None = None
         self.leases: LeaseKeeper | None = None
         self._announce: asyncio.Task[None] | None = None
+
+    def _log_role_change(self, old: int, new: int) -> None:
+        """One line per Raft role change: elections are the first thing an operator looks for."""
+        raft = getattr(self, "raft", None)  # the tick thread may report before __init__ has returned
+        term = raft.getStatus()["raft_term"] if raft is not None else None
+        if new == 1:  # pysyncobj raises the term just after switching to candidate
+            term = None if term is None else term + 1
+        log.info("raft: %s -> %s in term %s", ROLES.get(old, old), ROLES.get(new, new), term)
 
     async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
         """Start the loop-side machinery; call from the server's event loop."""

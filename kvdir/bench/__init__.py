@@ -8,6 +8,10 @@ def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
         from kvdir.bench.directory import main
 
         return main(as_json=as_json, quick=quick)
+    if target == "elections":
+        from kvdir.bench.elections import main as elections_main
+
+        return elections_main(as_json=as_json, quick=quick)
     if target == "events":
         from kvdir.bench.events import main as events_main
 
