@@ -3,7 +3,8 @@
 Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
 404 unknown node, 409 stale epoch or expired node (register again), 413 body
 too large, 422 invalid fields or limits, 429 node limit, 503 not committed in
-time (retry: every write is idempotent), 507 index full. A 500 means a bug.
+time (retry: every write is idempotent) or, for a local lookup, a replica
+without a leader or catching up with it (try another), 507 index full. A 500 means a bug.
 With `auth_tokens_file` set, 401 without a known bearer token and 403 for a
 role, node or tenant the token may not use (directory.auth).
 
@@ -323,6 +324,11 @@ async def lookup(
         # Cut off from the leader (a partition, an election): this replica's view may be falling
         # behind, so refuse rather than serve it; clients try another replica. See "Staleness".
         raise ApiError(503, "no_leader", "this replica knows no leader: its entries may be stale; try another replica")
+    elif not replica.caught_up:
+        # It follows a leader but has not applied what that leader had committed (restarted, or just
+        # resumed from a stall): refuse as well, until it has caught up.
+        raise ApiError(503, "catching_up", "this replica is catching up with its leader: its entries may be stale; "
+                                           "try another replica")
     t0 = time.perf_counter()
     with replica.sm.lock:
         holders = replica.state.lookup(keys, body.with_slots)

@@ -252,8 +252,9 @@ class _ReadFirstSyncObj(SyncObj):
     the leader could reach it. Here a tick first reads what has arrived, a follower reads again for
     as long as reading took long (what queued up meanwhile restarts its deadline), and a replica
     that had no link to anyone waits a whole election timeout after its first link comes up.
-    `kvdir bench elections` measures all three (BENCHMARKS.md). The private names are pysyncobj
-    0.3.17's; the version is pinned.
+    `kvdir bench elections` measures all three (BENCHMARKS.md). It also notes when the replica was
+    last caught up with its leader, which bounds the staleness of local reads (`fresh_within`).
+    The private names are pysyncobj 0.3.17's; the version is pinned.
     """
 
     #: a follower drains its sockets at most this many times per tick, so a tick always ends
@@ -264,7 +265,22 @@ class _ReadFirstSyncObj(SyncObj):
         self._election_timeout = election_timeout
         self._quick_pass_s = election_timeout[0] / 4
         self._was_connected = False
+        self._fresh_at = float("-inf")
         super().__init__(*args, **kwargs)
+        self.addOnTickCallback(self._note_fresh)
+
+    def _note_fresh(self) -> None:
+        """Each tick, once committed entries are applied: note the time if this replica leads, or
+        follows a leader and has applied all that the leader had committed when it last wrote."""
+        if self._isLeader() or (self._getLeader() is not None
+                                and self.raftLastApplied >= (self._SyncObj__leaderCommitIndex or 0)):
+            self._fresh_at = time.monotonic()
+
+    def fresh_within(self, bound_s: float) -> bool:
+        """Whether this replica was caught up with a leader at most `bound_s` ago. False for a replica
+        catching up after a restart, or resumed after a stall before its Raft thread has caught up,
+        which still believe they follow a leader."""
+        return time.monotonic() - self._fresh_at <= bound_s
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
         leader = self._isLeader()
@@ -392,6 +408,12 @@ class Replica:
     def has_leader(self) -> bool:
         """Whether this replica currently follows (or is) a leader."""
         return self.raft._getLeader() is not None
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether this replica was caught up with its leader within one election timeout (the
+        staleness bound of local reads)."""
+        return self.raft.fresh_within(self.settings.raft_max_timeout_s)
 
     @property
     def ready(self) -> bool:
