@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, SyncObjException, replicated
 
 from directory import index, journal
 from directory.config import DirectorySettings
@@ -312,6 +312,10 @@ class Replica:
             appendEntriesPeriod=settings.raft_append_period_s,
             connectionRetryTime=settings.raft_min_timeout_s / 5,
             connectionTimeout=settings.raft_connection_timeout_s,
+            # A Raft port that stays taken fails the start (below) instead of leaving a replica that
+            # serves HTTP but never hears its peers (pysyncobj retries the bind forever, silently).
+            bindRetryTime=0.5,
+            maxBindRetries=10,
             # A leader cut off from the majority steps down within one election timeout (pysyncobj's
             # default is 30 s), so it stops serving local reads about when the majority elects anew.
             leaderFallbackTimeout=settings.raft_max_timeout_s,
@@ -331,6 +335,12 @@ class Replica:
         log.info("index kernels ready in %.2f s", time.monotonic() - started)
         self.raft = _ReadFirstSyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm],
                                       election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s))
+        try:
+            self.raft.waitBinded()
+        except SyncObjException as exc:
+            self.raft.destroy()
+            raise RuntimeError(f"cannot listen for Raft on {settings.raft} after 10 tries over 5 s: "
+                               "is another process using that port?") from exc
         self.committer: GroupCommitter | None = None
         self.leases: LeaseKeeper | None = None
         self._announce: asyncio.Task[None] | None = None

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -62,18 +63,35 @@ class UpSettings(BaseSettings):
     auth: bool = Field(False, description="directory auth: fresh random tokens and Raft password in DATA_DIR/secrets (mode 0600)")
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports that were free a moment ago (bound to port 0 and released)."""
-    socks = []
+def _ephemeral_low() -> int:
     try:
-        for _ in range(n):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports that were free a moment ago, below the kernel's ephemeral range.
+
+    Not port 0's pick: that comes from the ephemeral range, where an outgoing connection can take
+    the port before its server binds it. Raft peers dial a replica that is still starting every
+    few tens of milliseconds, and on loopback a dial whose source port equals its destination
+    connects to itself and holds the port for good (seen as a cluster that never elected).
+    """
+    low, high = 10000, max(_ephemeral_low(), 10000 + 4 * n)
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        if port in ports:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def worker_node_ids(n: int) -> list[str]:
