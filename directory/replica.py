@@ -33,6 +33,7 @@ from directory.state import AnnounceReplica, Command, DirectoryState, Expire, Pu
 log = logging.getLogger("kvdir.directory")
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
+BIND_TRIES, BIND_RETRY_S = 10, 0.5  # how long a replica waits for its Raft port before it gives up
 
 
 class StateMachine(SyncObjConsumer):
@@ -314,8 +315,8 @@ class Replica:
             connectionTimeout=settings.raft_connection_timeout_s,
             # A Raft port that stays taken fails the start (below) instead of leaving a replica that
             # serves HTTP but never hears its peers (pysyncobj retries the bind forever, silently).
-            bindRetryTime=0.5,
-            maxBindRetries=10,
+            bindRetryTime=BIND_RETRY_S,
+            maxBindRetries=BIND_TRIES,
             # A leader cut off from the majority steps down within one election timeout (pysyncobj's
             # default is 30 s), so it stops serving local reads about when the majority elects anew.
             leaderFallbackTimeout=settings.raft_max_timeout_s,
@@ -339,8 +340,8 @@ class Replica:
             self.raft.waitBinded()
         except SyncObjException as exc:
             self.raft.destroy()
-            raise RuntimeError(f"cannot listen for Raft on {settings.raft} after 10 tries over 5 s: "
-                               "is another process using that port?") from exc
+            raise RuntimeError(f"cannot listen for Raft on {settings.raft} after {BIND_TRIES} tries "
+                               f"over {BIND_TRIES * BIND_RETRY_S:g} s: is another process using that port?") from exc
         self.committer: GroupCommitter | None = None
         self.leases: LeaseKeeper | None = None
         self._announce: asyncio.Task[None] | None = None

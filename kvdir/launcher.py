@@ -73,10 +73,10 @@ def _ephemeral_low() -> int:
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """n distinct ports that were free a moment ago, below the kernel's ephemeral range.
 
-    Not port 0's pick: that comes from the ephemeral range, where an outgoing connection can take
-    the port before its server binds it. Raft peers dial a replica that is still starting every
-    few tens of milliseconds, and on loopback a dial whose source port equals its destination
-    connects to itself and holds the port for good (seen as a cluster that never elected).
+    Not port 0's pick: that comes from the ephemeral range, where any outgoing connection on the
+    machine can be given the port as its source port before the server binds it, and a Raft link
+    that does so holds it for good. That was the suspected cause of a CI run in which one replica
+    never bound its Raft port; below the range no connect() can take it.
     """
     low, high = 10000, max(_ephemeral_low(), 10000 + 4 * n)
     rng = random.SystemRandom()

@@ -9,8 +9,7 @@ from kvdir.launcher import free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
-    """Ports from the ephemeral range can be taken by any outgoing connection before a server binds
-    them (a Raft peer dialling a replica that is still starting can even connect to itself)."""
+    """Ports from the ephemeral range can be taken by any outgoing connection before a server binds them."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = free_ports(64)
     assert len(set(ports)) == 64
