@@ -234,6 +234,22 @@ class Cluster:
                 time.sleep(0.05)
         raise TimeoutError(f"no leader elected within {timeout}s; see {self.data_dir}/replica*.log")
 
+    def wait_caught_up(self, i: int, timeout: float) -> None:
+        """Poll until replica i follows a leader and has applied what that leader had committed when asked."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        with httpx.Client(timeout=1.0, headers=headers) as http:
+            target = http.get(self.wait_ready(timeout) + "/v1/cluster").json()["commit_index"]
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                try:
+                    view = http.get(self.replica_urls[i] + "/v1/cluster").json()
+                    if view["leader_url"] and view["last_applied"] >= target:
+                        return
+                except (httpx.HTTPError, ValueError):
+                    pass  # not listening yet
+                time.sleep(0.05)
+        raise TimeoutError(f"replica {i} did not catch up within {timeout}s; see {self.data_dir}/replica{i + 1}.log")
+
     def stop(self, grace: float = 5.0) -> None:
         _stop_all([p for p in self.procs if p is not None], grace)
 

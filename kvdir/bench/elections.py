@@ -32,7 +32,7 @@ from kvdir.launcher import Cluster, free_ports
 STALL_S = 1.5
 
 
-def _publish_until(urls: list[str], stop: threading.Event, node_id: str) -> None:
+def publish_until(urls: list[str], stop: threading.Event, node_id: str) -> None:
     """Publish batches of 64 fresh blocks to random replicas until `stop` (the load under which events happen)."""
     rng = random.Random(node_id)
     slot = 0
@@ -64,7 +64,7 @@ class _Loaded:
         """Start replicas and load; returns the term of the first leader."""
         self.cluster.start()
         term = self.term()
-        self._threads = [threading.Thread(target=_publish_until, args=(self.cluster.replica_urls, self._stop, f"w{k}"))
+        self._threads = [threading.Thread(target=publish_until, args=(self.cluster.replica_urls, self._stop, f"w{k}"))
                          for k in range(2)]
         for t in self._threads:
             t.start()
@@ -74,22 +74,6 @@ class _Loaded:
         """The highest term any replica reports, once all of them agree on a leader."""
         self.cluster.wait_ready(60)
         return max(httpx.get(u + "/v1/cluster", timeout=5).json()["term"] for u in self.cluster.replica_urls)
-
-    def settled(self, i: int) -> None:
-        """Wait until replica i follows a leader and has applied what that leader had committed."""
-        urls = self.cluster.replica_urls
-        leader = self.cluster.wait_ready(60)
-        target = httpx.get(leader + "/v1/cluster", timeout=5).json()["commit_index"]
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            try:
-                view = httpx.get(urls[i] + "/v1/cluster", timeout=1).json()
-                if view["leader_url"] and view["last_applied"] >= target:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"replica {i} did not catch up within 60 s")
 
     def stop(self) -> None:
         self._stop.set()
@@ -132,7 +116,7 @@ def _repeat(n: int, what: str, event: Callable[[Cluster, int], None]) -> int:
             lead = c.cluster.replica_urls.index(c.cluster.wait_ready(60))
             f = (lead + 1 + k % 2) % 3  # alternate followers: Raft links are dialled from the higher address
             event(c.cluster, f)
-            c.settled(f)
+            c.cluster.wait_caught_up(f, 60)
             moved += c.term() != before
             say(f"  {what} {k + 1}/{n}: {moved} needless elections so far")
     finally:

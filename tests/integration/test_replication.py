@@ -15,6 +15,7 @@ import httpx
 from directory.client import DirectoryClient
 from directory.errors import DirectoryUnavailable
 from directory.hashing import chain_hashes, seed_for
+from kvdir.bench.elections import publish_until
 from tests.integration.conftest import digests, leader_index, wait_for
 
 SEED = seed_for("")
@@ -61,21 +62,6 @@ def _agreed_views(c) -> list[dict] | None:
     return None
 
 
-def _publish_until(c, stop: threading.Event) -> None:
-    """Publish 64-block batches to random replicas until `stop`, so the replicas are busy journaling."""
-    rng = random.Random(3)
-    slot = 0
-    with httpx.Client(timeout=3) as http:
-        reg = http.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": "busy", "api_url": "http://127.0.0.1:9"}).json()
-        while not stop.is_set():
-            blocks = [{"hash": h, "slot": slot + i} for i, h in enumerate(_chain(rng, 64))]
-            slot += 64
-            try:
-                http.post(rng.choice(c.replica_urls) + "/v1/blocks", json={"node_id": "busy", "epoch": reg["epoch"], "blocks": blocks})
-            except httpx.HTTPError:
-                pass  # a replica is paused; the next batch goes elsewhere
-
-
 def _terms(c) -> list[int]:
     return [httpx.get(u + "/v1/cluster").json()["term"] for u in c.replica_urls]
 
@@ -85,7 +71,7 @@ def _leader_survives(c, tries: int, event: Callable[[int], None]) -> None:
     are dialled from the higher address); after each, once that follower has caught up, the term
     must not have moved."""
     stop = threading.Event()
-    load = threading.Thread(target=_publish_until, args=(c, stop))
+    load = threading.Thread(target=publish_until, args=(c.replica_urls, stop, "busy"))
     load.start()
     try:
         for k in range(tries):
@@ -93,9 +79,7 @@ def _leader_survives(c, tries: int, event: Callable[[int], None]) -> None:
             terms = _terms(c)
             f = (lead + 1 + k % 2) % 3
             event(f)
-            target = httpx.get(c.replica_urls[lead] + "/v1/cluster").json()["commit_index"]
-            wait_for(lambda: (v := httpx.get(c.replica_urls[f] + "/v1/cluster", timeout=5).json())["leader_url"]
-                     and v["last_applied"] >= target, what=f"replica {f} catching up")
+            c.wait_caught_up(f, 30)
             assert _terms(c) == terms
     finally:
         stop.set()
