@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,17 @@ def parse_hostport(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine: localhost, 127.0.0.0/8 or ::1 (a host name other than
+    localhost may resolve anywhere, so it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _hostport(value: str) -> str:
@@ -50,10 +62,23 @@ class DirectorySettings(BaseSettings):
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
     max_blocks_per_publish: int = Field(16384, ge=1, description="most blocks in one publish or remove (422 above)")
     max_hashes_per_lookup: int = Field(16384, ge=1, description="most hashes (or blocks of tokens) in one lookup (422 above)")
+    max_tokens_per_lookup: int = Field(1 << 20, ge=1, description="most tokens in one lookup by tokens (422 above)")
+    max_regions_per_node: int = Field(256, ge=1, le=4096, description="most memory regions in one registration (422 above)")
     max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
     raft_password_file: Path | None = Field(None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)")
+    insecure_raft_without_password: bool = Field(
+        False, description="DANGEROUS: allow a Raft address off loopback without a Raft password; whoever reaches the port "
+                           "can then rewrite the directory")
+    raft_max_frame_bytes: int = Field(
+        64 << 20, ge=1 << 20, description="largest Raft frame accepted from an authenticated peer (the link is dropped above); "
+                                          "at least 4x max_body_bytes")
+    raft_log_compaction_bytes: int = Field(
+        16 << 20, ge=1 << 20, description="compact the Raft log into a snapshot once its entries hold this many bytes "
+                                          "(and more than the last snapshot), besides pysyncobj's 20,000 entries or 300 s")
+    raft_max_pending_connections: int = Field(
+        16, ge=1, le=1024, description="most Raft connections waiting to identify themselves; the oldest is dropped for a new one")
     auth_tokens_file: Path | None = Field(
         None, description="file of bearer tokens, one ROLE[@TENANT]:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)")
     tenant_secret_file: Path | None = Field(
@@ -86,6 +111,18 @@ class DirectorySettings(BaseSettings):
                 self.raft_password = SecretStr(self.raft_password_file.read_text().strip())
             except OSError as exc:
                 raise ValueError(f"cannot read the Raft password file: {exc}") from exc
+        return self
+
+    @model_validator(mode="after")
+    def _raft_exposure(self) -> DirectorySettings:
+        if self.raft_password is None and not is_loopback(parse_hostport(self.raft)[0]) and not self.insecure_raft_without_password:
+            raise ValueError(
+                f"Raft address {self.raft} is not on loopback and there is no Raft password: anyone who reaches it could "
+                "rewrite the directory. Set KVDIR_RAFT_PASSWORD_FILE (the same secret on every replica), or pass "
+                "--insecure-raft-without-password if the network itself is trusted")
+        if self.raft_max_frame_bytes < 4 * self.max_body_bytes:
+            raise ValueError(f"raft_max_frame_bytes ({self.raft_max_frame_bytes}) must be at least 4x max_body_bytes "
+                             f"({self.max_body_bytes}): a Raft entry holds whole requests")
         return self
 
     @model_validator(mode="after")

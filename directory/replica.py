@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import threading
 import time
@@ -25,10 +26,10 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, SyncObjException, replicated
 
-from directory import index, journal
+from directory import index, journal, raft_transport
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
-from directory.state import AnnounceReplica, Command, DirectoryState, Expire, Publish, Remove, Result
+from directory.state import AnnounceReplica, Command, DirectoryState, Expire, Publish, Register, Remove, Result
 
 log = logging.getLogger("kvdir.directory")
 
@@ -58,6 +59,18 @@ def _weight(cmd: Command) -> int:
     return len(cmd.hashes) if isinstance(cmd, (Publish, Remove)) else 1
 
 
+def _size(cmd: Command) -> int:
+    """About the pickled size of a command: keeps a Raft entry, and so a frame, under the peers' frame cap."""
+    if isinstance(cmd, Publish):
+        return 128 + cmd.hashes.nbytes + cmd.slots.nbytes
+    if isinstance(cmd, Remove):
+        return 128 + cmd.hashes.nbytes
+    if isinstance(cmd, Register):
+        return 256 + len(cmd.api_url) + len(cmd.transfer_url or "") + sum(
+            16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
+    return 256
+
+
 @dataclass(slots=True)
 class _Pending:
     cmd: Command
@@ -81,6 +94,7 @@ class GroupCommitter:
         max_inflight: int = 8,
         max_commands: int = 4096,
         max_weight: int = 65536,
+        max_bytes: int = 16 << 20,
         command_timeout: float = 2.0,
         on_commit: Callable[[list[Command], list[Result], float], None] | None = None,
     ) -> None:
@@ -88,6 +102,7 @@ class GroupCommitter:
         self._max_inflight = max_inflight
         self._max_commands = max_commands
         self._max_weight = max_weight
+        self._max_bytes = max_bytes
         self._command_timeout = command_timeout
         self._on_commit = on_commit
         self._queue: deque[_Pending] = deque()
@@ -124,12 +139,12 @@ class GroupCommitter:
 
     def _take(self) -> list[_Pending]:
         batch: list[_Pending] = []
-        weight = 0
+        weight = size = 0
         now = time.monotonic()
         while self._queue and len(batch) < self._max_commands:
             p = self._queue[0]
-            w = _weight(p.cmd)
-            if batch and weight + w > self._max_weight:
+            w, b = _weight(p.cmd), _size(p.cmd)
+            if batch and (weight + w > self._max_weight or size + b > self._max_bytes):
                 break
             self._queue.popleft()
             if p.future.done():
@@ -139,6 +154,7 @@ class GroupCommitter:
                 continue
             batch.append(p)
             weight += w
+            size += b
         return batch
 
     def _send(self, batch: list[_Pending]) -> None:
@@ -261,14 +277,39 @@ class _ReadFirstSyncObj(SyncObj):
     #: a follower drains its sockets at most this many times per tick, so a tick always ends
     MAX_DRAIN_PASSES = 16
 
-    def __init__(self, *args: Any, election_timeout: tuple[float, float], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, election_timeout: tuple[float, float], compaction_bytes: int, **kwargs: Any) -> None:
         # Set before super() starts the tick thread, which reads them.
         self._election_timeout = election_timeout
+        self._compaction_bytes = compaction_bytes
+        self._log_entries = self._log_bytes = 0
+        self._compaction_asked = False
         self._quick_pass_s = election_timeout[0] / 4
         self._was_connected = False
         self._fresh_at = float("-inf")
         super().__init__(*args, **kwargs)
         self.addOnTickCallback(self._note_fresh)
+        self.addOnTickCallback(self._compact_by_size)
+
+    def _compact_by_size(self) -> None:
+        """Compact once the log holds more bytes than `compaction_bytes` and than the last snapshot.
+
+        pysyncobj compacts by entry count and age only, so a few thousand large entries (registrations
+        with many regions) grew memory and the journal without bound. Measuring against the snapshot's
+        size too keeps a big index from being dumped again after every few megabytes of publishes.
+        """
+        entries = self._SyncObj__raftLog
+        n = len(entries)
+        if n < self._log_entries:  # compacted or truncated: count afresh
+            self._log_entries, self._log_bytes, self._compaction_asked = 0, 0, False
+        self._log_bytes += sum(len(entries[i][0]) for i in range(self._log_entries, n))
+        self._log_entries = n
+        if self._compaction_asked or self._log_bytes < self._compaction_bytes:
+            return
+        dump = self.conf.fullDumpFile
+        snapshot = os.path.getsize(dump) if dump and os.path.exists(dump) else 0
+        if self._log_bytes >= snapshot:
+            self._compaction_asked = True
+            self.forceLogCompaction()
 
     def _note_fresh(self) -> None:
         """Each tick, once committed entries are applied: note the time if this replica leads, or
@@ -323,6 +364,8 @@ class Replica:
             logCompactionMinEntries=20000,
             logCompactionMinTime=300,
             password=settings.raft_password.get_secret_value() if settings.raft_password else None,
+            # Listen on the address given, never on every interface (pysyncobj's default for a node address).
+            bindAddress=settings.raft,
             dynamicMembershipChange=False,
             onStateChanged=self._log_role_change,
         )
@@ -331,11 +374,17 @@ class Replica:
             conf.journalFile = str(settings.data_dir / "raft.journal")
             conf.fullDumpFile = str(settings.data_dir / "raft.dump")
         journal.install(settings.fsync, conf.fullDumpFile)
+        raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections)
+        if settings.raft_password is None:
+            log.warning("raft: no Raft password: whoever reaches %s can forge Raft messages (set KVDIR_RAFT_PASSWORD_FILE)",
+                        settings.raft)
         started = time.monotonic()
         index.warm_up()  # before the Raft thread exists: a first compile there would stall its heartbeats
         log.info("index kernels ready in %.2f s", time.monotonic() - started)
         self.raft = _ReadFirstSyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm],
-                                      election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s))
+                                      transportClass=raft_transport.GuardedTransport,
+                                      election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s),
+                                      compaction_bytes=settings.raft_log_compaction_bytes)
         try:
             self.raft.waitBinded()
         except SyncObjException as exc:
@@ -356,7 +405,10 @@ class Replica:
 
     async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
         """Start the loop-side machinery; call from the server's event loop."""
-        self.committer = GroupCommitter(self.sm, command_timeout=max(1.0, self.settings.write_timeout_s / 2), on_commit=on_commit)
+        # A batch of commands is one Raft entry: a quarter of the frame cap leaves room for the one
+        # command that may overshoot it (a whole request, at most max_body_bytes) and a frame's other entries.
+        self.committer = GroupCommitter(self.sm, max_bytes=self.settings.raft_max_frame_bytes // 4,
+                                        command_timeout=max(1.0, self.settings.write_timeout_s / 2), on_commit=on_commit)
         self.leases = LeaseKeeper(self, self.settings.lease_ttl_s)
         self._announce = asyncio.create_task(self._announce_self())
 

@@ -1,56 +1,169 @@
 """REST wire types of the directory (protocol §3), shared by the server and the client.
 
+Request bodies are msgspec Structs: the API decodes them straight from the
+raw JSON with bounded cost (msgspec stops at the first invalid element, and
+the API counts bulk arrays on the raw bytes before decoding them), so no
+body, however large, holds the GIL long enough to starve the Raft thread.
+Responses are pydantic models (the client validates them).
+
 Hashes are JSON unsigned 64-bit integers, strictly typed: strings, floats and
 booleans are rejected (422), as are values outside 0..2**64-1.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
 
 from directory.hashing import U32_MAX, U64_MAX
 from directory.tenancy import TENANT_MAX_LEN, TENANT_PATTERN
 
-U64 = Annotated[int, Field(strict=True, ge=0, le=U64_MAX)]
-U32 = Annotated[int, Field(strict=True, ge=0, le=U32_MAX)]
-Epoch = Annotated[int, Field(strict=True, ge=1)]
-NodeId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$")]
-Url = Annotated[str, StringConstraints(min_length=1, max_length=2048)]
-Label = Annotated[str, StringConstraints(max_length=64)]
-TenantField = Annotated[
-    str | None,
-    Field(max_length=TENANT_MAX_LEN, pattern=TENANT_PATTERN,
-          description='the tenant whose entries this touches (directory.tenancy); omitted: the token\'s own, else the shared ""'),
-]
+NODE_ID_MAX_LEN = 128
+ORIGIN_MAX_LEN = 300  # scheme, a 253-character host name and a port
+TRANSFER_URL_MAX_LEN = 2048
+RKEY_MAX_LEN = 256
+LABEL_MAX_LEN = 64
+MAX_LOAD_LABELS = 64
+
+# msgspec bounds integers only within int64: the u64 maximum is documented here and checked after decoding
+# (`check_u64`, or numpy's conversion of bulk arrays).
+U64 = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": U64_MAX})]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+Epoch = Annotated[int, msgspec.Meta(ge=1)]  # any larger integer is just not the node's epoch (409)
+# msgspec matches patterns with Python's re, where "$" also matches before a final newline: "(?!\n)" refuses it.
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=NODE_ID_MAX_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$(?!\n)")]
+Label = Annotated[str, msgspec.Meta(max_length=LABEL_MAX_LEN)]
+# 1e999 decodes to infinity: the bounds refuse it (a non-finite load would make every answer listing the node a 500).
+FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
+Tenant = Annotated[str, msgspec.Meta(
+    max_length=TENANT_MAX_LEN, pattern=TENANT_PATTERN + r"(?!\n)",
+    description='the tenant whose entries this touches (directory.tenancy); omitted: the token\'s own, else the shared ""')]
+
+
+def check_u64(value: int, what: str) -> None:
+    if value > U64_MAX:
+        raise ValueError(f"{what} must be at most 2**64-1")
+
+
+def origin(url: str) -> str:
+    """`url` as scheme://host[:port], its one allowed trailing "/" dropped; ValueError for anything else.
+
+    A node's API URL is where the gateway sends users' prompts: with a path, query, fragment or
+    user info an engine token could point the gateway at any endpoint of any host (issue #12).
+    """
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ValueError("api_url must not contain whitespace or control characters")
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"api_url must be http://HOST[:PORT] or https://HOST[:PORT], got {url[:100]!r}")
+    if "@" in parts.netloc:
+        raise ValueError("api_url must not carry user info (user:password@)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ValueError(f"api_url must be an origin only (scheme, host, port): no path, query or fragment, got {url[:100]!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"api_url has an invalid port: {exc}") from exc
+    if not parts.hostname or parts.netloc.endswith(":") or port == 0:
+        raise ValueError(f"api_url needs a host and, if any, a port in 1..65535, got {url[:100]!r}")
+    return f"{parts.scheme.lower()}://{parts.netloc}"
+
+
+class _Body(msgspec.Struct):
+    """A request body: unknown fields are ignored (older replicas accept newer clients' bodies)."""
+
+
+class Region(_Body):
+    """One registered KV memory region (a TP rank, optionally a layer): RDMA-style base address and key."""
+
+    rank: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    base_addr: U64
+    length: U64
+    block_bytes: Annotated[int, msgspec.Meta(ge=1, extra_json_schema={"maximum": U64_MAX})]
+    rkey: U64 | Annotated[str, msgspec.Meta(max_length=RKEY_MAX_LEN)] = 0
+    layer: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+
+    def __post_init__(self) -> None:
+        check_u64(self.base_addr, "base_addr")
+        check_u64(self.length, "length")
+        check_u64(self.block_bytes, "block_bytes")
+        if isinstance(self.rkey, int):
+            check_u64(self.rkey, "rkey")
+
+
+class RegisterRequest(_Body):
+    node_id: NodeId
+    api_url: Annotated[str, msgspec.Meta(
+        min_length=1, max_length=ORIGIN_MAX_LEN, description="the engine's origin: http(s)://HOST[:PORT], nothing else")]
+    transfer_url: Annotated[str, msgspec.Meta(min_length=1, max_length=TRANSFER_URL_MAX_LEN)] | None = None
+    regions: list[Region] = []
+    capacity_blocks: Annotated[int, msgspec.Meta(ge=1, le=U32_MAX + 1)] | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    incarnation: Annotated[str, msgspec.Meta(
+        min_length=1, max_length=128,
+        description="unique per process start; retrying a registration with the same value returns the same epoch")] | None = None
+
+    def __post_init__(self) -> None:
+        self.api_url = origin(self.api_url)
+
+
+class HeartbeatRequest(_Body):
+    epoch: Epoch
+    load: Annotated[dict[Label, FiniteFloat], msgspec.Meta(max_length=MAX_LOAD_LABELS)] | None = None
+
+
+class BlockRef(_Body):
+    hash: U64
+    slot: U32
+
+
+class PublishRequest(_Body):
+    node_id: NodeId
+    epoch: Epoch
+    blocks: list[BlockRef]
+    medium: Label | None = None
+    tenant: Tenant | None = None
+
+
+class RemoveRequest(_Body):
+    node_id: NodeId
+    epoch: Epoch
+    hashes: list[U64]
+    tenant: Tenant | None = None
+
+
+class ClearRequest(_Body):
+    node_id: NodeId
+    epoch: Epoch
+
+
+class LookupRequest(_Body):
+    hashes: list[U64] | None = None
+    tokens: list[U32] | None = None
+    namespace: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 16
+    with_slots: bool = False
+    consistency: Literal["local", "linearizable"] = "local"
+    tenant: Tenant | None = None
+
+
+REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
+    RegisterRequest, HeartbeatRequest, PublishRequest, RemoveRequest, ClearRequest, LookupRequest)
+
+
+def request_schemas() -> dict[str, Any]:
+    """OpenAPI components of the request bodies (their `$ref`s point into components/schemas)."""
+    return msgspec.json.schema_components(REQUEST_BODIES, ref_template="#/components/schemas/{name}")[1]
+
+
+# -- responses --------------------------------------------------------------------
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-class Region(_Model):
-    """One registered KV memory region (a TP rank, optionally a layer): RDMA-style base address and key."""
-
-    rank: Annotated[int, Field(strict=True, ge=0, le=65535)]
-    base_addr: U64
-    length: U64
-    rkey: U64 | Annotated[str, StringConstraints(max_length=256)] = 0
-    block_bytes: Annotated[int, Field(strict=True, ge=1, le=U64_MAX)]
-    layer: Annotated[int, Field(strict=True, ge=0, le=65535)] | None = None
-
-
-class RegisterRequest(_Model):
-    node_id: NodeId
-    api_url: Url
-    transfer_url: Url | None = None
-    regions: Annotated[list[Region], Field(max_length=4096)] = []
-    capacity_blocks: Annotated[int, Field(strict=True, ge=1, le=U32_MAX + 1)] | None = None
-    block_size: Annotated[int, Field(strict=True, ge=1, le=65536)] | None = None
-    incarnation: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
-        None, description="unique per process start; retrying a registration with the same value returns the same epoch"
-    )
 
 
 class RegisterResponse(_Model):
@@ -59,32 +172,9 @@ class RegisterResponse(_Model):
     lease_ttl_s: float
 
 
-# NaN and infinities (Python's JSON parser accepts `NaN`, `Infinity` and 1e999) would be stored in the
-# replicated state and make every answer listing the node unserialisable (500): refused with 422.
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class HeartbeatRequest(_Model):
-    epoch: Epoch
-    load: Annotated[dict[Label, FiniteFloat], Field(max_length=64)] | None = None
-
-
 class HeartbeatResponse(_Model):
     node_id: str
     epoch: int
-
-
-class BlockRef(_Model):
-    hash: U64
-    slot: U32
-
-
-class PublishRequest(_Model):
-    node_id: NodeId
-    epoch: Epoch
-    blocks: list[BlockRef]
-    medium: Label | None = None
-    tenant: TenantField = None
 
 
 class PublishResponse(_Model):
@@ -93,32 +183,10 @@ class PublishResponse(_Model):
     stored: int = Field(description="entries that were new")
 
 
-class RemoveRequest(_Model):
-    node_id: NodeId
-    epoch: Epoch
-    hashes: list[U64]
-    tenant: TenantField = None
-
-
-class ClearRequest(_Model):
-    node_id: NodeId
-    epoch: Epoch
-
-
 class RemoveResponse(_Model):
     node_id: str
     epoch: int
     removed: int
-
-
-class LookupRequest(_Model):
-    hashes: list[U64] | None = None
-    tokens: list[U32] | None = None
-    namespace: Annotated[str, StringConstraints(max_length=256)] = ""
-    block_size: Annotated[int, Field(strict=True, ge=1, le=65536)] = 16
-    with_slots: bool = False
-    consistency: Literal["local", "linearizable"] = "local"
-    tenant: TenantField = None
 
 
 class Holder(_Model):
@@ -133,13 +201,24 @@ class LookupResponse(_Model):
     holders: list[Holder]
 
 
+class RegionInfo(_Model):
+    """A registered region as the directory reports it (see `Region`)."""
+
+    rank: int
+    base_addr: int
+    length: int
+    rkey: int | str = 0
+    block_bytes: int
+    layer: int | None = None
+
+
 class NodeInfo(_Model):
     node_id: str
     epoch: int
     alive: bool
     api_url: str
     transfer_url: str | None = None
-    regions: list[Region] = []
+    regions: list[RegionInfo] = []
     capacity_blocks: int | None = None
     block_size: int | None = None
     blocks: int

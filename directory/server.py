@@ -8,6 +8,7 @@ import uvicorn
 
 from directory.api import create_app
 from directory.config import DirectorySettings, parse_hostport
+from directory.http_limits import LimitedHttpToolsProtocol
 
 
 def configure_logging(level: str) -> None:
@@ -26,6 +27,6 @@ def serve(settings: DirectorySettings) -> None:
         log_level=settings.log_level.lower(),
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=LimitedHttpToolsProtocol,
         timeout_graceful_shutdown=5,
     )

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
+
+import msgspec
 
 
 class Tokenizer(Protocol):
@@ -75,3 +77,24 @@ def render_chat(messages: Sequence[Mapping[str, object]]) -> str:
         parts.append(f"<|{m.get('role', 'user')}|>\n{content}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def max_chars_per_token(tokenizer: Tokenizer | None) -> int | None:
+    """The most characters one token can stand for, where known: a longer text is provably too many tokens
+    without tokenizing it (with the bytes tokenizer a character is at least one token)."""
+    return 1 if isinstance(tokenizer, ByteTokenizer) else None
+
+
+class _Role(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class _Messages(msgspec.Struct):
+    messages: list[_Role] | None = None
+
+
+def count_messages(body: bytes) -> int:
+    """The chat messages in a raw JSON request body, read before validating it: only each message's role
+    is parsed and the first message without one stops the count (msgspec.ValidationError), so a body of
+    millions of messages costs one fast pass, not millions of validation errors. Raises msgspec's errors."""
+    return len(msgspec.json.decode(body, type=_Messages).messages or ())

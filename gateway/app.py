@@ -11,6 +11,13 @@ request never fails because the directory is down.
 
 Response headers say what happened: `x-kvdir-node`, `x-kvdir-decision`,
 `x-kvdir-predicted-cached-tokens`.
+
+Sizes are checked before the work they would cost: the body's length from its
+header (413), the length of a token-array prompt and the number of chat
+messages from one allocation-light scan of the raw JSON (400), a string
+prompt's length in characters against what the tokenizer could make of it,
+and the token count itself, against the largest `max_model_len` the engines
+report (400), before anything is hashed, looked up or forwarded.
 """
 
 from __future__ import annotations
@@ -27,15 +34,15 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from directory.api import BodyLimit
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.tokenizer import load_tokenizer, render_chat
+from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRegistry, EngineState
 from gateway.policy import Candidate, CostModel, Decision, RouteRequest, make_policy
@@ -70,6 +77,15 @@ class ChatBody(_Body):
     messages: list[_Message] = Field(min_length=1)
 
 
+class _PromptSize(msgspec.Struct):
+    """What the size check reads of a completion body: the prompt as raw JSON (everything else is skipped unparsed)."""
+
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+_NUMBER_ARRAY_BYTES = b"0123456789,[] \t\r\n"
+
+
 def _request_body(model: type[BaseModel]) -> dict[str, Any]:
     """An OpenAPI `requestBody` for a route that reads the raw request (its schema inlined, no `$defs`).
 
@@ -93,12 +109,14 @@ def _request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> None:
-        self.status, self.message, self.type, self.code = status, message, type_, code
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status)
+def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
 class GatewayMetrics:
@@ -128,6 +146,7 @@ def _cached_tokens(payload: Any) -> int | None:
 def create_app(settings: GatewaySettings) -> FastAPI:
     use_engine_tokenizer = settings.tokenizer == "engine"
     tokenizer = None if use_engine_tokenizer else load_tokenizer(settings.tokenizer)
+    chars_per_token = max_chars_per_token(tokenizer)
     hasher = PrefixHasher(settings.block_size, settings.namespace)
     cost = CostModel(prefill_tokens_per_s=settings.prefill_tokens_per_s, link_bytes_per_s=settings.link_gbps * 1e9,
                      pull_setup_s=settings.pull_setup_ms / 1000, max_running=settings.max_running)
@@ -138,11 +157,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         directory = DirectoryClient(settings.directory_urls, timeout=1.0, deadline=settings.lookup_timeout_s,
                                     token=settings.directory_token, tenant=settings.tenant)
-        registry = EngineRegistry(directory, settings.static_engines, settings.refresh_s, settings.unhealthy_s)
-        await registry.refresh()
-        registry.start()
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)
         http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), limits=limits)
+        registry = EngineRegistry(directory, http, settings.static_engines, settings.refresh_s, settings.unhealthy_s,
+                                  settings.networks)
+        await registry.refresh()
+        registry.start()
         app.state.directory, app.state.registry, app.state.http = directory, registry, http
         app.state.metrics = GatewayMetrics(registry)
         app.state.models_cache = (0.0, [])
@@ -155,15 +175,74 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await directory.aclose()
 
     app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=64 << 20)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.code)
+        response = _error(exc.status, exc.message, exc.type, exc.code, exc.param)
+        if exc.status == 413:  # the rest of an oversized body is not read: the connection cannot be reused
+            response.headers["connection"] = "close"
+        return response
+
+    def max_prompt_tokens(request: Request) -> int:
+        registry: EngineRegistry = request.app.state.registry
+        return registry.max_model_len or settings.max_prompt_tokens
+
+    def check_tokens(request: Request, n: int, param: str) -> None:
+        limit = max_prompt_tokens(request)
+        if n > limit:
+            raise GatewayError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}",
+                               code="context_length_exceeded", param=param)
+
+    def check_chars(request: Request, text: str, param: str) -> None:
+        """Refuse a text that is provably over the token limit before tokenizing it."""
+        if chars_per_token is not None and len(text) > max_prompt_tokens(request) * chars_per_token:
+            raise GatewayError(400, f"This model's maximum context length is {max_prompt_tokens(request)} tokens; the prompt "
+                                    f"has {len(text)} characters, which is more", code="context_length_exceeded", param=param)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to be over the limit: from its declared length, else while it streams."""
+        limit = settings.max_body_bytes
+        too_large = GatewayError(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_sizes(request: Request, body: bytes, model: type[_Body]) -> None:
+        """Count a token-array prompt or the chat messages on the raw JSON, so no list of millions is built or validated.
+
+        A token array's element count is one more than its commas (checked only on
+        arrays of plain numbers, where that is exact); messages are counted by a
+        parse that keeps only their roles and stops at the first message without
+        one (a body of millions of bad messages would otherwise get millions of
+        validation errors).
+        """
+        try:
+            if model is ChatBody:
+                n = count_messages(body)
+                if n > settings.max_messages:
+                    raise GatewayError(400, f"'messages' has {n} messages; at most {settings.max_messages} are accepted",
+                                       code="array_above_max_length", param="messages")
+                return
+            prompt = bytes(msgspec.json.decode(body, type=_PromptSize).prompt).strip()
+        except msgspec.ValidationError as exc:
+            raise GatewayError(400, f"the request body is invalid: {exc}") from exc
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
+        if prompt.startswith(b"[") and not prompt.translate(None, _NUMBER_ARRAY_BYTES):
+            check_tokens(request, prompt.count(b",") + (1 if prompt.strip(b"[] \t\r\n") else 0), "prompt")
 
     async def parse(request: Request, model: type[_Body]) -> tuple[dict[str, Any], Any]:
+        body = await read_body(request)
+        check_sizes(request, body, model)
         try:
-            raw = json.loads(await request.body())
+            raw = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's limit
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
         if not isinstance(raw, dict):
@@ -174,7 +253,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except ValidationError as exc:
             e = exc.errors()[0]
             loc = ".".join(str(x) for x in e["loc"])
-            raise GatewayError(400, f"{loc}: {e['msg']}") from exc
+            raise GatewayError(400, f"{loc}: {e['msg']}", param=loc or None) from exc
 
     async def lookup(request: Request, hashes: list[int]) -> tuple[dict[str, Any], bool]:
         """Holders by node id, and whether the directory answered."""
@@ -237,7 +316,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             metrics.route_seconds.observe(time.perf_counter() - t0)
             metrics.added_seconds.observe(time.perf_counter() - t_arrival - tokenize_s - (t_hashed - t0))
             try:
-                upstream = await http.send(http.build_request("POST", engine.url + path, json=body), stream=True)
+                upstream = await http.send(http.build_request("POST", engine.origin.url(path), json=body), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 engine.inflight -= 1
                 engine.pending_prefill_tokens -= uncached
@@ -323,13 +402,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if not e.healthy:
                 continue
             try:
-                r = await http.post(e.url + "/tokenize", json={"model": payload.get("model"), **payload}, timeout=5.0)
+                r = await http.post(e.origin.url("/tokenize"), json={"model": payload.get("model"), **payload}, timeout=5.0)
             except httpx.TransportError:
                 registry.mark_unhealthy(e.node_id)
                 continue
             if r.status_code == 200:
                 return [int(t) for t in r.json()["tokens"]]
-            raise GatewayError(r.status_code if r.status_code < 500 else 502, f"the engine could not tokenize: {r.text[:300]}")
+            try:  # an OpenAI-shaped error (a prompt over the engine's limit, ...): keep its code and param
+                err = r.json()["error"]
+                message, code, param = str(err["message"]), err.get("code"), err.get("param")
+            except (ValueError, KeyError, TypeError):
+                message, code, param = r.text, None, None
+            raise GatewayError(r.status_code if r.status_code < 500 else 502, f"the engine could not tokenize: {message[:300]}",
+                               code=code if isinstance(code, str) else None, param=param if isinstance(param, str) else None)
         raise GatewayError(503, "no engine is available to tokenize", "service_unavailable", "no_engine")
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionBody))
@@ -342,7 +427,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         elif tokenizer is None:
             tokens = await engine_tokens(request, {"model": body.model, "prompt": body.prompt})
         else:
+            check_chars(request, body.prompt, "prompt")
             tokens = tokenizer.encode(body.prompt)
+        check_tokens(request, len(tokens), "prompt")
         return await forward(request, "/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatBody))
@@ -354,7 +441,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if tokenizer is None:
             tokens = await engine_tokens(request, {"model": body.model, "messages": raw["messages"]})
         else:
-            tokens = tokenizer.encode(render_chat(messages))
+            text = render_chat(messages)
+            check_chars(request, text, "messages")
+            tokens = tokenizer.encode(text)
+        check_tokens(request, len(tokens), "messages")
         return await forward(request, "/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
     @app.get("/v1/models")
@@ -366,7 +456,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
             async def one(e: EngineState) -> list[dict[str, Any]]:
                 try:
-                    return (await http.get(e.url + "/v1/models", timeout=2.0)).json().get("data", [])
+                    return (await http.get(e.origin.url("/v1/models"), timeout=2.0)).json().get("data", [])
                 except (httpx.HTTPError, ValueError):
                     return []
 
@@ -381,7 +471,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         registry: EngineRegistry = request.app.state.registry
-        return JSONResponse({"ok": True, "engines": len(registry.engines), "directory": registry.directory_ok, "policy": settings.policy})
+        return JSONResponse({"ok": True, "engines": len(registry.engines), "directory": registry.directory_ok,
+                             "policy": settings.policy, "max_prompt_tokens": max_prompt_tokens(request)})
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
@@ -391,7 +482,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def status_page(request: Request) -> HTMLResponse:
         registry: EngineRegistry = request.app.state.registry
         rows = "".join(
-            f"<tr><td>{html.escape(e.node_id)}</td><td>{html.escape(e.url)}</td><td>{e.epoch}</td><td>{'yes' if e.healthy else 'no'}</td>"
+            f"<tr><td>{html.escape(e.node_id)}</td><td>{'yes' if e.healthy else 'no'}</td>"
             f"<td>{e.running:.0f}</td><td>{e.waiting:.0f}</td><td>{e.inflight}</td><td>{e.served}</td>"
             f"<td>{(e.cached_tokens / e.prompt_tokens * 100 if e.prompt_tokens else 0):.1f}%</td></tr>"
             for e in sorted(registry.engines.values(), key=lambda e: e.node_id)
@@ -401,7 +492,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             "<title>kvdir gateway</title><style>body{font-family:sans-serif}td,th{padding:4px 10px;text-align:left}</style></head>"
             f"<body><h1>kvdir gateway</h1><p>policy <b>{html.escape(settings.policy)}</b>; directory "
             f"<b>{'reachable' if registry.directory_ok else 'UNREACHABLE (routing by load)'}</b></p>"
-            "<table><tr><th>engine</th><th>url</th><th>epoch</th><th>healthy</th><th>running</th><th>waiting</th>"
+            "<table><tr><th>engine</th><th>healthy</th><th>running</th><th>waiting</th>"
             f"<th>in flight</th><th>served</th><th>cached tokens</th></tr>{rows}</table></body></html>"
         )
         return HTMLResponse(page)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from directory.config import DirectoryClientSettings, HostPort, url_list
+from gateway.engines import Network, parse_networks, parse_origin
 
 
 class GatewaySettings(DirectoryClientSettings):
@@ -14,7 +15,10 @@ class GatewaySettings(DirectoryClientSettings):
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     http: HostPort = Field("127.0.0.1:8100", description="HOST:PORT the OpenAI-compatible API listens on")
-    engine: str = Field("", description="comma-separated URLs of engines that do not register with the directory")
+    engine: str = Field("", description="comma-separated http(s)://HOST:PORT of engines that do not register with the directory")
+    engine_networks: str = Field("", description="comma-separated CIDRs engines must be in (e.g. 10.0.0.0/8,127.0.0.0/8); "
+                                                 "a host name is resolved once, when learned, and refused if any address is "
+                                                 "outside; empty: no restriction")
     policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
     tokenizer: str = Field("bytes", description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)")
     namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the engines'")
@@ -29,9 +33,28 @@ class GatewaySettings(DirectoryClientSettings):
     unhealthy_s: float = Field(5.0, ge=0, description="how long an engine that refused a connection is skipped")
     seed: int = Field(0, description="seed of the policies' random tie-breaks")
     log_level: str = Field("info", description="debug, info, warning or error")
+    max_prompt_tokens: int = Field(131072, ge=1, description="longest prompt accepted, in tokens (400 above), while no engine "
+                                                              "reports its max_model_len; then the largest one reported")
+    max_messages: int = Field(2048, ge=1, description="most messages in one chat completion (400 above)")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
 
+    @field_validator("engine")
+    @classmethod
+    def _engines_are_origins(cls, value: str) -> str:
+        for url in url_list(value):
+            parse_origin(url)
+        return value
 
+    @field_validator("engine_networks")
+    @classmethod
+    def _networks_parse(cls, value: str) -> str:
+        parse_networks(value)
+        return value
 
     @property
     def static_engines(self) -> list[str]:
         return url_list(self.engine)
+
+    @property
+    def networks(self) -> list[Network]:
+        return parse_networks(self.engine_networks)

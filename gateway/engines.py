@@ -5,44 +5,130 @@ endpoint and the load it reported in its last heartbeat. The gateway adds
 what it knows first-hand: requests it has in flight to each engine and the
 uncached prompt tokens it sent there that have not produced a first token
 yet. An engine that refuses a connection is skipped for `unhealthy_s`.
+
+Anyone holding an engine token can register any `api_url`, so the gateway
+keeps only its origin (scheme, host, port) and builds every request URL from
+those parts: an `api_url` with a path, query, fragment or user info (which
+would make the gateway POST users' prompts to some other service's endpoint)
+is not routed to. With `networks` set, neither is an engine whose address is
+outside them; a host name is resolved once, when the engine is learned (a DNS
+server that later answers differently is not noticed: list engines by IP
+where that matters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import math
+import re
+import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
+from directory.schemas import NodeInfo
 
 log = logging.getLogger("kvdir.gateway")
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-def usable_url(url: str) -> bool:
-    """Whether `url` is an absolute http(s) URL the gateway can send requests to.
+_ORIGIN = re.compile(r"(?P<scheme>https?)://(?P<host>\[[0-9a-f:.]+\]|[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?)(?::(?P<port>[0-9]{1,5}))?/?",
+                     re.ASCII | re.IGNORECASE)
+_RESOLVE_TIMEOUT_S = 5.0
+_RESOLVE_RETRY_S = 30.0  # an engine whose name did not resolve is tried again after this long
+_MODELS_RETRY_S = 5.0  # an engine that did not say its max_model_len is asked again after this long
 
-    The directory stores whatever a node registered; a garbage URL must make
-    the gateway skip that node, not fail the requests routed there.
-    """
+
+class EngineRefused(ValueError):
+    """An engine URL the gateway will not send requests to, and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where an engine's API is: scheme, host and port, and nothing else."""
+
+    scheme: str
+    host: str  # an IPv6 address without its brackets
+    port: int
+
+    def url(self, path: str) -> httpx.URL:
+        """The URL of `path` (one of the gateway's own constants) on this engine."""
+        return httpx.URL(scheme=self.scheme, host=self.host, port=self.port, path=path)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
+
+
+def parse_origin(url: str) -> Origin:
+    """`url` as an origin: `http(s)://HOST[:PORT]`, a trailing slash allowed; EngineRefused for anything more or less."""
+    m = _ORIGIN.fullmatch(url)
+    if m is None:
+        raise EngineRefused(f"{url[:200]!r} is not a plain http(s)://HOST:PORT origin (no path, query, fragment or user info)")
+    scheme, host = m["scheme"].lower(), m["host"].lower()
+    if host.startswith("["):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError as exc:
+            raise EngineRefused(f"{url[:200]!r}: {host!r} is not an IPv6 address") from exc
+    port = int(m["port"]) if m["port"] else (443 if scheme == "https" else 80)
+    if not 0 < port < 65536:
+        raise EngineRefused(f"{url[:200]!r}: port {port} is not in 1..65535")
+    return Origin(scheme, host, port)
+
+
+def parse_networks(value: str) -> list[Network]:
+    """Comma-separated CIDRs; ValueError naming the first bad one (host bits set count as bad: say what you mean)."""
     try:
-        u = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError, ValueError):
-        return False
-    return u.scheme in ("http", "https") and bool(u.host) and (u.port is None or 0 < u.port < 65536)
+        return [ipaddress.ip_network(part.strip()) for part in value.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ValueError(f"engine networks: {exc}") from exc
+
+
+def _unmapped(addr: IPAddress) -> IPAddress:
+    return (addr.ipv4_mapped or addr) if isinstance(addr, ipaddress.IPv6Address) else addr
+
+
+async def _addresses(host: str, port: int) -> list[IPAddress]:
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                                       _RESOLVE_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise OSError(f"{host!r} did not resolve: {exc or 'timed out'}") from exc
+    return [ipaddress.ip_address(str(info[4][0])) for info in infos]
+
+
+async def admit(url: str, networks: Sequence[Network]) -> Origin:
+    """The origin of an engine's `url` if the gateway may route to it: EngineRefused (for good) or OSError (name lookup failed)."""
+    origin = parse_origin(url)
+    if networks:
+        for addr in await _addresses(origin.host, origin.port):
+            if not any(_unmapped(addr) in net for net in networks):
+                raise EngineRefused(f"{origin.host} ({addr}) is outside the engine networks")
+    return origin
 
 
 @dataclass(slots=True)
 class EngineState:
     node_id: str
-    url: str
+    origin: Origin
+    api_url: str = ""  # as registered (to notice a change), never shown: only `origin` is used
     epoch: int = 0
     registered: bool = True  # from the directory (False: a static --engine)
     can_pull: bool = False  # has a transfer endpoint, so it understands kvdir_pull plans
     block_bytes: int = 0  # KV bytes of one block over all ranks
+    max_model_len: int | None = None  # from its /v1/models, once it answered
     running: float = 0.0
     waiting: float = 0.0
     inflight: int = 0
@@ -52,6 +138,7 @@ class EngineState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    models_due: float = 0.0  # when to ask its /v1/models (again)
 
     @property
     def healthy(self) -> bool:
@@ -61,55 +148,113 @@ class EngineState:
 class EngineRegistry:
     """Engine list and load, refreshed from the directory in the background."""
 
-    def __init__(self, directory: DirectoryClient, static: list[str], refresh_s: float, unhealthy_s: float) -> None:
+    def __init__(self, directory: DirectoryClient, http: httpx.AsyncClient, static: list[str], refresh_s: float,
+                 unhealthy_s: float, networks: Sequence[Network] = ()) -> None:
         self.directory = directory
+        self.http = http
+        self.static = static
         self.refresh_s = refresh_s
         self.unhealthy_s = unhealthy_s
+        self.networks = list(networks)
         self.engines: dict[str, EngineState] = {}
-        for i, url in enumerate(static):
-            self.engines[f"static-{i + 1}"] = EngineState(f"static-{i + 1}", url, registered=False)
         self.directory_ok = False
         self._task: asyncio.Task[None] | None = None
-        self._unusable: set[tuple[str, str]] = set()  # (node id, URL) already warned about
+        self._probes: set[asyncio.Task[None]] = set()
+        self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest context any engine serves (a prompt longer than that fits none), None until one said."""
+        return max((e.max_model_len for e in self.engines.values() if e.max_model_len), default=None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._probes) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _admit(self, node_id: str, url: str) -> Origin | None:
+        """The engine's origin, or None (with one warning per node and URL) when it is not to be routed to."""
+        refused = self._refused.get(node_id)
+        if refused is not None and refused[0] == url and time.monotonic() < refused[1]:
+            return None
+        try:
+            origin = await admit(url, self.networks)
+        except (EngineRefused, OSError) as exc:
+            again = math.inf if isinstance(exc, EngineRefused) else time.monotonic() + _RESOLVE_RETRY_S
+            if refused is None or refused[0] != url:
+                log.warning("engine %r is not routed to: %s", node_id, exc)
+            self._refused[node_id] = (url, again)
+            return None
+        self._refused.pop(node_id, None)
+        return origin
 
     async def refresh(self) -> None:
+        for i, url in enumerate(self.static):
+            node_id = f"static-{i + 1}"
+            if node_id not in self.engines and (origin := await self._admit(node_id, url)) is not None:
+                self.engines[node_id] = EngineState(node_id, origin, url, registered=False)
+                log.info("engine %s at %s", node_id, origin)
         try:
             nodes = await self.directory.nodes()
         except DirectoryError as exc:
             if self.directory_ok:
                 log.warning("directory unreachable (%s): routing by load alone", exc)
             self.directory_ok = False
-            return
-        self.directory_ok = True
+        else:
+            self.directory_ok = True
+            await self._update(nodes)
+        self._probe_models()
+
+    async def _update(self, nodes: Sequence[NodeInfo]) -> None:
         seen = set()
         for n in nodes:
-            if not usable_url(n.api_url):
-                if (n.node_id, n.api_url) not in self._unusable:
-                    self._unusable.add((n.node_id, n.api_url))
-                    log.warning("node %r registered an unusable API URL %r: not routed to", n.node_id, n.api_url[:200])
-                continue
-            seen.add(n.node_id)
             e = self.engines.get(n.node_id)
-            if e is None or e.url != n.api_url.rstrip("/"):
-                e = self.engines[n.node_id] = EngineState(n.node_id, n.api_url.rstrip("/"))
-                log.info("engine %s at %s (epoch %d)", n.node_id, e.url, n.epoch)
+            if e is None or e.api_url != n.api_url:
+                origin = await self._admit(n.node_id, n.api_url)
+                if origin is None:
+                    continue
+                if e is None or e.origin != origin:
+                    e = self.engines[n.node_id] = EngineState(n.node_id, origin)
+                    log.info("engine %s at %s (epoch %d)", n.node_id, origin, n.epoch)
+                e.api_url = n.api_url
+            seen.add(n.node_id)
             e.epoch = n.epoch
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
             e.block_bytes = sum(r.block_bytes for r in n.regions)
             e.running = n.load.get("running", 0.0)
             e.waiting = n.load.get("waiting", 0.0)
             e.last_seen = time.monotonic()
+        keep = {n.node_id for n in nodes} | {f"static-{i + 1}" for i in range(len(self.static))}
+        for node_id in [k for k in self._refused if k not in keep]:
+            del self._refused[node_id]
         for node_id in [k for k, e in self.engines.items() if e.registered and k not in seen and e.inflight == 0]:
             log.info("engine %s left the directory", node_id)
             del self.engines[node_id]
+
+    def _probe_models(self) -> None:
+        """Ask engines that have not said their max_model_len yet (vLLM and the stub put it in /v1/models), in the background."""
+        now = time.monotonic()
+        for e in self.engines.values():
+            if e.max_model_len is None and now >= e.models_due:
+                e.models_due = now + _MODELS_RETRY_S
+                task = asyncio.create_task(self._ask_models(e))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+    async def _ask_models(self, e: EngineState) -> None:
+        try:
+            data = (await self.http.get(e.origin.url("/v1/models"), timeout=2.0)).json()["data"]
+            lens = [m["max_model_len"] for m in data if isinstance(m, dict) and type(m.get("max_model_len")) is int]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.debug("engine %s did not list its models: %s", e.node_id, exc)
+            return
+        if lens and max(lens) > 0:
+            e.max_model_len = max(lens)
+            log.info("engine %s serves up to %d tokens of context", e.node_id, e.max_model_len)
 
     async def _loop(self) -> None:
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uvicorn
 
 from directory.config import parse_hostport
+from directory.http_limits import LimitedHttpToolsProtocol
 from directory.server import configure_logging
 from gateway.app import create_app
 from gateway.config import GatewaySettings
@@ -14,4 +15,4 @@ def serve(settings: GatewaySettings) -> None:
     configure_logging(settings.log_level)
     host, port = parse_hostport(settings.http)
     uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level.lower(), access_log=False,
-                loop="uvloop", http="httptools", timeout_graceful_shutdown=5)
+                loop="uvloop", http=LimitedHttpToolsProtocol, timeout_graceful_shutdown=5)

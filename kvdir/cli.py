@@ -67,9 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     add_replay_arguments(r)
 
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
-    b.add_argument("target", choices=["directory", "worker", "gateway", "events", "elections", "soak"],
+    b.add_argument("target", choices=["directory", "worker", "gateway", "events", "elections", "soak", "attacks"],
                    help="what to measure (elections: needless Raft elections after starts, stalls and restarts; "
-                        "soak: the fault harness, cycling its schedule under load)")
+                        "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost)")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to cycle the fault schedule")

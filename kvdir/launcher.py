@@ -3,13 +3,15 @@
 Replica i (1-based) serves HTTP on base_port+i and Raft on base_port+100+i.
 Once a leader is elected it prints one JSON line `{"ready": true, ...}` on
 stdout, optionally drives a demo, and keeps the cluster up until SIGINT or
-SIGTERM; then it stops every process it started, whatever happened.
+SIGTERM, restarting any process that dies (with backoff, its log's tail on
+stderr); then it stops every process it started, whatever happened.
 
-With `auth` it writes fresh random secrets into DATA_DIR/secrets (mode 0600)
-and hands every process the path of its own: the replicas' tokens file and Raft
-password, one engine token per worker confined to its node id, a read-only
-token for the gateway. Only paths go on command lines, which `ps` shows to
-every user of the machine.
+It always writes a fresh Raft password into DATA_DIR/secrets (mode 0600): without
+one pysyncobj unpickles whatever reaches a Raft port. With `auth` it also writes
+fresh random tokens there and hands every process the path of its own: the
+replicas' tokens file, one engine token per worker confined to its node id, a
+read-only token for the gateway. Only paths go on command lines, which `ps`
+shows to every user of the machine.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 import httpx
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("kvdir.up")
@@ -60,7 +62,16 @@ class UpSettings(BaseSettings):
     policy: str = Field("kvdir", description="routing policy of the gateway")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
-    auth: bool = Field(False, description="directory auth: fresh random tokens and Raft password in DATA_DIR/secrets (mode 0600)")
+    auth: bool = Field(False, description="directory auth: fresh random tokens in DATA_DIR/secrets (mode 0600); "
+                                          "the Raft password there is written with or without it")
+
+    @field_validator("host")
+    @classmethod
+    def _not_a_wildcard(cls, v: str) -> str:
+        # Every component also advertises this address to the others (and workers their transfer ports).
+        if v.strip("[]") in ("0.0.0.0", "::", ""):
+            raise ValueError(f"give one address to bind and advertise, not the wildcard {v!r} (e.g. 127.0.0.1)")
+        return v
 
 
 def _ephemeral_low() -> int:
@@ -107,6 +118,23 @@ def _write_secret(path: Path, text: str) -> None:
         f.write(text)
 
 
+def _secrets_dir(directory: Path) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+
+
+def write_raft_password(directory: Path) -> Path:
+    """Write a fresh random Raft password to `directory`/raft_password (dir 0700, file 0600); returns the path.
+
+    Pass the path as `Cluster(raft_password_file=...)`: a cluster without a password accepts
+    pickled commands from anyone who reaches a Raft port.
+    """
+    _secrets_dir(directory)
+    path = directory / "raft_password"
+    _write_secret(path, secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 @dataclass(frozen=True)
 class AuthFiles:
     """The secret files of `kvdir up --auth`: paths only, which may appear on command lines."""
@@ -125,9 +153,8 @@ class AuthFiles:
         Each engine token may write only its own node (the pattern is the exact
         id), so one compromised worker cannot publish entries for another.
         """
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        directory.chmod(0o700)
-        files = cls(directory, directory / "tokens", directory / "raft_password", directory / "admin.token",
+        _secrets_dir(directory)
+        files = cls(directory, directory / "tokens", write_raft_password(directory), directory / "admin.token",
                     directory / "gateway.token", {n: directory / f"{n}.token" for n in node_ids})
         lines = ["# role:node pattern:token, written by `kvdir up --auth` (fresh on every start)"]
         for role, pattern, path in [("admin", "*", files.admin), ("gateway", "*", files.gateway),
@@ -136,12 +163,12 @@ class AuthFiles:
             _write_secret(path, token + "\n")
             lines.append(f"{role}:{pattern}:{token}")
         _write_secret(files.tokens, "\n".join(lines) + "\n")
-        _write_secret(files.raft_password, secrets.token_urlsafe(32) + "\n")
         return files
 
     @property
     def replica_args(self) -> list[str]:
-        return ["--auth-tokens-file", str(self.tokens), "--raft-password-file", str(self.raft_password)]
+        """The replicas' auth flags; the Raft password goes to `Cluster(raft_password_file=...)`."""
+        return ["--auth-tokens-file", str(self.tokens)]
 
     def admin_token(self) -> str:
         return self.admin.read_text().strip()
@@ -164,11 +191,14 @@ class Cluster:
         hosts: Sequence[str] | None = None,
         prefix: Callable[[int], list[str]] | None = None,
         peers: Callable[[int], list[str]] | None = None,
+        raft_password_file: Path | None = None,
     ) -> None:
         """`hosts` gives each replica its own address, `prefix(i)` a command prefix and `peers(i)` its
         Raft peers (the fault harness runs replicas in network namespaces or behind link proxies);
-        by default all share `host` and each peers with the others' Raft addresses."""
+        by default all share `host` and each peers with the others' Raft addresses.
+        `raft_password_file` (see `write_raft_password`) is passed to every replica."""
         self.data_dir = data_dir
+        self.raft_password_file = raft_password_file
         self.token = token  # bearer token for wait_ready when the replicas run with an auth tokens file
         self.lease_ttl_s = lease_ttl_s
         self.log_level = log_level
@@ -181,11 +211,14 @@ class Cluster:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
 
     @classmethod
-    def from_settings(cls, s: UpSettings, data_dir: Path, auth: AuthFiles | None = None) -> Cluster:
+    def from_settings(cls, s: UpSettings, data_dir: Path, raft_password_file: Path, auth: AuthFiles | None = None) -> Cluster:
         n = range(1, s.replicas + 1)
         return cls(data_dir, [s.base_port + i for i in n], [s.base_port + 100 + i for i in n],
-                   host=s.host, lease_ttl_s=s.lease_ttl_s, log_level=s.log_level,
+                   host=s.host, lease_ttl_s=s.lease_ttl_s, log_level=s.log_level, raft_password_file=raft_password_file,
                    extra_args=auth.replica_args if auth else (), token=auth.admin_token() if auth else None)
+
+    def log_path(self, i: int) -> Path:
+        return self.data_dir / f"replica{i + 1}.log"
 
     def start(self) -> None:
         for i in range(len(self.procs)):
@@ -199,9 +232,10 @@ class Cluster:
             *(self._prefix(i) if self._prefix else []), sys.executable, "-m", "kvdir", "directory",
             "--http", self.replica_urls[i].removeprefix("http://"), "--raft", raft, "--peers", peers,
             "--data-dir", str(self.data_dir / f"replica{i + 1}"),
-            "--lease-ttl-s", str(self.lease_ttl_s), "--log-level", self.log_level, *self.extra_args,
+            "--lease-ttl-s", str(self.lease_ttl_s), "--log-level", self.log_level,
+            *(["--raft-password-file", str(self.raft_password_file)] if self.raft_password_file else []), *self.extra_args,
         ]
-        with open(self.data_dir / f"replica{i + 1}.log", "ab") as logf:
+        with open(self.log_path(i), "ab") as logf:
             self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
@@ -273,13 +307,16 @@ class Workers:
         for i in range(len(self.procs)):
             self.start_worker(i)
 
+    def log_path(self, i: int) -> Path:
+        return self.data_dir / f"{self.node_ids[i]}.log"
+
     def start_worker(self, i: int, *extra: str) -> None:
         token_file = self.token_files.get(self.node_ids[i])
         cmd = [sys.executable, "-m", "kvdir", "worker", "--node-id", self.node_ids[i],
                "--http", self.urls[i].removeprefix("http://"), "--directory", ",".join(self.directory_urls),
                "--log-level", self.log_level, *(["--directory-token-file", str(token_file)] if token_file else []),
                *self.extra_args, *extra]
-        with open(self.data_dir / f"{self.node_ids[i]}.log", "ab") as logf:
+        with open(self.log_path(i), "ab") as logf:
             self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
@@ -317,11 +354,18 @@ class Gateway:
     def __init__(self, data_dir: Path, port: int, directory_urls: Sequence[str], *, host: str = "127.0.0.1",
                  log_level: str = "warning", extra_args: Sequence[str] = (), token_file: Path | None = None) -> None:
         self.url = f"http://{host}:{port}"
-        cmd = [sys.executable, "-m", "kvdir", "gateway", "--http", f"{host}:{port}", "--directory", ",".join(directory_urls),
-               "--log-level", log_level, *(["--directory-token-file", str(token_file)] if token_file else []), *extra_args]
-        with open(data_dir / "gateway.log", "ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._cmd = [sys.executable, "-m", "kvdir", "gateway", "--http", f"{host}:{port}",
+                     "--directory", ",".join(directory_urls), "--log-level", log_level,
+                     *(["--directory-token-file", str(token_file)] if token_file else []), *extra_args]
         self.data_dir = data_dir
+        self.log_path = data_dir / "gateway.log"
+        self.proc: subprocess.Popen[bytes]
+        self.start()
+
+    def start(self) -> None:
+        """Start the process (again)."""
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(self._cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float, engines: int) -> None:
         """Poll until the gateway answers and knows `engines` engines."""
@@ -356,6 +400,84 @@ def _stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
             p.wait()
 
 
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a log file, indented (read from its end: logs of long runs grow large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            return "\n".join("  | " + line.decode(errors="replace") for line in f.read().splitlines()[-lines:])
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Supervised:
+    """One process `kvdir up` keeps running: how to find it, start it again, and read its log."""
+
+    name: str
+    proc: Callable[[], subprocess.Popen[bytes] | None]
+    start: Callable[[], None]
+    log: Path
+    delay_s: float = field(init=False, default=0.0)  # backoff before the next restart, set by the supervisor
+    due: float | None = None  # when the pending restart runs
+    since: float = field(default_factory=time.monotonic)  # when the running process was started
+
+
+class Supervisor:
+    """Restarts dead processes with exponential backoff, so one crash does not take the cluster down.
+
+    The first restart waits `min_s`, each next one twice as long up to `max_s`; a process that
+    stays up for `stable_s` starts again from `min_s`. Every death is logged with the tail of
+    the process's log, every restart with the new pid.
+    """
+
+    def __init__(self, children: Sequence[Supervised], min_s: float = 0.5, max_s: float = 30.0, stable_s: float = 60.0) -> None:
+        self.children = list(children)
+        self.min_s, self.max_s, self.stable_s = min_s, max_s, stable_s
+        for c in self.children:
+            c.delay_s = min_s
+
+    def tick(self, now: float) -> None:
+        """Look at every process once; call it a few times a second."""
+        for c in self.children:
+            proc = c.proc()
+            if proc is None:
+                continue
+            code = proc.poll()
+            if code is None:
+                if now - c.since >= self.stable_s:
+                    c.delay_s = self.min_s
+            elif c.due is None:
+                c.due = now + c.delay_s
+                log.error("%s (pid %d) %s; restarting it in %.1fs. Last lines of %s:\n%s", c.name, proc.pid, _exit_reason(code),
+                          c.delay_s, c.log, log_tail(c.log))
+                c.delay_s = min(2 * c.delay_s, self.max_s)
+            elif now >= c.due:
+                c.start()
+                c.due, c.since = None, now
+                restarted = c.proc()
+                log.warning("%s restarted (pid %s)", c.name, restarted.pid if restarted else "?")
+
+
+def _supervisor(cluster: Cluster, workers: Workers, gateway: Gateway | None) -> Supervisor:
+    children = [Supervised(f"replica {i + 1}", lambda i=i: cluster.procs[i], lambda i=i: cluster.start_replica(i),
+                           cluster.log_path(i)) for i in range(len(cluster.procs))]
+    children += [Supervised(node, lambda i=i: workers.procs[i], lambda i=i: workers.start_worker(i), workers.log_path(i))
+                 for i, node in enumerate(workers.node_ids)]
+    if gateway is not None:
+        children.append(Supervised("gateway", lambda: gateway.proc, gateway.start, gateway.log_path))
+    return Supervisor(children)
+
+
 def run_up(settings: UpSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -371,7 +493,8 @@ def run_up(settings: UpSettings) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     auth = AuthFiles.generate(data_dir / "secrets", worker_node_ids(settings.workers)) if settings.auth else None
-    cluster = Cluster.from_settings(settings, data_dir, auth)
+    raft_password = auth.raft_password if auth else write_raft_password(data_dir / "secrets")
+    cluster = Cluster.from_settings(settings, data_dir, raft_password, auth)
     workers = Workers(
         data_dir, [settings.base_port + 10 + i for i in range(1, settings.workers + 1)], cluster.replica_urls,
         host=settings.host, log_level=settings.log_level,
@@ -397,7 +520,9 @@ def run_up(settings: UpSettings) -> int:
         if auth is not None:
             log.info("directory auth on: tokens file %s, Raft password %s; admin token in %s, e.g.\n"
                      "  curl -H \"Authorization: Bearer $(cat %s)\" %s/v1/nodes",
-                     auth.tokens, auth.raft_password, auth.admin, auth.admin, leader)
+                     auth.tokens, raft_password, auth.admin, auth.admin, leader)
+        else:
+            log.info("Raft password in %s (directory auth off: --auth turns it on)", raft_password)
         if settings.demo or settings.demo_and_exit:
             from kvdir.demo import run_demo
 
@@ -405,11 +530,9 @@ def run_up(settings: UpSettings) -> int:
         if settings.demo_and_exit:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")
-        while not stop.wait(0.5):
-            if (len(cluster.alive()) < len(cluster.procs) or any(p is not None and p.poll() is not None for p in workers.procs)
-                    or (gateway is not None and gateway.proc.poll() is not None)):
-                log.error("a process exited; see the logs in %s", data_dir)
-                return 1
+        supervisor = _supervisor(cluster, workers, gateway)
+        while not stop.wait(0.2):
+            supervisor.tick(time.monotonic())
         return 0
     except (RuntimeError, TimeoutError) as exc:
         log.error("kvdir up: %s", exc)

@@ -3,6 +3,9 @@
 Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for invalid requests (bad JSON, wrong types, prompt too long), 404 for an
 unknown model, 413 for an oversized body, 429 when the queue is full.
+`/tokenize` refuses a prompt over `max_model_len` (as vLLM does) before the
+work it would cost: more messages than that, or (with the bytes tokenizer) more
+characters than that, is refused unparsed and untokenized.
 Answers report `usage.prompt_tokens_details.cached_tokens` (prompt tokens not
 recomputed: local hits plus pulled blocks) and, in the extension field
 `kvdir`, where the time went and what was pulled.
@@ -18,16 +21,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from directory.api import BodyLimit
 from directory.client import DirectoryClient
-from directory.tokenizer import load_tokenizer, render_chat
+from directory.http_limits import BodyLimit
+from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from worker_stub.config import WorkerSettings
 from worker_stub.engine import Engine, PullPlan, QueueFull, RequestStats
 from worker_stub.pool import KVPool
@@ -119,6 +123,7 @@ class WorkerMetrics:
 
 def create_app(settings: WorkerSettings) -> FastAPI:
     tokenizer = load_tokenizer(settings.tokenizer)
+    chars_per_token = max_chars_per_token(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -146,7 +151,8 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             transfer.close()
 
     app = FastAPI(title="kvdir worker stub", version="1", lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=64 << 20)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, too_large=lambda limit: _error(
+        413, f"request bodies are limited to {limit} bytes", code="body_too_large"))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -257,12 +263,35 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (body.max_tokens if body.max_tokens is not None else 16)
         return await run(request, body, tokens, max_tokens, chat=True)
 
+    def too_long(what: str) -> OpenAIError:
+        return OpenAIError(400, f"This model's maximum context length is {settings.max_model_len} tokens; the request has {what}",
+                           code="context_length_exceeded")
+
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
+    async def tokenize(request: Request) -> Response:
+        raw = await request.body()
+        # Counted before validation: each message renders to at least one token, and a body of a million
+        # messages would otherwise be validated (and tokenized) in full first.
+        try:
+            n_messages = count_messages(raw)
+        except msgspec.ValidationError as exc:
+            raise OpenAIError(400, f"the request body is invalid: {exc}") from exc
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from exc
+        if n_messages > settings.max_model_len:
+            raise too_long(f"{n_messages} messages")
+        try:
+            body = TokenizeRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of `prompt` or `messages`")
         text = body.prompt if body.prompt is not None else render_chat([m.model_dump() for m in body.messages or []])
+        if chars_per_token is not None and len(text) > settings.max_model_len * chars_per_token:
+            raise too_long(f"{len(text)} characters, which is more")
         tokens = tokenizer.encode(text)
+        if len(tokens) > settings.max_model_len:
+            raise too_long(f"{len(tokens)} prompt tokens")
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len})
 
     @app.get("/v1/models")

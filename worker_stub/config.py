@@ -8,7 +8,9 @@ so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
 
 from __future__ import annotations
 
-from pydantic import Field
+import ipaddress
+
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from directory.config import DirectoryClientSettings, HostPort
@@ -24,6 +26,7 @@ class WorkerSettings(DirectoryClientSettings):
     advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
     model: str = Field("kvdir-stub", min_length=1, description="the model name served")
     max_model_len: int = Field(131072, ge=16, description="longest prompt + completion, in tokens")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
     tokenizer: str = Field("bytes", description="'bytes' (UTF-8 bytes as tokens) or a tokenizer.json path")
     namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the gateway's")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the gateway's")
@@ -36,11 +39,23 @@ class WorkerSettings(DirectoryClientSettings):
     max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_running (429 above)")
     time_scale: float = Field(1.0, ge=0, description="multiplies every simulated duration (0: no waiting)")
     transfer: str = Field("mooncake", description="KV transfer engine: mooncake or tcp")
-    transfer_host: str = Field("127.0.0.1", description="address the transfer engine binds and advertises")
+    transfer_host: str = Field("127.0.0.1", min_length=1, description="address (or name) the transfer engine listens on "
+                               "and advertises: whoever reaches it can read this worker's KV memory (mooncake: also overwrite)")
     publish_interval_s: float = Field(0.01, gt=0, le=10, description="how often new and evicted blocks are published")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
     log_level: str = Field("info", description="debug, info, warning or error")
 
+    @field_validator("transfer_host")
+    @classmethod
+    def _specific_transfer_host(cls, v: str) -> str:
+        """Peers are told this address: a wildcard would reach nobody, and would serve the KV pool on every interface."""
+        try:
+            wildcard = ipaddress.ip_address(v.strip("[]")).is_unspecified
+        except ValueError:
+            return v  # a host name
+        if wildcard:
+            raise ValueError(f"{v!r} is a wildcard address: give the one address peers reach this worker's transfer engine at")
+        return v
 
     @property
     def url(self) -> str:

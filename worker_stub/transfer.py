@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import ipaddress
+import logging
 import math
 import os
 import socket
@@ -28,6 +30,8 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+from worker_stub.socket_filter import EarlyConnectionError, confine_listeners, own_tcp_listeners
 
 __all__ = [
     "ENGINES",
@@ -39,6 +43,8 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class TransferError(Exception):
@@ -86,10 +92,18 @@ def _check_batch(local_addrs: Sequence[int], remote_addrs: Sequence[int], length
 class MooncakeEngine:
     """`TransferEngine` over Mooncake's `mooncake.engine.TransferEngine` (P2P handshake, no metadata server).
 
-    Session: ``f"{host}:{rpc_port}"``. Mooncake **listens on 0.0.0.0** for its
-    handshake RPC port and on all interfaces for its TCP data port, whatever
-    `host` is: `host` only decides what address peers are told. Firewall the
-    port range (15000-17000 by default) on shared networks.
+    Session: ``f"{host}:{rpc_port}"``. Mooncake binds its listeners to the
+    wildcard address whatever `host` is (0.3.13.post1, and Mooncake's main
+    branch): the P2P handshake port (`INADDR_ANY`, `IN6ADDR_ANY` with
+    MC_USE_IPV6) and, for protocol "tcp", the data port (`[::]` dual-stack);
+    no setting changes that (MC_TCP_BIND_ADDRESS and MC_RDMA_BIND_ADDRESS
+    only change the *advertised* address). Both serve every registered byte
+    to anyone, for reading and for writing, without authentication. So the
+    constructor confines every listener `initialize` opened with a socket
+    filter (`confine_listeners`): the kernel drops packets not addressed to
+    `host`, so only peers that reach `host` itself can connect. `ss` still
+    shows them on 0.0.0.0 / `*`. Where that cannot be done (a wildcard
+    `host`, not Linux) it logs a WARNING naming the ports.
 
     Failure behaviour measured with mooncake-transfer-engine-non-cuda
     0.3.13.post1, protocol "tcp", on loopback (`batch_transfer_sync_read`
@@ -153,10 +167,26 @@ class MooncakeEngine:
         self._registered: list[int] = []
         self._closed = False
         self._te: Any = _NativeEngine()
+        before = {li.inode for li in own_tcp_listeners()}
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed with code {rc}")
         self._session = f"{host}:{self._te.get_rpc_port()}"
+        # Before any memory is registered: until then the listeners have nothing to serve.
+        listeners = [li for li in own_tcp_listeners() if li.inode not in before]
+        ports = ", ".join(str(li.port) for li in listeners) or "(in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 by default)"
+        try:
+            confine_listeners(listeners, host)
+        except EarlyConnectionError as exc:
+            raise TransferError(str(exc)) from exc
+        except OSError as exc:
+            log.warning(
+                "Mooncake transfer ports %s listen on all interfaces and cannot be confined to %s (%s): anyone who "
+                "reaches them can read and overwrite every KV region this worker registers, without authentication; "
+                "firewall them or keep them on a private network", ports, host, exc)
+        else:
+            log.info("Mooncake transfer ports %s (bound to all interfaces) accept only connections addressed to %s",
+                     ports, host)
 
     @property
     def session(self) -> str:
@@ -291,8 +321,9 @@ class TcpEngine:
     region: nothing is sent from it). The reader recv_into()s each piece
     straight into its destination memory; connections are pooled per peer.
 
-    Anyone who can reach the port can read the registered memory: bind to a
-    private address. A piece must lie inside one registration (like Mooncake).
+    Anyone who can reach the port can read the registered memory (there is no
+    write request): bind to a private address; a wildcard one logs a WARNING.
+    A piece must lie inside one registration (like Mooncake).
 
     Bounds: connecting and every receive time out after `timeout_s` without
     progress, so a dead peer fails at once (refused / reset) and a stalled
@@ -309,7 +340,10 @@ class TcpEngine:
         self._served: set[socket.socket] = set()
         self._closed = False
         self._listener = socket.create_server((host, 0), backlog=64)
-        port = self._listener.getsockname()[1]
+        bound, port = self._listener.getsockname()[:2]
+        if ipaddress.ip_address(bound).is_unspecified:
+            log.warning("TCP transfer port %d listens on all interfaces (transfer host %r): anyone who reaches it can "
+                        "read every KV region this worker registers; give a private address", port, host)
         self._session = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-engine-{port}", daemon=True)
         self._acceptor.start()

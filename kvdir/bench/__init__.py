@@ -4,6 +4,10 @@ from __future__ import annotations
 
 
 def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
+    if target == "attacks":
+        from kvdir.bench.attacks import main as attacks_main
+
+        return attacks_main(as_json=as_json, quick=quick)
     if target == "directory":
         from kvdir.bench.directory import main
 

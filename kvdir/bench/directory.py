@@ -238,15 +238,19 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
 
 
 def bench_fsync(quick: bool) -> dict[str, Any]:
-    """Publish rate (batches of 64) on 3 fresh replicas with and without `--fsync` (the default)."""
+    """Publish rate (batches of 64) on 3 fresh replicas with and without `--fsync` (the default), and
+    with a Raft password (encrypted, authenticated links, as `kvdir up` and compose run)."""
     duration = 3.0 if quick else 10.0
     out: dict[str, Any] = {}
-    for mode, args in (("fsync", ()), ("no_fsync", ("--no-fsync",))):
-        with _publishing_cluster(args) as (c, nodes, epochs):
-            say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
-            items, lat, _ = _load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)
-            out[f"publish_{mode}_blocks_per_s"] = items / duration
-            out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-secret-") as secrets:
+        password = Path(secrets) / "raft_password"
+        password.write_text("bench-password\n")
+        for mode, args in (("fsync", ()), ("no_fsync", ("--no-fsync",)), ("raft_password", ("--raft-password-file", str(password)))):
+            with _publishing_cluster(args) as (c, nodes, epochs):
+                say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
+                items, lat, _ = _load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)
+                out[f"publish_{mode}_blocks_per_s"] = items / duration
+                out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
     return out
 
 

@@ -29,7 +29,7 @@ from kvdir.faults import checker, netns
 from kvdir.faults.history import OK, WRITES, Fault, History, seq_hashes
 from kvdir.faults.load import Load
 from kvdir.faults.proxy import ProxyNetwork
-from kvdir.launcher import Cluster, free_ports
+from kvdir.launcher import Cluster, free_ports, write_raft_password
 
 log = logging.getLogger("kvdir.faults")
 
@@ -80,6 +80,7 @@ class _Run:
             data_dir, ports[:n], ports[n:], lease_ttl_s=300, log_level="info",
             extra_args=("--write-timeout-s", "3", *plan.replica_args),
             hosts=self.net.hosts, prefix=prefix, peers=peers,
+            raft_password_file=write_raft_password(data_dir / "secrets"),
         )
         self.http = httpx.Client(timeout=2.0, trust_env=False)
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvdir.launcher import Cluster, Gateway, Workers, free_ports, write_raft_password
 
 
 @pytest.fixture
@@ -19,12 +19,14 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     """Start clusters of n replicas; every one is stopped at teardown, pass or fail."""
     started: list[Cluster] = []
 
-    def make(n: int = 3, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = (), token: str | None = None) -> Cluster:
+    def make(n: int = 3, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = (), token: str | None = None,
+             raft_password: bool = True) -> Cluster:
+        """A Raft password as `kvdir up` gives (a fresh file), unless `raft_password` is False."""
         ports = free_ports(2 * n)
         data_dir = tmp_path / f"cluster{len(started)}"
         data_dir.mkdir()
         cluster = Cluster(data_dir, ports[:n], ports[n:], lease_ttl_s=lease_ttl_s, log_level="info", extra_args=extra_args,
-                          token=token)
+                          token=token, raft_password_file=write_raft_password(data_dir / "secrets") if raft_password else None)
         started.append(cluster)
         cluster.start()
         cluster.wait_ready(60)

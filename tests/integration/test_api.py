@@ -162,7 +162,7 @@ def test_oversized_bodies_and_limits(small_limits_cluster) -> None:
     assert r.status_code == 413
     for i in range(2, 4):
         _register(url, f"n{i}")
-    r = httpx.post(url + "/v1/nodes", json={"node_id": "n4", "api_url": "x"})
+    r = httpx.post(url + "/v1/nodes", json={"node_id": "n4", "api_url": "http://x"})
     assert r.status_code == 429 and r.json()["error"] == "node_limit"
     r = httpx.post(url + "/v1/lookup", json={"hashes": []})
     assert r.status_code == 200 and r.json() == {"num_blocks": 0, "holders": []}

@@ -98,7 +98,7 @@ def test_topology_is_consistent_and_matches_kvdir_up(services, doc) -> None:
     assert len(set(node_ids)) == len(node_ids)
     for name in by_role["worker"]:
         env = services[name][2]
-        assert urlsplit(env["KVDIR_ADVERTISE_URL"]).hostname == name == env["KVDIR_TRANSFER_HOST"]
+        assert urlsplit(env["KVDIR_ADVERTISE_URL"]).hostname == name == doc["services"][name]["hostname"]
     for role, _, env in services.values():
         # Each health check probes the service's own port, and the directory's readiness.
         _, port = parse_hostport(env["KVDIR_HTTP"])
@@ -108,6 +108,37 @@ def test_topology_is_consistent_and_matches_kvdir_up(services, doc) -> None:
     assert doc["services"]["gateway"]["ports"] == ["8000:8000"]
     published = [n for n, s in doc["services"].items() if s.get("ports")]
     assert published == ["gateway"]  # nothing else is reachable from outside
+
+
+def _networks(svc: dict) -> dict[str, dict]:
+    """A service's networks as name -> settings, from either compose form (list or mapping)."""
+    nets = svc.get("networks") or {}
+    return {n: {} for n in nets} if isinstance(nets, list) else {n: cfg or {} for n, cfg in nets.items()}
+
+
+def test_transfer_traffic_stays_on_a_private_network_between_workers(services, doc) -> None:
+    """Whoever reaches a transfer port can read and overwrite KV memory: only workers may reach them (issue #12, item 3).
+
+    Each worker's transfer host is an alias it has on one internal network that only workers join; nothing
+    resolves that name on the network the gateway and the replicas share. (Mooncake binds all interfaces;
+    the worker confines its ports to connections addressed to the transfer host, so this is what decides
+    who can connect.)
+    """
+    workers = sorted(n for n, (role, _, _) in services.items() if role == "worker")
+    hosts = {n: services[n][2]["KVDIR_TRANSFER_HOST"] for n in workers}
+    assert len(set(hosts.values())) == len(workers)
+    on = {n: _networks(svc) for n, svc in doc["services"].items()}
+    homes = {net for n in workers for net, cfg in on[n].items() if hosts[n] in cfg.get("aliases", [])}
+    assert len(homes) == 1, homes  # every worker's transfer host names it on the same network, and on one only
+    private = homes.pop()
+    assert doc["networks"][private].get("internal") is True
+    assert {n for n, nets in on.items() if private in nets} == set(workers)
+    names_elsewhere = set(doc["services"]) | {svc.get("hostname") for svc in doc["services"].values()} | {
+        alias for nets in on.values() for net, cfg in nets.items() if net != private for alias in cfg.get("aliases", [])}
+    assert not names_elsewhere & set(hosts.values())
+    gateway = [n for n, (role, _, _) in services.items() if role == "gateway"]
+    assert gateway and all(private not in on[n] for n in gateway)
+    assert all(not doc["services"][n].get("ports") for n in workers)  # no transfer (or API) port is published
 
 
 def test_dockerfile_essentials() -> None:

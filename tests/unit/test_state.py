@@ -129,6 +129,20 @@ def test_reregistration_updates_fields(st):
     assert st.nodes["a"].capacity_blocks == 8
 
 
+def test_reregistrations_replace_the_old_one_and_leak_nothing(st):
+    """Issue #12 item 7: the state holds one registration per node, whatever the churn; only the Raft
+    log grows with re-registrations (compacted by size in the replica)."""
+    regions = tuple({"rank": r, "base_addr": 0, "length": 1, "block_bytes": 1, "rkey": "k" * 256, "layer": None}
+                    for r in range(256))
+    for k in range(1000):
+        e = st.apply(Register("a", f"i{k}", "http://a", regions=regions)).value
+        assert pub(st, "a", e, [k, k + 1]).ok
+    assert list(st.nodes) == ["a"] and list(st.by_idx) == [st.nodes["a"].idx] and st.nodes["a"].incarnation == "i999"
+    assert st._next_idx == 1 and st._free_idx == []
+    assert len(st.index) == 2 and view(st, [999, 1000]) == [("a", e, 2)]
+    assert len(pickle.dumps(st)) < len(pickle.dumps(regions)) + 64 * 1024
+
+
 def test_epochs_strictly_increase_globally_across_reuse(st):
     epochs = []
     for i in range(3):
