@@ -32,6 +32,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether `host` means every interface ("", 0.0.0.0, ::): something to bind, never to tell peers."""
+    try:
+        return host.strip("[]") == "" or ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a host name
+
+
 def _hostport(value: str) -> str:
     parse_hostport(value)
     return value

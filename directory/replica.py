@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import threading
@@ -282,7 +283,7 @@ class _ReadFirstSyncObj(SyncObj):
         self._election_timeout = election_timeout
         self._compaction_bytes = compaction_bytes
         self._log_entries = self._log_bytes = 0
-        self._compaction_asked = False
+        self._compact_at: float | None = None  # log bytes that trigger a compaction; inf once asked for
         self._quick_pass_s = election_timeout[0] / 4
         self._was_connected = False
         self._fresh_at = float("-inf")
@@ -300,15 +301,16 @@ class _ReadFirstSyncObj(SyncObj):
         entries = self._SyncObj__raftLog
         n = len(entries)
         if n < self._log_entries:  # compacted or truncated: count afresh
-            self._log_entries, self._log_bytes, self._compaction_asked = 0, 0, False
+            self._log_entries, self._log_bytes, self._compact_at = 0, 0, None
         self._log_bytes += sum(len(entries[i][0]) for i in range(self._log_entries, n))
         self._log_entries = n
-        if self._compaction_asked or self._log_bytes < self._compaction_bytes:
+        if self._log_bytes < self._compaction_bytes:
             return
-        dump = self.conf.fullDumpFile
-        snapshot = os.path.getsize(dump) if dump and os.path.exists(dump) else 0
-        if self._log_bytes >= snapshot:
-            self._compaction_asked = True
+        if self._compact_at is None:  # the snapshot's size, read once per stretch of log rather than every tick
+            dump = self.conf.fullDumpFile
+            self._compact_at = max(self._compaction_bytes, os.path.getsize(dump) if dump and os.path.exists(dump) else 0)
+        if self._log_bytes >= self._compact_at:
+            self._compact_at = math.inf  # asked: not again until the log shrinks
             self.forceLogCompaction()
 
     def _note_fresh(self) -> None:

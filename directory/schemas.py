@@ -12,9 +12,12 @@ booleans are rejected (422), as are values outside 0..2**64-1.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,28 +51,57 @@ def check_u64(value: int, what: str) -> None:
         raise ValueError(f"{what} must be at most 2**64-1")
 
 
-def origin(url: str) -> str:
-    """`url` as scheme://host[:port], its one allowed trailing "/" dropped; ValueError for anything else.
+_ORIGIN = re.compile(r"(?P<scheme>https?)://(?P<host>\[[0-9a-f:.]+\]|[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?)(?::(?P<port>[0-9]{1,5}))?/?",
+                     re.ASCII | re.IGNORECASE)
 
-    A node's API URL is where the gateway sends users' prompts: with a path, query, fragment or
-    user info an engine token could point the gateway at any endpoint of any host (issue #12).
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where an engine's API is: scheme, host and port, and nothing else."""
+
+    scheme: str
+    host: str  # an IPv6 address without its brackets
+    port: int
+
+    def url(self, path: str) -> httpx.URL:
+        """The URL of `path` (one of the caller's own constants) on this engine, built from the parts."""
+        return httpx.URL(scheme=self.scheme, host=self.host, port=self.port, path=path)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
+
+
+def parse_origin(url: str) -> Origin:
+    """`url` as an origin, `http(s)://HOST[:PORT]` with one trailing "/" allowed; ValueError for anything more or less.
+
+    A node's API URL is where the gateway sends users' prompts: with a path, query, fragment or user info
+    an engine token could point the gateway at any endpoint of any host (issue #12). The directory refuses
+    such a registration and the gateway refuses to route to one, both by this one definition.
     """
-    if any(c.isspace() or not c.isprintable() for c in url):
-        raise ValueError("api_url must not contain whitespace or control characters")
-    parts = urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"api_url must be http://HOST[:PORT] or https://HOST[:PORT], got {url[:100]!r}")
-    if "@" in parts.netloc:
-        raise ValueError("api_url must not carry user info (user:password@)")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
-        raise ValueError(f"api_url must be an origin only (scheme, host, port): no path, query or fragment, got {url[:100]!r}")
+    m = _ORIGIN.fullmatch(url)
+    if m is None:
+        raise ValueError(f"{url[:200]!r} is not a plain http(s)://HOST:PORT origin (no path, query, fragment or user info)")
+    scheme, host = m["scheme"].lower(), m["host"].lower()
+    if host.startswith("["):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError as exc:
+            raise ValueError(f"{url[:200]!r}: {host!r} is not an IPv6 address") from exc
+    port = int(m["port"]) if m["port"] else (443 if scheme == "https" else 80)
+    if not 0 < port < 65536:
+        raise ValueError(f"{url[:200]!r}: port {port} is not in 1..65535")
+    return Origin(scheme, host, port)
+
+
+def origin(url: str) -> str:
+    """A registration's `api_url` checked by `parse_origin`, as given but for a lower-case scheme and no trailing "/"."""
     try:
-        port = parts.port
+        parse_origin(url)
     except ValueError as exc:
-        raise ValueError(f"api_url has an invalid port: {exc}") from exc
-    if not parts.hostname or parts.netloc.endswith(":") or port == 0:
-        raise ValueError(f"api_url needs a host and, if any, a port in 1..65535, got {url[:100]!r}")
-    return f"{parts.scheme.lower()}://{parts.netloc}"
+        raise ValueError(f"api_url: {exc}") from exc
+    scheme, rest = url.split("://", 1)
+    return f"{scheme.lower()}://{rest.removesuffix('/')}"
 
 
 class _Body(msgspec.Struct):

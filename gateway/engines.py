@@ -22,7 +22,6 @@ import asyncio
 import ipaddress
 import logging
 import math
-import re
 import socket
 import time
 from collections.abc import Sequence
@@ -30,17 +29,16 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from directory import schemas
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.schemas import NodeInfo
+from directory.schemas import NodeInfo, Origin
 
 log = logging.getLogger("kvdir.gateway")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-_ORIGIN = re.compile(r"(?P<scheme>https?)://(?P<host>\[[0-9a-f:.]+\]|[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?)(?::(?P<port>[0-9]{1,5}))?/?",
-                     re.ASCII | re.IGNORECASE)
 _RESOLVE_TIMEOUT_S = 5.0
 _RESOLVE_RETRY_S = 30.0  # an engine whose name did not resolve is tried again after this long
 _MODELS_RETRY_S = 5.0  # an engine that did not say its max_model_len is asked again after this long
@@ -50,38 +48,12 @@ class EngineRefused(ValueError):
     """An engine URL the gateway will not send requests to, and why."""
 
 
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where an engine's API is: scheme, host and port, and nothing else."""
-
-    scheme: str
-    host: str  # an IPv6 address without its brackets
-    port: int
-
-    def url(self, path: str) -> httpx.URL:
-        """The URL of `path` (one of the gateway's own constants) on this engine."""
-        return httpx.URL(scheme=self.scheme, host=self.host, port=self.port, path=path)
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
-
-
 def parse_origin(url: str) -> Origin:
-    """`url` as an origin: `http(s)://HOST[:PORT]`, a trailing slash allowed; EngineRefused for anything more or less."""
-    m = _ORIGIN.fullmatch(url)
-    if m is None:
-        raise EngineRefused(f"{url[:200]!r} is not a plain http(s)://HOST:PORT origin (no path, query, fragment or user info)")
-    scheme, host = m["scheme"].lower(), m["host"].lower()
-    if host.startswith("["):
-        host = host[1:-1]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError as exc:
-            raise EngineRefused(f"{url[:200]!r}: {host!r} is not an IPv6 address") from exc
-    port = int(m["port"]) if m["port"] else (443 if scheme == "https" else 80)
-    if not 0 < port < 65536:
-        raise EngineRefused(f"{url[:200]!r}: port {port} is not in 1..65535")
-    return Origin(scheme, host, port)
+    """`url` as an origin (`directory.schemas.parse_origin`); EngineRefused for anything more or less."""
+    try:
+        return schemas.parse_origin(url)
+    except ValueError as exc:
+        raise EngineRefused(str(exc)) from exc
 
 
 def parse_networks(value: str) -> list[Network]:

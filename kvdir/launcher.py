@@ -39,6 +39,8 @@ import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from directory.config import is_wildcard
+
 log = logging.getLogger("kvdir.up")
 
 
@@ -69,7 +71,7 @@ class UpSettings(BaseSettings):
     @classmethod
     def _not_a_wildcard(cls, v: str) -> str:
         # Every component also advertises this address to the others (and workers their transfer ports).
-        if v.strip("[]") in ("0.0.0.0", "::", ""):
+        if is_wildcard(v):
             raise ValueError(f"give one address to bind and advertise, not the wildcard {v!r} (e.g. 127.0.0.1)")
         return v
 

@@ -8,12 +8,10 @@ so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
 
 from __future__ import annotations
 
-import ipaddress
-
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.config import DirectoryClientSettings, HostPort
+from directory.config import DirectoryClientSettings, HostPort, is_wildcard
 
 
 class WorkerSettings(DirectoryClientSettings):
@@ -49,11 +47,7 @@ class WorkerSettings(DirectoryClientSettings):
     @classmethod
     def _specific_transfer_host(cls, v: str) -> str:
         """Peers are told this address: a wildcard would reach nobody, and would serve the KV pool on every interface."""
-        try:
-            wildcard = ipaddress.ip_address(v.strip("[]")).is_unspecified
-        except ValueError:
-            return v  # a host name
-        if wildcard:
+        if is_wildcard(v):
             raise ValueError(f"{v!r} is a wildcard address: give the one address peers reach this worker's transfer engine at")
         return v
 
