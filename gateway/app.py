@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
+from directory.http_limits import BodyLimit
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRegistry, EngineState
@@ -176,12 +177,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
 
+    def too_large(limit: int) -> JSONResponse:
+        response = _error(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
+        response.headers["connection"] = "close"  # the rest of the body is not read: the connection cannot be reused
+        return response
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, too_large=too_large)
+
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        response = _error(exc.status, exc.message, exc.type, exc.code, exc.param)
-        if exc.status == 413:  # the rest of an oversized body is not read: the connection cannot be reused
-            response.headers["connection"] = "close"
-        return response
+        return _error(exc.status, exc.message, exc.type, exc.code, exc.param)
 
     def max_prompt_tokens(request: Request) -> int:
         registry: EngineRegistry = request.app.state.registry
@@ -198,21 +203,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if chars_per_token is not None and len(text) > max_prompt_tokens(request) * chars_per_token:
             raise GatewayError(400, f"This model's maximum context length is {max_prompt_tokens(request)} tokens; the prompt "
                                     f"has {len(text)} characters, which is more", code="context_length_exceeded", param=param)
-
-    async def read_body(request: Request) -> bytes:
-        """The body, refused (413) as soon as it is known to be over the limit: from its declared length, else while it streams."""
-        limit = settings.max_body_bytes
-        too_large = GatewayError(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def check_sizes(request: Request, body: bytes, model: type[_Body]) -> None:
         """Count a token-array prompt or the chat messages on the raw JSON, so no list of millions is built or validated.
@@ -239,7 +229,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             check_tokens(request, prompt.count(b",") + (1 if prompt.strip(b"[] \t\r\n") else 0), "prompt")
 
     async def parse(request: Request, model: type[_Body]) -> tuple[dict[str, Any], Any]:
-        body = await read_body(request)
+        body = await request.body()  # at most max_body_bytes: BodyLimit refused more (413) before reading it
         check_sizes(request, body, model)
         try:
             raw = json.loads(body)
