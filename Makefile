@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run test bench clean sysdeps
+.PHONY: install run test test-compose bench clean sysdeps
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ run: install
 
 test: install
 	$(PY) -m pytest $(ARGS)
+
+# The docker-compose cluster, built, run and broken (tests/compose/run.sh: installs Docker from Debian's
+# packages and starts a daemon when needed, and stops what it started).
+test-compose: install
+	bash tests/compose/run.sh $(ARGS)
 
 bench: install
 	$(VENV)/bin/kvdir bench directory $(ARGS)

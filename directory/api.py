@@ -433,11 +433,11 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
         # Added last, so outermost: an unauthenticated request is refused before its body is read.
         app.add_middleware(BearerAuth, tokens=tokens)
         log.info("bearer-token auth on: %d tokens from %s", len(tokens), settings.auth_tokens_file)
+    elif not is_loopback(parse_hostport(settings.http)[0]):
+        log.warning("auth is off (no --auth-tokens-file) on %s: any client that reaches it may write", settings.http)
     if settings.tenant_secret_file is not None:
         log.info("tenant keys from %s (fingerprint %s: equal on every replica)", settings.tenant_secret_file,
                  settings.tenancy.fingerprint())
-    elif not is_loopback(parse_hostport(settings.http)[0]):
-        log.warning("auth is off (no --auth-tokens-file) on %s: any client that reaches it may write", settings.http)
 
     def count(request: Request, error: str) -> None:
         m = getattr(request.app.state, "metrics", None)

@@ -381,8 +381,9 @@ class Replica:
             log.warning("raft: no Raft password: whoever reaches %s can forge Raft messages (set KVDIR_RAFT_PASSWORD_FILE)",
                         settings.raft)
         started = time.monotonic()
-        index.warm_up()  # before the Raft thread exists: a first compile there would stall its heartbeats
-        log.info("index kernels ready in %.2f s", time.monotonic() - started)
+        cached, compiled = index.warm_up()  # before the Raft thread exists: a first compile there would stall its heartbeats
+        log.info("index kernels ready in %.2f s (%d loaded from numba's cache, %d compiled)",
+                 time.monotonic() - started, cached, compiled)
         self.raft = _ReadFirstSyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm],
                                       transportClass=raft_transport.GuardedTransport,
                                       election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s),

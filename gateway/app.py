@@ -133,6 +133,9 @@ class GatewayMetrics:
         self.added_seconds = Histogram("kvdir_gateway_added_seconds", "From a request's arrival to its forwarding, tokenization excluded",
                                        buckets=_LATENCY, registry=r)
         self.upstream_errors = Counter("kvdir_gateway_upstream_errors_total", "Upstream failures, by kind", ["kind"], registry=r)
+        self.lookup_failures = Counter("kvdir_gateway_lookup_failures_total",
+                                       "Directory lookups that failed (request routed by load), by cause: timeout or error",
+                                       ["cause"], registry=r)
         Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
         Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(lambda: 1 if registry.directory_ok else 0)
 
@@ -245,17 +248,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             loc = ".".join(str(x) for x in e["loc"])
             raise GatewayError(400, f"{loc}: {e['msg']}", param=loc or None) from exc
 
-    async def lookup(request: Request, hashes: list[int]) -> tuple[dict[str, Any], bool]:
-        """Holders by node id, and whether the directory answered."""
+    async def lookup(request: Request, hashes: list[int]) -> tuple[dict[str, Any], str | None]:
+        """Holders by node id, and why the directory did not answer (None: it did)."""
         if not hashes:
-            return {}, True
+            return {}, None
         directory: DirectoryClient = request.app.state.directory
         try:
             res = await asyncio.wait_for(directory.lookup(hashes, with_slots=True), settings.lookup_timeout_s)
-        except (asyncio.TimeoutError, DirectoryError) as exc:
-            log.info("directory lookup failed (%s): routing by load", exc)
-            return {}, False
-        return {h.node_id: h for h in res.holders}, True
+        except asyncio.TimeoutError:
+            failure = f"no answer within --lookup-timeout-s {settings.lookup_timeout_s:g} s"
+        except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
+            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        else:
+            return {h.node_id: h for h in res.holders}, None
+        log.info("directory lookup failed (%s): routing by load", failure)
+        metrics: GatewayMetrics = request.app.state.metrics
+        metrics.lookup_failures.labels("timeout" if failure.startswith("no answer") else "error").inc()
+        return {}, failure
 
     def candidates(registry: EngineRegistry, holders: dict[str, Any], exclude: set[str]) -> list[Candidate]:
         out = []
@@ -280,7 +289,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         t0 = time.perf_counter()
         hashes = hasher.hashes(tokens)
         t_hashed = time.perf_counter()
-        holders, directory_ok = await lookup(request, hashes)
+        holders, lookup_failure = await lookup(request, hashes)
         block_bytes = max((e.block_bytes for e in registry.engines.values() if e.can_pull), default=0)
         if block_bytes and block_bytes != policy.cost.block_bytes:
             # Pull cost depends on the engines' real block size (all TP ranks): learn it from their regions.
@@ -293,8 +302,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if not cands:
                 raise GatewayError(503, "no engine is available", "service_unavailable", "no_engine")
             decision: Decision = policy.choose(rreq, cands, rng)
-            if not directory_ok:
-                decision = replace(decision, reason="fallback", predicted_cached_tokens=0)
+            if lookup_failure is not None:
+                decision = replace(decision, reason="fallback", predicted_cached_tokens=0,
+                                   detail=f"directory lookup failed ({lookup_failure}): routed by load")
             engine = registry.engines[decision.node_id]
             body = raw
             if decision.pull_from is not None:

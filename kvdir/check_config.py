@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-
+from typing import Any
 
 import httpx
 import yaml
@@ -85,14 +86,45 @@ def check(role: str, args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def compose_services(path: Path, secrets_stand_in: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
-    """Each kvdir service of a compose file as (role, args, environment).
+_VARIABLE = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\})")
+
+
+def interpolate(text: str, environ: Mapping[str, str]) -> str:
+    """Compose's variable substitution: `${VAR}`, `${VAR:-default}` (also when empty), `${VAR-default}`, `$$`."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        value = environ.get(m["name"])
+        if m["op"] == ":-" and not value or m["op"] == "-" and value is None:
+            return m["default"]
+        return value or ""
+
+    return _VARIABLE.sub(sub, text)
+
+
+def _substitute(node: Any, environ: Mapping[str, str]) -> Any:
+    """`interpolate` over every string value of a parsed compose file (compose substitutes values, not keys or comments)."""
+    if isinstance(node, str):
+        return interpolate(node, environ)
+    if isinstance(node, dict):
+        return {k: _substitute(v, environ) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute(v, environ) for v in node]
+    return node
+
+
+def compose_services(path: Path, secrets_stand_in: Path,
+                     environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, list[str], dict[str, str]]]:
+    """Each kvdir service of a compose file as (role, args, environment), variables substituted from `environ`
+    (default: this process's environment) as compose substitutes them.
 
     A setting naming /run/secrets/NAME is checked to be a secret the compose
     file declares and the service mounts; the secret's content is not read
     (it may not exist outside the deployment), `secrets_stand_in` takes its place.
     """
-    doc = yaml.safe_load(path.read_text())
+    environ = os.environ if environ is None else environ
+    doc = _substitute(yaml.safe_load(path.read_text()), environ)
     declared = set((doc.get("secrets") or {}).keys())
     out = {}
     for name, svc in (doc.get("services") or {}).items():

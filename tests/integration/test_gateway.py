@@ -95,6 +95,9 @@ def test_directory_down_routes_by_load_and_never_fails(make_cluster, make_worker
     assert r.status_code == 200
     assert r.headers["x-kvdir-decision"] == "fallback"
     wait_for(lambda: "directory_up 0.0" in httpx.get(g.url + "/metrics").text, what="the gateway to notice")
+    failures = [line for line in httpx.get(g.url + "/metrics").text.splitlines()
+                if line.startswith("kvdir_gateway_lookup_failures_total{")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in failures) >= 1, failures
 
 
 def test_unreachable_engine_is_retried_on_the_next(make_cluster, make_workers, make_gateway) -> None:

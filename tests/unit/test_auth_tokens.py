@@ -176,3 +176,16 @@ def test_kvdir_up_auth_files(tmp_path: Path) -> None:
     assert settings.raft_password is not None and len(settings.raft_password.get_secret_value()) >= 40
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in files.dir.iterdir())
     assert files.dir.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("tokens_file", [True, False])
+def test_auth_off_warning_only_when_auth_is_off(tmp_path: Path, caplog: pytest.LogCaptureFixture, tokens_file: bool) -> None:
+    # A replica with a tokens file once also warned "auth is off" (docker-compose's replicas did, with auth on).
+    from directory.api import create_app
+
+    tokens = _file(tmp_path, "admin:*:s3cr3t\n") if tokens_file else None
+    with caplog.at_level("INFO", logger="kvdir.directory"):
+        create_app(DirectorySettings(http="0.0.0.0:8101", auth_tokens_file=tokens))
+    warned = any("auth is off" in r.getMessage() for r in caplog.records)
+    assert warned is not tokens_file
+    assert any("bearer-token auth on" in r.getMessage() for r in caplog.records) is tokens_file

@@ -20,7 +20,7 @@ import yaml
 
 from directory.auth import load_tokens
 from directory.config import parse_hostport
-from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services
+from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services, interpolate
 from kvdir.launcher import UpSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +105,10 @@ def test_topology_is_consistent_and_matches_kvdir_up(services, doc) -> None:
         url = urlsplit(env["KVDIR_HEALTH_URL"])
         assert url.port == port
         assert url.path == ("/readyz" if role == "directory" else "/health")
-    assert doc["services"]["gateway"]["ports"] == ["8000:8000"]
+    # Published on 8000 unless KVDIR_GATEWAY_PUBLISH says otherwise (tests/compose: a free loopback port).
+    assert [interpolate(p, {}) for p in doc["services"]["gateway"]["ports"]] == ["8000:8000"]
+    assert [interpolate(p, {"KVDIR_GATEWAY_PUBLISH": "127.0.0.1:9"}) for p in doc["services"]["gateway"]["ports"]] == [
+        "127.0.0.1:9:8000"]
     published = [n for n, s in doc["services"].items() if s.get("ports")]
     assert published == ["gateway"]  # nothing else is reachable from outside
 
@@ -143,7 +146,9 @@ def test_transfer_traffic_stays_on_a_private_network_between_workers(services, d
 
 def test_dockerfile_essentials() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert "libibverbs1" in text
+    # The Mooncake transfer engine's libraries (without libnuma1 and libcurl4 every worker crash-looped), and the
+    # build-time ldd check that fails on any other missing one (make test-compose proves the image runs).
+    assert all(lib in text for lib in ("libibverbs1", "libnuma1", "libcurl4")) and "not found" in text
     assert "\nUSER kvdir" in text and "useradd" in text
     assert 'HEALTHCHECK' in text and '"kvdir", "health"' in text
     assert 'ENTRYPOINT ["kvdir"]' in text
@@ -159,6 +164,21 @@ def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:
     for name, (role, args, env) in services.items():
         assert check(role, args, env) == [], name
         assert env["KVDIR_BIND"] == "true"  # vLLM connects its PUB socket to a non-wildcard endpoint
+        assert env["KVDIR_BLOCK_SIZE"] == "16"
+    # vLLM's CPU build needs block size 32: one variable sets it for the engine, its adapter and the gateway.
+    cpu = compose_services(ROOT / "deploy" / "docker-compose.vllm.yml", stand_in, {"KVDIR_VLLM_BLOCK_SIZE": "32"})
+    assert cpu["vllm1-events"][2]["KVDIR_BLOCK_SIZE"] == "32"
+    doc = yaml.safe_load((ROOT / "deploy" / "docker-compose.vllm.yml").read_text())
+    sizes = {"engine": doc["services"]["vllm1"]["command"].split("--block-size ")[1].split()[0],
+             "gateway": doc["services"]["gateway"]["environment"]["KVDIR_BLOCK_SIZE"],
+             "adapter": doc["services"]["vllm1-events"]["environment"]["KVDIR_BLOCK_SIZE"]}
+    assert {k: interpolate(v, {"KVDIR_VLLM_BLOCK_SIZE": "32"}) for k, v in sizes.items()} == dict.fromkeys(sizes, "32")
+    assert "deploy" not in doc["services"]["vllm1"]  # the GPU reservation lives in deploy/docker-compose.gpu.yml
+
+
+def test_compose_interpolation_as_compose_does_it() -> None:
+    env = {"SET": "v", "EMPTY": ""}
+    assert interpolate("${SET}|${UNSET}|${UNSET:-d}|${EMPTY:-d}|${EMPTY-d}|${UNSET-d}|$$SET", env) == "v||d|d||d|$SET"
 
 
 def _mounted_secret(doc: dict, name: str, variable: str) -> str:
