@@ -90,6 +90,14 @@ class ComposeCluster:
     def logs(self, service: str) -> str:
         return self.compose("logs", "--no-color", service).stdout
 
+    def down_leaves_nothing(self) -> None:
+        """`compose down -v`, then no container, volume or network of this project is left."""
+        self.compose("down", "-v", "--remove-orphans", "--timeout", "5")
+        label = f"label=com.docker.compose.project={self.project}"
+        for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):
+            left = subprocess.run(["docker", *kind, "-q", "--filter", label], check=True, capture_output=True, text=True)
+            assert left.stdout.strip() == "", f"docker {' '.join(kind)}: {left.stdout}"
+
     def exec_python(self, service: str, code: str) -> str:
         """Run `code` with the container's Python (inside its network namespace); its stdout."""
         return self.compose("exec", "-T", service, "python", "-c", code).stdout
