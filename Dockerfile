@@ -12,6 +12,7 @@ COPY pyproject.toml README.md /src/
 COPY directory /src/directory
 COPY gateway /src/gateway
 COPY worker_stub /src/worker_stub
+COPY engines /src/engines
 COPY kvdir /src/kvdir
 # Installed, then the sources removed: a copy of a package beside the installed one would be imported
 # instead of it from that directory (numba's cache is keyed by the source's path: the warm-up below once

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run test test-compose bench clean sysdeps
+.PHONY: install run lint test test-compose bench clean sysdeps
 
 install: $(STAMP)
 
@@ -28,7 +28,14 @@ sysdeps:
 run: install
 	$(VENV)/bin/kvdir up --demo $(ARGS)
 
-test: install
+# Lint, format, the import direction (README, "Architecture") and types: part of `make test`.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest $(ARGS)
 
 # The docker-compose cluster, built, run and broken (tests/compose/run.sh: installs Docker from Debian's
@@ -40,4 +47,4 @@ bench: install
 	$(VENV)/bin/kvdir bench directory $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

@@ -32,8 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from directory import state as st
+from directory.addresses import is_loopback, parse_hostport
 from directory.auth import PRINCIPAL, BearerAuth, Principal
-from directory.config import DirectorySettings, is_loopback, parse_hostport
+from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.hashing import block_hashes
 from directory.http_limits import BodyLimit
@@ -69,8 +70,16 @@ _STATUS = {
     st.INDEX_FULL: 507,
     st.INVALID: 422,
 }
-_ERRORS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
-           413: "body_too_large", 422: "invalid_request"}
+_ERRORS = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    422: "invalid_request",
+}
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503, 507)
 }
@@ -86,11 +95,13 @@ def _error(status: int, error: str, detail: object = None, headers: dict[str, st
 
 
 async def _replica(request: Request) -> Replica:
-    return request.app.state.replica
+    replica: Replica = request.app.state.replica
+    return replica
 
 
 async def _metrics(request: Request) -> DirectoryMetrics:
-    return request.app.state.metrics
+    metrics: DirectoryMetrics = request.app.state.metrics
+    return metrics
 
 
 async def _commit(replica: Replica, cmd: st.Command) -> st.Result:
@@ -133,7 +144,9 @@ def _keys(request: Request, hashes: np.ndarray, tenant: str) -> np.ndarray:
 
 def _check_count(n: int, limit: int, what: str) -> None:
     if n > limit:
-        raise ApiError(422, "too_many", f"{n} {what.replace('_', ' ')} in one request; the limit is {limit} (KVDIR_MAX_{what.upper()})")
+        raise ApiError(
+            422, "too_many", f"{n} {what.replace('_', ' ')} in one request; the limit is {limit} (KVDIR_MAX_{what.upper()})"
+        )
 
 
 BodyT = TypeVar("BodyT", bound=msgspec.Struct)
@@ -326,8 +339,12 @@ async def lookup(
 ) -> Any:
     s = replica.settings
     limit = s.max_hashes_per_lookup
-    body = await _decode(request, LookupRequest, Counted("hashes", Counted.ARRAY, limit, "hashes_per_lookup"),
-                         Counted("tokens", Counted.ARRAY, s.max_tokens_per_lookup, "tokens_per_lookup"))
+    body = await _decode(
+        request,
+        LookupRequest,
+        Counted("hashes", Counted.ARRAY, limit, "hashes_per_lookup"),
+        Counted("tokens", Counted.ARRAY, s.max_tokens_per_lookup, "tokens_per_lookup"),
+    )
     tenant = _tenant(request, body.tenant)
     if (body.hashes is None) == (body.tokens is None):
         raise ApiError(422, "invalid_request", "give exactly one of `hashes` or `tokens`")
@@ -350,15 +367,21 @@ async def lookup(
     elif not replica.caught_up:
         # It follows a leader but has not applied what that leader had committed (restarted, or just
         # resumed from a stall): refuse as well, until it has caught up.
-        raise ApiError(503, "catching_up", "this replica is catching up with its leader: its entries may be stale; "
-                                           "try another replica")
+        raise ApiError(
+            503, "catching_up", "this replica is catching up with its leader: its entries may be stale; try another replica"
+        )
     t0 = time.perf_counter()
     with replica.sm.lock:
         holders = replica.state.lookup(keys, body.with_slots)
     metrics.lookup_seconds.observe(time.perf_counter() - t0)
     metrics.lookups.labels(mode).inc()
     out = [
-        {"node_id": h.node_id, "epoch": h.epoch, "matched_blocks": h.matched, **({"slots": h.slots} if h.slots is not None else {})}
+        {
+            "node_id": h.node_id,
+            "epoch": h.epoch,
+            "matched_blocks": h.matched,
+            **({"slots": h.slots} if h.slots is not None else {}),
+        }
         for h in holders
     ]
     return JSONResponse({"num_blocks": len(hashes), "holders": out})
@@ -378,7 +401,9 @@ async def digest(replica: Replica = Depends(_replica)) -> Any:
     """A digest of nodes and entries, equal on replicas that applied the same commands."""
     with replica.sm.lock:
         state = replica.state
-        return JSONResponse({"digest": state.digest(), "applied": state.applied, "entries": len(state.index), "nodes": len(state.nodes)})
+        return JSONResponse(
+            {"digest": state.digest(), "applied": state.applied, "entries": len(state.index), "nodes": len(state.nodes)}
+        )
 
 
 @router.get("/healthz")
@@ -424,8 +449,11 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.add_middleware(BodyLimit, too_large=lambda limit: _error(413, "body_too_large", f"request bodies are limited to {limit} bytes"),
-                       limit=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        too_large=lambda limit: _error(413, "body_too_large", f"request bodies are limited to {limit} bytes"),
+        limit=settings.max_body_bytes,
+    )
     tokens = settings.auth_tokens
     app.state.auth = tokens is not None
     app.state.tenancy = settings.tenancy
@@ -436,8 +464,11 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
     elif not is_loopback(parse_hostport(settings.http)[0]):
         log.warning("auth is off (no --auth-tokens-file) on %s: any client that reaches it may write", settings.http)
     if settings.tenant_secret_file is not None:
-        log.info("tenant keys from %s (fingerprint %s: equal on every replica)", settings.tenant_secret_file,
-                 settings.tenancy.fingerprint())
+        log.info(
+            "tenant keys from %s (fingerprint %s: equal on every replica)",
+            settings.tenant_secret_file,
+            settings.tenancy.fingerprint(),
+        )
 
     def count(request: Request, error: str) -> None:
         m = getattr(request.app.state, "metrics", None)
@@ -467,4 +498,3 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
         return _error(exc.status_code, error, exc.detail)
 
     return app
-

@@ -39,7 +39,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from directory.tenancy import TENANT_MAX_LEN
+from directory.schemas import TENANT_MAX_LEN
 
 ROLES = ("engine", "gateway", "admin")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -49,7 +49,7 @@ PRINCIPAL = "kvdir.principal"
 """The ASGI scope key under which the middleware leaves the request's `Principal`."""
 
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an Authorization header can carry
-_TENANT = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_MAX_LEN}}}")  # directory.tenancy.TENANT_PATTERN, non-empty
+_TENANT = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_MAX_LEN}}}")  # directory.schemas.TENANT_PATTERN, non-empty
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,8 @@ def load_tokens(path: Path) -> TokenTable:
 
 def bearer_token(scope: Scope) -> bytes | None:
     """The token of an `Authorization: Bearer TOKEN` header, if there is one."""
+    name: bytes
+    value: bytes  # ASGI header names and values are byte strings
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
@@ -167,13 +169,17 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         token = bearer_token(scope)
         if token is None:
-            return await self._deny(scope, receive, send, 401, "unauthorized", "this API needs an `Authorization: Bearer TOKEN` header")
+            return await self._deny(
+                scope, receive, send, 401, "unauthorized", "this API needs an `Authorization: Bearer TOKEN` header"
+            )
         principal = self.tokens.find(token)
         if principal is None:
             return await self._deny(scope, receive, send, 401, "unauthorized", "unknown token")
         is_read = scope["method"] in READ_METHODS or (scope["method"] == "POST" and scope["path"] in READ_POSTS)
         if not is_read and principal.role == "gateway":
-            return await self._deny(scope, receive, send, 403, "forbidden", "a gateway token may only read (lookups, nodes, cluster)")
+            return await self._deny(
+                scope, receive, send, 403, "forbidden", "a gateway token may only read (lookups, nodes, cluster)"
+            )
         scope[PRINCIPAL] = principal
         await self.app(scope, receive, send)
 

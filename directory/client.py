@@ -130,28 +130,38 @@ class DirectoryClient:
         await self.request("POST", f"/v1/nodes/{node_id}/heartbeat", {"epoch": epoch, "load": dict(load) if load else None})
 
     async def deregister(self, node_id: str) -> int:
-        return (await self.request("DELETE", f"/v1/nodes/{node_id}"))["removed"]
+        removed: int = (await self.request("DELETE", f"/v1/nodes/{node_id}"))["removed"]
+        return removed
 
     async def nodes(self) -> list[NodeInfo]:
         return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes"))["nodes"]]
 
     async def cluster(self) -> dict[str, Any]:
-        return await self.request("GET", "/v1/cluster")
+        cluster: dict[str, Any] = await self.request("GET", "/v1/cluster")
+        return cluster
 
     # -- blocks -------------------------------------------------------------------
 
     async def publish(self, node_id: str, epoch: int, blocks: Iterable[tuple[int, int]], medium: str | None = None) -> int:
         """Publish (hash, slot) pairs; returns how many entries were new."""
-        body = {"node_id": node_id, "epoch": epoch, "blocks": [{"hash": h, "slot": s} for h, s in blocks], "medium": medium,
-                **self._tenant}
-        return (await self.request("POST", "/v1/blocks", body))["stored"]
+        body = {
+            "node_id": node_id,
+            "epoch": epoch,
+            "blocks": [{"hash": h, "slot": s} for h, s in blocks],
+            "medium": medium,
+            **self._tenant,
+        }
+        stored: int = (await self.request("POST", "/v1/blocks", body))["stored"]
+        return stored
 
     async def remove(self, node_id: str, epoch: int, hashes: Iterable[int]) -> int:
         body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes), **self._tenant}
-        return (await self.request("POST", "/v1/blocks/remove", body))["removed"]
+        removed: int = (await self.request("POST", "/v1/blocks/remove", body))["removed"]
+        return removed
 
     async def clear(self, node_id: str, epoch: int) -> int:
-        return (await self.request("POST", "/v1/blocks/clear", {"node_id": node_id, "epoch": epoch}))["removed"]
+        removed: int = (await self.request("POST", "/v1/blocks/clear", {"node_id": node_id, "epoch": epoch}))["removed"]
+        return removed
 
     async def lookup(
         self,
@@ -164,7 +174,11 @@ class DirectoryClient:
         linearizable: bool = False,
     ) -> LookupResponse:
         """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica)."""
-        body: dict[str, Any] = {"with_slots": with_slots, "consistency": "linearizable" if linearizable else "local", **self._tenant}
+        body: dict[str, Any] = {
+            "with_slots": with_slots,
+            "consistency": "linearizable" if linearizable else "local",
+            **self._tenant,
+        }
         if tokens is not None:
             body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
         else:

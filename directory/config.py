@@ -2,56 +2,15 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import AfterValidator, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from directory.addresses import HostPort, is_loopback, parse_hostport
 from directory.auth import TokenTable, load_tokens
-from directory.tenancy import TENANT_MAX_LEN, TENANT_PATTERN, Tenancy
-
-
-def parse_hostport(value: str) -> tuple[str, int]:
-    """'HOST:PORT' -> (host, port), with a message that says what is wrong."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names only this machine: localhost, 127.0.0.0/8 or ::1 (a host name other than
-    localhost may resolve anywhere, so it is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_wildcard(host: str) -> bool:
-    """Whether `host` means every interface ("", 0.0.0.0, ::): something to bind, never to tell peers."""
-    try:
-        return host.strip("[]") == "" or ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False  # a host name
-
-
-def _hostport(value: str) -> str:
-    parse_hostport(value)
-    return value
-
-
-HostPort = Annotated[str, AfterValidator(_hostport)]
-"""A HOST:PORT setting, checked when the settings are read."""
-
-
-def url_list(value: str) -> list[str]:
-    """Comma-separated URLs, trailing slashes dropped."""
-    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+from directory.client_settings import read_secret_file
+from directory.tenancy import Tenancy
 
 
 class DirectorySettings(BaseSettings):
@@ -64,9 +23,14 @@ class DirectorySettings(BaseSettings):
     raft: HostPort = Field("127.0.0.1:8201", description="HOST:PORT of this replica's Raft endpoint")
     peers: str = Field("", description="comma-separated Raft HOST:PORT of the other replicas")
     data_dir: Path | None = Field(None, description="directory for the Raft journal and snapshots (default: in memory only)")
-    fsync: bool = Field(True, description="sync the Raft journal, term and vote to disk before acting on them (survives power loss; with --data-dir)")
+    fsync: bool = Field(
+        True,
+        description="sync the Raft journal, term and vote to disk before acting on them (survives power loss; with --data-dir)",
+    )
     lease_ttl_s: float = Field(10.0, gt=0.2, le=3600, description="a node silent for this long is expired with its entries")
-    write_timeout_s: float = Field(5.0, gt=0, le=120, description="deadline for a write to commit; then 503 (retry: writes are idempotent)")
+    write_timeout_s: float = Field(
+        5.0, gt=0, le=120, description="deadline for a write to commit; then 503 (retry: writes are idempotent)"
+    )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
     max_blocks_per_publish: int = Field(16384, ge=1, description="most blocks in one publish or remove (422 above)")
     max_hashes_per_lookup: int = Field(16384, ge=1, description="most hashes (or blocks of tokens) in one lookup (422 above)")
@@ -75,29 +39,47 @@ class DirectorySettings(BaseSettings):
     max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
-    raft_password_file: Path | None = Field(None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)")
+    raft_password_file: Path | None = Field(
+        None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)"
+    )
     insecure_raft_without_password: bool = Field(
-        False, description="DANGEROUS: allow a Raft address off loopback without a Raft password; whoever reaches the port "
-                           "can then rewrite the directory")
+        False,
+        description="DANGEROUS: allow a Raft address off loopback without a Raft password; whoever reaches the port "
+        "can then rewrite the directory",
+    )
     raft_max_frame_bytes: int = Field(
-        64 << 20, ge=1 << 20, description="largest Raft frame accepted from an authenticated peer (the link is dropped above); "
-                                          "at least 4x max_body_bytes")
+        64 << 20,
+        ge=1 << 20,
+        description="largest Raft frame accepted from an authenticated peer (the link is dropped above); "
+        "at least 4x max_body_bytes",
+    )
     raft_log_compaction_bytes: int = Field(
-        16 << 20, ge=1 << 20, description="compact the Raft log into a snapshot once its entries hold this many bytes "
-                                          "(and more than the last snapshot), besides pysyncobj's 20,000 entries or 300 s")
+        16 << 20,
+        ge=1 << 20,
+        description="compact the Raft log into a snapshot once its entries hold this many bytes "
+        "(and more than the last snapshot), besides pysyncobj's 20,000 entries or 300 s",
+    )
     raft_max_pending_connections: int = Field(
-        16, ge=1, le=1024, description="most Raft connections waiting to identify themselves; the oldest is dropped for a new one")
+        16, ge=1, le=1024, description="most Raft connections waiting to identify themselves; the oldest is dropped for a new one"
+    )
     auth_tokens_file: Path | None = Field(
-        None, description="file of bearer tokens, one ROLE[@TENANT]:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)")
+        None,
+        description="file of bearer tokens, one ROLE[@TENANT]:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)",
+    )
     tenant_secret_file: Path | None = Field(
-        None, description="file holding the secret that tenants' directory keys derive from (the same on every replica); "
-                          "needed for tokens confined to a tenant")
+        None,
+        description="file holding the secret that tenants' directory keys derive from (the same on every replica); "
+        "needed for tokens confined to a tenant",
+    )
     raft_min_timeout_s: float = Field(0.25, gt=0, description="Raft election timeout, lower bound")
     raft_max_timeout_s: float = Field(0.5, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
     raft_connection_timeout_s: float = Field(
-        3.0, gt=0, description="a Raft link silent this long is dropped and redialled; a replica stalled for less "
-                               "(GC, slow disk, starved CPU) rejoins without an election")
+        3.0,
+        gt=0,
+        description="a Raft link silent this long is dropped and redialled; a replica stalled for less "
+        "(GC, slow disk, starved CPU) rejoins without an election",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
 
     _auth_tokens: TokenTable | None = PrivateAttr(None)
@@ -123,14 +105,21 @@ class DirectorySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _raft_exposure(self) -> DirectorySettings:
-        if self.raft_password is None and not is_loopback(parse_hostport(self.raft)[0]) and not self.insecure_raft_without_password:
+        if (
+            self.raft_password is None
+            and not is_loopback(parse_hostport(self.raft)[0])
+            and not self.insecure_raft_without_password
+        ):
             raise ValueError(
                 f"Raft address {self.raft} is not on loopback and there is no Raft password: anyone who reaches it could "
                 "rewrite the directory. Set KVDIR_RAFT_PASSWORD_FILE (the same secret on every replica), or pass "
-                "--insecure-raft-without-password if the network itself is trusted")
+                "--insecure-raft-without-password if the network itself is trusted"
+            )
         if self.raft_max_frame_bytes < 4 * self.max_body_bytes:
-            raise ValueError(f"raft_max_frame_bytes ({self.raft_max_frame_bytes}) must be at least 4x max_body_bytes "
-                             f"({self.max_body_bytes}): a Raft entry holds whole requests")
+            raise ValueError(
+                f"raft_max_frame_bytes ({self.raft_max_frame_bytes}) must be at least 4x max_body_bytes "
+                f"({self.max_body_bytes}): a Raft entry holds whole requests"
+            )
         return self
 
     @model_validator(mode="after")
@@ -162,44 +151,3 @@ class DirectorySettings(BaseSettings):
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.http}"
-
-
-def read_secret_file(path: Path | None, what: str) -> SecretStr | None:
-    """The stripped content of a secret file (a Docker or Kubernetes secret), or None without a path."""
-    if path is None:
-        return None
-    try:
-        value = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read the {what} file: {exc}") from exc
-    if not value:
-        raise ValueError(f"the {what} file {path} is empty")
-    return SecretStr(value)
-
-
-class DirectoryClientSettings(BaseSettings):
-    """What every component that talks to the directory needs: where the replicas are, its token and its tenant."""
-
-    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
-
-    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of the directory replicas")
-    directory_token_file: Path | None = Field(
-        None, description="file holding the bearer token sent to the directory (needed when it has an auth tokens file)")
-    tenant: str = Field("", max_length=TENANT_MAX_LEN, pattern=TENANT_PATTERN,
-                        description="tenant whose directory entries this reads and writes (default: the token's, else the shared one)")
-
-    _directory_token: SecretStr | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _token_from_file(self) -> DirectoryClientSettings:
-        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
-        return self
-
-    @property
-    def directory_token(self) -> SecretStr | None:
-        """The token read from `directory_token_file` when the settings were read."""
-        return self._directory_token
-
-    @property
-    def directory_urls(self) -> list[str]:
-        return url_list(self.directory)

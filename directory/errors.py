@@ -1,14 +1,14 @@
 """Errors of the directory and its client.
 
-    DirectoryError
-    ├── DirectoryUnavailable      no replica answered in time (or the write's outcome is unknown)
-    ├── CommitTimeout             a write was not committed before its deadline; retry it (idempotent)
-    └── RequestRejected           a replica answered 4xx; `status`, `error`, `detail` say why
-        ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
-        ├── NotFoundError         404
-        ├── InvalidRequestError   400, 413, 422
-        ├── AuthError             401 (no or unknown bearer token), 403 (the token may not do this)
-        └── LimitError            429, 507: a configured limit (nodes, entries) is reached
+DirectoryError
+├── DirectoryUnavailable      no replica answered in time (or the write's outcome is unknown)
+├── CommitTimeout             a write was not committed before its deadline; retry it (idempotent)
+└── RequestRejected           a replica answered 4xx; `status`, `error`, `detail` say why
+    ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
+    ├── NotFoundError         404
+    ├── InvalidRequestError   400, 413, 422
+    ├── AuthError             401 (no or unknown bearer token), 403 (the token may not do this)
+    └── LimitError            429, 507: a configured limit (nodes, entries) is reached
 """
 
 from __future__ import annotations

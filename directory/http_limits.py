@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers; real clients send a few KiB at most (a bearer token is < 100 B)
 
 _MESSAGE = b"request line and headers too big\n"
-_REFUSAL = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_MESSAGE), _MESSAGE))
+_REFUSAL = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_MESSAGE), _MESSAGE)
+)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):

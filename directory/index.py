@@ -49,7 +49,9 @@ def _home(h: np.uint64, tsize: np.uint64) -> np.int64:  # pragma: no cover - com
 
 
 @njit(cache=True, nogil=True)
-def _main_row(h, tkey, trow, tsize, empty_row):  # pragma: no cover - compiled
+def _main_row(
+    h: np.uint64, tkey: np.ndarray, trow: np.ndarray, tsize: np.uint64, empty_row: int
+) -> np.int64 | int:  # pragma: no cover - compiled
     p = _home(h, tsize)
     while tkey[p] < h:
         p += 1
@@ -57,7 +59,17 @@ def _main_row(h, tkey, trow, tsize, empty_row):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _locate(hashes, node, tkey, trow, tsize, starts, nodes, rkeys, rnodes):  # pragma: no cover - compiled
+def _locate(
+    hashes: np.ndarray,
+    node: np.uint32,
+    tkey: np.ndarray,
+    trow: np.ndarray,
+    tsize: np.uint64,
+    starts: np.ndarray,
+    nodes: np.ndarray,
+    rkeys: np.ndarray,
+    rnodes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """Where (hashes[i], node) lives: position in the main level, or in the recent level, or -1."""
     n = len(hashes)
     main = np.full(n, -1, np.int64)
@@ -81,7 +93,20 @@ def _locate(hashes, node, tkey, trow, tsize, starts, nodes, rkeys, rnodes):  # p
 
 
 @njit(cache=True, nogil=True)
-def _prefix_match(q, tkey, trow, tsize, starts, nodes, slots, rkeys, rnodes, rslots, node_bound, want_slots):  # pragma: no cover - compiled
+def _prefix_match(
+    q: np.ndarray,
+    tkey: np.ndarray,
+    trow: np.ndarray,
+    tsize: np.uint64,
+    starts: np.ndarray,
+    nodes: np.ndarray,
+    slots: np.ndarray,
+    rkeys: np.ndarray,
+    rnodes: np.ndarray,
+    rslots: np.ndarray,
+    node_bound: int,
+    want_slots: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """Per node holding q[0], how many of q[0], q[1], ... it holds in a row (and their slots).
 
     Walks the query once, following only the nodes still matching, and stops
@@ -185,15 +210,25 @@ class BlockIndex:
 
     def nbytes(self) -> int:
         """Bytes held in arrays."""
-        arrays = (self._ukeys, self._starts, self._nodes, self._slots, self._tkey, self._trow,
-                  self._rkeys, self._rnodes, self._rslots)
+        arrays = (
+            self._ukeys,
+            self._starts,
+            self._nodes,
+            self._slots,
+            self._tkey,
+            self._trow,
+            self._rkeys,
+            self._rnodes,
+            self._rslots,
+        )
         return sum(a.nbytes for a in arrays)
 
     # -- mutation -------------------------------------------------------------
 
     def _locate(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray]:
-        return _locate(hashes, np.uint32(node), self._tkey, self._trow, self._tsize, self._starts, self._nodes,
-                       self._rkeys, self._rnodes)
+        return _locate(
+            hashes, np.uint32(node), self._tkey, self._trow, self._tsize, self._starts, self._nodes, self._rkeys, self._rnodes
+        )
 
     def missing(self, node: int, hashes: np.ndarray) -> int:
         """How many distinct hashes `node` does not hold yet (what a put would add)."""
@@ -329,8 +364,18 @@ class BlockIndex:
         if not len(hashes) or not self._node_bound:
             return _NO_MATCH
         return _prefix_match(
-            np.ascontiguousarray(hashes, dtype=np.uint64), self._tkey, self._trow, self._tsize, self._starts,
-            self._nodes, self._slots, self._rkeys, self._rnodes, self._rslots, self._node_bound, with_slots,
+            np.ascontiguousarray(hashes, dtype=np.uint64),
+            self._tkey,
+            self._trow,
+            self._tsize,
+            self._starts,
+            self._nodes,
+            self._slots,
+            self._rkeys,
+            self._rnodes,
+            self._rslots,
+            self._node_bound,
+            with_slots,
         )
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -378,5 +423,4 @@ def warm_up() -> tuple[int, int]:
     ix.merge()
     ix.remove(1, hashes[:1])
     kernels = (_locate, _prefix_match)  # the others are only called from these, and compiled into them
-    return (sum(sum(k.stats.cache_hits.values()) for k in kernels),
-            sum(sum(k.stats.cache_misses.values()) for k in kernels))
+    return (sum(sum(k.stats.cache_hits.values()) for k in kernels), sum(sum(k.stats.cache_misses.values()) for k in kernels))

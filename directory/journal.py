@@ -41,10 +41,10 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-class DurableMetaStorer(MetaStorer):
+class DurableMetaStorer(MetaStorer):  # type: ignore[misc]  # pysyncobj ships no type information
     """pysyncobj's term/vote/commit-index file, written crash-safely: fsync, rename, fsync the directory."""
 
-    def storeMeta(self, meta: dict[str, Any]) -> None:  # noqa: N802 (pysyncobj's name)
+    def storeMeta(self, meta: dict[str, Any]) -> None:
         path = self.getPath()
         with open(path + ".tmp", "wb") as f:
             f.write(dumps(meta))
@@ -54,7 +54,7 @@ class DurableMetaStorer(MetaStorer):
         fsync_path(os.path.dirname(path) or ".")
 
 
-class DurableJournal(FileJournal):
+class DurableJournal(FileJournal):  # type: ignore[misc]  # pysyncobj ships no type information
     """pysyncobj's FileJournal, synced to disk before every change is acted on."""
 
     def __init__(self, journal_file: str, dump_file: str | None) -> None:
@@ -74,11 +74,11 @@ class DurableJournal(FileJournal):
         if not self._deferred:
             self.flush()
 
-    def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802, N803 (pysyncobj's names)
+    def deleteEntriesFrom(self, entryFrom: int) -> None:
         super().deleteEntriesFrom(entryFrom)
         self.flush()
 
-    def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802, N803
+    def deleteEntriesTo(self, entryTo: int) -> None:
         # Called once a snapshot covering these entries is written: make it durable before they go.
         if self._dump_file is not None and os.path.exists(self._dump_file):
             fsync_path(self._dump_file)

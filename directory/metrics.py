@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from directory.state import Command, Result
+from directory.state import Command, DirectoryState, Result
 
 if TYPE_CHECKING:
     from directory.replica import Replica
@@ -17,22 +18,49 @@ _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
 class DirectoryMetrics:
     def __init__(self, replica: Replica) -> None:
         r = self.registry = CollectorRegistry()
-        self.commands = Counter("kvdir_directory_commands_total", "Commands applied, by kind and result", ["kind", "status"], registry=r)
-        self.commits = Counter("kvdir_directory_commits_total", "Raft commands committed through this replica (each a group of writes)", registry=r)
-        self.group_size = Histogram("kvdir_directory_group_commit_writes", "Writes per Raft command", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096), registry=r)
-        self.commit_seconds = Histogram("kvdir_directory_commit_seconds", "Time for a Raft command to commit", buckets=_LATENCY, registry=r)
+        self.commands = Counter(
+            "kvdir_directory_commands_total", "Commands applied, by kind and result", ["kind", "status"], registry=r
+        )
+        self.commits = Counter(
+            "kvdir_directory_commits_total", "Raft commands committed through this replica (each a group of writes)", registry=r
+        )
+        self.group_size = Histogram(
+            "kvdir_directory_group_commit_writes",
+            "Writes per Raft command",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096),
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            "kvdir_directory_commit_seconds", "Time for a Raft command to commit", buckets=_LATENCY, registry=r
+        )
         self.lookups = Counter("kvdir_directory_lookups_total", "Lookups answered", ["consistency"], registry=r)
-        self.lookup_seconds = Histogram("kvdir_directory_lookup_seconds", "Time to answer a lookup (index part)", buckets=_LATENCY, registry=r)
-        self.write_seconds = Histogram("kvdir_directory_write_seconds", "Time from a write request to its commit", ["kind"], buckets=_LATENCY, registry=r)
-        self.rejected = Counter("kvdir_directory_requests_rejected_total", "Requests answered 4xx/5xx, by error", ["error"], registry=r)
-        state = lambda: replica.state  # noqa: E731 - the state object is replaced when a snapshot is installed
-        Gauge("kvdir_directory_entries", "(block, holder) entries in the index", registry=r).set_function(lambda: len(state().index))
-        Gauge("kvdir_directory_index_bytes", "Bytes of the index's arrays", registry=r).set_function(lambda: state().index.nbytes())
+        self.lookup_seconds = Histogram(
+            "kvdir_directory_lookup_seconds", "Time to answer a lookup (index part)", buckets=_LATENCY, registry=r
+        )
+        self.write_seconds = Histogram(
+            "kvdir_directory_write_seconds", "Time from a write request to its commit", ["kind"], buckets=_LATENCY, registry=r
+        )
+        self.rejected = Counter(
+            "kvdir_directory_requests_rejected_total", "Requests answered 4xx/5xx, by error", ["error"], registry=r
+        )
+        state: Callable[[], DirectoryState] = lambda: replica.state  # noqa: E731 - the state object is replaced when a snapshot is installed
+        Gauge("kvdir_directory_entries", "(block, holder) entries in the index", registry=r).set_function(
+            lambda: len(state().index)
+        )
+        Gauge("kvdir_directory_index_bytes", "Bytes of the index's arrays", registry=r).set_function(
+            lambda: state().index.nbytes()
+        )
         Gauge("kvdir_directory_nodes", "Registered nodes", registry=r).set_function(lambda: len(state().nodes))
         Gauge("kvdir_directory_raft_term", "Current Raft term", registry=r).set_function(lambda: replica.raft.raftCurrentTerm)
-        Gauge("kvdir_directory_raft_role", "0 follower, 1 candidate, 2 leader", registry=r).set_function(lambda: 2 if replica.is_leader else 0)
-        Gauge("kvdir_directory_raft_commit_index", "Raft commit index", registry=r).set_function(lambda: replica.raft.raftCommitIndex)
-        Gauge("kvdir_directory_raft_last_applied", "Raft index last applied here", registry=r).set_function(lambda: replica.raft.raftLastApplied)
+        Gauge("kvdir_directory_raft_role", "0 follower, 1 candidate, 2 leader", registry=r).set_function(
+            lambda: 2 if replica.is_leader else 0
+        )
+        Gauge("kvdir_directory_raft_commit_index", "Raft commit index", registry=r).set_function(
+            lambda: replica.raft.raftCommitIndex
+        )
+        Gauge("kvdir_directory_raft_last_applied", "Raft index last applied here", registry=r).set_function(
+            lambda: replica.raft.raftLastApplied
+        )
 
     def on_commit(self, commands: list[Command], results: list[Result], seconds: float) -> None:
         self.commits.inc()

@@ -53,6 +53,7 @@ READ_BUDGET_BYTES = 4 << 20
 RECV_BYTES = 64 << 10
 """Per recv(): a larger buffer is allocated with mmap, which costs ~12 µs a call for small frames."""
 
+
 def _latin1(text: str, encoding: str = "latin1") -> bytes:
     """`_codecs.encode` as protocol 2 uses it for bytes, with no other codec."""
     if encoding not in ("latin1", "latin-1"):
@@ -79,8 +80,12 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     **{(m, "bytearray"): _sized(bytearray) for m in ("builtins", "__builtin__")},
 }
 _ALLOWED_BY_NAME = {
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "scalar"), ("pysyncobj.node", "Node"), ("pysyncobj.node", "TCPNode"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"),
+    ("pysyncobj.node", "Node"),
+    ("pysyncobj.node", "TCPNode"),
 }
 _ALLOWED_MODULES = ("directory.state", "directory.index")
 """Classes defined in these modules may be built (commands, nodes, the state and index of a snapshot)."""
@@ -138,10 +143,13 @@ class _Rejections:
 rejections = _Rejections()
 
 
-class GuardedTcpConnection(TcpConnection):
+class GuardedTcpConnection(TcpConnection):  # type: ignore[misc]  # pysyncobj ships no type information
     """pysyncobj's connection with bounded, linear, checked frame reading and restricted decoding."""
 
     max_frame_bytes = 64 << 20  # set by `install`
+    # pysyncobj's own attributes (set in TcpConnection.__init__) that this class reads and writes:
+    recvLastTimestamp: int  # the newest Fernet timestamp received
+    _TcpConnection__readBuffer: bytes | bytearray
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -149,7 +157,7 @@ class GuardedTcpConnection(TcpConnection):
         self._read_this_event = 0
 
     def _buffer(self) -> bytearray:
-        buf = self._TcpConnection__readBuffer  # type: ignore[has-type]
+        buf = self._TcpConnection__readBuffer
         if not isinstance(buf, bytearray):  # pysyncobj resets it to bytes() on (dis)connect
             buf = self._TcpConnection__readBuffer = bytearray(buf)
         return buf
@@ -164,19 +172,20 @@ class GuardedTcpConnection(TcpConnection):
         (length,) = struct.unpack_from("i", buf, 0)
         if 0 <= length <= self._frame_limit():
             return True
-        rejections.note(f"frame of {length} bytes announced (limit {self._frame_limit()}"
-                        f"{'' if self.trusted else ' before authentication'})")
+        rejections.note(
+            f"frame of {length} bytes announced (limit {self._frame_limit()}{'' if self.trusted else ' before authentication'})"
+        )
         self.disconnect()
         return False
 
-    def _TcpConnection__tryReadBuffer(self) -> None:  # noqa: N802 (pysyncobj's private name)
+    def _TcpConnection__tryReadBuffer(self) -> None:
         self._read_this_event = 0
         while self._TcpConnection__processRead():
             pass
         self._TcpConnection__lastReadTime = time.monotonic()
 
-    def _TcpConnection__processRead(self) -> bool:  # noqa: N802
-        sock = self._TcpConnection__socket  # type: ignore[has-type]
+    def _TcpConnection__processRead(self) -> bool:
+        sock = self._TcpConnection__socket
         if sock is None:
             return False
         try:
@@ -193,7 +202,7 @@ class GuardedTcpConnection(TcpConnection):
         self._read_this_event += len(incoming)
         return self._header_ok(buf) and self._read_this_event < READ_BUDGET_BYTES
 
-    def _TcpConnection__processParseMessage(self) -> Any:  # noqa: N802
+    def _TcpConnection__processParseMessage(self) -> Any:
         if self.state == CONNECTION_STATE.DISCONNECTED:
             return None
         buf = self._buffer()
@@ -202,8 +211,8 @@ class GuardedTcpConnection(TcpConnection):
         (length,) = struct.unpack_from("i", buf, 0)
         if len(buf) - 4 < length:
             return None
-        data = bytes(buf[4:4 + length])
-        del buf[:4 + length]  # O(1) amortised at the front of a bytearray
+        data = bytes(buf[4 : 4 + length])
+        del buf[: 4 + length]  # O(1) amortised at the front of a bytearray
         try:
             if self.encryptor:
                 stamp = self.encryptor.extract_timestamp(data)
@@ -224,7 +233,7 @@ class GuardedTcpConnection(TcpConnection):
         return message
 
 
-class GuardedTransport(TCPTransport):
+class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj ships no type information
     """pysyncobj's TCP transport with a cap on, and a deadline for, connections not yet identified."""
 
     max_pending = 16  # set by `install`
@@ -233,7 +242,7 @@ class GuardedTransport(TCPTransport):
         self._accepted_at: dict[TcpConnection, float] = {}
         super().__init__(*args, **kwargs)
 
-    def _onNewIncomingConnection(self, conn: TcpConnection) -> None:  # noqa: N802
+    def _onNewIncomingConnection(self, conn: TcpConnection) -> None:
         while len(self._unknownConnections) >= self.max_pending:
             oldest = min(self._unknownConnections, key=lambda c: self._accepted_at.get(c, 0.0))
             rejections.note(f"more than {self.max_pending} connections waiting to identify themselves")
@@ -241,23 +250,23 @@ class GuardedTransport(TCPTransport):
         self._accepted_at[conn] = time.monotonic()
         super()._onNewIncomingConnection(conn)
 
-    def _onIncomingMessageReceived(self, conn: TcpConnection, message: Any) -> None:  # noqa: N802
+    def _onIncomingMessageReceived(self, conn: TcpConnection, message: Any) -> None:
         super()._onIncomingMessageReceived(conn, message)
         if conn not in self._unknownConnections:
             self._accepted_at.pop(conn, None)
             if conn.state == CONNECTION_STATE.CONNECTED:
                 conn.trusted = True  # identified as a configured peer (after the password, if there is one)
 
-    def _onOutgoingConnected(self, conn: TcpConnection) -> None:  # noqa: N802
+    def _onOutgoingConnected(self, conn: TcpConnection) -> None:
         if not self._syncObj.encryptor:
             conn.trusted = True  # a peer we dialled; with a password it must still prove it
         super()._onOutgoingConnected(conn)
 
-    def _onDisconnected(self, conn: TcpConnection) -> None:  # noqa: N802
+    def _onDisconnected(self, conn: TcpConnection) -> None:
         self._accepted_at.pop(conn, None)
         super()._onDisconnected(conn)
 
-    def _onTick(self) -> None:  # noqa: N802
+    def _onTick(self) -> None:
         super()._onTick()
         if self._accepted_at:
             deadline = time.monotonic() - self._syncObj.conf.connectionTimeout
@@ -275,7 +284,7 @@ def install(max_frame_bytes: int, max_pending: int) -> None:
     """Make pysyncobj build guarded connections and decode with the restricted unpickler (process-wide)."""
     GuardedTcpConnection.max_frame_bytes = max_frame_bytes
     GuardedTransport.max_pending = max_pending
-    _tcp_server.TcpConnection = GuardedTcpConnection  # type: ignore[misc]
-    _transport.TcpConnection = GuardedTcpConnection  # type: ignore[misc]
+    _tcp_server.TcpConnection = GuardedTcpConnection
+    _transport.TcpConnection = GuardedTcpConnection
     _sopickle.loads = safe_loads
     _sopickle.load = safe_load

@@ -38,7 +38,7 @@ ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 BIND_TRIES, BIND_RETRY_S = 10, 0.5  # how long a replica waits for its Raft port before it gives up
 
 
-class StateMachine(SyncObjConsumer):
+class StateMachine(SyncObjConsumer):  # type: ignore[misc]  # pysyncobj ships no type information
     """The pysyncobj consumer around DirectoryState; only `state` is snapshotted."""
 
     def __init__(self, state: DirectoryState) -> None:
@@ -46,7 +46,7 @@ class StateMachine(SyncObjConsumer):
         super().__init__()
         self.state = state
 
-    @replicated
+    @replicated  # type: ignore[untyped-decorator]  # pysyncobj ships no type information (it adds `callback`, `sync`)
     def apply_batch(self, commands: list[Command]) -> list[Result]:
         with self.lock:
             return [self.state.apply(c) for c in commands]
@@ -67,8 +67,12 @@ def _size(cmd: Command) -> int:
     if isinstance(cmd, Remove):
         return 128 + cmd.hashes.nbytes
     if isinstance(cmd, Register):
-        return 256 + len(cmd.api_url) + len(cmd.transfer_url or "") + sum(
-            16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
+        return (
+            256
+            + len(cmd.api_url)
+            + len(cmd.transfer_url or "")
+            + sum(16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
+        )
     return 256
 
 
@@ -217,6 +221,7 @@ class LeaseKeeper:
         self._replica = replica
         self._ttl = ttl
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
+        self._expiring: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
         self._task = asyncio.create_task(self._run())
 
     def close(self) -> None:
@@ -247,7 +252,9 @@ class LeaseKeeper:
             elif now - last[1] > self._ttl:
                 log.info("lease of node %s epoch %d lapsed (%.1fs silent): expiring", node_id, epoch, now - last[1])
                 self._seen[key] = (seen, now)  # do not fire again while this one commits
-                asyncio.create_task(self._expire(node_id, epoch, seen))
+                task = asyncio.create_task(self._expire(node_id, epoch, seen))
+                self._expiring.add(task)
+                task.add_done_callback(self._expiring.discard)
         for key in [k for k in self._seen if k not in current]:
             del self._seen[key]
 
@@ -258,7 +265,7 @@ class LeaseKeeper:
             log.warning("expiry of %s epoch %d did not commit; will retry", node_id, epoch)
 
 
-class _ReadFirstSyncObj(SyncObj):
+class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no type information
     """pysyncobj that lets a healthy leader keep its place.
 
     pysyncobj judges a follower's election deadline at the top of each tick, before reading its
@@ -277,6 +284,8 @@ class _ReadFirstSyncObj(SyncObj):
 
     #: a follower drains its sockets at most this many times per tick, so a tick always ends
     MAX_DRAIN_PASSES = 16
+    #: pysyncobj's own (set in SyncObj.__init__): when a follower starts an election, in monotonic seconds
+    _SyncObj__raftElectionDeadline: float
 
     def __init__(self, *args: Any, election_timeout: tuple[float, float], compaction_bytes: int, **kwargs: Any) -> None:
         # Set before super() starts the tick thread, which reads them.
@@ -316,8 +325,9 @@ class _ReadFirstSyncObj(SyncObj):
     def _note_fresh(self) -> None:
         """Each tick, once committed entries are applied: note the time if this replica leads, or
         follows a leader and has applied all that the leader had committed when it last wrote."""
-        if self._isLeader() or (self._getLeader() is not None
-                                and self.raftLastApplied >= (self._SyncObj__leaderCommitIndex or 0)):
+        if self._isLeader() or (
+            self._getLeader() is not None and self.raftLastApplied >= (self._SyncObj__leaderCommitIndex or 0)
+        ):
             self._fresh_at = time.monotonic()
 
     def fresh_within(self, bound_s: float) -> bool:
@@ -378,22 +388,34 @@ class Replica:
         journal.install(settings.fsync, conf.fullDumpFile)
         raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections)
         if settings.raft_password is None:
-            log.warning("raft: no Raft password: whoever reaches %s can forge Raft messages (set KVDIR_RAFT_PASSWORD_FILE)",
-                        settings.raft)
+            log.warning(
+                "raft: no Raft password: whoever reaches %s can forge Raft messages (set KVDIR_RAFT_PASSWORD_FILE)", settings.raft
+            )
         started = time.monotonic()
         cached, compiled = index.warm_up()  # before the Raft thread exists: a first compile there would stall its heartbeats
-        log.info("index kernels ready in %.2f s (%d loaded from numba's cache, %d compiled)",
-                 time.monotonic() - started, cached, compiled)
-        self.raft = _ReadFirstSyncObj(settings.raft, settings.peer_list, conf, consumers=[self.sm],
-                                      transportClass=raft_transport.GuardedTransport,
-                                      election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s),
-                                      compaction_bytes=settings.raft_log_compaction_bytes)
+        log.info(
+            "index kernels ready in %.2f s (%d loaded from numba's cache, %d compiled)",
+            time.monotonic() - started,
+            cached,
+            compiled,
+        )
+        self.raft = _ReadFirstSyncObj(
+            settings.raft,
+            settings.peer_list,
+            conf,
+            consumers=[self.sm],
+            transportClass=raft_transport.GuardedTransport,
+            election_timeout=(settings.raft_min_timeout_s, settings.raft_max_timeout_s),
+            compaction_bytes=settings.raft_log_compaction_bytes,
+        )
         try:
             self.raft.waitBinded()
         except SyncObjException as exc:
             self.raft.destroy()
-            raise RuntimeError(f"cannot listen for Raft on {settings.raft} after {BIND_TRIES} tries "
-                               f"over {BIND_TRIES * BIND_RETRY_S:g} s: is another process using that port?") from exc
+            raise RuntimeError(
+                f"cannot listen for Raft on {settings.raft} after {BIND_TRIES} tries "
+                f"over {BIND_TRIES * BIND_RETRY_S:g} s: is another process using that port?"
+            ) from exc
         self.committer: GroupCommitter | None = None
         self.leases: LeaseKeeper | None = None
         self._announce: asyncio.Task[None] | None = None
@@ -410,8 +432,12 @@ class Replica:
         """Start the loop-side machinery; call from the server's event loop."""
         # A batch of commands is one Raft entry: a quarter of the frame cap leaves room for the one
         # command that may overshoot it (a whole request, at most max_body_bytes) and a frame's other entries.
-        self.committer = GroupCommitter(self.sm, max_bytes=self.settings.raft_max_frame_bytes // 4,
-                                        command_timeout=max(1.0, self.settings.write_timeout_s / 2), on_commit=on_commit)
+        self.committer = GroupCommitter(
+            self.sm,
+            max_bytes=self.settings.raft_max_frame_bytes // 4,
+            command_timeout=max(1.0, self.settings.write_timeout_s / 2),
+            on_commit=on_commit,
+        )
         self.leases = LeaseKeeper(self, self.settings.lease_ttl_s)
         self._announce = asyncio.create_task(self._announce_self())
 
@@ -446,7 +472,8 @@ class Replica:
 
     @property
     def is_leader(self) -> bool:
-        return self.raft._isLeader()
+        leader: bool = self.raft._isLeader()
+        return leader
 
     def status(self) -> dict[str, Any]:
         s = self.raft.getStatus()

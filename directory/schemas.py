@@ -22,8 +22,10 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from directory.hashing import U32_MAX, U64_MAX
-from directory.tenancy import TENANT_MAX_LEN, TENANT_PATTERN
 
+TENANT_MAX_LEN = 64
+TENANT_PATTERN = r"^[A-Za-z0-9._-]*$"
+"""Tenant names: no `:` nor `@`, which delimit them in the tokens file (directory.auth)."""
 NODE_ID_MAX_LEN = 128
 ORIGIN_MAX_LEN = 300  # scheme, a 253-character host name and a port
 TRANSFER_URL_MAX_LEN = 2048
@@ -41,9 +43,14 @@ NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=NODE_ID_MAX_LEN, p
 Label = Annotated[str, msgspec.Meta(max_length=LABEL_MAX_LEN)]
 # 1e999 decodes to infinity: the bounds refuse it (a non-finite load would make every answer listing the node a 500).
 FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
-Tenant = Annotated[str, msgspec.Meta(
-    max_length=TENANT_MAX_LEN, pattern=TENANT_PATTERN + r"(?!\n)",
-    description='the tenant whose entries this touches (directory.tenancy); omitted: the token\'s own, else the shared ""')]
+Tenant = Annotated[
+    str,
+    msgspec.Meta(
+        max_length=TENANT_MAX_LEN,
+        pattern=TENANT_PATTERN + r"(?!\n)",
+        description='the tenant whose entries this touches (directory.tenancy); omitted: the token\'s own, else the shared ""',
+    ),
+]
 
 
 def check_u64(value: int, what: str) -> None:
@@ -51,8 +58,10 @@ def check_u64(value: int, what: str) -> None:
         raise ValueError(f"{what} must be at most 2**64-1")
 
 
-_ORIGIN = re.compile(r"(?P<scheme>https?)://(?P<host>\[[0-9a-f:.]+\]|[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?)(?::(?P<port>[0-9]{1,5}))?/?",
-                     re.ASCII | re.IGNORECASE)
+_ORIGIN = re.compile(
+    r"(?P<scheme>https?)://(?P<host>\[[0-9a-f:.]+\]|[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?)(?::(?P<port>[0-9]{1,5}))?/?",
+    re.ASCII | re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +137,27 @@ class Region(_Body):
 
 class RegisterRequest(_Body):
     node_id: NodeId
-    api_url: Annotated[str, msgspec.Meta(
-        min_length=1, max_length=ORIGIN_MAX_LEN, description="the engine's origin: http(s)://HOST[:PORT], nothing else")]
+    api_url: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1, max_length=ORIGIN_MAX_LEN, description="the engine's origin: http(s)://HOST[:PORT], nothing else"
+        ),
+    ]
     transfer_url: Annotated[str, msgspec.Meta(min_length=1, max_length=TRANSFER_URL_MAX_LEN)] | None = None
     regions: list[Region] = []
     capacity_blocks: Annotated[int, msgspec.Meta(ge=1, le=U32_MAX + 1)] | None = None
     block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
-    incarnation: Annotated[str, msgspec.Meta(
-        min_length=1, max_length=128,
-        description="unique per process start; retrying a registration with the same value returns the same epoch")] | None = None
+    incarnation: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                min_length=1,
+                max_length=128,
+                description="unique per process start; retrying a registration with the same value returns the same epoch",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         self.api_url = origin(self.api_url)
@@ -183,7 +204,13 @@ class LookupRequest(_Body):
 
 
 REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
-    RegisterRequest, HeartbeatRequest, PublishRequest, RemoveRequest, ClearRequest, LookupRequest)
+    RegisterRequest,
+    HeartbeatRequest,
+    PublishRequest,
+    RemoveRequest,
+    ClearRequest,
+    LookupRequest,
+)
 
 
 def request_schemas() -> dict[str, Any]:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-
 import uvicorn
 
+from directory.addresses import parse_hostport
 from directory.api import create_app
-from directory.config import DirectorySettings, parse_hostport
+from directory.config import DirectorySettings
 from directory.http_limits import LimitedHttpToolsProtocol
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+from directory.logs import configure_logging
 
 
 def serve(settings: DirectorySettings) -> None:

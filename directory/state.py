@@ -24,6 +24,7 @@ Rules (everything that changes replicated state lives here):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -200,8 +201,15 @@ class DirectoryState:
             self.epoch_counter = cmd.epoch_base
         self.epoch_counter += 1
         node = Node(
-            cmd.node_id, idx, self.epoch_counter, cmd.incarnation, cmd.api_url, cmd.transfer_url,
-            tuple(cmd.regions), cmd.capacity_blocks, cmd.block_size,
+            cmd.node_id,
+            idx,
+            self.epoch_counter,
+            cmd.incarnation,
+            cmd.api_url,
+            cmd.transfer_url,
+            tuple(cmd.regions),
+            cmd.capacity_blocks,
+            cmd.block_size,
         )
         self.nodes[cmd.node_id] = node
         self.by_idx[idx] = node
@@ -214,9 +222,13 @@ class DirectoryState:
     def _current(self, node_id: str, epoch: int) -> Node | Result:
         node = self.nodes.get(node_id)
         if node is None:
-            return Result(UNKNOWN_NODE, detail=f"node {node_id!r} is not registered (expired or never registered): register again")
+            return Result(
+                UNKNOWN_NODE, detail=f"node {node_id!r} is not registered (expired or never registered): register again"
+            )
         if node.epoch != epoch:
-            return Result(STALE_EPOCH, node.epoch, f"epoch {epoch} of node {node_id!r} is not current ({node.epoch}): register again")
+            return Result(
+                STALE_EPOCH, node.epoch, f"epoch {epoch} of node {node_id!r} is not current ({node.epoch}): register again"
+            )
         node.seen += 1
         return node
 
@@ -247,7 +259,10 @@ class DirectoryState:
             return node
         if node.capacity_blocks is not None and len(cmd.slots) and int(cmd.slots.max()) >= node.capacity_blocks:
             return Result(INVALID, detail=f"slot out of range: node {node.node_id!r} has {node.capacity_blocks} slots")
-        if len(self.index) + len(cmd.hashes) > self.max_entries and len(self.index) + self.index.missing(node.idx, cmd.hashes) > self.max_entries:
+        if (
+            len(self.index) + len(cmd.hashes) > self.max_entries
+            and len(self.index) + self.index.missing(node.idx, cmd.hashes) > self.max_entries
+        ):
             # Only new entries count against the limit, so a retried or slot-updating publish still succeeds.
             return Result(INDEX_FULL, detail=f"the index holds its maximum of {self.max_entries} entries")
         return Result(OK, self.index.put(node.idx, cmd.hashes, cmd.slots))
@@ -300,7 +315,7 @@ class DirectoryState:
         return h.hexdigest()
 
 
-_HANDLERS = {
+_HANDLERS: dict[type[Command], Callable[[DirectoryState, Any], Result]] = {
     Register: DirectoryState._register,
     Heartbeat: DirectoryState._heartbeat,
     Deregister: DirectoryState._deregister,

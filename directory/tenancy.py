@@ -27,10 +27,6 @@ import hmac
 
 import numpy as np
 
-TENANT_MAX_LEN = 64
-TENANT_PATTERN = r"^[A-Za-z0-9._-]*$"
-"""Tenant names: no `:` nor `@`, which delimit them in the tokens file (directory.auth)."""
-
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S1, _S2, _S3 = np.uint64(30), np.uint64(27), np.uint64(31)

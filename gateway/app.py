@@ -110,13 +110,15 @@ def _request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+    ) -> None:
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-           param: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
@@ -124,20 +126,37 @@ class GatewayMetrics:
     def __init__(self, registry: EngineRegistry) -> None:
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("kvdir_gateway_decisions_total", "Routing decisions, by reason", ["reason"], registry=r)
-        self.predicted = Counter("kvdir_gateway_predicted_cached_tokens_total", "Cached tokens the directory predicted", registry=r)
+        self.predicted = Counter(
+            "kvdir_gateway_predicted_cached_tokens_total", "Cached tokens the directory predicted", registry=r
+        )
         self.reported = Counter("kvdir_gateway_reported_cached_tokens_total", "Cached tokens the engines reported", registry=r)
         self.prompt_tokens = Counter("kvdir_gateway_prompt_tokens_total", "Prompt tokens routed", registry=r)
-        self.prediction_error = Histogram("kvdir_gateway_prediction_error_tokens", "|predicted - reported| cached tokens per request",
-                                          buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r)
-        self.route_seconds = Histogram("kvdir_gateway_route_seconds", "Tokenize + hash + lookup + decide", buckets=_LATENCY, registry=r)
-        self.added_seconds = Histogram("kvdir_gateway_added_seconds", "From a request's arrival to its forwarding, tokenization excluded",
-                                       buckets=_LATENCY, registry=r)
+        self.prediction_error = Histogram(
+            "kvdir_gateway_prediction_error_tokens",
+            "|predicted - reported| cached tokens per request",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384),
+            registry=r,
+        )
+        self.route_seconds = Histogram(
+            "kvdir_gateway_route_seconds", "Tokenize + hash + lookup + decide", buckets=_LATENCY, registry=r
+        )
+        self.added_seconds = Histogram(
+            "kvdir_gateway_added_seconds",
+            "From a request's arrival to its forwarding, tokenization excluded",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.upstream_errors = Counter("kvdir_gateway_upstream_errors_total", "Upstream failures, by kind", ["kind"], registry=r)
-        self.lookup_failures = Counter("kvdir_gateway_lookup_failures_total",
-                                       "Directory lookups that failed (request routed by load), by cause: timeout or error",
-                                       ["cause"], registry=r)
+        self.lookup_failures = Counter(
+            "kvdir_gateway_lookup_failures_total",
+            "Directory lookups that failed (request routed by load), by cause: timeout or error",
+            ["cause"],
+            registry=r,
+        )
         Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
-        Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(lambda: 1 if registry.directory_ok else 0)
+        Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
+            lambda: 1 if registry.directory_ok else 0
+        )
 
 
 def _cached_tokens(payload: Any) -> int | None:
@@ -152,19 +171,29 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     tokenizer = None if use_engine_tokenizer else load_tokenizer(settings.tokenizer)
     chars_per_token = max_chars_per_token(tokenizer)
     hasher = PrefixHasher(settings.block_size, settings.namespace)
-    cost = CostModel(prefill_tokens_per_s=settings.prefill_tokens_per_s, link_bytes_per_s=settings.link_gbps * 1e9,
-                     pull_setup_s=settings.pull_setup_ms / 1000, max_running=settings.max_running)
+    cost = CostModel(
+        prefill_tokens_per_s=settings.prefill_tokens_per_s,
+        link_bytes_per_s=settings.link_gbps * 1e9,
+        pull_setup_s=settings.pull_setup_ms / 1000,
+        max_running=settings.max_running,
+    )
     policy = make_policy(settings.policy, cost=cost)
     rng = random.Random(settings.seed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        directory = DirectoryClient(settings.directory_urls, timeout=1.0, deadline=settings.lookup_timeout_s,
-                                    token=settings.directory_token, tenant=settings.tenant)
+        directory = DirectoryClient(
+            settings.directory_urls,
+            timeout=1.0,
+            deadline=settings.lookup_timeout_s,
+            token=settings.directory_token,
+            tenant=settings.tenant,
+        )
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)
         http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), limits=limits)
-        registry = EngineRegistry(directory, http, settings.static_engines, settings.refresh_s, settings.unhealthy_s,
-                                  settings.networks)
+        registry = EngineRegistry(
+            directory, http, settings.static_engines, settings.refresh_s, settings.unhealthy_s, settings.networks
+        )
         await registry.refresh()
         registry.start()
         app.state.directory, app.state.registry, app.state.http = directory, registry, http
@@ -198,14 +227,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def check_tokens(request: Request, n: int, param: str) -> None:
         limit = max_prompt_tokens(request)
         if n > limit:
-            raise GatewayError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}",
-                               code="context_length_exceeded", param=param)
+            raise GatewayError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has {n}",
+                code="context_length_exceeded",
+                param=param,
+            )
 
     def check_chars(request: Request, text: str, param: str) -> None:
         """Refuse a text that is provably over the token limit before tokenizing it."""
         if chars_per_token is not None and len(text) > max_prompt_tokens(request) * chars_per_token:
-            raise GatewayError(400, f"This model's maximum context length is {max_prompt_tokens(request)} tokens; the prompt "
-                                    f"has {len(text)} characters, which is more", code="context_length_exceeded", param=param)
+            raise GatewayError(
+                400,
+                f"This model's maximum context length is {max_prompt_tokens(request)} tokens; the prompt "
+                f"has {len(text)} characters, which is more",
+                code="context_length_exceeded",
+                param=param,
+            )
 
     def check_sizes(request: Request, body: bytes, model: type[_Body]) -> None:
         """Count a token-array prompt or the chat messages on the raw JSON, so no list of millions is built or validated.
@@ -220,8 +258,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if model is ChatBody:
                 n = count_messages(body)
                 if n > settings.max_messages:
-                    raise GatewayError(400, f"'messages' has {n} messages; at most {settings.max_messages} are accepted",
-                                       code="array_above_max_length", param="messages")
+                    raise GatewayError(
+                        400,
+                        f"'messages' has {n} messages; at most {settings.max_messages} are accepted",
+                        code="array_above_max_length",
+                        param="messages",
+                    )
                 return
             prompt = bytes(msgspec.json.decode(body, type=_PromptSize).prompt).strip()
         except msgspec.ValidationError as exc:
@@ -255,7 +297,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         directory: DirectoryClient = request.app.state.directory
         try:
             res = await asyncio.wait_for(directory.lookup(hashes, with_slots=True), settings.lookup_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             failure = f"no answer within --lookup-timeout-s {settings.lookup_timeout_s:g} s"
         except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -271,18 +313,28 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         for e in registry.engines.values():
             if e.node_id in exclude:
                 continue
-            h = holders.get(e.node_id)
+            h: Any = holders.get(e.node_id)
             held = h is not None and h.epoch == e.epoch
             # The engine's reported `running` includes this gateway's own in-flight requests: count those once.
-            out.append(Candidate(
-                node_id=e.node_id, epoch=e.epoch, cached_blocks=h.matched_blocks if held else 0,
-                slots=tuple(h.slots or ()) if held else (), running=max(0, int(e.running) - e.inflight), waiting=int(e.waiting),
-                pending_prefill_tokens=e.pending_prefill_tokens, inflight=e.inflight, healthy=e.healthy, can_pull=e.can_pull,
-            ))
+            out.append(
+                Candidate(
+                    node_id=e.node_id,
+                    epoch=e.epoch,
+                    cached_blocks=h.matched_blocks if held else 0,
+                    slots=tuple(h.slots or ()) if held else (),
+                    running=max(0, int(e.running) - e.inflight),
+                    waiting=int(e.waiting),
+                    pending_prefill_tokens=e.pending_prefill_tokens,
+                    inflight=e.inflight,
+                    healthy=e.healthy,
+                    can_pull=e.can_pull,
+                )
+            )
         return out
 
-    async def forward(request: Request, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, t_arrival: float,
-                      tokenize_s: float) -> Response:
+    async def forward(
+        request: Request, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, t_arrival: float, tokenize_s: float
+    ) -> Response:
         registry: EngineRegistry = request.app.state.registry
         http: httpx.AsyncClient = request.app.state.http
         metrics: GatewayMetrics = request.app.state.metrics
@@ -294,8 +346,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if block_bytes and block_bytes != policy.cost.block_bytes:
             # Pull cost depends on the engines' real block size (all TP ranks): learn it from their regions.
             policy.cost = replace(policy.cost, block_bytes=block_bytes)
-        rreq = RouteRequest(prompt_tokens=len(tokens), hashes=tuple(hashes), block_size=settings.block_size,
-                            max_tokens=int(raw.get("max_tokens") or 16))
+        rreq = RouteRequest(
+            prompt_tokens=len(tokens),
+            hashes=tuple(hashes),
+            block_size=settings.block_size,
+            max_tokens=int(raw.get("max_tokens") or 16),
+        )
         exclude: set[str] = set()
         while True:
             cands = [c for c in candidates(registry, holders, exclude) if c.healthy]
@@ -303,13 +359,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 raise GatewayError(503, "no engine is available", "service_unavailable", "no_engine")
             decision: Decision = policy.choose(rreq, cands, rng)
             if lookup_failure is not None:
-                decision = replace(decision, reason="fallback", predicted_cached_tokens=0,
-                                   detail=f"directory lookup failed ({lookup_failure}): routed by load")
+                decision = replace(
+                    decision,
+                    reason="fallback",
+                    predicted_cached_tokens=0,
+                    detail=f"directory lookup failed ({lookup_failure}): routed by load",
+                )
             engine = registry.engines[decision.node_id]
             body = raw
             if decision.pull_from is not None:
-                body = {**raw, "kvdir_pull": {"source_node": decision.pull_from, "source_epoch": decision.pull_epoch,
-                                              "slots": list(decision.pull_slots)}}
+                body = {
+                    **raw,
+                    "kvdir_pull": {
+                        "source_node": decision.pull_from,
+                        "source_epoch": decision.pull_epoch,
+                        "slots": list(decision.pull_slots),
+                    },
+                }
             uncached = max(0, len(tokens) - decision.predicted_cached_tokens)
             engine.inflight += 1
             engine.pending_prefill_tokens += uncached
@@ -333,8 +399,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         engine.served += 1
         engine.prompt_tokens += len(tokens)
         log.debug("routed to %s: %s (%s)", engine.node_id, decision.reason, decision.detail)
-        headers = {"x-kvdir-node": engine.node_id, "x-kvdir-decision": decision.reason,
-                   "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
+        headers = {
+            "x-kvdir-node": engine.node_id,
+            "x-kvdir-decision": decision.reason,
+            "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens),
+        }
         if upstream.status_code >= 400:
             metrics.upstream_errors.labels(str(upstream.status_code)).inc()
 
@@ -364,8 +433,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 except ValueError:
                     pass
             finish(reported)
-            return Response(content, status_code=upstream.status_code, headers=headers,
-                            media_type=upstream.headers.get("content-type", "application/json"))
+            return Response(
+                content,
+                status_code=upstream.status_code,
+                headers=headers,
+                media_type=upstream.headers.get("content-type", "application/json"),
+            )
 
         async def relay() -> AsyncIterator[bytes]:
             started: list[bool] = []
@@ -391,8 +464,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         break
                 finish(reported)
 
-        return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers,
-                                 media_type=upstream.headers.get("content-type", "text/event-stream"))
+        return StreamingResponse(
+            relay(),
+            status_code=upstream.status_code,
+            headers=headers,
+            media_type=upstream.headers.get("content-type", "text/event-stream"),
+        )
 
     async def engine_tokens(request: Request, payload: dict[str, Any]) -> list[int]:
         """Tokens from an engine's own /tokenize (vLLM's API): its tokenizer and chat template, exactly."""
@@ -413,8 +490,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 message, code, param = str(err["message"]), err.get("code"), err.get("param")
             except (ValueError, KeyError, TypeError):
                 message, code, param = r.text, None, None
-            raise GatewayError(r.status_code if r.status_code < 500 else 502, f"the engine could not tokenize: {message[:300]}",
-                               code=code if isinstance(code, str) else None, param=param if isinstance(param, str) else None)
+            raise GatewayError(
+                r.status_code if r.status_code < 500 else 502,
+                f"the engine could not tokenize: {message[:300]}",
+                code=code if isinstance(code, str) else None,
+                param=param if isinstance(param, str) else None,
+            )
         raise GatewayError(503, "no engine is available to tokenize", "service_unavailable", "no_engine")
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionBody))
@@ -456,11 +537,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
             async def one(e: EngineState) -> list[dict[str, Any]]:
                 try:
-                    return (await http.get(e.origin.url("/v1/models"), timeout=2.0)).json().get("data", [])
+                    data: list[dict[str, Any]] = (await http.get(e.origin.url("/v1/models"), timeout=2.0)).json().get("data", [])
+                    return data
                 except (httpx.HTTPError, ValueError):
                     return []
 
-            merged: dict[str, dict[str, Any]] = {}
+            merged: dict[str | None, dict[str, Any]] = {}  # a model without an "id" is kept under None
             for data in await asyncio.gather(*(one(e) for e in registry.engines.values() if e.healthy)):
                 for m in data:
                     merged.setdefault(m.get("id"), m)
@@ -471,8 +553,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         registry: EngineRegistry = request.app.state.registry
-        return JSONResponse({"ok": True, "engines": len(registry.engines), "directory": registry.directory_ok,
-                             "policy": settings.policy, "max_prompt_tokens": max_prompt_tokens(request)})
+        return JSONResponse(
+            {
+                "ok": True,
+                "engines": len(registry.engines),
+                "directory": registry.directory_ok,
+                "policy": settings.policy,
+                "max_prompt_tokens": max_prompt_tokens(request),
+            }
+        )
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:

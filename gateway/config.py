@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.config import DirectoryClientSettings, HostPort, url_list
+from directory.addresses import HostPort, url_list
+from directory.client_settings import DirectoryClientSettings
 from gateway.engines import Network, parse_networks, parse_origin
 
 
@@ -16,11 +17,17 @@ class GatewaySettings(DirectoryClientSettings):
 
     http: HostPort = Field("127.0.0.1:8100", description="HOST:PORT the OpenAI-compatible API listens on")
     engine: str = Field("", description="comma-separated http(s)://HOST:PORT of engines that do not register with the directory")
-    engine_networks: str = Field("", description="comma-separated CIDRs engines must be in (e.g. 10.0.0.0/8,127.0.0.0/8); "
-                                                 "a host name is resolved once, when learned, and refused if any address is "
-                                                 "outside; empty: no restriction")
+    engine_networks: str = Field(
+        "",
+        description="comma-separated CIDRs engines must be in (e.g. 10.0.0.0/8,127.0.0.0/8); "
+        "a host name is resolved once, when learned, and refused if any address is "
+        "outside; empty: no restriction",
+    )
     policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
-    tokenizer: str = Field("bytes", description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)")
+    tokenizer: str = Field(
+        "bytes",
+        description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)",
+    )
     namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the engines'")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the engines'")
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="engines' prefill rate, for the TTFT estimate")
@@ -33,8 +40,12 @@ class GatewaySettings(DirectoryClientSettings):
     unhealthy_s: float = Field(5.0, ge=0, description="how long an engine that refused a connection is skipped")
     seed: int = Field(0, description="seed of the policies' random tie-breaks")
     log_level: str = Field("info", description="debug, info, warning or error")
-    max_prompt_tokens: int = Field(131072, ge=1, description="longest prompt accepted, in tokens (400 above), while no engine "
-                                                              "reports its max_model_len; then the largest one reported")
+    max_prompt_tokens: int = Field(
+        131072,
+        ge=1,
+        description="longest prompt accepted, in tokens (400 above), while no engine "
+        "reports its max_model_len; then the largest one reported",
+    )
     max_messages: int = Field(2048, ge=1, description="most messages in one chat completion (400 above)")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
 

@@ -74,9 +74,10 @@ async def _addresses(host: str, port: int) -> list[IPAddress]:
     except ValueError:
         pass
     try:
-        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
-                                       _RESOLVE_TIMEOUT_S)
-    except (OSError, asyncio.TimeoutError) as exc:
+        infos = await asyncio.wait_for(
+            asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S
+        )
+    except (TimeoutError, OSError) as exc:
         raise OSError(f"{host!r} did not resolve: {exc or 'timed out'}") from exc
     return [ipaddress.ip_address(str(info[4][0])) for info in infos]
 
@@ -120,8 +121,15 @@ class EngineState:
 class EngineRegistry:
     """Engine list and load, refreshed from the directory in the background."""
 
-    def __init__(self, directory: DirectoryClient, http: httpx.AsyncClient, static: list[str], refresh_s: float,
-                 unhealthy_s: float, networks: Sequence[Network] = ()) -> None:
+    def __init__(
+        self,
+        directory: DirectoryClient,
+        http: httpx.AsyncClient,
+        static: list[str],
+        refresh_s: float,
+        unhealthy_s: float,
+        networks: Sequence[Network] = (),
+    ) -> None:
         self.directory = directory
         self.http = http
         self.static = static

@@ -61,9 +61,11 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
+    "POLICIES",
+    "REASONS",
     "Candidate",
     "CostModel",
     "Decision",
@@ -71,9 +73,7 @@ __all__ = [
     "KvdirPolicy",
     "LeastLoadedPolicy",
     "LocalOnlyPolicy",
-    "POLICIES",
     "Policy",
-    "REASONS",
     "RoundRobinPolicy",
     "RouteRequest",
     "SGLangPolicy",
@@ -144,6 +144,7 @@ class Decision:
 @runtime_checkable
 class Policy(Protocol):
     name: str
+    cost: CostModel
 
     def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision: ...
 
@@ -194,7 +195,9 @@ def _blocks(cand: Candidate, n_hashes: int) -> int:
     return 0 if b < 0 else (n_hashes if b > n_hashes else b)
 
 
-def ttft_breakdown(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0) -> TTFTBreakdown:
+def ttft_breakdown(
+    req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0
+) -> TTFTBreakdown:
     """kvdir's TTFT estimate for serving `req` on `cand`.
 
     `pull_to_blocks` > the candidate's cached blocks means: pull blocks
@@ -250,13 +253,17 @@ def _tokens(blocks: int, req: RouteRequest) -> int:
     return min(blocks * req.block_size, req.prompt_tokens)
 
 
-def _plain(req: RouteRequest, chosen: Candidate, healthy: list[Candidate], cost: CostModel, reason: str | None, detail: str) -> Decision:
+def _plain(
+    req: RouteRequest, chosen: Candidate, healthy: list[Candidate], cost: CostModel, reason: str | None, detail: str
+) -> Decision:
     """A decision without a pull, reason by the directory's view unless given."""
     nh = len(req.hashes)
     blocks = _blocks(chosen, nh)
     if reason is None:
         reason = _cache_reason(blocks, _longest(healthy, nh)[1])
-    return Decision(chosen.node_id, reason, _tokens(blocks, req), estimated_ttft_s=estimate_ttft(req, chosen, cost), detail=detail)
+    return Decision(
+        chosen.node_id, reason, _tokens(blocks, req), estimated_ttft_s=estimate_ttft(req, chosen, cost), detail=detail
+    )
 
 
 def _load(c: Candidate) -> int:
@@ -332,26 +339,38 @@ class KvdirPolicy:
 
         if pulled:
             return Decision(
-                chosen.node_id, "pull", cached,
-                pull_from=holder.node_id, pull_epoch=holder.epoch, pull_slots=tuple(holder.slots[:pull_to]),
-                estimated_ttft_s=t, detail=self._detail(req, chosen, holder, longest, pull_to, t),
+                chosen.node_id,
+                "pull",
+                cached,
+                pull_from=holder.node_id,
+                pull_epoch=holder.epoch,
+                pull_slots=tuple(holder.slots[:pull_to]),
+                estimated_ttft_s=t,
+                detail=self._detail(req, chosen, holder, longest, pull_to, t),
             )
         reason = _cache_reason(_blocks(chosen, nh), longest)
-        return Decision(chosen.node_id, reason, cached, estimated_ttft_s=t,
-                        detail=self._detail(req, chosen, holder, longest, 0, t))
+        return Decision(
+            chosen.node_id, reason, cached, estimated_ttft_s=t, detail=self._detail(req, chosen, holder, longest, 0, t)
+        )
 
     def _detail(self, req: RouteRequest, c: Candidate, holder: Candidate, longest: int, pull_to: int, t: float) -> str:
         cost = self.cost
         br = ttft_breakdown(req, c, cost, pull_to_blocks=pull_to)
         ahead = max(0, c.running + c.inflight - cost.max_running + 1)
-        s = (f"ttft={t:.6f}s = queue {br.queue_s:.6f} [{c.pending_prefill_tokens:g}/{cost.prefill_tokens_per_s:g}"
-             f" + (max(0,{c.running}+{c.inflight}-{cost.max_running}+1)={ahead} + {c.waiting})*{slot_interval_seconds(req, cost):.6f}]")
+        s = (
+            f"ttft={t:.6f}s = queue {br.queue_s:.6f} [{c.pending_prefill_tokens:g}/{cost.prefill_tokens_per_s:g}"
+            f" + (max(0,{c.running}+{c.inflight}-{cost.max_running}+1)={ahead} + {c.waiting})*{slot_interval_seconds(req, cost):.6f}]"
+        )
         if br.pull_s:
             n = pull_to - _blocks(c, len(req.hashes))
-            s += (f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {n}*{cost.block_bytes}/{cost.link_bytes_per_s:g}]"
-                  f" from {holder.node_id}@{holder.epoch}")
-        s += (f" + compute {br.compute_s:.6f} [({req.prompt_tokens}-{br.cached_tokens})/{cost.prefill_tokens_per_s:g}]"
-              f"; longest {holder.node_id}={longest} blocks")
+            s += (
+                f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {n}*{cost.block_bytes}/{cost.link_bytes_per_s:g}]"
+                f" from {holder.node_id}@{holder.epoch}"
+            )
+        s += (
+            f" + compute {br.compute_s:.6f} [({req.prompt_tokens}-{br.cached_tokens})/{cost.prefill_tokens_per_s:g}]"
+            f"; longest {holder.node_id}={longest} blocks"
+        )
         return s
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
@@ -454,8 +473,15 @@ class SGLangPolicy:
 
     name = "sglang"
 
-    def __init__(self, cost: CostModel | None = None, *, abs_threshold: float = 32, rel_threshold: float = 1.1,
-                 cache_threshold: float = 0.5, max_tree_size: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        *,
+        abs_threshold: float = 32,
+        rel_threshold: float = 1.1,
+        cache_threshold: float = 0.5,
+        max_tree_size: int = 1_000_000,
+    ) -> None:
         if max_tree_size < 1:
             raise ValueError("max_tree_size must be >= 1")
         if not 0.0 <= cache_threshold <= 1.0:
@@ -542,8 +568,9 @@ class SGLangPolicy:
                 match = matches[chosen.node_id]
                 reason = "balance"
                 detail = f"best match {match}/{nh}={ratio:.3f} <= {self.cache_threshold}: smallest tree ({self._sizes.get(chosen.node_id, 0)})"
-        return Decision(chosen.node_id, reason, _tokens(match, req),
-                        estimated_ttft_s=estimate_ttft(req, chosen, self.cost), detail=detail)
+        return Decision(
+            chosen.node_id, reason, _tokens(match, req), estimated_ttft_s=estimate_ttft(req, chosen, self.cost), detail=detail
+        )
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
         node = decision.node_id
@@ -594,8 +621,14 @@ class DynamoPolicy:
 
     name = "dynamo"
 
-    def __init__(self, cost: CostModel | None = None, *, overlap_weight: float = 1.0, temperature: float = 0.0,
-                 blocks_per_active_request: float | None = None) -> None:
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        *,
+        overlap_weight: float = 1.0,
+        temperature: float = 0.0,
+        blocks_per_active_request: float | None = None,
+    ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         self.cost = cost or DEFAULT_COST
@@ -635,8 +668,10 @@ class DynamoPolicy:
             how = f"softmax T={t:g}"
         chosen = healthy[i]
         nh = len(req.hashes)
-        detail = (f"{how}: cost {costs[i]:.3f} = {self.overlap_weight:g}*{nh - _blocks(chosen, nh)}"
-                  f" + active {costs[i] - self.overlap_weight * (nh - _blocks(chosen, nh)):.3f}; min {lo:.3f} max {hi:.3f}")
+        detail = (
+            f"{how}: cost {costs[i]:.3f} = {self.overlap_weight:g}*{nh - _blocks(chosen, nh)}"
+            f" + active {costs[i] - self.overlap_weight * (nh - _blocks(chosen, nh)):.3f}; min {lo:.3f} max {hi:.3f}"
+        )
         return _plain(req, chosen, healthy, self.cost, None, detail)
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
@@ -656,7 +691,7 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def make_policy(name: str, cost: CostModel | None = None, **options) -> Policy:
+def make_policy(name: str, cost: CostModel | None = None, **options: Any) -> Policy:
     """A new policy object by name; options are the policy's keyword arguments."""
     factory = POLICIES.get(name)
     if factory is None:

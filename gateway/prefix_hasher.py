@@ -39,7 +39,7 @@ class PrefixHasher:
             self.hashed_blocks += n_blocks
             return chain_hashes(local_hashes(tokens, self.block_size, self.namespace), self.seed)
         arr = np.asarray(tokens[: n_blocks * self.block_size], dtype="<u4")
-        data = memoryview(arr).cast("B")
+        data = memoryview(arr).cast("B")  # type: ignore[arg-type]  # numpy stubs give ndarray __buffer__ only for Python >= 3.12
         step = self.stride * self.block_size * 4
         running = xxhash.xxh3_64(seed=self.seed)
         digests = []

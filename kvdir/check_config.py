@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from directory.config import DirectorySettings
-from directory.events_subscriber import EventsSettings
+from engines.config import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import UpSettings
 from worker_stub.config import WorkerSettings
@@ -69,7 +69,7 @@ def check(role: str, args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     problems = []
     prefix = cls.model_config.get("env_prefix", "")
     for key in env:
-        if key.startswith(prefix) and key not in COMMON_ENV and key[len(prefix):].lower() not in cls.model_fields:
+        if key.startswith(prefix) and key not in COMMON_ENV and key[len(prefix) :].lower() not in cls.model_fields:
             problems.append(f"{key}: not a setting of `kvdir {role}`")
     parser = argparse.ArgumentParser(prog=f"kvdir {role}", add_help=False, exit_on_error=False)
     add_settings_flags(parser, cls)
@@ -96,7 +96,7 @@ def interpolate(text: str, environ: Mapping[str, str]) -> str:
         if m.group(0) == "$$":
             return "$"
         value = environ.get(m["name"])
-        if m["op"] == ":-" and not value or m["op"] == "-" and value is None:
+        if (m["op"] == ":-" and not value) or (m["op"] == "-" and value is None):
             return m["default"]
         return value or ""
 
@@ -114,8 +114,9 @@ def _substitute(node: Any, environ: Mapping[str, str]) -> Any:
     return node
 
 
-def compose_services(path: Path, secrets_stand_in: Path,
-                     environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, list[str], dict[str, str]]]:
+def compose_services(
+    path: Path, secrets_stand_in: Path, environ: Mapping[str, str] | None = None
+) -> dict[str, tuple[str, list[str], dict[str, str]]]:
     """Each kvdir service of a compose file as (role, args, environment), variables substituted from `environ`
     (default: this process's environment) as compose substitutes them.
 
@@ -165,10 +166,16 @@ def compose_auth_problems(services: Mapping[str, tuple[str, list[str], dict[str,
     secured = [n for n in replicas if _sets("auth_tokens_file", *services[n][1:])]
     if not secured:
         return []
-    problems = [f"{n}: no auth tokens file, while {secured[0]} has one (replicas would disagree on who may write)"
-                for n in replicas if n not in secured]
-    problems += [f"{n}: no directory token file, while the directory has auth on (every request would be 401)"
-                 for n, (role, args, env) in services.items() if role in CLIENT_ROLES and not _sets("directory_token_file", args, env)]
+    problems = [
+        f"{n}: no auth tokens file, while {secured[0]} has one (replicas would disagree on who may write)"
+        for n in replicas
+        if n not in secured
+    ]
+    problems += [
+        f"{n}: no directory token file, while the directory has auth on (every request would be 401)"
+        for n, (role, args, env) in services.items()
+        if role in CLIENT_ROLES and not _sets("directory_token_file", args, env)
+    ]
     return problems
 
 
@@ -215,9 +222,14 @@ def _run_checks(compose: Path | None, role: str | None, rest: list[str], stand_i
 
 
 def run_health(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvdir health", description="exit 0 if URL answers 2xx within the timeout (container health checks)")
-    p.add_argument("--url", default=os.environ.get("KVDIR_HEALTH_URL", "http://127.0.0.1:8100/health"),
-                   help="the endpoint to probe [env KVDIR_HEALTH_URL]")
+    p = argparse.ArgumentParser(
+        prog="kvdir health", description="exit 0 if URL answers 2xx within the timeout (container health checks)"
+    )
+    p.add_argument(
+        "--url",
+        default=os.environ.get("KVDIR_HEALTH_URL", "http://127.0.0.1:8100/health"),
+        help="the endpoint to probe [env KVDIR_HEALTH_URL]",
+    )
     p.add_argument("--timeout", type=float, default=2.0)
     args = p.parse_args(list(argv))
     try:
@@ -226,5 +238,3 @@ def run_health(argv: Sequence[str]) -> int:
         print(f"unhealthy: {exc}", file=sys.stderr)
         return 1
     return 0 if ok else 1
-
-

@@ -39,7 +39,7 @@ _SERVERS = {
     "directory": ("run one directory replica", "directory.server"),
     "gateway": ("run the OpenAI-compatible affinity gateway", "gateway.server"),
     "worker": ("run one worker stub (a stand-in GPU engine)", "worker_stub.server"),
-    "events": ("feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)", "directory.events_subscriber"),
+    "events": ("feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)", "engines.subscriber"),
 }
 
 
@@ -49,27 +49,34 @@ def _parser() -> argparse.ArgumentParser:
 
     for role, (help_text, _) in _SERVERS.items():
         add_settings_flags(sub.add_parser(role, help=help_text), ROLES[role])
-    sub.choices["events"].add_argument("--connect", dest="bind", action="store_false",
-                                       help="connect the SUB socket (same as --no-bind)")
+    sub.choices["events"].add_argument(
+        "--connect", dest="bind", action="store_false", help="connect the SUB socket (same as --no-bind)"
+    )
 
     from kvdir.launcher import UpSettings
 
     u = sub.add_parser("up", help="start a local cluster on loopback: directory replicas, worker stubs, gateway")
     add_settings_flags(u, UpSettings)
 
-    sub.add_parser("check-config", help="validate settings (flags, env, a docker-compose file) without starting anything",
-                   add_help=False)
+    sub.add_parser(
+        "check-config", help="validate settings (flags, env, a docker-compose file) without starting anything", add_help=False
+    )
     sub.add_parser("health", help="probe a running component's health endpoint (for container health checks)", add_help=False)
 
     from kvdir.replay.report import add_arguments as add_replay_arguments
 
-    r = sub.add_parser("replay", help="replay a trace (Mooncake JSONL or synthetic) through the routing policies: simulated or live")
+    r = sub.add_parser(
+        "replay", help="replay a trace (Mooncake JSONL or synthetic) through the routing policies: simulated or live"
+    )
     add_replay_arguments(r)
 
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
-    b.add_argument("target", choices=["directory", "worker", "gateway", "events", "elections", "soak", "attacks"],
-                   help="what to measure (elections: needless Raft elections after starts, stalls and restarts; "
-                        "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost)")
+    b.add_argument(
+        "target",
+        choices=["directory", "worker", "gateway", "events", "elections", "soak", "attacks"],
+        help="what to measure (elections: needless Raft elections after starts, stalls and restarts; "
+        "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost)",
+    )
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to cycle the fault schedule")

@@ -19,8 +19,9 @@ def _tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-async def run_demo(urls: Sequence[str], workers: Sequence[str], gateway: str | None, say: Callable[[str], None],
-                   token: str | None = None) -> None:
+async def run_demo(
+    urls: Sequence[str], workers: Sequence[str], gateway: str | None, say: Callable[[str], None], token: str | None = None
+) -> None:
     """The directory on its own; a prompt reused locally and pulled by a peer; chats through the gateway.
 
     `token` is an admin token when the directory has auth on: the demo registers nodes no engine token covers.
@@ -39,11 +40,15 @@ async def _gateway_demo(gateway: str, say: Callable[[str], None]) -> None:
             messages = [{"role": "system", "content": f"Conversation {conv}. " + SYSTEM}]
             for turn in range(3):
                 messages.append({"role": "user", "content": f"Question {turn} of conversation {conv}: what is cached now?"})
-                r = await http.post(gateway + "/v1/chat/completions", json={"model": "kvdir-stub", "messages": messages, "max_tokens": 8})
+                r = await http.post(
+                    gateway + "/v1/chat/completions", json={"model": "kvdir-stub", "messages": messages, "max_tokens": 8}
+                )
                 body = r.json()
-                say(f"gateway, conversation {conv} turn {turn + 1}: -> {r.headers['x-kvdir-node']} ({r.headers['x-kvdir-decision']}), "
+                say(
+                    f"gateway, conversation {conv} turn {turn + 1}: -> {r.headers['x-kvdir-node']} ({r.headers['x-kvdir-decision']}), "
                     f"predicted {r.headers['x-kvdir-predicted-cached-tokens']} cached, engine reports "
-                    f"{body['usage']['prompt_tokens_details']['cached_tokens']} of {body['usage']['prompt_tokens']}")
+                    f"{body['usage']['prompt_tokens_details']['cached_tokens']} of {body['usage']['prompt_tokens']}"
+                )
                 messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
                 await asyncio.sleep(0.05)  # let the engine's asynchronous publish land, as a user's think time would
 
@@ -54,8 +59,10 @@ async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callabl
     async with httpx.AsyncClient(timeout=60) as http, DirectoryClient(urls, token=token) as d:
         for attempt in ("cold", "warm"):
             r = (await http.post(workers[0] + "/v1/completions", json=body)).json()
-            say(f"worker-1, {attempt}: {r['usage']['prompt_tokens']} prompt tokens, {r['usage']['prompt_tokens_details']['cached_tokens']} cached, "
-                f"time to first token {r['kvdir']['ttft_s'] * 1000:.1f} ms")
+            say(
+                f"worker-1, {attempt}: {r['usage']['prompt_tokens']} prompt tokens, {r['usage']['prompt_tokens_details']['cached_tokens']} cached, "
+                f"time to first token {r['kvdir']['ttft_s'] * 1000:.1f} ms"
+            )
         hashes = block_hashes(_tokens(prompt))
         for _ in range(100):  # publishing is asynchronous: wait until the directory lists the blocks
             res = await d.lookup(hashes, with_slots=True)
@@ -66,22 +73,31 @@ async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callabl
         say(f"directory: {holder.node_id} holds all {holder.matched_blocks} blocks of the prompt")
         plan = {"source_node": holder.node_id, "source_epoch": holder.epoch, "slots": holder.slots}
         r = (await http.post(workers[1] + "/v1/completions", json={**body, "kvdir_pull": plan})).json()
-        say(f"worker-2 pulled {r['kvdir']['pulled_tokens']} tokens of KV from {holder.node_id} in {r['kvdir']['pull_s'] * 1000:.1f} ms "
-            f"instead of recomputing them; cached_tokens={r['usage']['prompt_tokens_details']['cached_tokens']}")
+        say(
+            f"worker-2 pulled {r['kvdir']['pulled_tokens']} tokens of KV from {holder.node_id} in {r['kvdir']['pull_s'] * 1000:.1f} ms "
+            f"instead of recomputing them; cached_tokens={r['usage']['prompt_tokens_details']['cached_tokens']}"
+        )
 
 
 async def _directory_demo(urls: Sequence[str], say: Callable[[str], None], token: str | None) -> None:
     """Register two nodes, publish what each 'computed', look prompts up through a follower, restart one."""
     async with DirectoryClient(urls, token=token) as d:
-        a = await d.register("demo-a", "http://127.0.0.1:9001", capacity_blocks=1024, block_size=16,
-                             regions=[{"rank": 0, "base_addr": 0x7F0000000000, "length": 1024 * 16384, "rkey": 17, "block_bytes": 16384}])
+        a = await d.register(
+            "demo-a",
+            "http://127.0.0.1:9001",
+            capacity_blocks=1024,
+            block_size=16,
+            regions=[{"rank": 0, "base_addr": 0x7F0000000000, "length": 1024 * 16384, "rkey": 17, "block_bytes": 16384}],
+        )
         b = await d.register("demo-b", "http://127.0.0.1:9002", capacity_blocks=1024, block_size=16)
         say(f"registered demo-a (epoch {a.epoch}) and demo-b (epoch {b.epoch}), lease {a.lease_ttl_s}s")
         conv = block_hashes(_tokens(SYSTEM + TURN1))
         sys_only = block_hashes(_tokens(SYSTEM))
         await d.publish("demo-a", a.epoch, [(h, slot) for slot, h in enumerate(conv)])
         await d.publish("demo-b", b.epoch, [(h, 100 + slot) for slot, h in enumerate(sys_only)])
-        say(f"demo-a published {len(conv)} blocks (system prompt + turn 1); demo-b published the {len(sys_only)}-block system prompt")
+        say(
+            f"demo-a published {len(conv)} blocks (system prompt + turn 1); demo-b published the {len(sys_only)}-block system prompt"
+        )
         follower = DirectoryClient(list(urls[1:]) + list(urls[:1]), token=token)
         try:
             res = await follower.lookup(tokens=_tokens(SYSTEM + TURN1 + TURN2), with_slots=True)
@@ -89,11 +105,14 @@ async def _directory_demo(urls: Sequence[str], say: Callable[[str], None], token
             await follower.aclose()
         say(f"lookup of turn 2 ({res.num_blocks} blocks) on another replica:")
         for h in res.holders:
+            assert h.slots is not None  # asked for with_slots=True: the directory sends every holder's slots
             say(f"  {h.node_id} epoch {h.epoch}: {h.matched_blocks} blocks cached, slots {h.slots[:4]}...")
         a2 = await d.register("demo-a", "http://127.0.0.1:9001", capacity_blocks=1024, block_size=16)
         res = await d.lookup(tokens=_tokens(SYSTEM + TURN1 + TURN2), linearizable=True)
-        say(f"demo-a restarted (epoch {a2.epoch}): its old entries are gone; holders now "
-            + ", ".join(f"{h.node_id}={h.matched_blocks}" for h in res.holders))
+        say(
+            f"demo-a restarted (epoch {a2.epoch}): its old entries are gone; holders now "
+            + ", ".join(f"{h.node_id}={h.matched_blocks}" for h in res.holders)
+        )
         for n in await d.nodes():
             say(f"  node {n.node_id} epoch {n.epoch} holds {n.blocks} blocks")
         await d.deregister("demo-a")

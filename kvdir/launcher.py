@@ -34,12 +34,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import cast
 
 import httpx
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.config import is_wildcard
+from directory.addresses import is_wildcard
 
 log = logging.getLogger("kvdir.up")
 
@@ -50,9 +51,13 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     host: str = Field("127.0.0.1", description="address every component binds to (keep it on loopback)")
-    base_port: int = Field(8100, ge=1, le=65000, description="the gateway serves on BASE_PORT, replica i on BASE_PORT+i (Raft BASE_PORT+100+i)")
+    base_port: int = Field(
+        8100, ge=1, le=65000, description="the gateway serves on BASE_PORT, replica i on BASE_PORT+i (Raft BASE_PORT+100+i)"
+    )
     replicas: int = Field(3, ge=1, le=7, description="directory replicas to start")
-    data_dir: Path | None = Field(None, description="where replicas keep state and logs (default: a temporary directory removed on exit)")
+    data_dir: Path | None = Field(
+        None, description="where replicas keep state and logs (default: a temporary directory removed on exit)"
+    )
     lease_ttl_s: float = Field(10.0, gt=0.2, description="node lease TTL of the directory")
     log_level: str = Field("warning", description="log level of the started processes (their logs go to DATA_DIR/*.log)")
     ready_timeout_s: float = Field(60.0, gt=0, description="give up if no leader is elected within this time")
@@ -64,8 +69,11 @@ class UpSettings(BaseSettings):
     policy: str = Field("kvdir", description="routing policy of the gateway")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
-    auth: bool = Field(False, description="directory auth: fresh random tokens in DATA_DIR/secrets (mode 0600); "
-                                          "the Raft password there is written with or without it")
+    auth: bool = Field(
+        False,
+        description="directory auth: fresh random tokens in DATA_DIR/secrets (mode 0600); "
+        "the Raft password there is written with or without it",
+    )
 
     @field_validator("host")
     @classmethod
@@ -156,11 +164,20 @@ class AuthFiles:
         id), so one compromised worker cannot publish entries for another.
         """
         _secrets_dir(directory)
-        files = cls(directory, directory / "tokens", write_raft_password(directory), directory / "admin.token",
-                    directory / "gateway.token", {n: directory / f"{n}.token" for n in node_ids})
+        files = cls(
+            directory,
+            directory / "tokens",
+            write_raft_password(directory),
+            directory / "admin.token",
+            directory / "gateway.token",
+            {n: directory / f"{n}.token" for n in node_ids},
+        )
         lines = ["# role:node pattern:token, written by `kvdir up --auth` (fresh on every start)"]
-        for role, pattern, path in [("admin", "*", files.admin), ("gateway", "*", files.gateway),
-                                    *(("engine", n, p) for n, p in files.engines.items())]:
+        for role, pattern, path in [
+            ("admin", "*", files.admin),
+            ("gateway", "*", files.gateway),
+            *(("engine", n, p) for n, p in files.engines.items()),
+        ]:
             token = secrets.token_urlsafe(32)
             _write_secret(path, token + "\n")
             lines.append(f"{role}:{pattern}:{token}")
@@ -215,9 +232,17 @@ class Cluster:
     @classmethod
     def from_settings(cls, s: UpSettings, data_dir: Path, raft_password_file: Path, auth: AuthFiles | None = None) -> Cluster:
         n = range(1, s.replicas + 1)
-        return cls(data_dir, [s.base_port + i for i in n], [s.base_port + 100 + i for i in n],
-                   host=s.host, lease_ttl_s=s.lease_ttl_s, log_level=s.log_level, raft_password_file=raft_password_file,
-                   extra_args=auth.replica_args if auth else (), token=auth.admin_token() if auth else None)
+        return cls(
+            data_dir,
+            [s.base_port + i for i in n],
+            [s.base_port + 100 + i for i in n],
+            host=s.host,
+            lease_ttl_s=s.lease_ttl_s,
+            log_level=s.log_level,
+            raft_password_file=raft_password_file,
+            extra_args=auth.replica_args if auth else (),
+            token=auth.admin_token() if auth else None,
+        )
 
     def log_path(self, i: int) -> Path:
         return self.data_dir / f"replica{i + 1}.log"
@@ -231,11 +256,25 @@ class Cluster:
         raft = self.raft_addrs[i]
         peers = ",".join(self._peers(i) if self._peers else [a for a in self.raft_addrs if a != raft])
         cmd = [
-            *(self._prefix(i) if self._prefix else []), sys.executable, "-m", "kvdir", "directory",
-            "--http", self.replica_urls[i].removeprefix("http://"), "--raft", raft, "--peers", peers,
-            "--data-dir", str(self.data_dir / f"replica{i + 1}"),
-            "--lease-ttl-s", str(self.lease_ttl_s), "--log-level", self.log_level,
-            *(["--raft-password-file", str(self.raft_password_file)] if self.raft_password_file else []), *self.extra_args,
+            *(self._prefix(i) if self._prefix else []),
+            sys.executable,
+            "-m",
+            "kvdir",
+            "directory",
+            "--http",
+            self.replica_urls[i].removeprefix("http://"),
+            "--raft",
+            raft,
+            "--peers",
+            peers,
+            "--data-dir",
+            str(self.data_dir / f"replica{i + 1}"),
+            "--lease-ttl-s",
+            str(self.lease_ttl_s),
+            "--log-level",
+            self.log_level,
+            *(["--raft-password-file", str(self.raft_password_file)] if self.raft_password_file else []),
+            *self.extra_args,
         ]
         with open(self.log_path(i), "ab") as logf:
             self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -259,14 +298,14 @@ class Cluster:
                 for p in self.procs:
                     if p is not None and p.poll() not in (None, -signal.SIGKILL):
                         raise RuntimeError(f"a replica exited with code {p.returncode}; see {self.data_dir}/replica*.log")
-                leaders = set()
-                for i in (self.alive() if among is None else among):
+                leaders: set[str | None] = set()
+                for i in self.alive() if among is None else among:
                     try:
                         leaders.add(http.get(self.replica_urls[i] + "/v1/cluster").json().get("leader_url"))
                     except (httpx.HTTPError, ValueError):
                         leaders.add(None)
                 if len(leaders) == 1 and None not in leaders:
-                    return leaders.pop()
+                    return cast(str, leaders.pop())  # the one element is not None
                 time.sleep(0.05)
         raise TimeoutError(f"no leader elected within {timeout}s; see {self.data_dir}/replica*.log")
 
@@ -293,9 +332,17 @@ class Cluster:
 class Workers:
     """Worker stub processes registered with a directory; `stop()` ends them all."""
 
-    def __init__(self, data_dir: Path, http_ports: Sequence[int], directory_urls: Sequence[str], *,
-                 host: str = "127.0.0.1", log_level: str = "warning", extra_args: Sequence[str] = (),
-                 token_files: Mapping[str, Path] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        http_ports: Sequence[int],
+        directory_urls: Sequence[str],
+        *,
+        host: str = "127.0.0.1",
+        log_level: str = "warning",
+        extra_args: Sequence[str] = (),
+        token_files: Mapping[str, Path] | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.urls = [f"http://{host}:{p}" for p in http_ports]
         self.node_ids = worker_node_ids(len(http_ports))
@@ -314,10 +361,23 @@ class Workers:
 
     def start_worker(self, i: int, *extra: str) -> None:
         token_file = self.token_files.get(self.node_ids[i])
-        cmd = [sys.executable, "-m", "kvdir", "worker", "--node-id", self.node_ids[i],
-               "--http", self.urls[i].removeprefix("http://"), "--directory", ",".join(self.directory_urls),
-               "--log-level", self.log_level, *(["--directory-token-file", str(token_file)] if token_file else []),
-               *self.extra_args, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvdir",
+            "worker",
+            "--node-id",
+            self.node_ids[i],
+            "--http",
+            self.urls[i].removeprefix("http://"),
+            "--directory",
+            ",".join(self.directory_urls),
+            "--log-level",
+            self.log_level,
+            *(["--directory-token-file", str(token_file)] if token_file else []),
+            *self.extra_args,
+            *extra,
+        ]
         with open(self.log_path(i), "ab") as logf:
             self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -353,12 +413,32 @@ class Workers:
 class Gateway:
     """One gateway process in front of the workers."""
 
-    def __init__(self, data_dir: Path, port: int, directory_urls: Sequence[str], *, host: str = "127.0.0.1",
-                 log_level: str = "warning", extra_args: Sequence[str] = (), token_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        directory_urls: Sequence[str],
+        *,
+        host: str = "127.0.0.1",
+        log_level: str = "warning",
+        extra_args: Sequence[str] = (),
+        token_file: Path | None = None,
+    ) -> None:
         self.url = f"http://{host}:{port}"
-        self._cmd = [sys.executable, "-m", "kvdir", "gateway", "--http", f"{host}:{port}",
-                     "--directory", ",".join(directory_urls), "--log-level", log_level,
-                     *(["--directory-token-file", str(token_file)] if token_file else []), *extra_args]
+        self._cmd = [
+            sys.executable,
+            "-m",
+            "kvdir",
+            "gateway",
+            "--http",
+            f"{host}:{port}",
+            "--directory",
+            ",".join(directory_urls),
+            "--log-level",
+            log_level,
+            *(["--directory-token-file", str(token_file)] if token_file else []),
+            *extra_args,
+        ]
         self.data_dir = data_dir
         self.log_path = data_dir / "gateway.log"
         self.proc: subprocess.Popen[bytes]
@@ -460,8 +540,15 @@ class Supervisor:
                     c.delay_s = self.min_s
             elif c.due is None:
                 c.due = now + c.delay_s
-                log.error("%s (pid %d) %s; restarting it in %.1fs. Last lines of %s:\n%s", c.name, proc.pid, _exit_reason(code),
-                          c.delay_s, c.log, log_tail(c.log))
+                log.error(
+                    "%s (pid %d) %s; restarting it in %.1fs. Last lines of %s:\n%s",
+                    c.name,
+                    proc.pid,
+                    _exit_reason(code),
+                    c.delay_s,
+                    c.log,
+                    log_tail(c.log),
+                )
                 c.delay_s = min(2 * c.delay_s, self.max_s)
             elif now >= c.due:
                 c.start()
@@ -471,10 +558,26 @@ class Supervisor:
 
 
 def _supervisor(cluster: Cluster, workers: Workers, gateway: Gateway | None) -> Supervisor:
-    children = [Supervised(f"replica {i + 1}", lambda i=i: cluster.procs[i], lambda i=i: cluster.start_replica(i),
-                           cluster.log_path(i)) for i in range(len(cluster.procs))]
-    children += [Supervised(node, lambda i=i: workers.procs[i], lambda i=i: workers.start_worker(i), workers.log_path(i))
-                 for i, node in enumerate(workers.node_ids)]
+    # mypy cannot infer the type of a lambda with a default argument (i, bound per child) against a zero-argument
+    # Callable, hence the ignores
+    children = [
+        Supervised(
+            f"replica {i + 1}",
+            lambda i=i: cluster.procs[i],  # type: ignore[misc]
+            lambda i=i: cluster.start_replica(i),  # type: ignore[misc]
+            cluster.log_path(i),
+        )
+        for i in range(len(cluster.procs))
+    ]
+    children += [
+        Supervised(
+            node,
+            lambda i=i: workers.procs[i],  # type: ignore[misc]
+            lambda i=i: workers.start_worker(i),  # type: ignore[misc]
+            workers.log_path(i),
+        )
+        for i, node in enumerate(workers.node_ids)
+    ]
     if gateway is not None:
         children.append(Supervised("gateway", lambda: gateway.proc, gateway.start, gateway.log_path))
     return Supervisor(children)
@@ -498,10 +601,21 @@ def run_up(settings: UpSettings) -> int:
     raft_password = auth.raft_password if auth else write_raft_password(data_dir / "secrets")
     cluster = Cluster.from_settings(settings, data_dir, raft_password, auth)
     workers = Workers(
-        data_dir, [settings.base_port + 10 + i for i in range(1, settings.workers + 1)], cluster.replica_urls,
-        host=settings.host, log_level=settings.log_level,
-        extra_args=["--capacity-blocks", str(settings.worker_capacity_blocks), "--time-scale", str(settings.worker_time_scale),
-                    "--transfer", settings.worker_transfer, "--transfer-host", settings.host],
+        data_dir,
+        [settings.base_port + 10 + i for i in range(1, settings.workers + 1)],
+        cluster.replica_urls,
+        host=settings.host,
+        log_level=settings.log_level,
+        extra_args=[
+            "--capacity-blocks",
+            str(settings.worker_capacity_blocks),
+            "--time-scale",
+            str(settings.worker_time_scale),
+            "--transfer",
+            settings.worker_transfer,
+            "--transfer-host",
+            settings.host,
+        ],
         token_files=auth.engines if auth else None,
     )
     gateway: Gateway | None = None
@@ -511,24 +625,45 @@ def run_up(settings: UpSettings) -> int:
         workers.start()
         workers.wait_ready(settings.ready_timeout_s)
         if settings.gateway:
-            gateway = Gateway(data_dir, settings.base_port, cluster.replica_urls, host=settings.host, log_level=settings.log_level,
-                              extra_args=["--policy", settings.policy, "--refresh-s", "0.2"],
-                              token_file=auth.gateway if auth else None)
+            gateway = Gateway(
+                data_dir,
+                settings.base_port,
+                cluster.replica_urls,
+                host=settings.host,
+                log_level=settings.log_level,
+                extra_args=["--policy", settings.policy, "--refresh-s", "0.2"],
+                token_file=auth.gateway if auth else None,
+            )
             gateway.wait_ready(settings.ready_timeout_s, engines=settings.workers)
-        ready = {"ready": True, "gateway": gateway.url if gateway else None, "replicas": cluster.replica_urls, "leader": leader,
-                 "workers": workers.urls, "data_dir": str(data_dir),
-                 "admin_token_file": str(auth.admin) if auth else None, "gateway_token_file": str(auth.gateway) if auth else None}
+        ready = {
+            "ready": True,
+            "gateway": gateway.url if gateway else None,
+            "replicas": cluster.replica_urls,
+            "leader": leader,
+            "workers": workers.urls,
+            "data_dir": str(data_dir),
+            "admin_token_file": str(auth.admin) if auth else None,
+            "gateway_token_file": str(auth.gateway) if auth else None,
+        }
         print(json.dumps(ready), flush=True)
         if auth is not None:
-            log.info("directory auth on: tokens file %s, Raft password %s; admin token in %s, e.g.\n"
-                     "  curl -H \"Authorization: Bearer $(cat %s)\" %s/v1/nodes",
-                     auth.tokens, raft_password, auth.admin, auth.admin, leader)
+            log.info(
+                "directory auth on: tokens file %s, Raft password %s; admin token in %s, e.g.\n"
+                '  curl -H "Authorization: Bearer $(cat %s)" %s/v1/nodes',
+                auth.tokens,
+                raft_password,
+                auth.admin,
+                auth.admin,
+                leader,
+            )
         else:
             log.info("Raft password in %s (directory auth off: --auth turns it on)", raft_password)
         if settings.demo or settings.demo_and_exit:
             from kvdir.demo import run_demo
 
-            asyncio.run(run_demo(cluster.replica_urls, workers.urls, gateway.url if gateway else None, print, token=cluster.token))
+            asyncio.run(
+                run_demo(cluster.replica_urls, workers.urls, gateway.url if gateway else None, print, token=cluster.token)
+            )
         if settings.demo_and_exit:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")

@@ -17,9 +17,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -82,11 +82,15 @@ class TokenizeRequest(BaseModel):
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+    ) -> None:
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
@@ -96,17 +100,27 @@ class WorkerMetrics:
         self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
         self.cached_tokens = Counter("kvdir_worker_cached_tokens_total", "Prompt tokens not recomputed", ["source"], registry=r)
-        self.ttft = Histogram("kvdir_worker_time_to_first_token_seconds", "Queue + pull + prefill time",
-                              buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.publish_lag = Histogram("kvdir_worker_publish_lag_seconds", "From a block's prefill to its publish being committed",
-                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5), registry=r)
+        self.ttft = Histogram(
+            "kvdir_worker_time_to_first_token_seconds",
+            "Queue + pull + prefill time",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.publish_lag = Histogram(
+            "kvdir_worker_publish_lag_seconds",
+            "From a block's prefill to its publish being committed",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=r,
+        )
         self.published = Counter("kvdir_worker_published_blocks_total", "Blocks published to the directory", registry=r)
         c = engine.counters
-        for key, help_text in (("pulled_blocks", "Blocks pulled from peers and verified"),
-                               ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
-                               ("pull_errors", "Pulls that failed as a whole"),
-                               ("pool_full", "Requests served uncached because every slot was pinned")):
-            Gauge(f"kvdir_worker_{key}_total", help_text, registry=r).set_function(lambda k=key: c[k])
+        for key, help_text in (
+            ("pulled_blocks", "Blocks pulled from peers and verified"),
+            ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
+            ("pull_errors", "Pulls that failed as a whole"),
+            ("pool_full", "Requests served uncached because every slot was pinned"),
+        ):
+            Gauge(f"kvdir_worker_{key}_total", help_text, registry=r).set_function(cast(Callable[[], float], lambda k=key: c[k]))
         pool = engine.pool
         Gauge("kvdir_worker_running", "Requests running", registry=r).set_function(lambda: engine.running)
         Gauge("kvdir_worker_waiting", "Requests queued", registry=r).set_function(lambda: engine.waiting)
@@ -135,8 +149,15 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         engine = Engine(settings, pool, transfer, directory)
         metrics_box: list[WorkerMetrics] = []
         publisher = Publisher(
-            settings.node_id, settings.url, pool, directory, transfer_url=transfer.session, block_size=settings.block_size,
-            load=engine.load, interval=settings.publish_interval_s, heartbeat_interval=settings.heartbeat_interval_s,
+            settings.node_id,
+            settings.url,
+            pool,
+            directory,
+            transfer_url=transfer.session,
+            block_size=settings.block_size,
+            load=engine.load,
+            interval=settings.publish_interval_s,
+            heartbeat_interval=settings.heartbeat_interval_s,
             on_published=lambda n, lag: metrics_box[0].on_published(n, lag),
         )
         metrics_box.append(WorkerMetrics(engine, publisher))
@@ -151,8 +172,11 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             transfer.close()
 
     app = FastAPI(title="kvdir worker stub", version="1", lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, too_large=lambda limit: _error(
-        413, f"request bodies are limited to {limit} bytes", code="body_too_large"))
+    app.add_middleware(
+        BodyLimit,
+        limit=settings.max_body_bytes,
+        too_large=lambda limit: _error(413, f"request bodies are limited to {limit} bytes", code="body_too_large"),
+    )
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -175,19 +199,31 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     def check_model(model: str) -> None:
         if model != settings.model:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this engine serves `{settings.model}`",
-                              code="model_not_found", param="model")
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist; this engine serves `{settings.model}`",
+                code="model_not_found",
+                param="model",
+            )
 
     def check_length(n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > settings.max_model_len:
-            raise OpenAIError(400, f"This model's maximum context length is {settings.max_model_len} tokens; the request has "
-                                   f"{n_prompt} prompt tokens and asks for {max_tokens} more", code="context_length_exceeded")
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {settings.max_model_len} tokens; the request has "
+                f"{n_prompt} prompt tokens and asks for {max_tokens} more",
+                code="context_length_exceeded",
+            )
 
     async def run(request: Request, body: _Req, tokens: list[int], max_tokens: int, chat: bool) -> Response:
         engine: Engine = request.app.state.engine
         metrics: WorkerMetrics = request.app.state.metrics
         check_length(len(tokens), max_tokens)
-        plan = PullPlan(body.kvdir_pull.source_node, body.kvdir_pull.source_epoch, tuple(body.kvdir_pull.slots)) if body.kvdir_pull else None
+        plan = (
+            PullPlan(body.kvdir_pull.source_node, body.kvdir_pull.source_epoch, tuple(body.kvdir_pull.slots))
+            if body.kvdir_pull
+            else None
+        )
         stats = RequestStats()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -204,16 +240,27 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         metrics.cached_tokens.labels("pulled").inc(stats.pulled_tokens)
 
         def usage() -> dict[str, Any]:
-            return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-                    "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-                    "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+            return {
+                "prompt_tokens": stats.prompt_tokens,
+                "completion_tokens": stats.completion_tokens,
+                "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+            }
 
         def extension() -> dict[str, Any]:
-            return {"node_id": settings.node_id, "local_cached_tokens": stats.local_cached_tokens,
-                    "pulled_tokens": stats.pulled_tokens, "queue_s": stats.queue_s, "pull_s": stats.pull_s,
-                    "pull_transfer_s": stats.pull_transfer_s, "pull_bytes": stats.pull_bytes,
-                    "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "ttft_s": ttft,
-                    "pull_failures": stats.pull_failures}
+            return {
+                "node_id": settings.node_id,
+                "local_cached_tokens": stats.local_cached_tokens,
+                "pulled_tokens": stats.pulled_tokens,
+                "queue_s": stats.queue_s,
+                "pull_s": stats.pull_s,
+                "pull_transfer_s": stats.pull_transfer_s,
+                "pull_bytes": stats.pull_bytes,
+                "prefill_s": stats.prefill_s,
+                "decode_s": stats.decode_s,
+                "ttft_s": ttft,
+                "pull_failures": stats.pull_failures,
+            }
 
         def choice(text: str, final: bool) -> dict[str, Any]:
             reason = "length" if final else None
@@ -228,8 +275,17 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             async for piece in gen:
                 parts.append(piece)
             text = b"".join(parts).decode("utf-8", errors="replace")
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": settings.model,
-                                 "choices": [choice(text, True)], "usage": usage(), "kvdir": extension()})
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": settings.model,
+                    "choices": [choice(text, True)],
+                    "usage": usage(),
+                    "kvdir": extension(),
+                }
+            )
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -260,12 +316,19 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
         check_model(body.model)
         tokens = tokenizer.encode(render_chat([m.model_dump() for m in body.messages]))
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (body.max_tokens if body.max_tokens is not None else 16)
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else (body.max_tokens if body.max_tokens is not None else 16)
+        )
         return await run(request, body, tokens, max_tokens, chat=True)
 
     def too_long(what: str) -> OpenAIError:
-        return OpenAIError(400, f"This model's maximum context length is {settings.max_model_len} tokens; the request has {what}",
-                           code="context_length_exceeded")
+        return OpenAIError(
+            400,
+            f"This model's maximum context length is {settings.max_model_len} tokens; the request has {what}",
+            code="context_length_exceeded",
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -296,13 +359,27 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
-                                                         "owned_by": "kvdir", "max_model_len": settings.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": settings.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "kvdir",
+                        "max_model_len": settings.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @app.get("/health")
     async def health(request: Request) -> Response:
         pub: Publisher = request.app.state.publisher
-        return JSONResponse({"ok": True, "node_id": settings.node_id, "epoch": pub.epoch, "load": request.app.state.engine.load()})
+        return JSONResponse(
+            {"ok": True, "node_id": settings.node_id, "epoch": pub.epoch, "load": request.app.state.engine.load()}
+        )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.config import DirectoryClientSettings, HostPort, is_wildcard
+from directory.addresses import HostPort, is_wildcard
+from directory.client_settings import DirectoryClientSettings
 
 
 class WorkerSettings(DirectoryClientSettings):
@@ -19,7 +20,9 @@ class WorkerSettings(DirectoryClientSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
-    node_id: str = Field("worker-1", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$", description="this node's id in the directory")
+    node_id: str = Field(
+        "worker-1", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$", description="this node's id in the directory"
+    )
     http: HostPort = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
     advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
     model: str = Field("kvdir-stub", min_length=1, description="the model name served")
@@ -37,8 +40,12 @@ class WorkerSettings(DirectoryClientSettings):
     max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_running (429 above)")
     time_scale: float = Field(1.0, ge=0, description="multiplies every simulated duration (0: no waiting)")
     transfer: str = Field("mooncake", description="KV transfer engine: mooncake or tcp")
-    transfer_host: str = Field("127.0.0.1", min_length=1, description="address (or name) the transfer engine listens on "
-                               "and advertises: whoever reaches it can read this worker's KV memory (mooncake: also overwrite)")
+    transfer_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="address (or name) the transfer engine listens on "
+        "and advertises: whoever reaches it can read this worker's KV memory (mooncake: also overwrite)",
+    )
     publish_interval_s: float = Field(0.01, gt=0, le=10, description="how often new and evicted blocks are published")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
     log_level: str = Field("info", description="debug, info, warning or error")
@@ -54,4 +61,3 @@ class WorkerSettings(DirectoryClientSettings):
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.http}"
-

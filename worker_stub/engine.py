@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from directory.client import DirectoryClient
@@ -28,7 +28,7 @@ from worker_stub.transfer import TransferEngine, TransferError
 
 log = logging.getLogger("kvdir.worker")
 
-_WORDS = "the quick brown fox jumps over the lazy dog ".encode()
+_WORDS = b"the quick brown fox jumps over the lazy dog "
 
 
 class QueueFull(Exception):
@@ -66,7 +66,9 @@ class RequestStats:
 class Engine:
     """One worker's request execution. Use from a single asyncio loop."""
 
-    def __init__(self, settings: WorkerSettings, pool: KVPool, transfer: TransferEngine | None, directory: DirectoryClient) -> None:
+    def __init__(
+        self, settings: WorkerSettings, pool: KVPool, transfer: TransferEngine | None, directory: DirectoryClient
+    ) -> None:
         self.s = settings
         self.pool = pool
         self.transfer = transfer
@@ -78,8 +80,12 @@ class Engine:
         self.counters = {"requests": 0, "pulled_blocks": 0, "pull_failed_blocks": 0, "pull_errors": 0, "pool_full": 0}
 
     def load(self) -> dict[str, float]:
-        return {"running": self.running, "waiting": self.waiting, "free_slots": self.pool.free_slots,
-                "capacity_slots": self.pool.capacity_blocks}
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "free_slots": self.pool.free_slots,
+            "capacity_slots": self.pool.capacity_blocks,
+        }
 
     async def _sleep(self, seconds: float) -> float:
         seconds *= self.s.time_scale
@@ -87,7 +93,9 @@ class Engine:
             await asyncio.sleep(seconds)
         return seconds
 
-    async def generate(self, tokens: list[int], max_tokens: int, pull: PullPlan | None, stats: RequestStats) -> AsyncIterator[bytes]:
+    async def generate(
+        self, tokens: list[int], max_tokens: int, pull: PullPlan | None, stats: RequestStats
+    ) -> AsyncGenerator[bytes, None]:
         """Serve one request; yields each output token's bytes as it is decoded and fills `stats`."""
         if self.waiting >= self.s.max_queue and self._slots.locked():
             raise QueueFull(f"{self.waiting} requests are waiting already (max_queue {self.s.max_queue})")
@@ -128,7 +136,9 @@ class Engine:
             self.counters["pool_full"] += 1
             return None
 
-    async def _prefill(self, hashes: list[int], lease: Lease | None, n_tokens: int, pull: PullPlan | None, stats: RequestStats) -> None:
+    async def _prefill(
+        self, hashes: list[int], lease: Lease | None, n_tokens: int, pull: PullPlan | None, stats: RequestStats
+    ) -> None:
         bs = self.s.block_size
         cached = lease.cached if lease is not None else 0
         stats.local_cached_tokens = cached * bs
@@ -179,7 +189,9 @@ class Engine:
             stats.pull_failures.append(f"directory: {exc}")
         if peer is None or not peer.transfer_url:
             self.counters["pull_errors"] += 1
-            stats.pull_failures.append(f"source {plan.source_node} epoch {plan.source_epoch} is not registered with a transfer URL")
+            stats.pull_failures.append(
+                f"source {plan.source_node} epoch {plan.source_epoch} is not registered with a transfer URL"
+            )
             return set()
         regions = {r.rank: r for r in peer.regions}
         local, remote, lengths = [], [], []

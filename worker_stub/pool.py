@@ -114,8 +114,7 @@ class KVPool:
             b.fill(0)
         self._views = [b.reshape(capacity_blocks, block_bytes) for b in self._bufs]
         self.regions: list[Region] = [
-            Region(rank=r, base_addr=b.ctypes.data, length=b.nbytes, block_bytes=block_bytes)
-            for r, b in enumerate(self._bufs)
+            Region(rank=r, base_addr=b.ctypes.data, length=b.nbytes, block_bytes=block_bytes) for r, b in enumerate(self._bufs)
         ]
         self._slot_of: dict[int, int] = {}  # the local prefix index: cached hash -> slot
         self._hash_at: list[int | None] = [None] * capacity_blocks  # cached or reserved hash per slot
@@ -148,7 +147,8 @@ class KVPool:
 
     def slot_view(self, rank: int, slot: int) -> np.ndarray:
         """The bytes of one slot on one rank (a view)."""
-        return self._views[self._rank(rank)][self._slot(slot)]
+        view: np.ndarray = self._views[self._rank(rank)][self._slot(slot)]
+        return view
 
     # -- content -------------------------------------------------------------------
 
@@ -408,6 +408,7 @@ class KVPool:
 
     def _incref(self, s: int, h: int | None) -> None:
         if self._ref[s] == 0:
+            assert h is not None  # both callers pass the hash of a cached block (pin checks it first)
             del self._lru[h]
         self._ref[s] += 1
 

@@ -91,11 +91,18 @@ class Publisher:
             self._remove.add(h)
 
     async def _register(self) -> None:
-        regions = [{"rank": r.rank, "base_addr": r.base_addr, "length": r.length, "rkey": 0, "block_bytes": r.block_bytes}
-                   for r in self.pool.regions]
+        regions = [
+            {"rank": r.rank, "base_addr": r.base_addr, "length": r.length, "rkey": 0, "block_bytes": r.block_bytes}
+            for r in self.pool.regions
+        ]
         reg = await self.directory.register(
-            self.node_id, self.api_url, incarnation=self.incarnation, transfer_url=self.transfer_url,
-            regions=regions, capacity_blocks=self.pool.capacity_blocks, block_size=self.block_size,
+            self.node_id,
+            self.api_url,
+            incarnation=self.incarnation,
+            transfer_url=self.transfer_url,
+            regions=regions,
+            capacity_blocks=self.pool.capacity_blocks,
+            block_size=self.block_size,
         )
         if self.epoch is not None:
             # A registration after the first follows a 409: the directory no longer holds our entries
@@ -143,14 +150,14 @@ class Publisher:
             await self.directory.remove(self.node_id, self.epoch, batch)
             self._remove.difference_update(batch)
         while self._store:
-            batch = list(self._store.items())[:BATCH]
-            await self.directory.publish(self.node_id, self.epoch, [(h, slot) for h, (slot, _) in batch])
+            stored = list(self._store.items())[:BATCH]
+            await self.directory.publish(self.node_id, self.epoch, [(h, slot) for h, (slot, _) in stored])
             now = time.monotonic()
-            for h, (slot, _) in batch:
+            for h, (slot, _) in stored:
                 if self._store.get(h, (None, 0.0))[0] == slot:
                     del self._store[h]
             if self.on_published is not None:
-                self.on_published(len(batch), now - min(when for _, (_, when) in batch))
+                self.on_published(len(stored), now - min(when for _, (_, when) in stored))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -164,5 +171,3 @@ class Publisher:
                 self._registered.clear()
             except DirectoryError as exc:
                 log.info("heartbeat failed: %s", exc)
-
-

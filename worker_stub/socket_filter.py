@@ -15,7 +15,7 @@ import struct
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 
 class EarlyConnectionError(Exception):
@@ -46,13 +46,13 @@ class TcpListener(NamedTuple):
 
 def _proc_address(hex_addr: str) -> IPAddress:
     """/proc/net/tcp{,6} print each 32-bit word of an address in host byte order."""
-    raw = b"".join(struct.pack("=I", int(hex_addr[i:i + 8], 16)) for i in range(0, len(hex_addr), 8))
+    raw = b"".join(struct.pack("=I", int(hex_addr[i : i + 8], 16)) for i in range(0, len(hex_addr), 8))
     return ipaddress.ip_address(raw)
 
 
 def _tcp_table(pid: int | str = "self") -> list[tuple[int, int, IPAddress, int, str]]:
     """Every TCP socket of the process's network namespace: (inode, family, local address, local port, state)."""
-    rows = []
+    rows: list[tuple[int, int, IPAddress, int, str]] = []
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
@@ -83,8 +83,11 @@ def own_tcp_listeners(pid: int | str = "self") -> list[TcpListener]:
     if not sys.platform.startswith("linux"):
         return []
     fds = _own_sockets(pid)
-    return [TcpListener(inode, fds[inode], family, addr, port)
-            for inode, family, addr, port, state in _tcp_table(pid) if state == "0A" and inode in fds]
+    return [
+        TcpListener(inode, fds[inode], family, addr, port)
+        for inode, family, addr, port, state in _tcp_table(pid)
+        if state == "0A" and inode in fds
+    ]
 
 
 def _host_addresses(host: str) -> list[IPAddress]:
@@ -93,17 +96,22 @@ def _host_addresses(host: str) -> list[IPAddress]:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve {host!r}: {exc}") from exc
-    return sorted({ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}, key=lambda a: (a.version, a.packed))
+    return sorted(
+        {ipaddress.ip_address(cast(str, info[4][0]).split("%")[0]) for info in infos}, key=lambda a: (a.version, a.packed)
+    )
 
 
 def _destination_filter(addresses: Sequence[IPAddress]) -> bytes:
     """A classic BPF program that keeps packets whose IP destination is one of `addresses` and drops the rest."""
     program: list[tuple[int, int | str, int | str, int] | str] = [
-        (_LD_B, 0, 0, _NET), (_RSH, 0, 0, 4), (_JEQ, 0, "not4", 4),
+        (_LD_B, 0, 0, _NET),
+        (_RSH, 0, 0, 4),
+        (_JEQ, 0, "not4", 4),
         (_LD_W, 0, 0, _NET + 16),
         *[(_JEQ, "accept", 0, int(a)) for a in addresses if a.version == 4],
         (_RET, 0, 0, _DROP),
-        "not4", (_JEQ, 0, "drop", 6),
+        "not4",
+        (_JEQ, 0, "drop", 6),
     ]
     for i, a in enumerate(x for x in addresses if x.version == 6):
         words = struct.unpack("!4I", a.packed)
@@ -156,5 +164,6 @@ def confine_listeners(listeners: Collection[TcpListener], host: str) -> None:
     for _, _, addr, port, state in _tcp_table():
         local = (addr.ipv4_mapped or addr) if isinstance(addr, ipaddress.IPv6Address) else addr
         if port in ports and state in _TCP_STATES_IN_USE and local not in allowed:
-            raise EarlyConnectionError(f"a connection to {local}:{port} got in before the port was confined to {host}: "
-                                "not serving; restart the worker")
+            raise EarlyConnectionError(
+                f"a connection to {local}:{port} got in before the port was confined to {host}: not serving; restart the worker"
+            )

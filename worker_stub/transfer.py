@@ -183,10 +183,13 @@ class MooncakeEngine:
             log.warning(
                 "Mooncake transfer ports %s listen on all interfaces and cannot be confined to %s (%s): anyone who "
                 "reaches them can read and overwrite every KV region this worker registers, without authentication; "
-                "firewall them or keep them on a private network", ports, host, exc)
+                "firewall them or keep them on a private network",
+                ports,
+                host,
+                exc,
+            )
         else:
-            log.info("Mooncake transfer ports %s (bound to all interfaces) accept only connections addressed to %s",
-                     ports, host)
+            log.info("Mooncake transfer ports %s (bound to all interfaces) accept only connections addressed to %s", ports, host)
 
     @property
     def session(self) -> str:
@@ -254,7 +257,7 @@ class MooncakeEngine:
         def run() -> None:
             try:
                 outcome.append(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            except BaseException as exc:
                 outcome.append(exc)
             finally:
                 with self._lock:
@@ -342,8 +345,12 @@ class TcpEngine:
         self._listener = socket.create_server((host, 0), backlog=64)
         bound, port = self._listener.getsockname()[:2]
         if ipaddress.ip_address(bound).is_unspecified:
-            log.warning("TCP transfer port %d listens on all interfaces (transfer host %r): anyone who reaches it can "
-                        "read every KV region this worker registers; give a private address", port, host)
+            log.warning(
+                "TCP transfer port %d listens on all interfaces (transfer host %r): anyone who reaches it can "
+                "read every KV region this worker registers; give a private address",
+                port,
+                host,
+            )
         self._session = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-engine-{port}", daemon=True)
         self._acceptor.start()

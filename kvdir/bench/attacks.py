@@ -48,8 +48,9 @@ def _terms(c: Cluster) -> list[int]:
 def _under_writes(c: Cluster, seconds: float, attack: Callable[[threading.Event], None]) -> dict[str, Any]:
     """Publish to the leader for `seconds` while `attack(stop)` runs on another thread; what the writer saw."""
     leader = c.wait_ready(60)
-    reg = httpx.post(leader + "/v1/nodes", json={"node_id": f"w{time.monotonic_ns()}", "api_url": "http://127.0.0.1:9"},
-                     timeout=10).json()
+    reg = httpx.post(
+        leader + "/v1/nodes", json={"node_id": f"w{time.monotonic_ns()}", "api_url": "http://127.0.0.1:9"}, timeout=10
+    ).json()
     terms = _terms(c)
     stop = threading.Event()
     attacker = threading.Thread(target=attack, args=(stop,), daemon=True)
@@ -63,8 +64,12 @@ def _under_writes(c: Cluster, seconds: float, attack: Callable[[threading.Event]
         while time.monotonic() < end:
             blocks = [{"hash": (time.monotonic_ns() + j) & (2**64 - 1), "slot": j} for j in range(64)]
             try:
-                ok = http.post(leader + "/v1/blocks", json={"node_id": reg["node_id"], "epoch": reg["epoch"],
-                                                            "blocks": blocks}).status_code == 200
+                ok = (
+                    http.post(
+                        leader + "/v1/blocks", json={"node_id": reg["node_id"], "epoch": reg["epoch"], "blocks": blocks}
+                    ).status_code
+                    == 200
+                )
             except httpx.HTTPError:
                 ok = False
             now = time.monotonic()
@@ -76,8 +81,12 @@ def _under_writes(c: Cluster, seconds: float, attack: Callable[[threading.Event]
     longest = max(longest, time.monotonic() - last)
     stop.set()
     attacker.join(15)
-    return {"writes_acked": acked, "writes_failed": failed, "longest_gap_s": longest,
-            "elections": sum(b - a for a, b in zip(terms, _terms(c)))}
+    return {
+        "writes_acked": acked,
+        "writes_failed": failed,
+        "longest_gap_s": longest,
+        "elections": sum(b - a for a, b in zip(terms, _terms(c))),
+    }
 
 
 def raft_flood(c: Cluster, seconds: float, connections: int = 3) -> dict[str, Any]:
@@ -132,8 +141,11 @@ def header_flood(c: Cluster, mib: int = 50) -> dict[str, Any]:
 def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[str, Any]:
     leader = c.wait_ready(60)
     pid = c.procs[c.replica_urls.index(leader)].pid  # type: ignore[union-attr]
-    body = ('{"node_id":"big","epoch":1,"blocks":['  # under the 8 MiB body limit: refused by the count
-            + ",".join(f'{{"hash":{i + 1},"slot":{i % 4096}}}' for i in range(blocks)) + "]}").encode()
+    body = (
+        '{"node_id":"big","epoch":1,"blocks":['  # under the 8 MiB body limit: refused by the count
+        + ",".join(f'{{"hash":{i + 1},"slot":{i % 4096}}}' for i in range(blocks))
+        + "]}"
+    ).encode()
     terms, cpu = _terms(c), _cpu_s(pid)
 
     def post(_: int) -> tuple[int, float]:
@@ -143,9 +155,14 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
 
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(post, range(n)))
-    return {"bodies": n, "body_mib": len(body) / 2**20, "statuses": sorted({s for s, _ in results}),
-            "slowest_s": max(t for _, t in results), "leader_cpu_s": _cpu_s(pid) - cpu,
-            "elections": sum(b - a for a, b in zip(terms, _terms(c)))}
+    return {
+        "bodies": n,
+        "body_mib": len(body) / 2**20,
+        "statuses": sorted({s for s, _ in results}),
+        "slowest_s": max(t for _, t in results),
+        "leader_cpu_s": _cpu_s(pid) - cpu,
+        "elections": sum(b - a for a, b in zip(terms, _terms(c))),
+    }
 
 
 def main(*, as_json: bool, quick: bool) -> int:
@@ -155,8 +172,14 @@ def main(*, as_json: bool, quick: bool) -> int:
         password = Path(tmp) / "raft_password"
         password.write_text("bench-attacks-password\n")
         ports = free_ports(6)
-        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning", lease_ttl_s=300,
-                    extra_args=("--raft-password-file", str(password)))
+        c = Cluster(
+            Path(tmp),
+            ports[:3],
+            ports[3:],
+            log_level="warning",
+            lease_ttl_s=300,
+            extra_args=("--raft-password-file", str(password)),
+        )
         try:
             c.start()
             c.wait_ready(60)

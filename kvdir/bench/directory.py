@@ -29,8 +29,6 @@ from kvdir.launcher import Cluster, free_ports
 SEED = seed_for("")
 
 
-
-
 def _best_rate(fn: Callable[[], int], rounds: int = 3) -> float:
     """Items per second of the fastest of `rounds` runs (the least disturbed by this shared machine)."""
     best = 0.0
@@ -123,7 +121,12 @@ def bench_lookups(quick: bool) -> dict[str, Any]:
             st.lookup(np.asarray(q, dtype=np.uint64))  # from a list, as the REST layer has it
         return len(queries)
 
-    out: dict[str, Any] = {"lookup_index_entries": entries, "lookup_per_s": None, "dynamo_lookup_per_s": None, "dynamo_ratio": None}
+    out: dict[str, Any] = {
+        "lookup_index_entries": entries,
+        "lookup_per_s": None,
+        "dynamo_lookup_per_s": None,
+        "dynamo_ratio": None,
+    }
     try:
         tree = w.build_dynamo()
     except ImportError:
@@ -171,8 +174,14 @@ def bench_memory(entries: int = 1_000_000) -> float:
     for n in range(16):
         for start in range(0, per_node, batch):
             k = min(batch, per_node - start)
-            st.apply(Publish(f"node{n}", n + 1, rng.integers(0, 2**64 - 1, k, dtype=np.uint64, endpoint=True),
-                             np.arange(start, start + k, dtype=np.uint32)))
+            st.apply(
+                Publish(
+                    f"node{n}",
+                    n + 1,
+                    rng.integers(0, 2**64 - 1, k, dtype=np.uint64, endpoint=True),
+                    np.arange(start, start + k, dtype=np.uint32),
+                )
+            )
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     assert len(st.index) == per_node * 16
@@ -182,7 +191,9 @@ def bench_memory(entries: int = 1_000_000) -> float:
 # -- REST ----------------------------------------------------------------------------
 
 
-def _load(urls: list[str], mode: str, duration: float, nodes: list[str], epochs: list[int], **kw: Any) -> tuple[int, list[float], int]:
+def _load(
+    urls: list[str], mode: str, duration: float, nodes: list[str], epochs: list[int], **kw: Any
+) -> tuple[int, list[float], int]:
     """One load process with 16 keep-alive connections spread over `urls`: (items, latencies, errors)."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
@@ -201,8 +212,12 @@ def _publishing_cluster(extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Clus
             c.wait_ready(60)
             nodes = [f"pub{n}" for n in range(8)]
             with httpx.Client() as http:
-                epochs = [http.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": n, "api_url": "http://127.0.0.1:1"}).json()["epoch"]
-                          for n in nodes]
+                epochs = [
+                    http.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": n, "api_url": "http://127.0.0.1:1"}).json()[
+                        "epoch"
+                    ]
+                    for n in nodes
+                ]
             yield c, nodes, epochs
         finally:
             c.stop()
@@ -223,13 +238,25 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
         with httpx.Client() as http:
             seqs = [chain_hashes([i * 1000 + j for j in range(64)], SEED) for i in range(len(queries_tail))]
             for i, seq in enumerate(seqs):
-                http.post(urls[0] + "/v1/blocks", json={"node_id": nodes[i % 8], "epoch": epochs[i % 8],
-                                                        "blocks": [{"hash": h, "slot": j} for j, h in enumerate(seq)]})
+                http.post(
+                    urls[0] + "/v1/blocks",
+                    json={
+                        "node_id": nodes[i % 8],
+                        "epoch": epochs[i % 8],
+                        "blocks": [{"hash": h, "slot": j} for j, h in enumerate(seq)],
+                    },
+                )
         queries = [s + q[:192] for s, q in zip(seqs, queries_tail)]
-        say(f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)...")
+        say(
+            f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)..."
+        )
         items, lat, errors = _load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
-        out.update(rest_lookup_per_s=items / duration, rest_lookup_p50_ms=pct(lat, 50) * 1e3,
-                   rest_lookup_p99_ms=pct(lat, 99) * 1e3, rest_lookup_errors=errors)
+        out.update(
+            rest_lookup_per_s=items / duration,
+            rest_lookup_p50_ms=pct(lat, 50) * 1e3,
+            rest_lookup_p99_ms=pct(lat, 99) * 1e3,
+            rest_lookup_errors=errors,
+        )
         rounds = 2 if quick else 5
         say(f"  failover: SIGKILL the leader under a steady writer, {rounds} times...")
         out["failover_runs_s"] = [asyncio.run(_failover_once(c)) for _ in range(rounds)]
@@ -245,7 +272,11 @@ def bench_fsync(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-secret-") as secrets:
         password = Path(secrets) / "raft_password"
         password.write_text("bench-password\n")
-        for mode, args in (("fsync", ()), ("no_fsync", ("--no-fsync",)), ("raft_password", ("--raft-password-file", str(password)))):
+        for mode, args in (
+            ("fsync", ()),
+            ("no_fsync", ("--no-fsync",)),
+            ("raft_password", ("--raft-password-file", str(password))),
+        ):
             with _publishing_cluster(args) as (c, nodes, epochs):
                 say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
                 items, lat, _ = _load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)

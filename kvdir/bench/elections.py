@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -42,7 +42,9 @@ def publish_until(urls: list[str], stop: threading.Event, node_id: str) -> None:
             url = rng.choice(urls)
             try:
                 if epoch is None:
-                    epoch = http.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}).json()["epoch"]
+                    epoch = http.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}).json()[
+                        "epoch"
+                    ]
                 blocks = [{"hash": rng.getrandbits(63), "slot": slot + i} for i in range(64)]
                 slot += 64
                 if http.post(url + "/v1/blocks", json={"node_id": node_id, "epoch": epoch, "blocks": blocks}).status_code == 409:
@@ -64,8 +66,9 @@ class _Loaded:
         """Start replicas and load; returns the term of the first leader."""
         self.cluster.start()
         term = self.term()
-        self._threads = [threading.Thread(target=publish_until, args=(self.cluster.replica_urls, self._stop, f"w{k}"))
-                         for k in range(2)]
+        self._threads = [
+            threading.Thread(target=publish_until, args=(self.cluster.replica_urls, self._stop, f"w{k}")) for k in range(2)
+        ]
         for t in self._threads:
             t.start()
         return term
@@ -73,7 +76,7 @@ class _Loaded:
     def term(self) -> int:
         """The highest term any replica reports, once all of them agree on a leader."""
         self.cluster.wait_ready(60)
-        return max(httpx.get(u + "/v1/cluster", timeout=5).json()["term"] for u in self.cluster.replica_urls)
+        return cast(int, max(httpx.get(u + "/v1/cluster", timeout=5).json()["term"] for u in self.cluster.replica_urls))
 
     def stop(self) -> None:
         self._stop.set()

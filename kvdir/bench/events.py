@@ -33,7 +33,7 @@ BLOCKS_PER_EVENT = 64
 
 
 class _Health(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -44,8 +44,16 @@ class _Health(BaseHTTPRequestHandler):
 
 def _stored(rng: random.Random, blocks: int) -> tuple[dict[str, Any], list[int]]:
     tokens = [rng.randrange(50_000) for _ in range(blocks * BS)]
-    event = {"type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(blocks)], "parent_block_hash": None,
-             "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [rng.getrandbits(64) for _ in range(blocks)],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
     return event, tokens
 
 
@@ -69,13 +77,28 @@ def bench_events(quick: bool, offered: float) -> dict[str, Any]:
                 threading.Thread(target=http.serve_forever, daemon=True).start()
                 servers.append(http)
                 endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-                env = {**os.environ, "KVDIR_ENGINE_URL": f"http://127.0.0.1:{http.server_address[1]}", "KVDIR_ZMQ": endpoint,
-                       "KVDIR_BIND": "true", "KVDIR_TOPIC": "kv", "KVDIR_BLOCK_SIZE": str(BS), "KVDIR_NODE_ID": f"engine-{i}",
-                       "KVDIR_DIRECTORY": ",".join(c.replica_urls), "KVDIR_LOG_LEVEL": "warning",
-                       "KVDIR_MAX_ENTRIES": str(4 << 20)}
+                env = {
+                    **os.environ,
+                    "KVDIR_ENGINE_URL": f"http://127.0.0.1:{http.server_address[1]}",
+                    "KVDIR_ZMQ": endpoint,
+                    "KVDIR_BIND": "true",
+                    "KVDIR_TOPIC": "kv",
+                    "KVDIR_BLOCK_SIZE": str(BS),
+                    "KVDIR_NODE_ID": f"engine-{i}",
+                    "KVDIR_DIRECTORY": ",".join(c.replica_urls),
+                    "KVDIR_LOG_LEVEL": "warning",
+                    "KVDIR_MAX_ENTRIES": str(4 << 20),
+                }
                 with open(Path(tmp) / f"events-{i}.log", "ab") as logf:
-                    procs.append(subprocess.Popen([sys.executable, "-m", "kvdir", "events"], env=env, stdout=logf,
-                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "kvdir", "events"],
+                            env=env,
+                            stdout=logf,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                        )
+                    )
                 pub = ctx.socket(zmq.XPUB)
                 pub.setsockopt(zmq.LINGER, 0)
                 pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -91,9 +114,16 @@ def bench_events(quick: bool, offered: float) -> dict[str, Any]:
             for _ in range(engines):
                 msgs = []
                 for seq in range(per_engine):
-                    ev = {"type": "BlockStored", "block_hashes": nrng.integers(0, 2**63, BLOCKS_PER_EVENT).tolist(),
-                          "parent_block_hash": None, "token_ids": nrng.integers(0, 50_000, BLOCKS_PER_EVENT * BS).tolist(),
-                          "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+                    ev = {
+                        "type": "BlockStored",
+                        "block_hashes": nrng.integers(0, 2**63, BLOCKS_PER_EVENT).tolist(),
+                        "parent_block_hash": None,
+                        "token_ids": nrng.integers(0, 50_000, BLOCKS_PER_EVENT * BS).tolist(),
+                        "block_size": BS,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
                     msgs.append([b"kv", seq.to_bytes(8, "big", signed=True), msgspec.msgpack.encode([0.0, [ev], 0])])
                 messages.append(msgs)
             probes: list[tuple[float, list[int]]] = []
@@ -137,8 +167,9 @@ def bench_events(quick: bool, offered: float) -> dict[str, Any]:
                 if time.monotonic() >= next_probe:  # one probe every 200 ms, from the probe engine
                     next_probe += 0.2
                     probe, tokens = _stored(rng, 1)
-                    pubs[-1].send_multipart([b"kv", probe_seq.to_bytes(8, "big", signed=True),
-                                             msgspec.msgpack.encode([0.0, [probe], 0])])
+                    pubs[-1].send_multipart(
+                        [b"kv", probe_seq.to_bytes(8, "big", signed=True), msgspec.msgpack.encode([0.0, [probe], 0])]
+                    )
                     probes.append((time.monotonic(), block_hashes(tokens, BS)))
                     probe_seq += 1
                     sent += 1

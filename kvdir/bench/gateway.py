@@ -14,7 +14,7 @@ import httpx
 from directory.hashing import block_hashes
 from directory.tokenizer import ByteTokenizer
 from gateway.prefix_hasher import PrefixHasher
-from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.loadgen import LoadResult, LoadSpec, run_load
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
 
@@ -45,7 +45,7 @@ def bench_tokenize_hash() -> dict[str, Any]:
     return out
 
 
-def _load(url: str, duration: float, rate: float) -> dict[str, Any]:
+def _load(url: str, duration: float, rate: float) -> LoadResult:
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
         return pool.apply(run_load, (LoadSpec([url], "complete", duration, 8, 3, [], [], rate=rate),))
@@ -56,8 +56,12 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
     ports = free_ports(6)
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
         c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
-        w = Workers(Path(tmp), free_ports(1), c.replica_urls, extra_args=("--transfer", "tcp", "--time-scale", "0",
-                                                                         "--max-running", "256"))
+        w = Workers(
+            Path(tmp),
+            free_ports(1),
+            c.replica_urls,
+            extra_args=("--transfer", "tcp", "--time-scale", "0", "--max-running", "256"),
+        )
         g: Gateway | None = None
         try:
             c.start()
@@ -86,9 +90,12 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
     total = added.get("+Inf", 0.0)
     p50_bucket = next((le for le, n in added.items() if total and n >= total / 2), None)
     return {
-        "direct_p50_ms": pct(direct, 50) * 1e3, "direct_p99_ms": pct(direct, 99) * 1e3,
-        "gateway_p50_ms": pct(via, 50) * 1e3, "gateway_p99_ms": pct(via, 99) * 1e3,
-        "added_p50_ms": (pct(via, 50) - pct(direct, 50)) * 1e3, "added_p99_ms": (pct(via, 99) - pct(direct, 99)) * 1e3,
+        "direct_p50_ms": pct(direct, 50) * 1e3,
+        "direct_p99_ms": pct(direct, 99) * 1e3,
+        "gateway_p50_ms": pct(via, 50) * 1e3,
+        "gateway_p99_ms": pct(via, 99) * 1e3,
+        "added_p50_ms": (pct(via, 50) - pct(direct, 50)) * 1e3,
+        "added_p99_ms": (pct(via, 99) - pct(direct, 99)) * 1e3,
         "gateway_internal_added_p50_le_s": p50_bucket,
         "requests_per_s": rate,
     }

@@ -13,6 +13,7 @@ import json
 import random
 import time
 from dataclasses import dataclass
+from typing import TypedDict
 from urllib.parse import urlsplit
 
 
@@ -30,7 +31,15 @@ class LoadSpec:
     rate: float | None = None  # requests/s over all connections (open loop); None: as fast as answers come
 
 
-def run_load(spec: LoadSpec) -> dict[str, object]:
+class LoadResult(TypedDict):
+    """What a load process returns."""
+
+    latencies: list[float]  # seconds, one per request answered
+    errors: int
+    items: int
+
+
+def run_load(spec: LoadSpec) -> LoadResult:
     """Entry point for a load process; returns counts and latencies (seconds)."""
     return asyncio.run(_run(spec))
 
@@ -46,8 +55,9 @@ class _Conn:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
         length = 0
@@ -66,7 +76,7 @@ class _Conn:
             self.writer.close()
 
 
-async def _run(spec: LoadSpec) -> dict[str, object]:
+async def _run(spec: LoadSpec) -> LoadResult:
     rng = random.Random(spec.seed)
     latencies: list[float] = []
     errors = 0

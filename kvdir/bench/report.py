@@ -6,7 +6,7 @@ import json
 import multiprocessing
 import platform
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ def pct(values: list[float], p: float) -> float:
 def header(quick: bool) -> dict[str, Any]:
     return {
         "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": quick,
     }
 

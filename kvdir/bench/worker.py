@@ -25,8 +25,23 @@ def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str
     tp, block_bytes = 4, 1 << 20
     blocks = 64 if quick else 256
     total = blocks * tp * block_bytes
-    w = Workers(tmp, free_ports(2), urls, extra_args=("--transfer", engine, "--tp", str(tp), "--block-bytes", str(block_bytes),
-                                                      "--capacity-blocks", str(blocks), "--time-scale", "0"))
+    w = Workers(
+        tmp,
+        free_ports(2),
+        urls,
+        extra_args=(
+            "--transfer",
+            engine,
+            "--tp",
+            str(tp),
+            "--block-bytes",
+            str(block_bytes),
+            "--capacity-blocks",
+            str(blocks),
+            "--time-scale",
+            "0",
+        ),
+    )
     try:
         w.start()
         w.wait_ready(120)
@@ -90,8 +105,12 @@ async def _probe_lag(worker: str, follower: str, n: int, interval: float) -> lis
 
 def bench_publish_and_overhead(tmp: Path, c: Cluster, quick: bool) -> dict[str, Any]:
     duration = 3.0 if quick else 10.0
-    w = Workers(tmp, free_ports(2), c.replica_urls, extra_args=("--transfer", "tcp", "--time-scale", "0",
-                                                                "--capacity-blocks", "65536", "--max-running", "256"))
+    w = Workers(
+        tmp,
+        free_ports(2),
+        c.replica_urls,
+        extra_args=("--transfer", "tcp", "--time-scale", "0", "--capacity-blocks", "65536", "--max-running", "256"),
+    )
     out: dict[str, Any] = {}
     try:
         w.start()
@@ -106,14 +125,24 @@ def bench_publish_and_overhead(tmp: Path, c: Cluster, quick: bool) -> dict[str, 
             lags = asyncio.run(_probe_lag(w.urls[0], follower, int(duration * 10), 0.1))
             load = bg.get()
         metrics = httpx.get(w.urls[1] + "/metrics").text
-        published = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvdir_worker_published_blocks_total"))
-        out.update(publish_lag_p50_ms=pct(lags, 50) * 1e3, publish_lag_p99_ms=pct(lags, 99) * 1e3,
-                   publish_background_blocks_per_s=published / duration, publish_background_requests_per_s=load["items"] / duration)
+        published = next(
+            float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvdir_worker_published_blocks_total")
+        )
+        out.update(
+            publish_lag_p50_ms=pct(lags, 50) * 1e3,
+            publish_lag_p99_ms=pct(lags, 99) * 1e3,
+            publish_background_blocks_per_s=published / duration,
+            publish_background_requests_per_s=load["items"] / duration,
+        )
         say(f"  worker requests/s at --time-scale 0 for {duration:.0f}s...")
         with ctx.Pool(1) as pool:
             res = pool.apply(run_load, (LoadSpec([w.urls[0]], "complete", duration, 16, 2, [], []),))
-        out.update(worker_requests_per_s=res["items"] / duration, worker_p50_ms=pct(res["latencies"], 50) * 1e3,
-                   worker_p99_ms=pct(res["latencies"], 99) * 1e3, worker_errors=res["errors"])
+        out.update(
+            worker_requests_per_s=res["items"] / duration,
+            worker_p50_ms=pct(res["latencies"], 50) * 1e3,
+            worker_p99_ms=pct(res["latencies"], 99) * 1e3,
+            worker_errors=res["errors"],
+        )
     finally:
         w.stop()
     return out

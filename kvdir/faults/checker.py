@@ -79,13 +79,16 @@ def check_final(ops: list[Op], observed: list[Observed]) -> tuple[list[str], dic
                 continue
             checked += 1
             if held is None or held[0] != epoch or held[1] != SEQ_BLOCKS or held[2] != pub.slots:
-                violations.append(f"replica {obs.replica}: acknowledged publish of seq {seq} by {node} epoch {epoch} "
-                                  f"is lost (holds {held})")
+                violations.append(
+                    f"replica {obs.replica}: acknowledged publish of seq {seq} by {node} epoch {epoch} is lost (holds {held})"
+                )
         for seq, holders in obs.seqs.items():
             for node, (epoch, _, _) in holders.items():
                 if obs.nodes.get(node) != epoch:
-                    violations.append(f"replica {obs.replica}: seq {seq} held by {node} with epoch {epoch}, "
-                                      f"but the node's epoch there is {obs.nodes.get(node)}")
+                    violations.append(
+                        f"replica {obs.replica}: seq {seq} held by {node} with epoch {epoch}, "
+                        f"but the node's epoch there is {obs.nodes.get(node)}"
+                    )
     digests = {obs.digest for obs in observed}
     if len(digests) > 1:
         violations.append(f"replicas diverged: digests {sorted((o.replica, o.digest) for o in observed)}")
@@ -128,14 +131,17 @@ def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[st
         stats["lookups_checked"] += 1
         if o.consistency == "linearizable":
             for p in pubs.get((o.seq, o.node), []):  # type: ignore[arg-type]
-                if p.t1 >= o.t0 or any(_may_overlap(w, p.t0, o.t1) for w in interfering[o.node]
-                                       if w.kind == "register" or w.seq == o.seq):
+                if p.t1 >= o.t0 or any(
+                    _may_overlap(w, p.t0, o.t1) for w in interfering[o.node] if w.kind == "register" or w.seq == o.seq
+                ):
                     continue
                 stats["lookups_must_find"] += 1
                 if o.holders.get(o.node, (None, 0, ()))[:3] != (p.epoch, SEQ_BLOCKS, p.slots):
-                    violations.append(f"missed read: linearizable lookup of seq {o.seq} on replica {o.replica} "
-                                      f"{o.t0 - p.t1:.3f}s after its publish by {o.node} epoch {p.epoch} was acknowledged "
-                                      f"got {o.holders.get(o.node)}")
+                    violations.append(
+                        f"missed read: linearizable lookup of seq {o.seq} on replica {o.replica} "
+                        f"{o.t0 - p.t1:.3f}s after its publish by {o.node} epoch {p.epoch} was acknowledged "
+                        f"got {o.holders.get(o.node)}"
+                    )
                 break
         for node, (epoch, _, _) in o.holders.items():
             newer = [t for t, e in registered.get(node, []) if e > epoch and t < o.t0]
@@ -148,8 +154,10 @@ def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[st
                 stats["local_stale_within_bound"] += 1
                 continue
             what = "a newer epoch" if newer and min(newer) == since else "its remove"
-            violations.append(f"stale read: {o.consistency} lookup of seq {o.seq} on replica {o.replica} returned {node} "
-                              f"epoch {epoch}, {lag:.3f}s after {what} was acknowledged")
+            violations.append(
+                f"stale read: {o.consistency} lookup of seq {o.seq} on replica {o.replica} returned {node} "
+                f"epoch {epoch}, {lag:.3f}s after {what} was acknowledged"
+            )
     return violations, stats
 
 
@@ -164,8 +172,10 @@ def check_minority(ops: list[Op], faults: list[Fault]) -> list[str]:
                 violations.append(f"{f.kind}: minority replica {r} advanced its commit index {settled} -> {at_heal}")
         for o in ops:
             if o.kind in WRITES and o.replica in f.minority and f.t0 <= o.t0 < f.t1 and o.outcome == OK and o.t1 < f.t1:
-                violations.append(f"{f.kind}: {o.kind} of {o.node} sent to minority replica {o.replica} "
-                                  f"was acknowledged {o.t1 - f.t0:.3f}s into the partition")
+                violations.append(
+                    f"{f.kind}: {o.kind} of {o.node} sent to minority replica {o.replica} "
+                    f"was acknowledged {o.t1 - f.t0:.3f}s into the partition"
+                )
     return violations
 
 
@@ -180,7 +190,9 @@ def check_epochs(ops: list[Op]) -> list[str]:
         for later in rs:
             for earlier in rs:
                 if earlier.t1 < later.t0 and earlier.incarnation != later.incarnation and later.epoch <= earlier.epoch:  # type: ignore[operator]
-                    violations.append(f"epoch reuse: {node} incarnation {later.incarnation} got epoch {later.epoch}, "
-                                      f"not above epoch {earlier.epoch} acknowledged earlier to incarnation {earlier.incarnation}")
+                    violations.append(
+                        f"epoch reuse: {node} incarnation {later.incarnation} got epoch {later.epoch}, "
+                        f"not above epoch {earlier.epoch} acknowledged earlier to incarnation {earlier.incarnation}"
+                    )
                     break
     return violations

@@ -16,7 +16,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import httpx
 
@@ -51,16 +52,18 @@ class _Seqs:
 class Load:
     """`nodes` writer threads and one reader thread against `urls`; `stop()` joins them."""
 
-    def __init__(self, urls: Sequence[str], history: History, *, nodes: int = 4, seed: int = 0, timeout: float = 3.0,
-                 pace_s: float = 0.02) -> None:
+    def __init__(
+        self, urls: Sequence[str], history: History, *, nodes: int = 4, seed: int = 0, timeout: float = 3.0, pace_s: float = 0.02
+    ) -> None:
         self.urls = list(urls)
         self.history = history
         self.timeout = timeout
         self.pace_s = pace_s
         self.seqs = _Seqs()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._writer, args=(f"sim-{i}", seed * 1000 + i), daemon=True)
-                         for i in range(nodes)]
+        self._threads = [
+            threading.Thread(target=self._writer, args=(f"sim-{i}", seed * 1000 + i), daemon=True) for i in range(nodes)
+        ]
         self._threads.append(threading.Thread(target=self._reader, args=(seed * 1000 + 999,), daemon=True))
 
     def start(self) -> None:
@@ -74,8 +77,9 @@ class Load:
 
     # -- one request -----------------------------------------------------------------
 
-    def _call(self, http: httpx.Client, rng: random.Random, op: Op, method: str, path: str,
-              body: dict[str, object]) -> dict[str, object] | None:
+    def _call(
+        self, http: httpx.Client, rng: random.Random, op: Op, method: str, path: str, body: dict[str, object]
+    ) -> dict[str, object] | None:
         op.replica = rng.randrange(len(self.urls))
         op.t0 = time.monotonic()
         try:
@@ -96,11 +100,12 @@ class Load:
         data: dict[str, object] = r.json()  # type: ignore[union-attr]
         return data
 
-    def _until_definite(self, http: httpx.Client, rng: random.Random, make: object, method: str, path: str,
-                        body: dict[str, object]) -> tuple[Op, dict[str, object] | None]:
+    def _until_definite(
+        self, http: httpx.Client, rng: random.Random, make: Callable[[], Op], method: str, path: str, body: dict[str, object]
+    ) -> tuple[Op, dict[str, object] | None]:
         """Retry on other replicas until the write is acknowledged or refused (or the run stops)."""
         while True:
-            op: Op = make()  # type: ignore[operator]
+            op = make()
             data = self._call(http, rng, op, method, path, body)
             if op.outcome != UNKNOWN or self._stop.is_set():
                 return op, data
@@ -116,21 +121,31 @@ class Load:
             while not self._stop.is_set():
                 if epoch is None:
                     inc = uuid.uuid4().hex
-                    body = {"node_id": node, "api_url": f"http://{node}.invalid", "incarnation": inc,
-                            "capacity_blocks": CAPACITY}
-                    op, data = self._until_definite(http, rng, lambda: Op("register", node, 0, 0.0, incarnation=inc), "POST", "/v1/nodes", body)
+                    body = {"node_id": node, "api_url": f"http://{node}.invalid", "incarnation": inc, "capacity_blocks": CAPACITY}
+                    op, data = self._until_definite(
+                        http, rng, lambda: Op("register", node, 0, 0.0, incarnation=inc), "POST", "/v1/nodes", body
+                    )
                     if data is not None:
-                        epoch = op.epoch = int(data["epoch"])  # type: ignore[arg-type]
+                        epoch = op.epoch = int(cast(int, data["epoch"]))
                         live = []
                     continue
                 x = rng.random()
                 if x < 0.6 or not live:
                     seq = self.seqs.take()
                     slots = tuple(rng.sample(range(CAPACITY), SEQ_BLOCKS))
-                    body = {"node_id": node, "epoch": epoch,
-                            "blocks": [{"hash": h, "slot": s} for h, s in zip(seq_hashes(seq), slots)]}
+                    body = {
+                        "node_id": node,
+                        "epoch": epoch,
+                        "blocks": [{"hash": h, "slot": s} for h, s in zip(seq_hashes(seq), slots)],
+                    }
                     op, data = self._until_definite(
-                        http, rng, lambda: Op("publish", node, 0, 0.0, epoch=epoch, seq=seq, slots=slots), "POST", "/v1/blocks", body)
+                        http,
+                        rng,
+                        lambda: Op("publish", node, 0, 0.0, epoch=epoch, seq=seq, slots=slots),
+                        "POST",
+                        "/v1/blocks",
+                        body,
+                    )
                     if op.outcome == OK:
                         live.append(seq)
                         self.seqs.done(seq, node)
@@ -138,14 +153,20 @@ class Load:
                     seq = live.pop(rng.randrange(len(live)))
                     body = {"node_id": node, "epoch": epoch, "hashes": seq_hashes(seq)}
                     op, _ = self._until_definite(
-                        http, rng, lambda: Op("remove", node, 0, 0.0, epoch=epoch, seq=seq), "POST", "/v1/blocks/remove", body)
+                        http, rng, lambda: Op("remove", node, 0, 0.0, epoch=epoch, seq=seq), "POST", "/v1/blocks/remove", body
+                    )
                 elif x < 0.755:
                     epoch = None  # a restart: the next registration is a new incarnation
                     continue
                 else:
                     op, _ = self._until_definite(
-                        http, rng, lambda: Op("heartbeat", node, 0, 0.0, epoch=epoch), "POST", f"/v1/nodes/{node}/heartbeat",
-                        {"epoch": epoch})
+                        http,
+                        rng,
+                        lambda: Op("heartbeat", node, 0, 0.0, epoch=epoch),
+                        "POST",
+                        f"/v1/nodes/{node}/heartbeat",
+                        {"epoch": epoch},
+                    )
                 if op.outcome == FAIL and op.status == 409:
                     epoch = None  # fenced or forgotten: register again, as a worker does
                 self._stop.wait(self.pace_s)
@@ -163,9 +184,17 @@ class Load:
                 n += 1
                 consistency = "linearizable" if n % 2 else "local"
                 op = Op("lookup", node, 0, 0.0, seq=seq, consistency=consistency)
-                data = self._call(http, rng, op, "POST", "/v1/lookup",
-                                  {"hashes": seq_hashes(seq), "with_slots": True, "consistency": consistency})
+                data = self._call(
+                    http,
+                    rng,
+                    op,
+                    "POST",
+                    "/v1/lookup",
+                    {"hashes": seq_hashes(seq), "with_slots": True, "consistency": consistency},
+                )
                 if data is not None:
-                    op.holders = {h["node_id"]: (h["epoch"], h["matched_blocks"], tuple(h["slots"]))  # type: ignore[index]
-                                  for h in data["holders"]}  # type: ignore[union-attr]
+                    op.holders = {
+                        h["node_id"]: (h["epoch"], h["matched_blocks"], tuple(h["slots"]))
+                        for h in cast("list[dict[str, Any]]", data["holders"])
+                    }
                 self._stop.wait(self.pace_s)

@@ -33,9 +33,26 @@ from kvdir.launcher import Cluster, free_ports, write_raft_password
 
 log = logging.getLogger("kvdir.faults")
 
-FAULTS = ("kill_leader", "kill_follower", "pause_leader", "pause_follower", "partition_leader", "partition_follower", "restart_all")
-SOAK = ("kill_leader", "partition_leader", "kill_leader", "kill_follower", "pause_leader", "kill_leader",
-        "partition_follower", "pause_follower", "restart_all")
+FAULTS = (
+    "kill_leader",
+    "kill_follower",
+    "pause_leader",
+    "pause_follower",
+    "partition_leader",
+    "partition_follower",
+    "restart_all",
+)
+SOAK = (
+    "kill_leader",
+    "partition_leader",
+    "kill_leader",
+    "kill_follower",
+    "pause_leader",
+    "kill_leader",
+    "partition_follower",
+    "pause_follower",
+    "restart_all",
+)
 """The soak's round: three leader kills, two partitions and one full restart each."""
 PARTITIONS = frozenset({"partition_leader", "partition_follower"})
 POWER_LOSS = "power_loss"
@@ -77,9 +94,15 @@ class _Run:
             self.net = ProxyNetwork(n, ports[n:])
             prefix, peers = None, self.net.peers
         self.cluster = Cluster(
-            data_dir, ports[:n], ports[n:], lease_ttl_s=300, log_level="info",
+            data_dir,
+            ports[:n],
+            ports[n:],
+            lease_ttl_s=300,
+            log_level="info",
             extra_args=("--write-timeout-s", "3", *plan.replica_args),
-            hosts=self.net.hosts, prefix=prefix, peers=peers,
+            hosts=self.net.hosts,
+            prefix=prefix,
+            peers=peers,
             raft_password_file=write_raft_password(data_dir / "secrets"),
         )
         self.http = httpx.Client(timeout=2.0, trust_env=False)
@@ -103,8 +126,9 @@ class _Run:
                     break
             else:
                 leaders = [i for i, s in status.items() if s["role"] == "leader"]
-                if len(leaders) == 1 and all(s["leader"] is not None and s["term"] == status[leaders[0]]["term"]
-                                             for s in status.values()):
+                if len(leaders) == 1 and all(
+                    s["leader"] is not None and s["term"] == status[leaders[0]]["term"] for s in status.values()
+                ):
                     return leaders[0]
             time.sleep(0.05)
         raise TimeoutError(f"no leader agreed among replicas {among or 'all'} within {timeout}s")
@@ -278,17 +302,28 @@ class _Run:
         kills = [s for k, s in resume if k == "kill_leader"]
         return {
             "replicas": plan.replicas,
-            "network": "namespaces" if self.netns_missing is None else f"loopback link proxies (no namespaces: {self.netns_missing})",
+            "network": "namespaces"
+            if self.netns_missing is None
+            else f"loopback link proxies (no namespaces: {self.netns_missing})",
             "rounds": rounds,
             "seconds": round(time.monotonic() - self.history.start, 1),
             "history": self.history.counts(),
             "faults": dict(Counter(f.kind for f in faults)),
-            "fault_log": [{"kind": f.kind, "replicas": f.replicas, "at_s": round(f.t0 - self.history.start, 2),
-                           "recovered_s": None if f.recovered_s is None else round(f.recovered_s, 3),
-                           **({"minority_commit": f.minority_commit} if f.minority else {})} for f in faults],
+            "fault_log": [
+                {
+                    "kind": f.kind,
+                    "replicas": f.replicas,
+                    "at_s": round(f.t0 - self.history.start, 2),
+                    "recovered_s": None if f.recovered_s is None else round(f.recovered_s, 3),
+                    **({"minority_commit": f.minority_commit} if f.minority else {}),
+                }
+                for f in faults
+            ],
             "writes_resume_after_leader_kill_s": {
                 "median": round(statistics.median(kills), 3) if kills else None,
-                "max": round(max(kills), 3) if kills else None, "n": len(kills)},
+                "max": round(max(kills), 3) if kills else None,
+                "n": len(kills),
+            },
             "writes_resume_s": [(k, round(s, 3)) for k, s in resume],
             "stale_bound_s": STALE_BOUND_S,
             "checker": {**final_stats, **read_stats},
@@ -318,8 +353,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"replicas {report['replicas']}, {report['seconds']}s, {report['rounds']} rounds of the schedule, "
         f"network: {report['network']}",
-        f"history: {h['ops']} operations: " + ", ".join(
-            f"{k} {v['ok']} ok/{v['fail']} failed/{v['unknown']} unknown" for k, v in h.items() if k != "ops"),
+        f"history: {h['ops']} operations: "
+        + ", ".join(f"{k} {v['ok']} ok/{v['fail']} failed/{v['unknown']} unknown" for k, v in h.items() if k != "ops"),
         "faults: " + ", ".join(f"{k} x{v}" for k, v in report["faults"].items()),
         f"writes resume after a leader kill: median {report['writes_resume_after_leader_kill_s']['median']}s, "
         f"max {report['writes_resume_after_leader_kill_s']['max']}s over {report['writes_resume_after_leader_kill_s']['n']}",

@@ -39,8 +39,15 @@ def tokens_for(req: TraceRequest, block_tokens: int) -> list[int]:
     return np.concatenate(parts).tolist() if parts else []
 
 
-async def _replay(gateway: str, requests: Sequence[TraceRequest], block_tokens: int, time_scale: float,
-                  max_output: int, model: str, progress: bool) -> list[dict[str, Any]]:
+async def _replay(
+    gateway: str,
+    requests: Sequence[TraceRequest],
+    block_tokens: int,
+    time_scale: float,
+    max_output: int,
+    model: str,
+    progress: bool,
+) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
@@ -76,15 +83,23 @@ async def _replay(gateway: str, requests: Sequence[TraceRequest], block_tokens: 
     return sorted(results, key=lambda r: r["i"])
 
 
-def live_replay(gateway: str, requests: Sequence[TraceRequest], *, block_tokens: int, time_scale: float = 1.0,
-                max_output: int = 16, model: str = "kvdir-stub", progress: bool = True) -> dict[str, Any]:
+def live_replay(
+    gateway: str,
+    requests: Sequence[TraceRequest],
+    *,
+    block_tokens: int,
+    time_scale: float = 1.0,
+    max_output: int = 16,
+    model: str = "kvdir-stub",
+    progress: bool = True,
+) -> dict[str, Any]:
     """Replay `requests` through `gateway`; returns the metrics the simulation reports, where measurable."""
     rows = asyncio.run(_replay(gateway.rstrip("/"), requests, block_tokens, time_scale, max_output, model, progress))
     ok = [r for r in rows if r["status"] == 200]
     prompt = sum(r["prompt_tokens"] for r in ok)
     cached = sum(r["cached_tokens"] for r in ok)
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    per_node = Counter()
+    per_node: Counter[str | None] = Counter()
     for r in ok:
         per_node[r["node"]] += r["prompt_tokens"] - r["cached_tokens"]  # prefill work done there
     loads = list(per_node.values())

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from gateway.policy import POLICIES
 from kvdir.replay import trace as tr
@@ -32,7 +32,7 @@ LABELS = {  # baselines modeled after peers are labelled so (peers.md)
     "sglang": "sglang (modeled)",
     "dynamo": "dynamo (modeled)",
 }
-SYNTHETIC = {
+SYNTHETIC: dict[str, Callable[..., list[tr.TraceRequest]]] = {
     "multi_turn": tr.multi_turn,
     "shared_prefix": tr.shared_prefix,
     "hot_prefix": tr.hot_prefix_burst,
@@ -46,39 +46,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", metavar="PATH", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="a synthetic workload with its default parameters")
     parser.add_argument("--nodes", type=int, default=_D.nodes, help=f"engines (default {_D.nodes})")
-    parser.add_argument("--capacity-blocks", type=int, default=_D.capacity_blocks,
-                        help=f"KV cache per node, in blocks (default {_D.capacity_blocks})")
-    parser.add_argument("--trace-block-tokens", type=int, default=_D.block_tokens,
-                        help=f"tokens per block of the trace's hash_ids, also used by --synthetic (default {_D.block_tokens})")
-    parser.add_argument("--policies", default=",".join(ORDER),
-                        help=f"comma-separated policies (default all: {','.join(ORDER)})")
+    parser.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=_D.capacity_blocks,
+        help=f"KV cache per node, in blocks (default {_D.capacity_blocks})",
+    )
+    parser.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=_D.block_tokens,
+        help=f"tokens per block of the trace's hash_ids, also used by --synthetic (default {_D.block_tokens})",
+    )
+    parser.add_argument("--policies", default=",".join(ORDER), help=f"comma-separated policies (default all: {','.join(ORDER)})")
     parser.add_argument("--limit", type=int, metavar="K", help="replay only the first K requests")
     parser.add_argument("--strict", action="store_true", help="stop at the first malformed trace line")
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=_D.prefill_tokens_per_s,
-                        help=f"prefill rate per node, one prefill at a time (default {_D.prefill_tokens_per_s:g})")
-    parser.add_argument("--decode-tokens-per-s", type=float, default=_D.decode_tokens_per_s,
-                        help=f"decode rate per request (default {_D.decode_tokens_per_s:g})")
-    parser.add_argument("--link-gbps", type=float, default=_D.link_bytes_per_s / 1e9,
-                        help="pull bandwidth between nodes in GB/s, gigabytes as the gateway's --link-gbps "
-                             f"(default {_D.link_bytes_per_s / 1e9:g}, i.e. 100 Gb/s)")
-    parser.add_argument("--block-bytes", type=int, default=_D.block_bytes,
-                        help=f"KV bytes of one block on a node, all TP ranks (default {_D.block_bytes}: 512 tokens "
-                             "x 128 KiB, a Llama-3-8B-like model in bf16)")
-    parser.add_argument("--pull-setup-ms", type=float, default=_D.pull_setup_s * 1e3,
-                        help=f"fixed cost of one pull (default {_D.pull_setup_s * 1e3:g})")
-    parser.add_argument("--publish-lag-ms", type=float, default=_D.publish_lag_s * 1e3,
-                        help=f"delay before the router sees a node's stores and evictions (default {_D.publish_lag_s * 1e3:g})")
-    parser.add_argument("--max-running", type=int, default=_D.max_running,
-                        help=f"requests an engine runs at once; the rest wait (default {_D.max_running})")
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=_D.prefill_tokens_per_s,
+        help=f"prefill rate per node, one prefill at a time (default {_D.prefill_tokens_per_s:g})",
+    )
+    parser.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=_D.decode_tokens_per_s,
+        help=f"decode rate per request (default {_D.decode_tokens_per_s:g})",
+    )
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        default=_D.link_bytes_per_s / 1e9,
+        help="pull bandwidth between nodes in GB/s, gigabytes as the gateway's --link-gbps "
+        f"(default {_D.link_bytes_per_s / 1e9:g}, i.e. 100 Gb/s)",
+    )
+    parser.add_argument(
+        "--block-bytes",
+        type=int,
+        default=_D.block_bytes,
+        help=f"KV bytes of one block on a node, all TP ranks (default {_D.block_bytes}: 512 tokens "
+        "x 128 KiB, a Llama-3-8B-like model in bf16)",
+    )
+    parser.add_argument(
+        "--pull-setup-ms",
+        type=float,
+        default=_D.pull_setup_s * 1e3,
+        help=f"fixed cost of one pull (default {_D.pull_setup_s * 1e3:g})",
+    )
+    parser.add_argument(
+        "--publish-lag-ms",
+        type=float,
+        default=_D.publish_lag_s * 1e3,
+        help=f"delay before the router sees a node's stores and evictions (default {_D.publish_lag_s * 1e3:g})",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=_D.max_running,
+        help=f"requests an engine runs at once; the rest wait (default {_D.max_running})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
-    parser.add_argument("--mode", choices=["sim", "live"], default="sim",
-                        help="sim: the discrete-event simulation; live: send the requests through a running gateway")
+    parser.add_argument(
+        "--mode",
+        choices=["sim", "live"],
+        default="sim",
+        help="sim: the discrete-event simulation; live: send the requests through a running gateway",
+    )
     parser.add_argument("--gateway", default="http://127.0.0.1:8100", help="--mode live: the gateway's URL (kvdir up's default)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="--mode live: multiply the trace's inter-arrival times (0.1: ten times faster)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--mode live: multiply the trace's inter-arrival times (0.1: ten times faster)",
+    )
     parser.add_argument("--max-output", type=int, default=16, help="--mode live: cap on each request's output tokens")
-    parser.add_argument("--compare-sim", action="store_true",
-                        help="--mode live: also simulate the same requests (with --policies) and show both")
+    parser.add_argument(
+        "--compare-sim", action="store_true", help="--mode live: also simulate the same requests (with --policies) and show both"
+    )
     parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts (hit rate, TTFT, per-node load) into DIR")
 
@@ -92,10 +136,19 @@ def _policies(spec: str) -> list[str]:
 
 
 def _params(args: argparse.Namespace) -> SimParams:
-    return SimParams(nodes=args.nodes, capacity_blocks=args.capacity_blocks, block_tokens=args.trace_block_tokens,
-                     prefill_tokens_per_s=args.prefill_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
-                     max_running=args.max_running, block_bytes=args.block_bytes, link_bytes_per_s=args.link_gbps * 1e9,
-                     pull_setup_s=args.pull_setup_ms / 1e3, publish_lag_s=args.publish_lag_ms / 1e3, seed=args.seed)
+    return SimParams(
+        nodes=args.nodes,
+        capacity_blocks=args.capacity_blocks,
+        block_tokens=args.trace_block_tokens,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        max_running=args.max_running,
+        block_bytes=args.block_bytes,
+        link_bytes_per_s=args.link_gbps * 1e9,
+        pull_setup_s=args.pull_setup_ms / 1e3,
+        publish_lag_s=args.publish_lag_ms / 1e3,
+        seed=args.seed,
+    )
 
 
 def _progress(name: str, out: TextIO) -> Callable[[int, int], None]:
@@ -114,20 +167,48 @@ def _fmt_s(x: float) -> str:
     return f"{x:.3f}" if x < 100 else f"{x:.0f}"
 
 
-def format_table(results: dict[str, dict], oracle_tokens: float) -> str:
+def format_table(results: dict[str, dict[str, Any]], oracle_tokens: float) -> str:
     """The results as a fixed-width text table."""
-    head = ["policy", "hit%", "/oracle", "local%", "pulled%", "redund%", "ttft p50", "p90", "p99",
-            "imbal", "pulls", "GB moved", "pred err%", "exact%", "req/s", "sim s"]
+    head = [
+        "policy",
+        "hit%",
+        "/oracle",
+        "local%",
+        "pulled%",
+        "redund%",
+        "ttft p50",
+        "p90",
+        "p99",
+        "imbal",
+        "pulls",
+        "GB moved",
+        "pred err%",
+        "exact%",
+        "req/s",
+        "sim s",
+    ]
     rows = []
     for name, r in results.items():
-        rows.append([
-            LABELS.get(name, name), f"{100 * r['hit_rate']:.1f}",
-            f"{r['hit_rate'] / oracle_tokens:.2f}" if oracle_tokens else "-",
-            f"{100 * r['local_hit_rate']:.1f}", f"{100 * r['pulled_hit_rate']:.1f}", f"{100 * r['redundant_prefill']:.1f}",
-            _fmt_s(r["ttft_p50_s"]), _fmt_s(r["ttft_p90_s"]), _fmt_s(r["ttft_p99_s"]), f"{r['imbalance']:.3f}",
-            str(r["pulls"]), f"{r['bytes_moved'] / 1e9:.1f}", f"{100 * r['prediction_error']:.2f}",
-            f"{100 * r['prediction_exact']:.1f}", f"{r['throughput_rps']:.3f}", f"{r['wall_s']:.2f}",
-        ])
+        rows.append(
+            [
+                LABELS.get(name, name),
+                f"{100 * r['hit_rate']:.1f}",
+                f"{r['hit_rate'] / oracle_tokens:.2f}" if oracle_tokens else "-",
+                f"{100 * r['local_hit_rate']:.1f}",
+                f"{100 * r['pulled_hit_rate']:.1f}",
+                f"{100 * r['redundant_prefill']:.1f}",
+                _fmt_s(r["ttft_p50_s"]),
+                _fmt_s(r["ttft_p90_s"]),
+                _fmt_s(r["ttft_p99_s"]),
+                f"{r['imbalance']:.3f}",
+                str(r["pulls"]),
+                f"{r['bytes_moved'] / 1e9:.1f}",
+                f"{100 * r['prediction_error']:.2f}",
+                f"{100 * r['prediction_exact']:.1f}",
+                f"{r['throughput_rps']:.3f}",
+                f"{r['wall_s']:.2f}",
+            ]
+        )
     widths = [max(len(h), *(len(row[k]) for row in rows)) if rows else len(h) for k, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) if k == 0 else h.rjust(w) for k, (h, w) in enumerate(zip(head, widths)))]
     for row in rows:
@@ -135,7 +216,7 @@ def format_table(results: dict[str, dict], oracle_tokens: float) -> str:
     return "\n".join(lines)
 
 
-def write_plots(directory: str | Path, results: dict[str, dict], oracle_tokens: float) -> list[Path]:
+def write_plots(directory: str | Path, results: dict[str, dict[str, Any]], oracle_tokens: float) -> list[Path]:
     """hit_rate.png, ttft.png and load_<policy>.png (prefill-busy fraction per node over time); the paths written."""
     import matplotlib
 
@@ -185,8 +266,15 @@ def write_plots(directory: str | Path, results: dict[str, dict], oracle_tokens: 
         busy = np.array(tl["busy"])
         fig, ax = plt.subplots(figsize=(9, 0.35 * busy.shape[0] + 1.6))
         span = tl["bucket_s"] * busy.shape[1]
-        im = ax.imshow(busy, aspect="auto", interpolation="nearest", vmin=0.0, vmax=1.0, cmap="viridis",
-                       extent=(0.0, span if span > 0 else 1.0, busy.shape[0] - 0.5, -0.5))
+        im = ax.imshow(
+            busy,
+            aspect="auto",
+            interpolation="nearest",
+            vmin=0.0,
+            vmax=1.0,
+            cmap="viridis",
+            extent=(0.0, span if span > 0 else 1.0, busy.shape[0] - 0.5, -0.5),
+        )
         ax.set_xlabel("simulated time (s)")
         ax.set_ylabel("node")
         ax.set_title(f"{LABELS.get(n, n)}: prefill-busy fraction per node (imbalance {results[n]['imbalance']:.3f})")
@@ -225,7 +313,7 @@ def run_replay(args: argparse.Namespace) -> int:
         requests = SYNTHETIC[args.synthetic](seed=args.seed, block_tokens=params.block_tokens)
         source = {"synthetic": args.synthetic}
     if args.limit is not None:
-        requests = requests[:args.limit]
+        requests = requests[: args.limit]
     if not requests:
         print("kvdir replay: no requests to replay", file=err)
         return 2
@@ -235,7 +323,7 @@ def run_replay(args: argparse.Namespace) -> int:
     oracle_blocks = oracle_hit_rate(requests)
     oracle_tokens = oracle_hit_rate(requests, by="tokens", block_tokens=params.block_tokens)
 
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     t1 = time.perf_counter()
     for name in names:
         results[name] = simulate(requests, name, params, progress=_progress(name, err))
@@ -268,33 +356,44 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_live(args: argparse.Namespace, requests: list, names: list[str], params: SimParams, source: dict) -> int:
+def _run_live(
+    args: argparse.Namespace, requests: list[tr.TraceRequest], names: list[str], params: SimParams, source: dict[str, str]
+) -> int:
     from kvdir.replay.live import live_replay
 
     err = sys.stderr
     try:
-        live = live_replay(args.gateway, requests, block_tokens=params.block_tokens, time_scale=args.time_scale,
-                           max_output=args.max_output)
+        live = live_replay(
+            args.gateway, requests, block_tokens=params.block_tokens, time_scale=args.time_scale, max_output=args.max_output
+        )
     except OSError as exc:
         print(f"kvdir replay: cannot reach the gateway at {args.gateway}: {exc}", file=err)
         return 2
     oracle_tokens = oracle_hit_rate(requests, by="tokens", block_tokens=params.block_tokens)
-    print(f"{len(requests)} requests ({', '.join(f'{k} {v}' for k, v in source.items())}) through {args.gateway}, "
-          f"time scale {args.time_scale}")
+    print(
+        f"{len(requests)} requests ({', '.join(f'{k} {v}' for k, v in source.items())}) through {args.gateway}, "
+        f"time scale {args.time_scale}"
+    )
     print(f"oracle (infinite shared cache): {100 * oracle_tokens:.1f}% of prompt tokens")
-    print(f"live: hit rate {100 * live['hit_rate']:.1f}%, TTFT p50/p90/p99 {live['ttft_p50_s']}/{live['ttft_p90_s']}/"
-          f"{live['ttft_p99_s']} s (engine-reported), imbalance {live['imbalance']:.3f}, pulls {live['pulls']}, "
-          f"failed {live['failed']}, decisions {live['decisions']}, predictions exact {live['prediction_exact']}")
-    sims: dict[str, dict] = {}
+    print(
+        f"live: hit rate {100 * live['hit_rate']:.1f}%, TTFT p50/p90/p99 {live['ttft_p50_s']}/{live['ttft_p90_s']}/"
+        f"{live['ttft_p99_s']} s (engine-reported), imbalance {live['imbalance']:.3f}, pulls {live['pulls']}, "
+        f"failed {live['failed']}, decisions {live['decisions']}, predictions exact {live['prediction_exact']}"
+    )
+    sims: dict[str, dict[str, Any]] = {}
     if args.compare_sim:
         for name in names:
             sims[name] = simulate(requests, name, params, progress=_progress(name, err))
         print("simulation of the same requests:")
         print(format_table(sims, oracle_tokens))
     if args.json:
-        doc = {"oracle_hit_rate": oracle_tokens, "live": live,
-               "policies": {n: {k: v for k, v in r.items() if k != "load_timeline"} for n, r in sims.items()},
-               "params": params.as_dict(), "workload": {**source, "requests": len(requests)}}
+        doc = {
+            "oracle_hit_rate": oracle_tokens,
+            "live": live,
+            "policies": {n: {k: v for k, v in r.items() if k != "load_timeline"} for n, r in sims.items()},
+            "params": params.as_dict(),
+            "workload": {**source, "requests": len(requests)},
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")

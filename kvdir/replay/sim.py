@@ -82,6 +82,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
@@ -109,7 +110,7 @@ class SimParams:
     publish_lag_s: float = 0.05  # node stores/evicts -> the router sees it
     seed: int = 0
     timeline_buckets: int = 200
-    policy_options: dict = field(default_factory=dict)  # keyword options per policy name, for make_policy
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # keyword options per policy name, for make_policy
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.capacity_blocks < 1 or self.block_tokens < 1 or self.max_running < 1:
@@ -123,11 +124,16 @@ class SimParams:
 
     def cost_model(self) -> CostModel:
         """The policies' cost model, with this simulation's parameters."""
-        return CostModel(prefill_tokens_per_s=self.prefill_tokens_per_s, block_bytes=self.block_bytes,
-                         link_bytes_per_s=self.link_bytes_per_s, pull_setup_s=self.pull_setup_s,
-                         max_running=self.max_running, decode_tokens_per_s=self.decode_tokens_per_s)
+        return CostModel(
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            block_bytes=self.block_bytes,
+            link_bytes_per_s=self.link_bytes_per_s,
+            pull_setup_s=self.pull_setup_s,
+            max_running=self.max_running,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+        )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -208,8 +214,13 @@ def _runs(blocks: tuple[int, ...], masks: dict[int, int], full: int, n: int) -> 
 _PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH = 0, 1, 2, 3
 
 
-def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimParams | None = None, *,
-             progress: Callable[[int, int], None] | None = None) -> dict:
+def simulate(
+    requests: Sequence[TraceRequest],
+    policy_name: str,
+    params: SimParams | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Replay `requests` through the policy `policy_name` on the cluster `params`; the figures as a dict.
 
     See the module docstring for the model and the figures. `progress(done,
@@ -339,14 +350,14 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
     def handle(t: float, kind: int, x: object) -> None:
         nonlocal seq
         if kind == _PULL_DONE:
-            i = x  # type: ignore[assignment]
+            i = cast(int, x)  # the payload of the three request events is the request index
             src = r_pull_src[i]
             sp = pins[src]
             slru = lru[src]
             b0 = r_local[i]
             blocks = reqs[i].blocks
-            for b in reversed(blocks[b0:b0 + r_pull_n[i]]):
-                c = sp[b] - 1
+            for b in reversed(blocks[b0 : b0 + r_pull_n[i]]):
+                c: int | None = sp[b] - 1  # int | None: the name is reused for pin.get() below
                 if c:
                     sp[b] = c
                 else:
@@ -358,7 +369,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
             if r_admitted[i]:
                 start_prefill(i, t)
         elif kind == _PREFILL_DONE:
-            i = x  # type: ignore[assignment]
+            i = cast(int, x)
             n = r_node[i]
             r = reqs[i]
             ttft[i] = t - r.arrival_s
@@ -366,8 +377,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
             bit = 1 << n
             pin = pins[n]
             cold = lru[n]
-            adds = []
-            for b in r.blocks[r_local[i]:]:
+            adds: list[int] = []
+            for b in r.blocks[r_local[i] :]:
                 c = pin.get(b)
                 if c is not None:
                     pin[b] = c + 1
@@ -382,7 +393,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
             seq += 1
             push(heap, (t + r.output_tokens / drate, seq, _DECODE_DONE, i))
         elif kind == _DECODE_DONE:
-            i = x  # type: ignore[assignment]
+            i = cast(int, x)
             n = r_node[i]
             pin = pins[n]
             cold = lru[n]
@@ -402,7 +413,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
             if q and running[n] < max_running:
                 admit(q.popleft(), t)
         else:  # _PUBLISH
-            n, adds, removes = x  # type: ignore[misc]
+            n, adds, removes = cast("tuple[int, list[int], list[int]]", x)
             publish(n, adds, removes)
 
     prompt_total = 0
@@ -427,8 +438,10 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
         nb = len(blocks)
         prompt = r.input_tokens
         view, _ = _runs(blocks, vis, full, N)
-        cands = [Cand(ids[j], 1, view[j], slots_of(view[j]), max(0, running[j] - inflight[j]), len(waitq[j]),
-                      pending[j], inflight[j]) for j in range(N)]
+        cands = [
+            Cand(ids[j], 1, view[j], slots_of(view[j]), max(0, running[j] - inflight[j]), len(waitq[j]), pending[j], inflight[j])
+            for j in range(N)
+        ]
         rreq = RReq(prompt, blocks, bs, r.output_tokens)
         d = choose(rreq, cands, rng)
         on_routed(rreq, d)
@@ -564,7 +577,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, params: SimPara
     return out
 
 
-def _timeline(spans: list[list[tuple[float, float]]], t0: float, t1: float, buckets: int) -> dict:
+def _timeline(spans: list[list[tuple[float, float]]], t0: float, t1: float, buckets: int) -> dict[str, Any]:
     """Prefill-busy fraction per node in `buckets` equal buckets over [t0, t1]."""
     if t1 <= t0:
         return {"t0_s": t0, "bucket_s": 0.0, "busy": [[0.0] * buckets for _ in spans]}
@@ -590,8 +603,9 @@ def _timeline(spans: list[list[tuple[float, float]]], t0: float, t1: float, buck
 
 def describe_params(p: SimParams) -> str:
     """One line with the parameters that matter, for tables."""
-    return (f"{p.nodes} nodes x {p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
-            f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
-            f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
-            f"publish lag {p.publish_lag_s * 1e3:g} ms")
-
+    return (
+        f"{p.nodes} nodes x {p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
+        f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
+        f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
+        f"publish lag {p.publish_lag_s * 1e3:g} ms"
+    )

@@ -108,13 +108,16 @@ def _check_row(row: object, block_tokens: int) -> str | None:
             return f"hash_ids[{j}] must be an unsigned 64-bit integer, got {x!r}"
     need = -(-row["input_length"] // block_tokens)
     if len(ids) > need:
-        return (f"hash_ids has {len(ids)} blocks but input_length {row['input_length']} fills only {need} "
-                f"of {block_tokens} tokens (wrong block size?)")
+        return (
+            f"hash_ids has {len(ids)} blocks but input_length {row['input_length']} fills only {need} "
+            f"of {block_tokens} tokens (wrong block size?)"
+        )
     return None
 
 
-def load_mooncake(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                  strict: bool = False) -> tuple[list[TraceRequest], list[str]]:
+def load_mooncake(
+    path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS, strict: bool = False
+) -> tuple[list[TraceRequest], list[str]]:
     """Requests of a Mooncake JSONL trace, in file order, and one message per malformed line.
 
     A line is malformed when it is not JSON, not an object, lacks a field, has
@@ -139,8 +142,11 @@ def load_mooncake(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS,
             else:
                 bad = _check_row(row, block_tokens)
                 if bad is None:
-                    requests.append(TraceRequest(row["timestamp"] / 1000.0, row["input_length"], row["output_length"],
-                                                 chain_blocks(row["hash_ids"])))
+                    requests.append(
+                        TraceRequest(
+                            row["timestamp"] / 1000.0, row["input_length"], row["output_length"], chain_blocks(row["hash_ids"])
+                        )
+                    )
                     continue
                 why = f"line {n}: {bad}"
             if strict:
@@ -170,9 +176,19 @@ def _stream_blocks(length: int, block_tokens: int, shared_tokens: int, shared_id
     return chain_blocks(ids)
 
 
-def multi_turn(sessions: int = 64, rounds: int = 5, system_tokens: int = 512, turn_tokens: int = 750,
-               output_tokens: int = 250, think_s: float = 10.0, seed: int = 0, *, first_turn_tokens: int = 3500,
-               session_rate: float = 1.0, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[TraceRequest]:
+def multi_turn(
+    sessions: int = 64,
+    rounds: int = 5,
+    system_tokens: int = 512,
+    turn_tokens: int = 750,
+    output_tokens: int = 250,
+    think_s: float = 10.0,
+    seed: int = 0,
+    *,
+    first_turn_tokens: int = 3500,
+    session_rate: float = 1.0,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """Chat sessions whose every round resends the whole conversation so far.
 
     - One system prompt of `system_tokens`, shared by all sessions.
@@ -202,15 +218,22 @@ def multi_turn(sessions: int = 64, rounds: int = 5, system_tokens: int = 512, tu
             if k:
                 t += think_s * rng.uniform(0.5, 1.5)
             length = system_tokens + first_turn_tokens + k * (output_tokens + turn_tokens)
-            out.append(TraceRequest(t, length, output_tokens,
-                                    _stream_blocks(length, block_tokens, system_tokens, 0, s)))
+            out.append(TraceRequest(t, length, output_tokens, _stream_blocks(length, block_tokens, system_tokens, 0, s)))
     out.sort(key=lambda r: r.arrival_s)
     return out
 
 
-def shared_prefix(groups: int = 16, prompts_per_group: int = 64, prefix_tokens: int = 4096, suffix_tokens: int = 512,
-                  rate: float = 8.0, seed: int = 0, *, output_tokens: int = 128,
-                  block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[TraceRequest]:
+def shared_prefix(
+    groups: int = 16,
+    prompts_per_group: int = 64,
+    prefix_tokens: int = 4096,
+    suffix_tokens: int = 512,
+    rate: float = 8.0,
+    seed: int = 0,
+    *,
+    output_tokens: int = 128,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """Groups of prompts that share a group prefix (few-shot examples, a document) and differ after it.
 
     ``groups * prompts_per_group`` requests in random order (the group of each
@@ -232,9 +255,16 @@ def shared_prefix(groups: int = 16, prompts_per_group: int = 64, prefix_tokens: 
     return out
 
 
-def hot_prefix_burst(n: int = 500, prefix_tokens: int = 8192, burst_rate: float = 25.0, seed: int = 0, *,
-                     suffix_tokens: int = 512, output_tokens: int = 128,
-                     block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[TraceRequest]:
+def hot_prefix_burst(
+    n: int = 500,
+    prefix_tokens: int = 8192,
+    burst_rate: float = 25.0,
+    seed: int = 0,
+    *,
+    suffix_tokens: int = 512,
+    output_tokens: int = 128,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[TraceRequest]:
     """A burst on one hot prefix: `n` requests sharing the same `prefix_tokens`, each with `suffix_tokens`
     of its own, arriving as a Poisson process of `burst_rate` per second.
 

@@ -63,8 +63,15 @@ class ComposeCluster:
 
     def compose(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         files = [a for f in self.files for a in ("-f", str(ROOT / f))]
-        return subprocess.run([*self.command, "-p", self.project, *files, *args], cwd=ROOT, env=self.env, check=check,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [*self.command, "-p", self.project, *files, *args],
+            cwd=ROOT,
+            env=self.env,
+            check=check,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def container(self, service: str) -> str:
         out = self.compose("ps", "-q", service).stdout.split()
@@ -80,8 +87,12 @@ class ComposeCluster:
         return state.get("Health", {}).get("Status", state["Status"])
 
     def wait_healthy(self, services: tuple[str, ...] = SERVICES, timeout: float = UP_DEADLINE_S) -> None:
-        wait_for(lambda: all(self.health(s) == "healthy" for s in services),
-                 what=f"{', '.join(services)} healthy", timeout=timeout, interval=1.0)
+        wait_for(
+            lambda: all(self.health(s) == "healthy" for s in services),
+            what=f"{', '.join(services)} healthy",
+            timeout=timeout,
+            interval=1.0,
+        )
 
     def replica_url(self, service: str) -> str:
         host, port = self.compose("port", service, "8101").stdout.strip().rsplit(":", 1)

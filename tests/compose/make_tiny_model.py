@@ -14,10 +14,14 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-CORPUS = ("the quick brown fox jumps over the lazy dog while a support assistant of a hardware store answers "
-          "briefly and cites the aisle for screws nails hinges paint and never invents stock levels ") * 50
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog while a support assistant of a hardware store answers "
+    "briefly and cites the aisle for screws nails hinges paint and never invents stock levels "
+) * 50
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def main(out: Path) -> None:
@@ -25,14 +29,27 @@ def main(out: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [CORPUS],
+        trainers.BpeTrainer(
+            vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     print(json.dumps({"model": str(out), "vocab": tok.get_vocab_size()}))
 

@@ -27,8 +27,9 @@ from tests.compose.conftest import (
     wait_for,
 )
 
-SYSTEM = ("You are the support assistant of a hardware store. Answer briefly, cite the aisle, and never invent "
-          "stock levels. ") * 8  # ~900 byte-tokens: 56 blocks of 16
+SYSTEM = (
+    "You are the support assistant of a hardware store. Answer briefly, cite the aisle, and never invent stock levels. "
+) * 8  # ~900 byte-tokens: 56 blocks of 16
 
 
 def _client(c: ComposeCluster) -> openai.OpenAI:
@@ -40,8 +41,9 @@ def _auth(name: str) -> dict[str, str]:
 
 
 def _lookup(c: ComposeCluster, tokens: list[int], replica: str = "dir1") -> dict[str, dict]:
-    r = httpx.post(c.replica_url(replica) + "/v1/lookup", headers=_auth("gateway"), timeout=5,
-                   json={"tokens": tokens, "with_slots": True})
+    r = httpx.post(
+        c.replica_url(replica) + "/v1/lookup", headers=_auth("gateway"), timeout=5, json={"tokens": tokens, "with_slots": True}
+    )
     r.raise_for_status()
     return {h["node_id"]: h for h in r.json()["holders"]}
 
@@ -64,8 +66,9 @@ def test_openai_client_completions_chat_and_streaming(cluster: ComposeCluster) -
     assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 5
     chat = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hello"}])
     assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
-    stream = client.chat.completions.create(model=MODEL, max_tokens=6, stream=True,
-                                            messages=[{"role": "user", "content": "stream please"}])
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=6, stream=True, messages=[{"role": "user", "content": "stream please"}]
+    )
     pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
     assert len(pieces) == 6
 
@@ -77,8 +80,13 @@ def test_turn_two_is_served_from_cache(cluster: ComposeCluster) -> None:
     node = first.headers["x-kvdir-node"]
     answer = first.parse().choices[0].message.content
     published = first.parse().usage.prompt_tokens // 16  # type: ignore[union-attr]
-    wait_for(lambda: httpx.get(cluster.replica_url("dir3") + f"/v1/nodes/{node}", headers=_auth("gateway"),
-                               timeout=5).json()["blocks"] >= published, what=f"{node}'s blocks published")
+    wait_for(
+        lambda: (
+            httpx.get(cluster.replica_url("dir3") + f"/v1/nodes/{node}", headers=_auth("gateway"), timeout=5).json()["blocks"]
+            >= published
+        ),
+        what=f"{node}'s blocks published",
+    )
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the nails?"}]
     second = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=8, messages=turn2)
     assert second.headers["x-kvdir-node"] == node
@@ -118,11 +126,18 @@ def test_a_pull_between_two_worker_containers(cluster: ComposeCluster) -> None:
     dest = next(w for w in WORKERS if w not in _lookup(cluster, tokens))
     # The pull plan the gateway would attach, sent to the destination's own API from inside its container:
     # the KV bytes travel between the two containers over the kvtransfer network and are verified on arrival.
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1,
-            "kvdir_pull": {"source_node": source, "source_epoch": holder["epoch"], "slots": holder["slots"]}}
-    out = cluster.exec_python(dest, "import httpx, json, sys; r = httpx.post('http://127.0.0.1:8000/v1/completions', "
-                                    f"json=json.loads({json.dumps(json.dumps(body))}), timeout=60); "
-                                    "r.raise_for_status(); print(r.text)")
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "kvdir_pull": {"source_node": source, "source_epoch": holder["epoch"], "slots": holder["slots"]},
+    }
+    out = cluster.exec_python(
+        dest,
+        "import httpx, json, sys; r = httpx.post('http://127.0.0.1:8000/v1/completions', "
+        f"json=json.loads({json.dumps(json.dumps(body))}), timeout=60); "
+        "r.raise_for_status(); print(r.text)",
+    )
     kvdir = json.loads(out)["kvdir"]
     assert kvdir["node_id"] == dest
     assert kvdir["pulled_tokens"] == holder["matched_blocks"] * 16, kvdir
@@ -189,6 +204,7 @@ def test_a_replica_killed_and_restarted_loses_nothing_acknowledged(cluster: Comp
                     if [(h.node_id, h.matched_blocks) for h in res.holders] != [("worker1", len(batch))]:
                         return False
                 return True
+
         return asyncio.run(check())
 
     assert holds_all(survivor), f"an acknowledged write is missing after killing the leader {leader}"

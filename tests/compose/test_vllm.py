@@ -34,8 +34,25 @@ IMAGE = "kvdir-vllm-cpu"
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models")
     out.chmod(0o777)  # written by the image's unprivileged user
-    subprocess.run(["docker", "run", "--rm", "-v", f"{out}:/out", "-v", f"{ROOT}/tests/compose/make_tiny_model.py:/make.py:ro",
-                    "--entrypoint", "python", IMAGE, "/make.py", f"/out/{MODEL}"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "-v",
+            f"{out}:/out",
+            "-v",
+            f"{ROOT}/tests/compose/make_tiny_model.py:/make.py:ro",
+            "--entrypoint",
+            "python",
+            IMAGE,
+            "/make.py",
+            f"/out/{MODEL}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return out
 
 
@@ -43,15 +60,32 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_cluster(models: Path) -> Iterator[ComposeCluster]:
     if not (SECRETS / "vllm1.token").exists():
         pytest.fail("deploy/secrets/ has no vllm1.token: deploy/secrets/generate.sh worker1 worker2 worker3 worker4 vllm1")
-    with compose_up(VLLM, (*REPLICAS, "vllm1-events", "gateway"), KVDIR_VLLM_IMAGE=IMAGE, KVDIR_VLLM_MODEL=MODEL,
-                    KVDIR_MODELS_DIR=str(models), KVDIR_VLLM_BLOCK_SIZE=str(BLOCK),
-                    KVDIR_VLLM_ARGS="--enforce-eager --max-model-len 4096") as c:
+    with compose_up(
+        VLLM,
+        (*REPLICAS, "vllm1-events", "gateway"),
+        KVDIR_VLLM_IMAGE=IMAGE,
+        KVDIR_VLLM_MODEL=MODEL,
+        KVDIR_MODELS_DIR=str(models),
+        KVDIR_VLLM_BLOCK_SIZE=str(BLOCK),
+        KVDIR_VLLM_ARGS="--enforce-eager --max-model-len 4096",
+    ) as c:
         # vLLM loads for ~30 s after its container starts; its adapter registers it once /health answers.
-        wait_for(lambda: any(n["node_id"] == "vllm1" and n["alive"] for n in httpx.get(
-            c.replica_url("dir1") + "/v1/nodes", headers={"Authorization": f"Bearer {token('gateway')}"}, timeout=5).json()["nodes"]),
-            what="vllm1 registered by its adapter", timeout=240, interval=2)
-        wait_for(lambda: httpx.get(c.gateway_url + "/health", timeout=5).json()["engines"] >= 1,
-                 what="the gateway to know vllm1", timeout=30)
+        wait_for(
+            lambda: any(
+                n["node_id"] == "vllm1" and n["alive"]
+                for n in httpx.get(
+                    c.replica_url("dir1") + "/v1/nodes", headers={"Authorization": f"Bearer {token('gateway')}"}, timeout=5
+                ).json()["nodes"]
+            ),
+            what="vllm1 registered by its adapter",
+            timeout=240,
+            interval=2,
+        )
+        wait_for(
+            lambda: httpx.get(c.gateway_url + "/health", timeout=5).json()["engines"] >= 1,
+            what="the gateway to know vllm1",
+            timeout=30,
+        )
         yield c
 
 
@@ -65,8 +99,14 @@ def test_vllm_behind_the_gateway_shares_its_prefix_cache(vllm_cluster: ComposeCl
     assert prompt_tokens >= 4 * BLOCK
     # The engine's BlockStored events, through the adapter, into the directory: every full block of the prompt.
     node = vllm_cluster.replica_url("dir2") + "/v1/nodes/vllm1"
-    wait_for(lambda: httpx.get(node, headers={"Authorization": f"Bearer {token('gateway')}"}, timeout=5).json()["blocks"]
-             >= prompt_tokens // BLOCK, what="vllm1's blocks in the directory", timeout=30)
+    wait_for(
+        lambda: (
+            httpx.get(node, headers={"Authorization": f"Bearer {token('gateway')}"}, timeout=5).json()["blocks"]
+            >= prompt_tokens // BLOCK
+        ),
+        what="vllm1's blocks in the directory",
+        timeout=30,
+    )
     second = client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "and cites the aisle", max_tokens=4)
     assert second.headers["x-kvdir-node"] == "vllm1"
     assert second.headers["x-kvdir-decision"] == "affinity"

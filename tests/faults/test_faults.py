@@ -57,8 +57,9 @@ def test_power_loss_without_fsync_is_caught_by_the_checker(tmp_path: Path) -> No
     must say so. With `--fsync` (the default) the disk holds everything acknowledged, so this crash
     is the `restart_all` of the test above, which loses nothing.
     """
-    report = run(Plan(replicas=3, faults=["power_loss"], steady_s=2.0, data_dir=tmp_path, use_netns=False,
-                      replica_args=("--no-fsync",)))
+    report = run(
+        Plan(replicas=3, faults=["power_loss"], steady_s=2.0, data_dir=tmp_path, use_netns=False, replica_args=("--no-fsync",))
+    )
     print(format_report(report))
     # Nodes that kept their epoch lost the publishes of the last seconds; nodes that registered in
     # those seconds get their epoch handed out again to a new incarnation. Either is a violation.

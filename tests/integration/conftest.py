@@ -19,14 +19,27 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     """Start clusters of n replicas; every one is stopped at teardown, pass or fail."""
     started: list[Cluster] = []
 
-    def make(n: int = 3, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = (), token: str | None = None,
-             raft_password: bool = True) -> Cluster:
+    def make(
+        n: int = 3,
+        lease_ttl_s: float = 10.0,
+        extra_args: tuple[str, ...] = (),
+        token: str | None = None,
+        raft_password: bool = True,
+    ) -> Cluster:
         """A Raft password as `kvdir up` gives (a fresh file), unless `raft_password` is False."""
         ports = free_ports(2 * n)
         data_dir = tmp_path / f"cluster{len(started)}"
         data_dir.mkdir()
-        cluster = Cluster(data_dir, ports[:n], ports[n:], lease_ttl_s=lease_ttl_s, log_level="info", extra_args=extra_args,
-                          token=token, raft_password_file=write_raft_password(data_dir / "secrets") if raft_password else None)
+        cluster = Cluster(
+            data_dir,
+            ports[:n],
+            ports[n:],
+            lease_ttl_s=lease_ttl_s,
+            log_level="info",
+            extra_args=extra_args,
+            token=token,
+            raft_password_file=write_raft_password(data_dir / "secrets") if raft_password else None,
+        )
         started.append(cluster)
         cluster.start()
         cluster.wait_ready(60)
@@ -90,8 +103,13 @@ def make_workers(tmp_path: Path) -> Iterator[Callable[..., Workers]]:
     def make(cluster: Cluster, n: int = 2, extra_args: tuple[str, ...] = ()) -> Workers:
         data_dir = tmp_path / f"workers{len(started)}"
         data_dir.mkdir()
-        workers = Workers(data_dir, free_ports(n), cluster.replica_urls, log_level="info",
-                          extra_args=("--time-scale", "0.05", "--heartbeat-interval-s", "0.3", *extra_args))
+        workers = Workers(
+            data_dir,
+            free_ports(n),
+            cluster.replica_urls,
+            log_level="info",
+            extra_args=("--time-scale", "0.05", "--heartbeat-interval-s", "0.3", *extra_args),
+        )
         started.append(workers)
         workers.start()
         workers.wait_ready(60)
@@ -110,7 +128,9 @@ def make_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     def make(cluster: Cluster, engines: int, extra_args: tuple[str, ...] = ()) -> Gateway:
         data_dir = tmp_path / f"gateway{len(started)}"
         data_dir.mkdir()
-        g = Gateway(data_dir, free_ports(1)[0], cluster.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1", *extra_args))
+        g = Gateway(
+            data_dir, free_ports(1)[0], cluster.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1", *extra_args)
+        )
         started.append(g)
         g.wait_ready(60, engines=engines)
         return g

@@ -21,8 +21,10 @@ def _register(url: str, node_id: str, incarnation: str | None = None, **extra) -
 
 
 def _publish(url: str, node_id: str, epoch: int, hashes: list[int]) -> httpx.Response:
-    return httpx.post(url + "/v1/blocks", json={"node_id": node_id, "epoch": epoch,
-                                                "blocks": [{"hash": h, "slot": i} for i, h in enumerate(hashes)]})
+    return httpx.post(
+        url + "/v1/blocks",
+        json={"node_id": node_id, "epoch": epoch, "blocks": [{"hash": h, "slot": i} for i, h in enumerate(hashes)]},
+    )
 
 
 def test_epochs_fence_restarted_nodes(make_cluster) -> None:
@@ -74,6 +76,7 @@ def test_lease_expiry_drops_silent_nodes_only(make_cluster) -> None:
     t = threading.Thread(target=beat)
     t.start()
     try:
+
         def nodes() -> set[str]:
             return {n["node_id"] for n in httpx.get(c.replica_urls[2] + "/v1/nodes").json()["nodes"]}
 
@@ -105,7 +108,12 @@ BAD_REQUESTS = [
     ("POST", "/v1/blocks", [1, 2, 3], 422),
     ("POST", "/v1/nodes", {"node_id": "bad id with spaces", "api_url": "x"}, 422),
     ("POST", "/v1/nodes", {"node_id": "n2"}, 422),
-    ("POST", "/v1/nodes", {"node_id": "n2", "api_url": "x", "regions": [{"rank": 0, "base_addr": -1, "length": 1, "block_bytes": 1}]}, 422),
+    (
+        "POST",
+        "/v1/nodes",
+        {"node_id": "n2", "api_url": "x", "regions": [{"rank": 0, "base_addr": -1, "length": 1, "block_bytes": 1}]},
+        422,
+    ),
     ("POST", "/v1/nodes/ghost/heartbeat", {"epoch": 1}, 409),
     ("POST", "/v1/nodes/ghost/heartbeat", {"epoch": 0}, 422),
     ("DELETE", "/v1/nodes/ghost", None, 404),
@@ -127,9 +135,22 @@ def small_limits_cluster(tmp_path_factory):
     from kvdir.launcher import Cluster, free_ports
 
     ports = free_ports(2)
-    c = Cluster(tmp_path_factory.mktemp("limits"), ports[:1], ports[1:], log_level="info",
-                extra_args=["--max-blocks-per-publish", "100", "--max-hashes-per-lookup", "200",
-                            "--max-body-bytes", "65536", "--max-nodes", "3"])
+    c = Cluster(
+        tmp_path_factory.mktemp("limits"),
+        ports[:1],
+        ports[1:],
+        log_level="info",
+        extra_args=[
+            "--max-blocks-per-publish",
+            "100",
+            "--max-hashes-per-lookup",
+            "200",
+            "--max-body-bytes",
+            "65536",
+            "--max-nodes",
+            "3",
+        ],
+    )
     try:
         c.start()
         c.wait_ready(60)
@@ -174,9 +195,16 @@ def test_observability_endpoints(small_limits_cluster) -> None:
     assert httpx.get(url + "/readyz").status_code == 200
     httpx.post(url + "/v1/lookup", json={"hashes": [1, 2]})
     text = httpx.get(url + "/metrics").text
-    for name in ("kvdir_directory_entries", "kvdir_directory_nodes", "kvdir_directory_commits_total",
-                 "kvdir_directory_lookups_total", "kvdir_directory_lookup_seconds_bucket", "kvdir_directory_raft_term",
-                 "kvdir_directory_raft_role 2.0", "kvdir_directory_commit_seconds_bucket"):
+    for name in (
+        "kvdir_directory_entries",
+        "kvdir_directory_nodes",
+        "kvdir_directory_commits_total",
+        "kvdir_directory_lookups_total",
+        "kvdir_directory_lookup_seconds_bucket",
+        "kvdir_directory_raft_term",
+        "kvdir_directory_raft_role 2.0",
+        "kvdir_directory_commit_seconds_bucket",
+    ):
         assert name in text, name
     info = httpx.get(url + "/v1/cluster").json()
     assert info["role"] == "leader" and info["leader_url"] == url and info["term"] >= 1 and info["commit_index"] >= 1

@@ -54,13 +54,26 @@ def test_requests_without_a_known_token_are_401_and_health_is_open(secured) -> N
     c, _ = secured
     for url in c.replica_urls:
         http = httpx.Client(timeout=5)
-        for method, path, body in [("GET", "/v1/nodes", None), ("GET", "/v1/nodes/x", None), ("GET", "/v1/cluster", None),
-                                   ("GET", "/v1/digest", None), ("POST", "/v1/lookup", {"hashes": [1]}),
-                                   ("POST", "/v1/nodes", {"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}),
-                                   ("DELETE", "/v1/nodes/worker-1", None), ("GET", "/openapi.json", None),
-                                   ("GET", "/v1/no-such-route", None)]:
-            for headers in ({}, bearer("not-a-token"), bearer(ADMIN + "x"), bearer(ADMIN[:-1]), {"Authorization": ADMIN},
-                            {"Authorization": f"Basic {ADMIN}"}, {"Authorization": "Bearer"}):
+        for method, path, body in [
+            ("GET", "/v1/nodes", None),
+            ("GET", "/v1/nodes/x", None),
+            ("GET", "/v1/cluster", None),
+            ("GET", "/v1/digest", None),
+            ("POST", "/v1/lookup", {"hashes": [1]}),
+            ("POST", "/v1/nodes", {"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}),
+            ("DELETE", "/v1/nodes/worker-1", None),
+            ("GET", "/openapi.json", None),
+            ("GET", "/v1/no-such-route", None),
+        ]:
+            for headers in (
+                {},
+                bearer("not-a-token"),
+                bearer(ADMIN + "x"),
+                bearer(ADMIN[:-1]),
+                {"Authorization": ADMIN},
+                {"Authorization": f"Basic {ADMIN}"},
+                {"Authorization": "Bearer"},
+            ):
                 r = http.request(method, url + path, json=body, headers=headers)
                 _err(r, 401, "unauthorized")
                 assert r.headers["www-authenticate"].startswith("Bearer")
@@ -89,19 +102,49 @@ def test_roles_and_node_patterns(secured) -> None:
         r = httpx.post(url + "/v1/nodes", json={"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}, headers=engine)
         assert r.status_code == 200, r.text
         epoch = r.json()["epoch"]
-        assert httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=engine).status_code == 200
-        assert httpx.post(url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch, "load": {"running": 1}}, headers=engine).status_code == 200
-        assert httpx.post(url + "/v1/blocks/remove", json={"node_id": "worker-1", "epoch": epoch, "hashes": hashes[-1:]},
-                          headers=engine).status_code == 200
+        assert (
+            httpx.post(
+                url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=engine
+            ).status_code
+            == 200
+        )
+        assert (
+            httpx.post(
+                url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch, "load": {"running": 1}}, headers=engine
+            ).status_code
+            == 200
+        )
+        assert (
+            httpx.post(
+                url + "/v1/blocks/remove", json={"node_id": "worker-1", "epoch": epoch, "hashes": hashes[-1:]}, headers=engine
+            ).status_code
+            == 200
+        )
         assert httpx.post(url + "/v1/lookup", json={"hashes": hashes}, headers=engine).status_code == 200  # engines may read
         # ... but nothing for other-1, nor for ids that only look alike.
         for node_id in ("other-1", "worker", "xworker-1", "Worker-1"):
-            _err(httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=engine), 403, "forbidden")
-        _err(httpx.post(url + "/v1/blocks", json={"node_id": "other-1", "epoch": other_epoch, "blocks": blocks}, headers=engine),
-             403, "forbidden")
-        _err(httpx.post(url + "/v1/blocks/remove", json={"node_id": "other-1", "epoch": other_epoch, "hashes": hashes}, headers=engine),
-             403, "forbidden")
-        _err(httpx.post(url + "/v1/blocks/clear", json={"node_id": "other-1", "epoch": other_epoch}, headers=engine), 403, "forbidden")
+            _err(
+                httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=engine),
+                403,
+                "forbidden",
+            )
+        _err(
+            httpx.post(url + "/v1/blocks", json={"node_id": "other-1", "epoch": other_epoch, "blocks": blocks}, headers=engine),
+            403,
+            "forbidden",
+        )
+        _err(
+            httpx.post(
+                url + "/v1/blocks/remove", json={"node_id": "other-1", "epoch": other_epoch, "hashes": hashes}, headers=engine
+            ),
+            403,
+            "forbidden",
+        )
+        _err(
+            httpx.post(url + "/v1/blocks/clear", json={"node_id": "other-1", "epoch": other_epoch}, headers=engine),
+            403,
+            "forbidden",
+        )
         _err(httpx.post(url + "/v1/nodes/other-1/heartbeat", json={"epoch": other_epoch}, headers=engine), 403, "forbidden")
         _err(httpx.delete(url + "/v1/nodes/other-1", headers=engine), 403, "forbidden")
         # The gateway token reads (lookups, nodes, cluster) and writes nothing.
@@ -110,9 +153,16 @@ def test_roles_and_node_patterns(secured) -> None:
         assert {n["node_id"] for n in httpx.get(url + "/v1/nodes", headers=gateway).json()["nodes"]} == {"worker-1", "other-1"}
         assert httpx.get(url + "/v1/nodes/worker-1", headers=gateway).status_code == 200
         assert httpx.get(url + "/v1/cluster", headers=gateway).json()["leader_url"] in c.replica_urls
-        _err(httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=gateway),
-             403, "forbidden")
-        _err(httpx.post(url + "/v1/nodes", json={"node_id": "worker-9", "api_url": "http://127.0.0.1:9"}, headers=gateway), 403, "forbidden")
+        _err(
+            httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=gateway),
+            403,
+            "forbidden",
+        )
+        _err(
+            httpx.post(url + "/v1/nodes", json={"node_id": "worker-9", "api_url": "http://127.0.0.1:9"}, headers=gateway),
+            403,
+            "forbidden",
+        )
         _err(httpx.post(url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch}, headers=gateway), 403, "forbidden")
         _err(httpx.delete(url + "/v1/nodes/worker-1", headers=gateway), 403, "forbidden")
         # The engine deregisters its own node.
@@ -163,7 +213,9 @@ def test_worker_and_gateway_send_tokens_from_files(secured, make_workers, make_g
     for url in c.replica_urls:  # the worker published with its engine token
         wait_for(lambda: holders(url) == {"worker-1": n_blocks}, what=f"worker-1's blocks on {url}")
     node = httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()
-    wait_for(lambda: httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()["load"], what="a heartbeat")
+    wait_for(
+        lambda: httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()["load"], what="a heartbeat"
+    )
     assert node["api_url"] == w.urls[0]
     # The gateway looked the prompt up with its token: an affinity decision, not a fallback.
     r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)

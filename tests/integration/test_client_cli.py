@@ -46,9 +46,24 @@ PORTS = (0, 1, 2, 3, 101, 102, 103, 11, 12)  # offsets of the gateway's, the rep
 def test_kvdir_up_demo_and_exit(tmp_path) -> None:
     base = free_base_port(PORTS)
     out = subprocess.run(
-        [sys.executable, "-m", "kvdir", "up", "--demo-and-exit", "--base-port", str(base), "--data-dir", str(tmp_path),
-         "--workers", "2", "--worker-time-scale", "0.1"],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "kvdir",
+            "up",
+            "--demo-and-exit",
+            "--base-port",
+            str(base),
+            "--data-dir",
+            str(tmp_path),
+            "--workers",
+            "2",
+            "--worker-time-scale",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -65,14 +80,18 @@ def test_kvdir_up_demo_and_exit(tmp_path) -> None:
     assert all((tmp_path / f"replica{i}" / "raft.journal").exists() for i in (1, 2, 3))
 
 
-@pytest.mark.parametrize("args,env,message", [
-    (["directory", "--http", "nonsense"], {}, "--http"),
-    (["directory", "--lease-ttl-s", "0"], {}, "--lease-ttl-s"),
-    (["directory"], {"KVDIR_PEERS": "a:b"}, "--peers"),
-    (["up", "--replicas", "0"], {}, "--replicas"),
-])
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["directory", "--http", "nonsense"], {}, "--http"),
+        (["directory", "--lease-ttl-s", "0"], {}, "--lease-ttl-s"),
+        (["directory"], {"KVDIR_PEERS": "a:b"}, "--peers"),
+        (["up", "--replicas", "0"], {}, "--replicas"),
+    ],
+)
 def test_bad_settings_exit_2_with_a_message(args, env, message) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvdir", *args], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdir", *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
     assert out.returncode == 2
     assert message in out.stderr

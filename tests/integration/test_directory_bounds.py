@@ -80,8 +80,14 @@ def replica(tmp_path_factory) -> str:
     from kvdir.launcher import free_ports
 
     ports = free_ports(2)
-    c = Cluster(tmp_path_factory.mktemp("bounds"), ports[:1], ports[1:], lease_ttl_s=300, log_level="info",
-                extra_args=["--max-regions-per-node", "8", "--max-tokens-per-lookup", "1000"])
+    c = Cluster(
+        tmp_path_factory.mktemp("bounds"),
+        ports[:1],
+        ports[1:],
+        lease_ttl_s=300,
+        log_level="info",
+        extra_args=["--max-regions-per-node", "8", "--max-tokens-per-lookup", "1000"],
+    )
     try:
         c.start()
         c.wait_ready(60)
@@ -92,10 +98,24 @@ def replica(tmp_path_factory) -> str:
 
 BAD_API_URLS = [
     "http://127.0.0.1:47900/internal/admin/action?x=",  # the hijack of issue #12
-    "http://127.0.0.1:9/v1", "http://127.0.0.1:9//", "http://127.0.0.1:9?x=1", "http://127.0.0.1:9#f",
-    "http://user:pw@127.0.0.1:9", "http://evil@127.0.0.1", "ftp://127.0.0.1", "127.0.0.1:9", "x", "http://",
-    "http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:", "http://127.0.0.1:9 ", "http://a b",
-    "http://127.0.0.1:9\n", "javascript://x", "http://" + "a" * 300,
+    "http://127.0.0.1:9/v1",
+    "http://127.0.0.1:9//",
+    "http://127.0.0.1:9?x=1",
+    "http://127.0.0.1:9#f",
+    "http://user:pw@127.0.0.1:9",
+    "http://evil@127.0.0.1",
+    "ftp://127.0.0.1",
+    "127.0.0.1:9",
+    "x",
+    "http://",
+    "http://127.0.0.1:99999",
+    "http://127.0.0.1:0",
+    "http://127.0.0.1:",
+    "http://127.0.0.1:9 ",
+    "http://a b",
+    "http://127.0.0.1:9\n",
+    "javascript://x",
+    "http://" + "a" * 300,
 ]
 
 
@@ -106,46 +126,76 @@ def test_api_url_is_an_origin_only(replica: str, api_url: str) -> None:
     assert r.json()["error"] == "invalid_request" and "api_url" in r.json()["detail"], r.text[:300]
 
 
-@pytest.mark.parametrize("api_url,stored", [
-    ("http://127.0.0.1:9", "http://127.0.0.1:9"), ("http://127.0.0.1:9/", "http://127.0.0.1:9"),
-    ("https://engine-3.internal", "https://engine-3.internal"), ("HTTP://[::1]:8000/", "http://[::1]:8000"),
-])
+@pytest.mark.parametrize(
+    "api_url,stored",
+    [
+        ("http://127.0.0.1:9", "http://127.0.0.1:9"),
+        ("http://127.0.0.1:9/", "http://127.0.0.1:9"),
+        ("https://engine-3.internal", "https://engine-3.internal"),
+        ("HTTP://[::1]:8000/", "http://[::1]:8000"),
+    ],
+)
 def test_plain_origins_are_accepted_and_normalised(replica: str, api_url: str, stored: str) -> None:
     _register(replica, "origin", api_url=api_url)
     assert httpx.get(replica + "/v1/nodes/origin", timeout=10).json()["api_url"] == stored
 
 
-@pytest.mark.parametrize("path,body,status,error", [
-    ("/v1/nodes", {"node_id": "r", "api_url": "http://x",
-                   "regions": [{"rank": i, "base_addr": 0, "length": 1, "block_bytes": 1} for i in range(9)]}, 422, "too_many"),
-    ("/v1/nodes", {"node_id": "r", "api_url": "http://x",
-                   "regions": [{"rank": 0, "base_addr": 0, "length": 1, "block_bytes": 1, "rkey": "k" * 257}]},
-     422, "invalid_request"),
-    ("/v1/nodes", {"node_id": "r", "api_url": "http://x",
-                   "regions": [{"rank": 0, "base_addr": 2**64, "length": 1, "block_bytes": 1}]}, 422, "invalid_request"),
-    ("/v1/nodes", {"node_id": "n" * 129, "api_url": "http://x"}, 422, "invalid_request"),
-    ("/v1/nodes", {"node_id": "n1\n", "api_url": "http://x"}, 422, "invalid_request"),
-    ("/v1/nodes", {"node_id": "r", "api_url": "http://x", "incarnation": "i" * 129}, 422, "invalid_request"),
-    ("/v1/nodes", {"node_id": "r", "api_url": "http://x", "transfer_url": "t" * 2049}, 422, "invalid_request"),
-    ("/v1/nodes/r/heartbeat", {"epoch": 1, "load": {f"l{i}": 1.0 for i in range(65)}}, 422, "too_many"),
-    ("/v1/lookup", {"tokens": [1] * 1001, "block_size": 1000}, 422, "too_many"),
-    ("/v1/lookup", {"hashes": [2**64]}, 422, "invalid_request"),
-    ("/v1/lookup", {"hashes": [1], "tenant": "t\n"}, 422, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,error",
+    [
+        (
+            "/v1/nodes",
+            {
+                "node_id": "r",
+                "api_url": "http://x",
+                "regions": [{"rank": i, "base_addr": 0, "length": 1, "block_bytes": 1} for i in range(9)],
+            },
+            422,
+            "too_many",
+        ),
+        (
+            "/v1/nodes",
+            {
+                "node_id": "r",
+                "api_url": "http://x",
+                "regions": [{"rank": 0, "base_addr": 0, "length": 1, "block_bytes": 1, "rkey": "k" * 257}],
+            },
+            422,
+            "invalid_request",
+        ),
+        (
+            "/v1/nodes",
+            {"node_id": "r", "api_url": "http://x", "regions": [{"rank": 0, "base_addr": 2**64, "length": 1, "block_bytes": 1}]},
+            422,
+            "invalid_request",
+        ),
+        ("/v1/nodes", {"node_id": "n" * 129, "api_url": "http://x"}, 422, "invalid_request"),
+        ("/v1/nodes", {"node_id": "n1\n", "api_url": "http://x"}, 422, "invalid_request"),
+        ("/v1/nodes", {"node_id": "r", "api_url": "http://x", "incarnation": "i" * 129}, 422, "invalid_request"),
+        ("/v1/nodes", {"node_id": "r", "api_url": "http://x", "transfer_url": "t" * 2049}, 422, "invalid_request"),
+        ("/v1/nodes/r/heartbeat", {"epoch": 1, "load": {f"l{i}": 1.0 for i in range(65)}}, 422, "too_many"),
+        ("/v1/lookup", {"tokens": [1] * 1001, "block_size": 1000}, 422, "too_many"),
+        ("/v1/lookup", {"hashes": [2**64]}, 422, "invalid_request"),
+        ("/v1/lookup", {"hashes": [1], "tenant": "t\n"}, 422, "invalid_request"),
+    ],
+)
 def test_field_and_count_limits(replica: str, path: str, body: dict, status: int, error: str) -> None:
     r = httpx.post(replica + path, json=body, timeout=10)
     assert r.status_code == status and r.json()["error"] == error, r.text[:300]
     assert r.json()["detail"]
 
 
-@pytest.mark.parametrize("path,body,status", [
-    ("/v1/lookup", b'{"hashes": [1' + b"0" * 5000 + b"]}", 422),  # a valid JSON number, out of the u64 range
-    ("/v1/nodes/r/heartbeat", b'{"epoch": 1, "load": {"running": 1e999}}', 422),  # decodes to infinity
-    ("/v1/nodes/r/heartbeat", b'{"epoch": 1, "load": {"running": NaN}}', 400),  # not JSON
-    ("/v1/blocks", b'[1, 2, 3]', 422),
-    ("/v1/blocks", b'[1, 2', 400),
-    ("/v1/blocks/clear", b"", 400),
-])
+@pytest.mark.parametrize(
+    "path,body,status",
+    [
+        ("/v1/lookup", b'{"hashes": [1' + b"0" * 5000 + b"]}", 422),  # a valid JSON number, out of the u64 range
+        ("/v1/nodes/r/heartbeat", b'{"epoch": 1, "load": {"running": 1e999}}', 422),  # decodes to infinity
+        ("/v1/nodes/r/heartbeat", b'{"epoch": 1, "load": {"running": NaN}}', 400),  # not JSON
+        ("/v1/blocks", b"[1, 2, 3]", 422),
+        ("/v1/blocks", b"[1, 2", 400),
+        ("/v1/blocks/clear", b"", 400),
+    ],
+)
 def test_raw_bodies(replica: str, path: str, body: bytes, status: int) -> None:
     r = httpx.post(replica + path, content=body, headers=JSON, timeout=10)
     assert r.status_code == status, r.text[:300]
@@ -183,10 +233,20 @@ def test_reregistrations_keep_memory_and_disk_bounded(make_cluster) -> None:
     before = [(_rss_mib(p.pid), _disk_mib(c.data_dir / f"replica{i + 1}")) for i, p in enumerate(c.procs) if p is not None]
     with httpx.Client(timeout=30) as http:
         for k in range(1000):
-            regions = [{"rank": r, "base_addr": r << 32, "length": 1 << 30, "block_bytes": 16384,
-                        "rkey": f"{k:04d}-{r:03d}-" + "k" * 247} for r in range(256)]
-            r = http.post(url + "/v1/nodes", json={"node_id": "churn", "api_url": "http://127.0.0.1:9", "regions": regions,
-                                                   "incarnation": f"start-{k}"})
+            regions = [
+                {
+                    "rank": r,
+                    "base_addr": r << 32,
+                    "length": 1 << 30,
+                    "block_bytes": 16384,
+                    "rkey": f"{k:04d}-{r:03d}-" + "k" * 247,
+                }
+                for r in range(256)
+            ]
+            r = http.post(
+                url + "/v1/nodes",
+                json={"node_id": "churn", "api_url": "http://127.0.0.1:9", "regions": regions, "incarnation": f"start-{k}"},
+            )
             assert r.status_code == 200, r.text[:300]
     nodes = httpx.get(url + "/v1/nodes", timeout=10).json()["nodes"]
     assert [n["node_id"] for n in nodes] == ["churn"] and nodes[0]["regions"][0]["rkey"].startswith("0999-")

@@ -1,6 +1,6 @@
 """The KV-events subscriber against a real 3-replica directory, a real ZMQ publisher and a fake engine's /health.
 
-The subscriber runs in its own process (`directory.events_subscriber.serve`), so
+The subscriber runs in its own process (`engines.subscriber.serve`), so
 the test only talks to it over sockets: it plays the engine (an XPUB socket
 that connects to the subscriber's bound SUB, as vLLM's PUB does, plus a tiny
 HTTP server for /health and, in one test, a ROUTER replay socket) and reads
@@ -48,7 +48,7 @@ class FakeEngine:
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 code = 200 if self.path == "/health" and engine.healthy else 503
                 self.send_response(code)
                 self.send_header("Content-Length", "0")
@@ -125,8 +125,16 @@ class FakeEngine:
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 def removed(hashes: list[int]) -> dict[str, Any]:
@@ -156,17 +164,35 @@ class Subscriber:
     def __init__(self, cluster: Cluster, engine: FakeEngine, log_path: Path, node_id: str, replay: bool) -> None:
         self.node_id = node_id
         self.metrics_url = f"http://127.0.0.1:{free_ports(1)[0]}/metrics"
-        env = {**os.environ, "KVDIR_ENGINE_URL": engine.url, "KVDIR_ZMQ": engine.zmq_endpoint, "KVDIR_BIND": "true",
-               "KVDIR_TOPIC": "kv", "KVDIR_BLOCK_SIZE": str(BS), "KVDIR_NODE_ID": node_id,
-               "KVDIR_DIRECTORY": ",".join(cluster.replica_urls), "KVDIR_METRICS": self.metrics_url.split("/")[2],
-               "KVDIR_HEARTBEAT_INTERVAL_S": "0.25", "KVDIR_REPLAY_TIMEOUT_S": "2", "KVDIR_LOG_LEVEL": "debug"}
+        env = {
+            **os.environ,
+            "KVDIR_ENGINE_URL": engine.url,
+            "KVDIR_ZMQ": engine.zmq_endpoint,
+            "KVDIR_BIND": "true",
+            "KVDIR_TOPIC": "kv",
+            "KVDIR_BLOCK_SIZE": str(BS),
+            "KVDIR_NODE_ID": node_id,
+            "KVDIR_DIRECTORY": ",".join(cluster.replica_urls),
+            "KVDIR_METRICS": self.metrics_url.split("/")[2],
+            "KVDIR_HEARTBEAT_INTERVAL_S": "0.25",
+            "KVDIR_REPLAY_TIMEOUT_S": "2",
+            "KVDIR_LOG_LEVEL": "debug",
+        }
         if replay:
             env["KVDIR_REPLAY"] = engine.replay_endpoint
         self.log_path = log_path
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from directory.events_subscriber import EventsSettings, serve; serve(EventsSettings())"],
-                cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-c",
+                    "from engines.config import EventsSettings; from engines.subscriber import serve; serve(EventsSettings())",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
 
     def metric(self, name: str) -> float:
@@ -242,7 +268,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def setup(cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., tuple[Directory, FakeEngine, Subscriber]]]:
+def setup(
+    cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., tuple[Directory, FakeEngine, Subscriber]]]:
     """A fake engine and its subscriber, registered as a node of its own; all stopped at teardown, pass or fail."""
     started: list[Any] = []
 
@@ -272,7 +300,9 @@ def setup(cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest) -> I
             thing.http.close()
 
 
-def expect(d: Directory, sub: Subscriber, total: int, prompts: list[tuple[list[int], int]], what: str, timeout: float = 10) -> None:
+def expect(
+    d: Directory, sub: Subscriber, total: int, prompts: list[tuple[list[int], int]], what: str, timeout: float = 10
+) -> None:
     try:
         wait_for(lambda: d.holds_exactly(sub.node_id, total, prompts), timeout, what=what)
     except AssertionError:
@@ -285,8 +315,10 @@ def expect(d: Directory, sub: Subscriber, total: int, prompts: list[tuple[list[i
 
 def test_captured_vllm_frames_replayed(setup: Callable[..., Any]) -> None:
     d, engine, sub = setup()
-    msgs = [[(CAPTURES / f.name.replace("frame0", f"frame{i}")).read_bytes() for i in range(3)]
-            for f in sorted(CAPTURES.glob("msg*_frame0.bin"))]
+    msgs = [
+        [(CAPTURES / f.name.replace("frame0", f"frame{i}")).read_bytes() for i in range(3)]
+        for f in sorted(CAPTURES.glob("msg*_frame0.bin"))
+    ]
     decoded = [msgspec.msgpack.decode(m[2]) for m in msgs]
     assert [int.from_bytes(m[1], "big") for m in msgs] == list(range(10, 21))
 
@@ -301,8 +333,13 @@ def test_captured_vllm_frames_replayed(setup: Callable[..., Any]) -> None:
     for m in msgs[4:10]:  # seq 14-19: six long prompts, evicting the first ones
         engine.send_frames(m)
     longs = [tokens(s) for s in range(14, 20)]
-    expect(d, sub, 62, [(prompt_a, 0), (prompt_b, 0), (tokens(13), 0), (longs[0], 0), (longs[1], 6),
-                        *[(t, 14) for t in longs[2:]]], "the state after seq 19")
+    expect(
+        d,
+        sub,
+        62,
+        [(prompt_a, 0), (prompt_b, 0), (tokens(13), 0), (longs[0], 0), (longs[1], 6), *[(t, 14) for t in longs[2:]]],
+        "the state after seq 19",
+    )
 
     engine.send_frames(msgs[10])  # seq 20: AllBlocksCleared
     expect(d, sub, 0, [(t, 0) for t in longs], "an empty node after AllBlocksCleared")
@@ -379,8 +416,9 @@ def test_unknown_removals_unknown_events_and_garbage_are_harmless(setup: Callabl
     engine.send_frames([b"kv", b"\x00" * 8])  # wrong frame count
     engine.send_frames([b"kv", (1).to_bytes(8, "big"), b"\xc1\xc1"])  # not msgpack
     engine.send_frames([b"kv", b"\x01", msgspec.msgpack.encode([0.0, [], 0])])  # short seq
-    engine.send(1, [removed([rng.getrandbits(64)]), {"type": "BlockUpdated", "block_hashes": [1]},
-                    ["SomethingElse", 1, 2], y.store()])
+    engine.send(
+        1, [removed([rng.getrandbits(64)]), {"type": "BlockUpdated", "block_hashes": [1]}, ["SomethingElse", 1, 2], y.store()]
+    )
     expect(d, sub, 5, [(x.tokens, 3), (y.tokens, 2)], "x untouched, y stored")
     assert sub.metric("kvdir_events_garbage_frames_total") == 3
     assert sub.metric("kvdir_events_unknown_events_total") == 2

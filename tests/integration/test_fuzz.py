@@ -33,14 +33,26 @@ def schemathesis(location: str, workdir: Path, *args: str, timeout: float = 240)
     workdir.mkdir(parents=True, exist_ok=True)
     report = workdir / "schemathesis.json"
     cmd = [
-        sys.executable, "-m", "schemathesis.cli", "run", location,
-        "--checks", "not_a_server_error",
-        "--request-timeout", str(REQUEST_TIMEOUT_S),
-        "--workers", "1",  # its multi-worker mode occasionally fails inside its own generator (FlakyFailure, KeyError)
-        "--seed", str(SEED),
-        "--generation-database", "none",
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        location,
+        "--checks",
+        "not_a_server_error",
+        "--request-timeout",
+        str(REQUEST_TIMEOUT_S),
+        "--workers",
+        "1",  # its multi-worker mode occasionally fails inside its own generator (FlakyFailure, KeyError)
+        "--seed",
+        str(SEED),
+        "--generation-database",
+        "none",
         "--no-color",
-        "--report", "json", "--report-json-path", str(report),
+        "--report",
+        "json",
+        "--report-json-path",
+        str(report),
         *args,
     ]
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -61,7 +73,7 @@ def assert_clean(data: dict[str, Any], output: str, min_cases: int) -> int:
 
 def no_tracebacks(log: Path) -> None:
     text = log.read_text(errors="replace")
-    assert "Traceback" not in text, f"{log.name} logged an exception:\n{text[text.index('Traceback') - 2000:][:6000]}"
+    assert "Traceback" not in text, f"{log.name} logged an exception:\n{text[text.index('Traceback') - 2000 :][:6000]}"
 
 
 def test_directory_schema_fuzz(make_cluster, tmp_path: Path) -> None:
@@ -70,7 +82,9 @@ def test_directory_schema_fuzz(make_cluster, tmp_path: Path) -> None:
     t0 = time.monotonic()
     data, output = schemathesis(url + "/openapi.json", tmp_path / "st-directory", "--max-examples", str(int(40 * SCALE)))
     n = assert_clean(data, output, min_cases=int(700 * SCALE))
-    print(f"\nfuzz: directory {n} cases in {time.monotonic() - t0:.1f}s (schemathesis {data['schemathesis_version']}, seed {SEED})")
+    print(
+        f"\nfuzz: directory {n} cases in {time.monotonic() - t0:.1f}s (schemathesis {data['schemathesis_version']}, seed {SEED})"
+    )
     # Still serving, and consistent, after whatever the fuzzer registered, published and deleted.
     assert httpx.get(url + "/readyz", timeout=5).status_code == 200
     assert httpx.get(url + "/v1/nodes", timeout=5).status_code == 200
@@ -98,7 +112,9 @@ def test_gateway_schema_fuzz(make_cluster, make_workers, make_gateway, tmp_path:
     data, output = schemathesis(str(spec), tmp_path / "st-gateway", "--url", g.url, "--max-examples", str(int(100 * SCALE)))
     n = assert_clean(data, output, min_cases=int(300 * SCALE))
     print(f"\nfuzz: gateway {n} cases in {time.monotonic() - t0:.1f}s (schemathesis {data['schemathesis_version']}, seed {SEED})")
-    ok = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "still routing? " * 8, "max_tokens": 2}, timeout=30)
+    ok = httpx.post(
+        g.url + "/v1/completions", json={"model": MODEL, "prompt": "still routing? " * 8, "max_tokens": 2}, timeout=30
+    )
     assert ok.status_code == 200 and ok.headers["x-kvdir-node"] in w.node_ids, ok.text
     no_tracebacks(g.data_dir / "gateway.log")
     for node_id in w.node_ids:

@@ -18,7 +18,9 @@ SYSTEM = "You are the assistant of a very long shared system prompt about KV cac
 
 
 def _chat(url: str, messages: list[dict], **extra) -> httpx.Response:
-    r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4, **extra}, timeout=60)
+    r = httpx.post(
+        url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4, **extra}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -31,12 +33,19 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
     first = _chat(g.url, messages)
     node = first.headers["x-kvdir-node"]
     assert first.headers["x-kvdir-decision"] == "balance"
-    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "second question"}]
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "second question"},
+    ]
     # Publishing is asynchronous: wait until the directory lists turn 1's blocks, as a user's think time would.
     n_blocks = first.json()["usage"]["prompt_tokens"] // 16
-    wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(
-        ("<|system|>\n" + SYSTEM + "\n<|user|>\nfirst question\n<|assistant|>\n").encode())}).json()["holders"], what="turn 1 published")
+    wait_for(
+        lambda: httpx.post(
+            c.replica_urls[0] + "/v1/lookup",
+            json={"tokens": list(("<|system|>\n" + SYSTEM + "\n<|user|>\nfirst question\n<|assistant|>\n").encode())},
+        ).json()["holders"],
+        what="turn 1 published",
+    )
     second = _chat(g.url, messages)
     assert second.headers["x-kvdir-node"] == node
     assert second.headers["x-kvdir-decision"] == "affinity"
@@ -58,14 +67,19 @@ def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_work
     prompt = SYSTEM * 3
     first = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60)
     holder = first.headers["x-kvdir-node"]
-    wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(prompt.encode())}).json()["holders"],
-             what="the prompt published")
+    wait_for(
+        lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(prompt.encode())}).json()["holders"],
+        what="the prompt published",
+    )
     # Six users send the hot prompt at once; each decodes 40 tokens (0.5 s), so the holder stays busy.
     results: list[httpx.Response] = []
 
     def user(i: int) -> None:
-        results.append(httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + f" user {i}",
-                                                                   "max_tokens": 40}, timeout=60))
+        results.append(
+            httpx.post(
+                g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt + f" user {i}", "max_tokens": 40}, timeout=60
+            )
+        )
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(6)]
     for t in threads:
@@ -80,8 +94,10 @@ def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_work
     # A request sent to pull may find the blocks already there (an earlier pull landed first): either way
     # nothing is recomputed from scratch, and every answer reports most of the prompt as cached.
     assert any(r.json()["kvdir"]["pulled_tokens"] > 0 for r in results)
-    summary = [(r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-               for r in results]
+    summary = [
+        (r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        for r in results
+    ]
     assert all(cached >= len(prompt) - 32 for _, _, cached in summary), (holder, summary)
 
 
@@ -95,8 +111,11 @@ def test_directory_down_routes_by_load_and_never_fails(make_cluster, make_worker
     assert r.status_code == 200
     assert r.headers["x-kvdir-decision"] == "fallback"
     wait_for(lambda: "directory_up 0.0" in httpx.get(g.url + "/metrics").text, what="the gateway to notice")
-    failures = [line for line in httpx.get(g.url + "/metrics").text.splitlines()
-                if line.startswith("kvdir_gateway_lookup_failures_total{")]
+    failures = [
+        line
+        for line in httpx.get(g.url + "/metrics").text.splitlines()
+        if line.startswith("kvdir_gateway_lookup_failures_total{")
+    ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in failures) >= 1, failures
 
 
@@ -118,8 +137,9 @@ def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, mak
     c = make_cluster(1)
     make_workers(c, 2)
     g = make_gateway(c, 2)
-    with httpx.stream("POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": SYSTEM, "max_tokens": 6, "stream": True},
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": SYSTEM, "max_tokens": 6, "stream": True}, timeout=60
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-kvdir-node"].startswith("worker-")
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -127,7 +147,9 @@ def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, mak
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 6
     assert [m["id"] for m in httpx.get(g.url + "/v1/models").json()["data"]] == [MODEL]
     cases = [
-        (b"{oops", 400), (b"[1,2]", 400), (json.dumps({"prompt": "x"}).encode(), 400),
+        (b"{oops", 400),
+        (b"[1,2]", 400),
+        (json.dumps({"prompt": "x"}).encode(), 400),
         (json.dumps({"model": MODEL, "prompt": 3}).encode(), 400),
         (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}).encode(), 400),
     ]
@@ -150,10 +172,14 @@ def _conversations(g: Gateway, c, n: int) -> list[bool]:
         messages = [{"role": "system", "content": f"Conversation {k}: " + SYSTEM}, {"role": "user", "content": "turn one"}]
         first = _chat(g.url, messages)
         text = f"<|system|>\nConversation {k}: {SYSTEM}\n<|user|>\nturn one\n<|assistant|>\n"
-        wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
-                 what="turn 1 published")
-        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "turn two"}]
+        wait_for(
+            lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
+            what="turn 1 published",
+        )
+        messages += [
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "turn two"},
+        ]
         second = _chat(g.url, messages)
         same.append(second.headers["x-kvdir-node"] == first.headers["x-kvdir-node"])
     return same
@@ -173,8 +199,10 @@ def test_killed_engine_is_avoided_and_no_request_fails(make_cluster, make_worker
     w = make_workers(c, 3)
     g = make_gateway(c, 3, ("--policy", "round_robin"))
     w.kill(1)  # SIGKILL: still listed by the directory until its lease lapses
-    served = [httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 1},
-                         timeout=60) for i in range(9)]
+    served = [
+        httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 1}, timeout=60)
+        for i in range(9)
+    ]
     assert all(r.status_code == 200 for r in served)
     assert "worker-2" not in {r.headers["x-kvdir-node"] for r in served}
 
@@ -184,8 +212,9 @@ def test_streaming_arrives_incrementally(make_cluster, make_workers, make_gatewa
     make_workers(c, 1, ("--time-scale", "1", "--decode-tokens-per-s", "40"))
     g = make_gateway(c, 1)
     arrivals = []
-    with httpx.stream("POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 12, "stream": True},
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 12, "stream": True}, timeout=60
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 arrivals.append(time.monotonic())
@@ -221,9 +250,15 @@ def test_engine_tokenizer_gives_the_same_routing(make_cluster, make_workers, mak
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "tokenized by the engine"}]
     first = _chat(g.url, messages)
     text = f"<|system|>\n{SYSTEM}\n<|user|>\ntokenized by the engine\n<|assistant|>\n"
-    wait_for(lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
-             what="the first request published")
+    wait_for(
+        lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
+        what="the first request published",
+    )
     again = _chat(g.url, messages)
     assert again.headers["x-kvdir-node"] == first.headers["x-kvdir-node"]
     assert again.headers["x-kvdir-decision"] == "affinity"
-    assert int(again.headers["x-kvdir-predicted-cached-tokens"]) == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert (
+        int(again.headers["x-kvdir-predicted-cached-tokens"])
+        == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        > 0
+    )

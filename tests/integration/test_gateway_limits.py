@@ -35,9 +35,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, W
     d = tmp_path_factory.mktemp("limits")
     ports = free_ports(5)
     c = Cluster(d, ports[:1], ports[1:2], lease_ttl_s=300, log_level="info")
-    w = Workers(d, ports[2:3], c.replica_urls, log_level="info",
-                extra_args=("--time-scale", "0", "--transfer", "tcp", "--max-model-len", str(MAX_MODEL_LEN),
-                            "--heartbeat-interval-s", "0.3"))
+    w = Workers(
+        d,
+        ports[2:3],
+        c.replica_urls,
+        log_level="info",
+        extra_args=(
+            "--time-scale",
+            "0",
+            "--transfer",
+            "tcp",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--heartbeat-interval-s",
+            "0.3",
+        ),
+    )
     gateways: list[Gateway] = []
     try:
         c.start()
@@ -51,8 +64,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, W
         for g in gateways:
             g.wait_ready(60, engines=1)
             # The prompt limit is learned from the engine's /v1/models (its max_model_len).
-            wait_for(lambda g=g: httpx.get(g.url + "/health").json()["max_prompt_tokens"] == MAX_MODEL_LEN,
-                     what="the gateway to learn the engine's max_model_len")
+            wait_for(
+                lambda g=g: httpx.get(g.url + "/health").json()["max_prompt_tokens"] == MAX_MODEL_LEN,
+                what="the gateway to learn the engine's max_model_len",
+            )
         yield c, w, gateways[0], gateways[1]
     finally:
         for g in gateways:
@@ -76,8 +91,9 @@ def _post(url: str, content: bytes | Callable[[], Iterator[bytes]]) -> tuple[htt
 def test_a_prompt_up_to_the_engines_limit_is_served(stack) -> None:
     _, w, g, ge = stack
     for gw in (g, ge):
-        r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": [7] * (MAX_MODEL_LEN - 1), "max_tokens": 1},
-                       timeout=30)
+        r = httpx.post(
+            gw.url + "/v1/completions", json={"model": MODEL, "prompt": [7] * (MAX_MODEL_LEN - 1), "max_tokens": 1}, timeout=30
+        )
         assert r.status_code == 200, r.text[:300]
         r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "é" * 2000, "max_tokens": 1}, timeout=30)
         assert r.status_code == 200, r.text[:300]  # 4000 tokens (UTF-8 bytes): under the limit
@@ -96,36 +112,119 @@ def test_each_oversized_kind_is_refused_fast_and_never_forwarded(stack) -> None:
         yield b'"}'
 
     cases: list[tuple[str, str, bytes | Callable[[], Iterator[bytes]], int, str, str | None]] = [
-        ("10M-token prompt array (19 MiB)", g.url + "/v1/completions",
-         _compact({"model": MODEL, "prompt": [1] * 10_000_000, "max_tokens": 1}), 413, "body_too_large", None),
-        ("1M-token prompt array (2 MiB)", g.url + "/v1/completions",
-         _compact({"model": MODEL, "prompt": [1] * 1_000_000}), 400, "context_length_exceeded", "prompt"),
-        ("prompt array one token over", g.url + "/v1/completions",
-         _compact({"model": MODEL, "prompt": [1] * over}), 400, "context_length_exceeded", "prompt"),
-        ("1M-character prompt", g.url + "/v1/completions",
-         _compact({"model": MODEL, "prompt": "a" * 1_000_000}), 400, "context_length_exceeded", "prompt"),
-        ("3000 characters, 6000 tokens", g.url + "/v1/completions",
-         _compact({"model": MODEL, "prompt": "é" * 3000}), 400, "context_length_exceeded", "prompt"),
+        (
+            "10M-token prompt array (19 MiB)",
+            g.url + "/v1/completions",
+            _compact({"model": MODEL, "prompt": [1] * 10_000_000, "max_tokens": 1}),
+            413,
+            "body_too_large",
+            None,
+        ),
+        (
+            "1M-token prompt array (2 MiB)",
+            g.url + "/v1/completions",
+            _compact({"model": MODEL, "prompt": [1] * 1_000_000}),
+            400,
+            "context_length_exceeded",
+            "prompt",
+        ),
+        (
+            "prompt array one token over",
+            g.url + "/v1/completions",
+            _compact({"model": MODEL, "prompt": [1] * over}),
+            400,
+            "context_length_exceeded",
+            "prompt",
+        ),
+        (
+            "1M-character prompt",
+            g.url + "/v1/completions",
+            _compact({"model": MODEL, "prompt": "a" * 1_000_000}),
+            400,
+            "context_length_exceeded",
+            "prompt",
+        ),
+        (
+            "3000 characters, 6000 tokens",
+            g.url + "/v1/completions",
+            _compact({"model": MODEL, "prompt": "é" * 3000}),
+            400,
+            "context_length_exceeded",
+            "prompt",
+        ),
         ("9 MiB streamed body", g.url + "/v1/completions", chunked, 413, "body_too_large", None),
-        ("3000 messages", g.url + "/v1/chat/completions",
-         _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 3000}), 400, "array_above_max_length", "messages"),
-        ("500k messages (14 MiB)", g.url + "/v1/chat/completions",
-         _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 500_000}), 413, "body_too_large", None),
-        ("1M non-messages (2 MiB)", g.url + "/v1/chat/completions",
-         _compact({"model": MODEL, "messages": [1] * 1_000_000}), 400, None, None),
-        ("one 1M-character message", g.url + "/v1/chat/completions",
-         _compact({"model": MODEL, "messages": [{"role": "user", "content": "a" * 1_000_000}]}), 400, "context_length_exceeded",
-         "messages"),
-        ("1M-character prompt, engine tokenizer", ge.url + "/v1/completions",
-         _compact({"model": MODEL, "prompt": "a" * 1_000_000}), 400, "context_length_exceeded", None),
-        ("5000 messages, engine tokenizer", ge.url + "/v1/chat/completions",
-         _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 5000}), 400, "array_above_max_length", "messages"),
-        ("30 MB /tokenize", w.urls[0] + "/tokenize", _compact({"model": MODEL, "prompt": "a" * 30_000_000}),
-         413, "body_too_large", None),
-        ("1M-character /tokenize", w.urls[0] + "/tokenize", _compact({"model": MODEL, "prompt": "a" * 1_000_000}),
-         400, "context_length_exceeded", None),
-        ("5000 messages /tokenize", w.urls[0] + "/tokenize",
-         _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 5000}), 400, "context_length_exceeded", None),
+        (
+            "3000 messages",
+            g.url + "/v1/chat/completions",
+            _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 3000}),
+            400,
+            "array_above_max_length",
+            "messages",
+        ),
+        (
+            "500k messages (14 MiB)",
+            g.url + "/v1/chat/completions",
+            _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 500_000}),
+            413,
+            "body_too_large",
+            None,
+        ),
+        (
+            "1M non-messages (2 MiB)",
+            g.url + "/v1/chat/completions",
+            _compact({"model": MODEL, "messages": [1] * 1_000_000}),
+            400,
+            None,
+            None,
+        ),
+        (
+            "one 1M-character message",
+            g.url + "/v1/chat/completions",
+            _compact({"model": MODEL, "messages": [{"role": "user", "content": "a" * 1_000_000}]}),
+            400,
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            "1M-character prompt, engine tokenizer",
+            ge.url + "/v1/completions",
+            _compact({"model": MODEL, "prompt": "a" * 1_000_000}),
+            400,
+            "context_length_exceeded",
+            None,
+        ),
+        (
+            "5000 messages, engine tokenizer",
+            ge.url + "/v1/chat/completions",
+            _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 5000}),
+            400,
+            "array_above_max_length",
+            "messages",
+        ),
+        (
+            "30 MB /tokenize",
+            w.urls[0] + "/tokenize",
+            _compact({"model": MODEL, "prompt": "a" * 30_000_000}),
+            413,
+            "body_too_large",
+            None,
+        ),
+        (
+            "1M-character /tokenize",
+            w.urls[0] + "/tokenize",
+            _compact({"model": MODEL, "prompt": "a" * 1_000_000}),
+            400,
+            "context_length_exceeded",
+            None,
+        ),
+        (
+            "5000 messages /tokenize",
+            w.urls[0] + "/tokenize",
+            _compact({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 5000}),
+            400,
+            "context_length_exceeded",
+            None,
+        ),
     ]
     forwarded = _forwarded(w.urls[0])
     worst = 0.0
@@ -194,8 +293,9 @@ def test_small_requests_keep_their_latency_while_oversized_ones_arrive(stack) ->
     _small_latencies(g.url, 20)  # warm up
     unloaded = _small_latencies(g.url, 200)
     # The attackers are another process: threads of this one would hold its GIL and delay the measuring client.
-    attackers = subprocess.Popen([sys.executable, "-c", ATTACKER, g.url + "/v1/completions", "4"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    attackers = subprocess.Popen(
+        [sys.executable, "-c", ATTACKER, g.url + "/v1/completions", "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
         assert attackers.stdout is not None and attackers.stdout.readline() == b"first\n"
         loaded = _small_latencies(g.url, 200)
@@ -205,9 +305,11 @@ def test_small_requests_keep_their_latency_while_oversized_ones_arrive(stack) ->
         attackers.wait()
     answers = json.loads(out)
     ratio = _p99(loaded) / _p99(unloaded)
-    print(f"small requests p99: {_p99(unloaded) * 1000:.1f} ms unloaded, {_p99(loaded) * 1000:.1f} ms while 4 clients send "
-          f"19 MiB prompts in a loop ({ratio:.2f}x); {len(answers)} oversized requests answered, median "
-          f"{sorted(t for _, t in answers)[len(answers) // 2] * 1000:.0f} ms")
+    print(
+        f"small requests p99: {_p99(unloaded) * 1000:.1f} ms unloaded, {_p99(loaded) * 1000:.1f} ms while 4 clients send "
+        f"19 MiB prompts in a loop ({ratio:.2f}x); {len(answers)} oversized requests answered, median "
+        f"{sorted(t for _, t in answers)[len(answers) // 2] * 1000:.0f} ms"
+    )
     assert {s for s, _ in answers} == {413}, answers[:10]
     # Before the fix each oversized request cost the gateway 3-50 s of CPU, and small ones waited for seconds (up to 35 s).
     assert _p99(loaded) < max(0.5, 5 * _p99(unloaded)), (loaded, unloaded)
@@ -224,9 +326,13 @@ def test_status_page_shows_no_internal_address(stack) -> None:
 def test_engines_outside_the_engine_networks_are_never_sent_requests(stack, tmp_path: Path) -> None:
     c, w, _, _ = stack
     ports = free_ports(2)
-    refused = Gateway(tmp_path, ports[0], c.replica_urls, log_level="info",
-                      extra_args=("--refresh-s", "0.1", "--engine-networks", "127.0.0.2/32", "--engine", w.urls[0],
-                                  "--tokenizer", "engine"))
+    refused = Gateway(
+        tmp_path,
+        ports[0],
+        c.replica_urls,
+        log_level="info",
+        extra_args=("--refresh-s", "0.1", "--engine-networks", "127.0.0.2/32", "--engine", w.urls[0], "--tokenizer", "engine"),
+    )
     allowed_dir = tmp_path / "allowed"
     allowed_dir.mkdir()
     allowed: Gateway | None = None
@@ -235,8 +341,10 @@ def test_engines_outside_the_engine_networks_are_never_sent_requests(stack, tmp_
         # Both the engine the directory lists and the static one are learned, and refused, with one warning each.
         wait_for(lambda: refused.log_path.read_text().count("is not routed to") >= 2, what="the refusals to be logged")
         forwarded = _forwarded(w.urls[0])
-        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1}),
-                           ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})):
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+        ):
             r = httpx.post(refused.url + path, json=body, timeout=10)
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine", r.text
         assert httpx.get(refused.url + "/v1/models").json()["data"] == []
@@ -247,8 +355,13 @@ def test_engines_outside_the_engine_networks_are_never_sent_requests(stack, tmp_
         assert log.count("is not routed to") == 2, log  # once per engine, not once per refresh
         assert "outside the engine networks" in log
 
-        allowed = Gateway(allowed_dir, ports[1], c.replica_urls, log_level="info",
-                          extra_args=("--refresh-s", "0.1", "--engine-networks", "10.0.0.0/8,127.0.0.0/8"))
+        allowed = Gateway(
+            allowed_dir,
+            ports[1],
+            c.replica_urls,
+            log_level="info",
+            extra_args=("--refresh-s", "0.1", "--engine-networks", "10.0.0.0/8,127.0.0.0/8"),
+        )
         allowed.wait_ready(60, engines=1)
         r = httpx.post(allowed.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1}, timeout=10)
         assert r.status_code == 200 and r.headers["x-kvdir-node"] == w.node_ids[0], r.text

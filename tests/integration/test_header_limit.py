@@ -58,9 +58,14 @@ def test_a_multi_megabyte_header_is_refused_fast_by_every_server(make_cluster, m
     cluster = make_cluster(1)
     workers = make_workers(cluster, 1, extra_args=("--transfer", "tcp"))
     gateway = make_gateway(cluster, engines=1)
-    times = {name: _check(url, path) for name, url, path in [("replica", cluster.replica_urls[0], "/healthz"),
-                                                              ("worker", workers.urls[0], "/health"),
-                                                              ("gateway", gateway.url, "/health")]}
+    times = {
+        name: _check(url, path)
+        for name, url, path in [
+            ("replica", cluster.replica_urls[0], "/healthz"),
+            ("worker", workers.urls[0], "/health"),
+            ("gateway", gateway.url, "/health"),
+        ]
+    }
     print("16 MiB header refused in", {k: f"{v * 1000:.1f} ms" for k, v in times.items()})
 
 

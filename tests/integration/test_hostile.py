@@ -46,8 +46,13 @@ def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("hostile")
     ports = free_ports(4)
     c = Cluster(d, ports[:1], ports[1:2], lease_ttl_s=300, log_level="info")
-    w = Workers(d, ports[2:3], c.replica_urls, log_level="info",
-                extra_args=("--time-scale", "0", "--transfer", "tcp", "--max-model-len", "4096", "--heartbeat-interval-s", "0.3"))
+    w = Workers(
+        d,
+        ports[2:3],
+        c.replica_urls,
+        log_level="info",
+        extra_args=("--time-scale", "0", "--transfer", "tcp", "--max-model-len", "4096", "--heartbeat-interval-s", "0.3"),
+    )
     g: Gateway | None = None
     try:
         c.start()
@@ -78,8 +83,13 @@ DEEP_BODIES = [
 def test_deeply_nested_json_is_a_fast_400(stack) -> None:
     c, _, g = stack
     for body in DEEP_BODIES:
-        for url in (c.replica_urls[0] + "/v1/lookup", c.replica_urls[0] + "/v1/blocks", c.replica_urls[0] + "/v1/nodes",
-                    g.url + "/v1/completions", g.url + "/v1/chat/completions"):
+        for url in (
+            c.replica_urls[0] + "/v1/lookup",
+            c.replica_urls[0] + "/v1/blocks",
+            c.replica_urls[0] + "/v1/nodes",
+            g.url + "/v1/completions",
+            g.url + "/v1/chat/completions",
+        ):
             r, took = _post_raw(url, body)
             assert r.status_code == 400, (url, body[:60], r.status_code, r.text[:300])
             assert took < 2.0, (url, took)
@@ -94,7 +104,9 @@ def test_nested_but_parseable_json_is_refused_or_served_not_5xx(stack) -> None:
     assert r.status_code == 422 and r.json()["error"] == "invalid_request"
     r, _ = _post_raw(g.url + "/v1/completions", b'{"model": "kvdir-stub", "prompt": ' + nested + b"}")
     assert r.status_code == 400
-    r, _ = _post_raw(g.url + "/v1/completions", b'{"model": "kvdir-stub", "prompt": "hello", "max_tokens": 1, "x": ' + nested + b"}")
+    r, _ = _post_raw(
+        g.url + "/v1/completions", b'{"model": "kvdir-stub", "prompt": "hello", "max_tokens": 1, "x": ' + nested + b"}"
+    )
     assert r.status_code == 200, r.text[:300]  # unknown fields are forwarded untouched; the engine ignores them
 
 
@@ -147,10 +159,16 @@ def test_overflowing_and_negative_numbers_are_422(make_cluster) -> None:
         ("/v1/lookup", {"tokens": [1] * 32, "block_size": 2**40}, 422),
         ("/v1/nodes", {"node_id": "n2", "api_url": "http://x", "capacity_blocks": 2**40}, 422),
         ("/v1/nodes", {"node_id": "n2", "api_url": "http://x", "capacity_blocks": -1}, 422),
-        ("/v1/nodes", {"node_id": "n2", "api_url": "http://x",
-                       "regions": [{"rank": 0, "base_addr": 2**64, "length": 1, "block_bytes": 1}]}, 422),
-        ("/v1/nodes", {"node_id": "n2", "api_url": "http://x",
-                       "regions": [{"rank": 70000, "base_addr": 0, "length": 1, "block_bytes": 1}]}, 422),
+        (
+            "/v1/nodes",
+            {"node_id": "n2", "api_url": "http://x", "regions": [{"rank": 0, "base_addr": 2**64, "length": 1, "block_bytes": 1}]},
+            422,
+        ),
+        (
+            "/v1/nodes",
+            {"node_id": "n2", "api_url": "http://x", "regions": [{"rank": 70000, "base_addr": 0, "length": 1, "block_bytes": 1}]},
+            422,
+        ),
         ("/v1/nodes/n1/heartbeat", {"epoch": epoch, "load": {"running": 1.0, "x" * 65: 1.0}}, 422),
     ]
     for path, body, status in cases:
@@ -198,7 +216,9 @@ def test_duplicate_hashes_in_one_publish_are_accepted_and_the_last_slot_wins(mak
     r = httpx.post(url + "/v1/lookup", json={"hashes": [7, 8], "with_slots": True}).json()
     assert r["holders"] == [{"node_id": "n1", "epoch": epoch, "matched_blocks": 2, "slots": [9, 2]}]
     # Publishing a held hash again only moves its slot.
-    r = httpx.post(url + "/v1/blocks", json={"node_id": "n1", "epoch": epoch, "blocks": [{"hash": 8, "slot": 4}, {"hash": 8, "slot": 5}]})
+    r = httpx.post(
+        url + "/v1/blocks", json={"node_id": "n1", "epoch": epoch, "blocks": [{"hash": 8, "slot": 4}, {"hash": 8, "slot": 5}]}
+    )
     assert r.status_code == 200 and r.json()["stored"] == 0
     r = httpx.post(url + "/v1/lookup", json={"hashes": [7, 8], "with_slots": True}).json()
     assert r["holders"][0]["slots"] == [9, 5]
@@ -208,8 +228,9 @@ def test_duplicate_hashes_in_one_publish_are_accepted_and_the_last_slot_wins(mak
 def _slow_request(host: str, port: int, path: str, body: bytes, sent: int) -> socket.socket:
     """Send the headers and the first `sent` bytes of the body, then stall."""
     s = socket.create_connection((host, port), timeout=10)
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     s.sendall(head + body[:sent])
     return s
 
@@ -250,7 +271,7 @@ def test_slow_clients_do_not_block_other_requests(stack) -> None:
             nonlocal sent
             while not stop.wait(0.1) and sent < 60:
                 for s, (_, _, body) in zip(slow, targets):
-                    s.sendall(body[sent:sent + 1])
+                    s.sendall(body[sent : sent + 1])
                 sent += 1
 
         t = threading.Thread(target=trickle)
@@ -260,7 +281,9 @@ def test_slow_clients_do_not_block_other_requests(stack) -> None:
                 for i in range(10):
                     t0 = time.monotonic()
                     assert http.post(url + "/v1/lookup", json={"hashes": [1, 2]}).status_code == 200
-                    r = http.post(url + "/v1/blocks", json={"node_id": "slowpoke", "epoch": epoch, "blocks": [{"hash": i, "slot": i}]})
+                    r = http.post(
+                        url + "/v1/blocks", json={"node_id": "slowpoke", "epoch": epoch, "blocks": [{"hash": i, "slot": i}]}
+                    )
                     assert r.status_code == 200
                     r = http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "a normal request", "max_tokens": 1})
                     assert r.status_code == 200, r.text
@@ -290,8 +313,10 @@ def test_registration_flood_is_bounded(make_cluster) -> None:
 
     def flood(i: int) -> int:
         with httpx.Client(timeout=10) as http:
-            r = http.post(url + "/v1/nodes", json={"node_id": f"flood-{i}", "api_url": "http://127.0.0.1:9", "regions": regions,
-                                                   "transfer_url": "t" * 2000})
+            r = http.post(
+                url + "/v1/nodes",
+                json={"node_id": f"flood-{i}", "api_url": "http://127.0.0.1:9", "regions": regions, "transfer_url": "t" * 2000},
+            )
             assert r.status_code in (429,), r.text[:200]
             assert r.json()["error"] == "node_limit"
             return r.status_code

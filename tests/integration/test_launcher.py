@@ -36,9 +36,25 @@ def test_a_replica_whose_raft_port_is_taken_exits_with_a_clear_error(tmp_path: P
         squatter.bind(("127.0.0.1", raft_port))
         squatter.listen()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdir", "directory", "--http", f"127.0.0.1:{http_port}",
-             "--raft", f"127.0.0.1:{raft_port}", "--data-dir", str(tmp_path / "d"), "--log-level", "info"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            [
+                sys.executable,
+                "-m",
+                "kvdir",
+                "directory",
+                "--http",
+                f"127.0.0.1:{http_port}",
+                "--raft",
+                f"127.0.0.1:{raft_port}",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--log-level",
+                "info",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
         try:
             out, _ = proc.communicate(timeout=60)
         finally:

@@ -7,6 +7,7 @@ followed by an endless stream of zeros, and idle connections that never identify
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import socket
@@ -88,9 +89,14 @@ def test_a_pickled_command_sent_to_the_raft_port_runs_nothing(make_cluster, tmp_
         _send_and_wait_closed(addr, _frame(peer) + evil)  # after naming itself as a peer
         # as an entry of a forged append_entries, which pysyncobj unpickles when it applies it
         entry = (b"\x00" + pickle.dumps(_RunsCommand(f"touch {marker}"), protocol=2), 10**6, 10**6)
-        _send_and_wait_closed(addr, _frame(peer) + _frame({"type": "append_entries", "term": 0, "commit_index": 0,
-                                                           "entries": [entry], "prevLogIdx": 0, "prevLogTerm": 0})
-                              + _frame(_RunsCommand(f"touch {marker}")))
+        _send_and_wait_closed(
+            addr,
+            _frame(peer)
+            + _frame(
+                {"type": "append_entries", "term": 0, "commit_index": 0, "entries": [entry], "prevLogIdx": 0, "prevLogTerm": 0}
+            )
+            + _frame(_RunsCommand(f"touch {marker}")),
+        )
     assert not marker.exists()
     assert _leader_and_term(c.replica_urls) == before
     assert len(c.alive()) == 3
@@ -148,8 +154,12 @@ def test_hostile_connections_neither_stall_writes_nor_force_an_election(make_clu
     leader_raft = c.raft_addrs[c.replica_urls.index(leader)]
     follower_raft = next(a for a in c.raft_addrs if a != leader_raft)
     stop = threading.Event()
-    attackers = [_Hostile(leader_raft, "huge-frame", stop), _Hostile(leader_raft, "junk-frames", stop),
-                 _Hostile(leader_raft, "idle", stop), _Hostile(follower_raft, "huge-frame", stop)]
+    attackers = [
+        _Hostile(leader_raft, "huge-frame", stop),
+        _Hostile(leader_raft, "junk-frames", stop),
+        _Hostile(leader_raft, "idle", stop),
+        _Hostile(follower_raft, "huge-frame", stop),
+    ]
     for a in attackers:
         a.start()
     acked: list[float] = []
@@ -160,8 +170,14 @@ def test_hostile_connections_neither_stall_writes_nor_force_an_election(make_clu
             i = 0
             while time.monotonic() < end:
                 t0 = time.monotonic()
-                r = http.post(leader + "/v1/blocks", json={"node_id": "n1", "epoch": reg["epoch"],
-                                                           "blocks": [{"hash": i * 64 + j + 1, "slot": j} for j in range(64)]})
+                r = http.post(
+                    leader + "/v1/blocks",
+                    json={
+                        "node_id": "n1",
+                        "epoch": reg["epoch"],
+                        "blocks": [{"hash": i * 64 + j + 1, "slot": j} for j in range(64)],
+                    },
+                )
                 assert r.status_code == 200, r.text
                 slowest = max(slowest, time.monotonic() - t0)
                 acked.append(time.monotonic())
@@ -170,9 +186,11 @@ def test_hostile_connections_neither_stall_writes_nor_force_an_election(make_clu
         stop.set()
         for a in attackers:
             a.join(10)
-    gaps = [b - a for a, b in zip(acked, acked[1:])]
-    print(f"acknowledged {len(acked)} writes in 20 s, slowest {slowest:.3f} s, largest gap {max(gaps):.3f} s; "
-          f"attacker connections: {[a.connections for a in attackers]}")
+    gaps = [b - a for a, b in itertools.pairwise(acked)]
+    print(
+        f"acknowledged {len(acked)} writes in 20 s, slowest {slowest:.3f} s, largest gap {max(gaps):.3f} s; "
+        f"attacker connections: {[a.connections for a in attackers]}"
+    )
     assert all(a.connections > 1 for a in attackers if a.kind != "idle")  # the replicas kept dropping them
     assert len(acked) > 100 and max(gaps) < 2.0
     assert all(v["term"] == term for v in _views(c.replica_urls))  # no election

@@ -25,10 +25,36 @@ def test_live_multi_turn_hit_rate_matches_the_simulation(make_cluster, make_work
     assert live["prediction_exact"] >= 0.9
     # The same through the command line, with the simulation beside it, as JSON.
     out = tmp_path / "live.json"
-    run = subprocess.run([sys.executable, "-m", "kvdir", "replay", "--mode", "live", "--gateway", g.url, "--synthetic",
-                          "multi_turn", "--limit", "6", "--time-scale", "0.05", "--compare-sim", "--policies", "kvdir",
-                          "--nodes", "4", "--capacity-blocks", "128", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdir",
+            "replay",
+            "--mode",
+            "live",
+            "--gateway",
+            g.url,
+            "--synthetic",
+            "multi_turn",
+            "--limit",
+            "6",
+            "--time-scale",
+            "0.05",
+            "--compare-sim",
+            "--policies",
+            "kvdir",
+            "--nodes",
+            "4",
+            "--capacity-blocks",
+            "128",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     doc = json.loads(out.read_text())
     assert doc["live"]["requests"] == 6 and "kvdir" in doc["policies"]

@@ -36,8 +36,10 @@ def test_publish_through_follower_is_read_on_every_replica(make_cluster) -> None
     follower = c.replica_urls[(lead + 1) % 3]
     reg = httpx.post(follower + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:9"}).json()
     chain = _chain(random.Random(1), 8)
-    r = httpx.post(follower + "/v1/blocks", json={"node_id": "n1", "epoch": reg["epoch"],
-                                                   "blocks": [{"hash": h, "slot": i} for i, h in enumerate(chain)]})
+    r = httpx.post(
+        follower + "/v1/blocks",
+        json={"node_id": "n1", "epoch": reg["epoch"], "blocks": [{"hash": h, "slot": i} for i, h in enumerate(chain)]},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["stored"] == 8
     for url in c.replica_urls:
@@ -180,8 +182,14 @@ def test_full_cluster_sigkill_and_restart_recovers_acknowledged_writes(make_clus
     reg = httpx.post(c.replica_urls[0] + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:9"}).json()
     chains = [_chain(rng) for _ in range(20)]
     for k, chain in enumerate(chains):
-        r = httpx.post(c.replica_urls[k % 3] + "/v1/blocks", json={
-            "node_id": "n1", "epoch": reg["epoch"], "blocks": [{"hash": h, "slot": 16 * k + i} for i, h in enumerate(chain)]})
+        r = httpx.post(
+            c.replica_urls[k % 3] + "/v1/blocks",
+            json={
+                "node_id": "n1",
+                "epoch": reg["epoch"],
+                "blocks": [{"hash": h, "slot": 16 * k + i} for i, h in enumerate(chain)],
+            },
+        )
         assert r.status_code == 200, r.text
     before = wait_for(lambda: (d := digests(c, [0, 1, 2])) and len(set(d)) == 1 and d[0], what="equal digests")
     for i in range(3):
@@ -200,8 +208,10 @@ def test_a_follower_resumed_from_a_stall_serves_no_stale_local_reads(make_cluste
     leader, f = c.replica_urls[lead], c.replica_urls[(lead + 1) % 3]
     old = httpx.post(leader + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:9", "incarnation": "a"}).json()
     chain = _chain(random.Random(8), 8)
-    r = httpx.post(leader + "/v1/blocks", json={"node_id": "n1", "epoch": old["epoch"],
-                                                "blocks": [{"hash": h, "slot": i} for i, h in enumerate(chain)]})
+    r = httpx.post(
+        leader + "/v1/blocks",
+        json={"node_id": "n1", "epoch": old["epoch"], "blocks": [{"hash": h, "slot": i} for i, h in enumerate(chain)]},
+    )
     assert r.status_code == 200, r.text
     wait_for(lambda: _holds(f, chain, "n1", old["epoch"]), what="the blocks on the follower")
     pid = c.procs[(lead + 1) % 3].pid
@@ -220,7 +230,10 @@ def test_a_follower_resumed_from_a_stall_serves_no_stale_local_reads(make_cluste
         answers = asyncio.run(lookups())
     finally:
         os.kill(pid, signal.SIGCONT)
-    stale = [r.json() for r in answers if r.status_code == 200
-             and any(h["node_id"] == "n1" and h["epoch"] == old["epoch"] for h in r.json()["holders"])]
+    stale = [
+        r.json()
+        for r in answers
+        if r.status_code == 200 and any(h["node_id"] == "n1" and h["epoch"] == old["epoch"] for h in r.json()["holders"])
+    ]
     assert all(r.status_code in (200, 503) for r in answers), [r.text for r in answers]
     assert not stale, f"{len(stale)} of {len(answers)} lookups answered with the superseded epoch"

@@ -44,13 +44,16 @@ def tenanted(make_cluster, tmp_path: Path):
     for name, token in (("engine_acme", ENGINE_ACME), ("gateway", GATEWAY), ("gateway_bravo", GATEWAY_BRAVO)):
         files[name] = tmp_path / f"{name}.token"
         files[name].write_text(token + "\n")
-    c = make_cluster(3, lease_ttl_s=300, token=ADMIN,
-                     extra_args=("--auth-tokens-file", str(tokens), "--tenant-secret-file", str(secret)))
+    c = make_cluster(
+        3, lease_ttl_s=300, token=ADMIN, extra_args=("--auth-tokens-file", str(tokens), "--tenant-secret-file", str(secret))
+    )
     return c, files
 
 
 def _holders(url: str, token: str, **body: object) -> dict[str, int]:
-    r = httpx.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": HASHES, **body}, headers=bearer(token), timeout=10)
+    r = httpx.post(
+        url + "/v1/lookup?consistency=linearizable", json={"hashes": HASHES, **body}, headers=bearer(token), timeout=10
+    )
     assert r.status_code == 200, r.text
     return {h["node_id"]: h["matched_blocks"] for h in r.json()["holders"]}
 
@@ -62,7 +65,9 @@ def _forbidden(r: httpx.Response) -> None:
 
 
 def _register(url: str, node_id: str, token: str) -> int:
-    r = httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=bearer(token), timeout=10)
+    r = httpx.post(
+        url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=bearer(token), timeout=10
+    )
     assert r.status_code == 200, r.text
     return r.json()["epoch"]
 
@@ -74,7 +79,9 @@ def test_lookups_see_only_the_callers_tenant(tenanted) -> None:
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
     e1, e2 = _register(leader, "worker-1", ENGINE), _register(leader, "worker-2", ENGINE)
     # A token confined to acme publishes without naming a tenant: its entries land in acme.
-    r = httpx.post(follower + "/v1/blocks", json={"node_id": "worker-1", "epoch": e1, "blocks": blocks}, headers=bearer(ENGINE_ACME))
+    r = httpx.post(
+        follower + "/v1/blocks", json={"node_id": "worker-1", "epoch": e1, "blocks": blocks}, headers=bearer(ENGINE_ACME)
+    )
     assert r.status_code == 200 and r.json()["stored"] == 2, r.text
     for url in (leader, follower):
         assert _holders(url, GATEWAY, tenant="acme") == {"worker-1": 2}
@@ -89,14 +96,20 @@ def test_lookups_see_only_the_callers_tenant(tenanted) -> None:
         assert _holders(url, GATEWAY, hashes=None, tokens=TOKENS_40, tenant="acme") == {"worker-1": 2}
         assert _holders(url, GATEWAY, hashes=None, tokens=TOKENS_40) == {}
     # An unconfined engine token writes the same raw hashes into bravo for worker-2: the tenants stay apart.
-    r = httpx.post(leader + "/v1/blocks", json={"node_id": "worker-2", "epoch": e2, "blocks": blocks[:1], "tenant": "bravo"},
-                   headers=bearer(ENGINE))
+    r = httpx.post(
+        leader + "/v1/blocks",
+        json={"node_id": "worker-2", "epoch": e2, "blocks": blocks[:1], "tenant": "bravo"},
+        headers=bearer(ENGINE),
+    )
     assert r.status_code == 200, r.text
     assert _holders(follower, GATEWAY_BRAVO) == {"worker-2": 1} == _holders(follower, GATEWAY, tenant="bravo")
     assert _holders(follower, GATEWAY, tenant="acme") == {"worker-1": 2}
     # Removing in acme leaves bravo's entry of the same hash alone.
-    r = httpx.post(leader + "/v1/blocks/remove", json={"node_id": "worker-2", "epoch": e2, "hashes": HASHES[:1], "tenant": "acme"},
-                   headers=bearer(ENGINE))
+    r = httpx.post(
+        leader + "/v1/blocks/remove",
+        json={"node_id": "worker-2", "epoch": e2, "hashes": HASHES[:1], "tenant": "acme"},
+        headers=bearer(ENGINE),
+    )
     assert r.status_code == 200 and r.json()["removed"] == 0, r.text
     assert _holders(follower, GATEWAY_BRAVO) == {"worker-2": 1}
 
@@ -106,19 +119,34 @@ def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
     leader = c.wait_ready(30)
     epoch = _register(leader, "worker-1", ENGINE)
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
-    r = httpx.post(leader + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"},
-                   headers=bearer(ENGINE))
+    r = httpx.post(
+        leader + "/v1/blocks",
+        json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"},
+        headers=bearer(ENGINE),
+    )
     assert r.status_code == 200, r.text
     for url in c.replica_urls:
         # Probing acme with a token confined to bravo, or the shared tenant: refused, whatever the body holds.
         for tenant in ("acme", ""):
             _forbidden(httpx.post(url + "/v1/lookup", json={"hashes": HASHES, "tenant": tenant}, headers=bearer(GATEWAY_BRAVO)))
-            _forbidden(httpx.post(url + "/v1/lookup", json={"tokens": TOKENS_40, "tenant": tenant}, headers=bearer(GATEWAY_BRAVO)))
+            _forbidden(
+                httpx.post(url + "/v1/lookup", json={"tokens": TOKENS_40, "tenant": tenant}, headers=bearer(GATEWAY_BRAVO))
+            )
             # Poisoning or erasing acme's entries with an engine token confined to bravo: refused too.
-            _forbidden(httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": tenant},
-                                  headers=bearer(ENGINE_BRAVO)))
-            _forbidden(httpx.post(url + "/v1/blocks/remove", json={"node_id": "worker-1", "epoch": epoch, "hashes": HASHES,
-                                                                   "tenant": tenant}, headers=bearer(ENGINE_BRAVO)))
+            _forbidden(
+                httpx.post(
+                    url + "/v1/blocks",
+                    json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": tenant},
+                    headers=bearer(ENGINE_BRAVO),
+                )
+            )
+            _forbidden(
+                httpx.post(
+                    url + "/v1/blocks/remove",
+                    json={"node_id": "worker-1", "epoch": epoch, "hashes": HASHES, "tenant": tenant},
+                    headers=bearer(ENGINE_BRAVO),
+                )
+            )
         # Bad tenant names are 422 for everyone.
         for bad in ("a b", "a:b", "a@b", "t" * 65, 7):
             r = httpx.post(url + "/v1/lookup", json={"hashes": HASHES, "tenant": bad}, headers=bearer(ADMIN))
@@ -147,7 +175,12 @@ def test_tenants_without_auth(make_cluster) -> None:
     url = c.wait_ready(30)
     epoch = _register(url, "worker-1", "none")
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
-    assert httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"}).status_code == 200
+    assert (
+        httpx.post(
+            url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"}
+        ).status_code
+        == 200
+    )
     assert _holders(url, "none", tenant="acme") == {"worker-1": 2}
     assert _holders(url, "none") == {} == _holders(url, "none", tenant="bravo")
 
@@ -163,8 +196,9 @@ def test_worker_and_gateway_of_one_tenant_share_their_cache(tenanted, make_worke
     n_blocks = len(PROMPT.encode()) // 16
 
     def holders(**body: object) -> dict[str, int]:
-        res = httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), **body},
-                         headers=bearer(GATEWAY), timeout=5).json()
+        res = httpx.post(
+            c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), **body}, headers=bearer(GATEWAY), timeout=5
+        ).json()
         return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
 
     wait_for(lambda: holders(tenant="acme") == {"worker-1": n_blocks}, what="worker-1's blocks in tenant acme")

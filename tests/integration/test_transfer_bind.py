@@ -42,7 +42,7 @@ def listeners(pid: int) -> list[tuple[str, int]]:
             if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
                 continue
             hex_addr, hex_port = fields[1].split(":")
-            raw = b"".join(struct.pack("=I", int(hex_addr[i:i + 8], 16)) for i in range(0, len(hex_addr), 8))
+            raw = b"".join(struct.pack("=I", int(hex_addr[i : i + 8], 16)) for i in range(0, len(hex_addr), 8))
             out.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
     return out
 
@@ -63,8 +63,13 @@ def test_worker_transfer_ports_answer_only_on_the_transfer_host(make_cluster, ma
     proc = workers.procs[0]
     assert proc is not None
     log = workers.data_dir / f"{workers.node_ids[0]}.log"
-    session = wait_for(lambda: next((line.rsplit(" at ", 1)[1].rstrip(")") for line in log.read_text().splitlines()
-                                     if "(transfer mooncake at " in line), None), what="the worker's transfer session")
+    session = wait_for(
+        lambda: next(
+            (line.rsplit(" at ", 1)[1].rstrip(")") for line in log.read_text().splitlines() if "(transfer mooncake at " in line),
+            None,
+        ),
+        what="the worker's transfer session",
+    )
     found = listeners(proc.pid)
     ports = {port for _, port in found}
     assert int(session.rpartition(":")[2]) in ports, (session, found)

@@ -51,8 +51,13 @@ class Up:
 
     def __init__(self, args: list[str], log: Path) -> None:
         with open(log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvdir", "up", *args], stdout=subprocess.PIPE, stderr=err,
-                                         stdin=subprocess.DEVNULL, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvdir", "up", *args],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
         self.lines: list[str] = []
         self.started: set[int] = set()  # every descendant seen, to make sure none outlives the test
         threading.Thread(target=self._read, daemon=True).start()
@@ -90,8 +95,25 @@ class Up:
 def up(tmp_path: Path) -> Iterator[tuple[Up, int, Path]]:
     base = free_base_port(PORTS)
     data_dir = tmp_path / "up"
-    launcher = Up(["--auth", "--demo", "--base-port", str(base), "--data-dir", str(data_dir), "--workers", "2",
-                   "--worker-time-scale", "0.1", "--worker-transfer", "tcp", "--lease-ttl-s", "30"], tmp_path / "up.stderr")
+    launcher = Up(
+        [
+            "--auth",
+            "--demo",
+            "--base-port",
+            str(base),
+            "--data-dir",
+            str(data_dir),
+            "--workers",
+            "2",
+            "--worker-time-scale",
+            "0.1",
+            "--worker-transfer",
+            "tcp",
+            "--lease-ttl-s",
+            "30",
+        ],
+        tmp_path / "up.stderr",
+    )
     try:
         yield launcher, base, data_dir
     finally:
@@ -141,12 +163,18 @@ def test_kvdir_up_with_auth(up: tuple[Up, int, Path], tmp_path: Path) -> None:
     assert any("directory: worker-1 holds all 21 blocks of the prompt" in line for line in out), out
     assert any("gateway, conversation 0 turn 2" in line and "(affinity)" in line for line in out), out
     # A chat completion through the gateway; the engine publishes its blocks with its own token.
-    r = httpx.post(ready["gateway"] + "/v1/chat/completions", json={"model": "kvdir-stub", "messages": MESSAGES, "max_tokens": 4},
-                   timeout=30)
+    r = httpx.post(
+        ready["gateway"] + "/v1/chat/completions", json={"model": "kvdir-stub", "messages": MESSAGES, "max_tokens": 4}, timeout=30
+    )
     assert r.status_code == 200, r.text
     node, prompt_tokens = r.headers["x-kvdir-node"], r.json()["usage"]["prompt_tokens"]
-    tokens = list(httpx.post(ready["workers"][0] + "/tokenize", json={"model": "kvdir-stub", "messages": MESSAGES,
-                                                                       "add_generation_prompt": True}, timeout=5).json()["tokens"])
+    tokens = list(
+        httpx.post(
+            ready["workers"][0] + "/tokenize",
+            json={"model": "kvdir-stub", "messages": MESSAGES, "add_generation_prompt": True},
+            timeout=5,
+        ).json()["tokens"]
+    )
     assert len(tokens) == prompt_tokens
 
     def held() -> dict[str, int]:
@@ -158,8 +186,10 @@ def test_kvdir_up_with_auth(up: tuple[Up, int, Path], tmp_path: Path) -> None:
     # No secret on any command line (`ps` shows those to every user) nor in any environment.
     pids = [launcher.proc.pid, *launcher.children()]
     cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") for pid in pids}
-    listening = {role: {argv[argv.index("--http") + 1] for argv in cmdlines.values() if role in argv}
-                 for role in ("directory", "worker", "gateway")}  # by address: a forked snapshot writer has its parent's argv
+    listening = {
+        role: {argv[argv.index("--http") + 1] for argv in cmdlines.values() if role in argv}
+        for role in ("directory", "worker", "gateway")
+    }  # by address: a forked snapshot writer has its parent's argv
     assert {role: len(addrs) for role, addrs in listening.items()} == {"directory": 3, "worker": 2, "gateway": 1}
     for pid, argv in cmdlines.items():
         blob = "\0".join(argv) + Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")

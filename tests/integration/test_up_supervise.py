@@ -40,11 +40,29 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Up, Path, Pat
     tmp = tmp_path_factory.mktemp("up-supervise")
     base = free_base_port(PORTS)
     data_dir, stderr = tmp / "up", tmp / "up.stderr"
-    launcher = Up(["--base-port", str(base), "--data-dir", str(data_dir), "--workers", "2", "--worker-time-scale", "0.1",
-                   "--worker-transfer", "tcp", "--lease-ttl-s", "30", "--log-level", "info"], stderr)
+    launcher = Up(
+        [
+            "--base-port",
+            str(base),
+            "--data-dir",
+            str(data_dir),
+            "--workers",
+            "2",
+            "--worker-time-scale",
+            "0.1",
+            "--worker-transfer",
+            "tcp",
+            "--lease-ttl-s",
+            "30",
+            "--log-level",
+            "info",
+        ],
+        stderr,
+    )
     try:
-        wait_for(lambda: launcher.lines or launcher.proc.poll() is not None, timeout=120, interval=0.2,
-                 what="kvdir up to be ready")
+        wait_for(
+            lambda: launcher.lines or launcher.proc.poll() is not None, timeout=120, interval=0.2, what="kvdir up to be ready"
+        )
         assert launcher.lines, stderr.read_text()
         yield launcher, data_dir, stderr, json.loads(launcher.lines[0])
     finally:
@@ -76,9 +94,11 @@ def test_kvdir_up_restarts_a_killed_replica_worker_and_gateway(up: tuple[Up, Pat
     launcher, data_dir, stderr, ready = up
     leader = ready["leader"]
     n = ready["replicas"].index(leader) + 1
-    victims = {f"replica {n}": (leader, data_dir / f"replica{n}.log"),  # the leader: the others must elect a new one
-               "worker-1": (ready["workers"][0], data_dir / "worker-1.log"),
-               "gateway": (ready["gateway"], data_dir / "gateway.log")}
+    victims = {
+        f"replica {n}": (leader, data_dir / f"replica{n}.log"),  # the leader: the others must elect a new one
+        "worker-1": (ready["workers"][0], data_dir / "worker-1.log"),
+        "gateway": (ready["gateway"], data_dir / "gateway.log"),
+    }
     before = started_by(launcher)
     old_pid = {name: before[url.removeprefix("http://")][0] for name, (url, _) in victims.items()}
     last_line = {}
@@ -101,13 +121,20 @@ def test_kvdir_up_restarts_a_killed_replica_worker_and_gateway(up: tuple[Up, Pat
 
     wait_for(agreed_leader, timeout=60, what="every replica, the restarted one too, to follow one leader")
     t_leader = time.monotonic() - t0
-    wait_for(lambda: httpx.get(ready["workers"][0] + "/health", timeout=2).json().get("epoch"), timeout=60,
-             what="the restarted worker to register again")
-    wait_for(lambda: httpx.get(ready["gateway"] + "/health", timeout=2).json().get("engines") == 2, timeout=60,
-             what="the restarted gateway to know both engines")
+    wait_for(
+        lambda: httpx.get(ready["workers"][0] + "/health", timeout=2).json().get("epoch"),
+        timeout=60,
+        what="the restarted worker to register again",
+    )
+    wait_for(
+        lambda: httpx.get(ready["gateway"] + "/health", timeout=2).json().get("engines") == 2,
+        timeout=60,
+        what="the restarted gateway to know both engines",
+    )
     t_all = time.monotonic() - t0
-    print(f"after SIGKILL: new pids in {t_restart:.2f}s, one leader in {t_leader:.2f}s, "
-          f"worker and gateway serving in {t_all:.2f}s")
+    print(
+        f"after SIGKILL: new pids in {t_restart:.2f}s, one leader in {t_leader:.2f}s, worker and gateway serving in {t_all:.2f}s"
+    )
 
     assert launcher.proc.poll() is None
     log = stderr.read_text()

@@ -67,7 +67,9 @@ def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers)
     holder = res["holders"][0]
     # The slots of other blocks (as if the source reused them): every block fails verification.
     shifted = holder["slots"][1:] + holder["slots"][:1]
-    wrong = _complete(w.urls[1], PROMPT, kvdir_pull={"source_node": "worker-1", "source_epoch": holder["epoch"], "slots": shifted})
+    wrong = _complete(
+        w.urls[1], PROMPT, kvdir_pull={"source_node": "worker-1", "source_epoch": holder["epoch"], "slots": shifted}
+    )
     assert wrong["kvdir"]["pulled_tokens"] == 0
     assert wrong["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert "verification" in " ".join(wrong["kvdir"]["pull_failures"])
@@ -76,8 +78,12 @@ def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers)
     other = "Another prompt that only worker-1 has computed so far, long enough. " * 6
     _complete(w.urls[0], other)
     wait_for(lambda: _holders(c.replica_urls[0], other) == {"worker-1": 25}, what="worker-1's second prompt")
-    slots = httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(other.encode()), "with_slots": True}).json()["holders"][0]["slots"]
-    stale = _complete(w.urls[1], other, kvdir_pull={"source_node": "worker-1", "source_epoch": holder["epoch"] + 100, "slots": slots})
+    slots = httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(other.encode()), "with_slots": True}).json()[
+        "holders"
+    ][0]["slots"]
+    stale = _complete(
+        w.urls[1], other, kvdir_pull={"source_node": "worker-1", "source_epoch": holder["epoch"] + 100, "slots": slots}
+    )
     assert stale["kvdir"]["pulled_tokens"] == 0 and "not registered" in " ".join(stale["kvdir"]["pull_failures"])
     # The recomputed blocks are good: worker-2 now serves them from its own cache.
     again = _complete(w.urls[1], PROMPT)
@@ -122,8 +128,13 @@ def test_worker_restart_gets_a_new_epoch_and_old_entries_vanish(make_cluster, ma
     res = httpx.post(c.replica_urls[1] + "/v1/lookup?consistency=linearizable", json={"tokens": list(PROMPT.encode())}).json()
     assert res["holders"] == []  # the old epoch's entries went with the re-registration
     _complete(w.urls[0], PROMPT)
-    wait_for(lambda: httpx.post(c.replica_urls[2] + "/v1/lookup", json={"tokens": list(PROMPT.encode())}).json()["holders"]
-             == [{"node_id": "worker-1", "epoch": new_epoch, "matched_blocks": 25}], what="the new epoch's blocks")
+    wait_for(
+        lambda: (
+            httpx.post(c.replica_urls[2] + "/v1/lookup", json={"tokens": list(PROMPT.encode())}).json()["holders"]
+            == [{"node_id": "worker-1", "epoch": new_epoch, "matched_blocks": 25}]
+        ),
+        what="the new epoch's blocks",
+    )
 
 
 def test_openai_api_shapes_streaming_and_errors(make_cluster, make_workers) -> None:
@@ -132,11 +143,15 @@ def test_openai_api_shapes_streaming_and_errors(make_cluster, make_workers) -> N
     url = w.urls[0]
     models = httpx.get(url + "/v1/models").json()
     assert models["data"][0]["id"] == MODEL
-    chat = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 3}).json()
+    chat = httpx.post(
+        url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    ).json()
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
-    with httpx.stream("POST", url + "/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 5,
-                                                                 "messages": [{"role": "user", "content": "hi"}]}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -160,7 +175,10 @@ def test_openai_api_shapes_streaming_and_errors(make_cluster, make_workers) -> N
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert err["message"] and err["type"]
-    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 999, "max_tokens": 10}).json()["error"]["code"] == "context_length_exceeded"
+    assert (
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 999, "max_tokens": 10}).json()["error"]["code"]
+        == "context_length_exceeded"
+    )
     assert block_hashes(list(PROMPT.encode()))  # the gateway hashes exactly what the worker caches
 
 

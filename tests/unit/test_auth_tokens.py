@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from directory.auth import Principal, bearer_token, load_tokens
 from directory.config import DirectorySettings
-from directory.events_subscriber import EventsSettings
 from directory.tenancy import Tenancy
+from engines.config import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import AuthFiles
 from worker_stub.config import WorkerSettings
@@ -24,12 +24,17 @@ def _file(tmp_path: Path, text: str) -> Path:
 
 
 def test_tokens_file_format(tmp_path: Path) -> None:
-    table = load_tokens(_file(tmp_path, """
+    table = load_tokens(
+        _file(
+            tmp_path,
+            """
 # comment
 engine:worker-*:s3cr3t
   gateway:*:abc
 admin:*:x:y:z
-"""))
+""",
+        )
+    )
     assert len(table) == 3
     assert table.find(b"s3cr3t") == Principal("engine", "worker-*", 3)
     assert table.find(b"abc").role == "gateway"
@@ -38,22 +43,25 @@ admin:*:x:y:z
         assert table.find(unknown) is None
 
 
-@pytest.mark.parametrize("text,message", [
-    ("", "no tokens"),
-    ("# only a comment\n", "no tokens"),
-    ("engine:worker-1\n", r"ROLE\[@TENANT\]:NODE_PATTERN:TOKEN"),
-    ("root:*:abc\n", "unknown role"),
-    ("engine::abc\n", "empty node pattern"),
-    ("engine:*:\n", "non-empty"),
-    ("engine:*:two words\n", "without spaces"),
-    ("engine:*:abc\nadmin:*:abc\n", "twice"),
-    ("engine@:*:abc\n", "a tenant is"),
-    ("gateway@a b:*:abc\n", "a tenant is"),
-    ("gateway@a/b:*:abc\n", "a tenant is"),
-    (f"gateway@{'t' * 65}:*:abc\n", "a tenant is"),
-    ("admin@acme:*:abc\n", "admin tokens cannot be confined"),
-    ("root@acme:*:abc\n", "unknown role"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "no tokens"),
+        ("# only a comment\n", "no tokens"),
+        ("engine:worker-1\n", r"ROLE\[@TENANT\]:NODE_PATTERN:TOKEN"),
+        ("root:*:abc\n", "unknown role"),
+        ("engine::abc\n", "empty node pattern"),
+        ("engine:*:\n", "non-empty"),
+        ("engine:*:two words\n", "without spaces"),
+        ("engine:*:abc\nadmin:*:abc\n", "twice"),
+        ("engine@:*:abc\n", "a tenant is"),
+        ("gateway@a b:*:abc\n", "a tenant is"),
+        ("gateway@a/b:*:abc\n", "a tenant is"),
+        (f"gateway@{'t' * 65}:*:abc\n", "a tenant is"),
+        ("admin@acme:*:abc\n", "admin tokens cannot be confined"),
+        ("root@acme:*:abc\n", "unknown role"),
+    ],
+)
 def test_malformed_tokens_files_are_refused_without_echoing_secrets(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as e:
         load_tokens(_file(tmp_path, text))
@@ -61,11 +69,16 @@ def test_malformed_tokens_files_are_refused_without_echoing_secrets(tmp_path: Pa
 
 
 def test_tokens_confined_to_a_tenant(tmp_path: Path) -> None:
-    table = load_tokens(_file(tmp_path, """
+    table = load_tokens(
+        _file(
+            tmp_path,
+            """
 engine@acme:worker-*:e1
 gateway@acme.eu-2_x:*:g1
 gateway:*@x:g2
-"""))
+""",
+        )
+    )
     assert table.confined
     assert table.find(b"e1") == Principal("engine", "worker-*", 2, "acme")
     assert table.find(b"g1").tenant == "acme.eu-2_x"
@@ -166,8 +179,10 @@ def test_kvdir_up_auth_files(tmp_path: Path) -> None:
     assert files == first and files.admin_token() != old_admin
     table = load_tokens(files.tokens)
     assert len(table) == 4
-    token = {name: path.read_text().strip() for name, path in [("admin", files.admin), ("gateway", files.gateway),
-                                                                *files.engines.items()]}
+    token = {
+        name: path.read_text().strip()
+        for name, path in [("admin", files.admin), ("gateway", files.gateway), *files.engines.items()]
+    }
     assert table.find(token["admin"].encode()).role == "admin"
     assert table.find(token["gateway"].encode()).role == "gateway"
     engine = table.find(token["worker-1"].encode())

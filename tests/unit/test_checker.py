@@ -21,8 +21,18 @@ def rm(node: str, epoch: int, seq: int, t0: float = 2.0, outcome: str = OK) -> O
 
 
 def look(seq: int, holders: dict[str, int], t0: float, consistency: str = "linearizable") -> Op:
-    return Op("lookup", "x", 1, t0, t0 + 0.01, OK, 200, seq=seq, consistency=consistency,
-              holders={n: (e, SEQ_BLOCKS, SLOTS) for n, e in holders.items()})
+    return Op(
+        "lookup",
+        "x",
+        1,
+        t0,
+        t0 + 0.01,
+        OK,
+        200,
+        seq=seq,
+        consistency=consistency,
+        holders={n: (e, SEQ_BLOCKS, SLOTS) for n, e in holders.items()},
+    )
 
 
 def obs(nodes: dict[str, int], seqs: dict[int, dict[str, int]], replica: int = 0, digest: str = "d") -> Observed:

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from directory.addresses import parse_hostport
 from directory.auth import load_tokens
-from directory.config import parse_hostport
 from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services, interpolate
 from kvdir.launcher import UpSettings
 
@@ -44,8 +44,9 @@ def test_every_service_passes_check_config(services) -> None:
     assert services, "no kvdir service found"
     for name, (role, args, env) in services.items():
         assert check(role, args, env) == [], name
-    out = subprocess.run([sys.executable, "-m", "kvdir", "check-config", "--compose", str(COMPOSE)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdir", "check-config", "--compose", str(COMPOSE)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ok: ") == len(services)
 
@@ -108,7 +109,8 @@ def test_topology_is_consistent_and_matches_kvdir_up(services, doc) -> None:
     # Published on 8000 unless KVDIR_GATEWAY_PUBLISH says otherwise (tests/compose: a free loopback port).
     assert [interpolate(p, {}) for p in doc["services"]["gateway"]["ports"]] == ["8000:8000"]
     assert [interpolate(p, {"KVDIR_GATEWAY_PUBLISH": "127.0.0.1:9"}) for p in doc["services"]["gateway"]["ports"]] == [
-        "127.0.0.1:9:8000"]
+        "127.0.0.1:9:8000"
+    ]
     published = [n for n, s in doc["services"].items() if s.get("ports")]
     assert published == ["gateway"]  # nothing else is reachable from outside
 
@@ -136,8 +138,11 @@ def test_transfer_traffic_stays_on_a_private_network_between_workers(services, d
     private = homes.pop()
     assert doc["networks"][private].get("internal") is True
     assert {n for n, nets in on.items() if private in nets} == set(workers)
-    names_elsewhere = set(doc["services"]) | {svc.get("hostname") for svc in doc["services"].values()} | {
-        alias for nets in on.values() for net, cfg in nets.items() if net != private for alias in cfg.get("aliases", [])}
+    names_elsewhere = (
+        set(doc["services"])
+        | {svc.get("hostname") for svc in doc["services"].values()}
+        | {alias for nets in on.values() for net, cfg in nets.items() if net != private for alias in cfg.get("aliases", [])}
+    )
     assert not names_elsewhere & set(hosts.values())
     gateway = [n for n, (role, _, _) in services.items() if role == "gateway"]
     assert gateway and all(private not in on[n] for n in gateway)
@@ -150,7 +155,7 @@ def test_dockerfile_essentials() -> None:
     # build-time ldd check that fails on any other missing one (make test-compose proves the image runs).
     assert all(lib in text for lib in ("libibverbs1", "libnuma1", "libcurl4")) and "not found" in text
     assert "\nUSER kvdir" in text and "useradd" in text
-    assert 'HEALTHCHECK' in text and '"kvdir", "health"' in text
+    assert "HEALTHCHECK" in text and '"kvdir", "health"' in text
     assert 'ENTRYPOINT ["kvdir"]' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
@@ -169,9 +174,11 @@ def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:
     cpu = compose_services(ROOT / "deploy" / "docker-compose.vllm.yml", stand_in, {"KVDIR_VLLM_BLOCK_SIZE": "32"})
     assert cpu["vllm1-events"][2]["KVDIR_BLOCK_SIZE"] == "32"
     doc = yaml.safe_load((ROOT / "deploy" / "docker-compose.vllm.yml").read_text())
-    sizes = {"engine": doc["services"]["vllm1"]["command"].split("--block-size ")[1].split()[0],
-             "gateway": doc["services"]["gateway"]["environment"]["KVDIR_BLOCK_SIZE"],
-             "adapter": doc["services"]["vllm1-events"]["environment"]["KVDIR_BLOCK_SIZE"]}
+    sizes = {
+        "engine": doc["services"]["vllm1"]["command"].split("--block-size ")[1].split()[0],
+        "gateway": doc["services"]["gateway"]["environment"]["KVDIR_BLOCK_SIZE"],
+        "adapter": doc["services"]["vllm1-events"]["environment"]["KVDIR_BLOCK_SIZE"],
+    }
     assert {k: interpolate(v, {"KVDIR_VLLM_BLOCK_SIZE": "32"}) for k, v in sizes.items()} == dict.fromkeys(sizes, "32")
     assert "deploy" not in doc["services"]["vllm1"]  # the GPU reservation lives in deploy/docker-compose.gpu.yml
 
@@ -192,7 +199,7 @@ def _mounted_secret(doc: dict, name: str, variable: str) -> str:
 def test_secrets_are_wired(services, doc) -> None:
     """Auth is on in compose: every replica reads the tokens file, every client its own token file."""
     files = {}
-    for name, (role, _, env) in services.items():
+    for name, (role, _, _env) in services.items():
         if role == "directory":
             assert _mounted_secret(doc, name, "KVDIR_AUTH_TOKENS_FILE") == "auth_tokens"
             assert _mounted_secret(doc, name, "KVDIR_RAFT_PASSWORD_FILE") == "raft_password"
@@ -224,8 +231,9 @@ def test_check_config_catches_a_client_without_a_token(tmp_path) -> None:
     stand_in.write_text("x")
     problems = compose_auth_problems(compose_services(path, stand_in))
     assert len(problems) == 2 and problems[0].startswith("dir2:") and problems[1].startswith("worker3:"), problems
-    out = subprocess.run([sys.executable, "-m", "kvdir", "check-config", "--compose", str(path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdir", "check-config", "--compose", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "worker3: no directory token file" in out.stderr, out.stderr
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from directory.config import DirectorySettings
-from directory.events_subscriber import EventsSettings
+from engines.config import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import UpSettings
 from worker_stub.config import WorkerSettings

@@ -116,9 +116,7 @@ def test_chain_hashes_of_nothing():
 # -- input types ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "dtype", [np.uint32, np.int64, np.uint64, np.int32, np.uint16, np.int16]
-)
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64, np.uint64, np.int32, np.uint16, np.int16])
 def test_numpy_and_list_inputs_agree(dtype):
     tokens = list(range(1, 41))
     arr = np.asarray(tokens, dtype=dtype)

@@ -51,8 +51,10 @@ class Ix:
 
     def lookup(self, hashes, with_slots=False):
         nodes, matched, slots = self.ix.lookup(H(*hashes), with_slots)
-        return [Match(int(n), int(k), slots[j, :k] if with_slots else None)
-                for j, (n, k) in enumerate(zip(nodes.tolist(), matched.tolist()))]
+        return [
+            Match(int(n), int(k), slots[j, :k] if with_slots else None)
+            for j, (n, k) in enumerate(zip(nodes.tolist(), matched.tolist()))
+        ]
 
     def drop_node(self, node):
         return self.ix.drop_node(node)
@@ -69,8 +71,10 @@ def look(ix, hashes, with_slots=False) -> list[Match]:
     if isinstance(ix, Ix):
         return ix.lookup(hashes, with_slots)
     nodes, matched, slots = ix.lookup(np.asarray(hashes, dtype=np.uint64), with_slots)
-    return [Match(int(n), int(k), slots[j, :k] if with_slots else None)
-            for j, (n, k) in enumerate(zip(nodes.tolist(), matched.tolist()))]
+    return [
+        Match(int(n), int(k), slots[j, :k] if with_slots else None)
+        for j, (n, k) in enumerate(zip(nodes.tolist(), matched.tolist()))
+    ]
 
 
 def matches(ms):
@@ -508,7 +512,10 @@ _op = st.one_of(
 def test_index_matches_dict_model(threshold, ops, queries):
     ix = BlockIndex(merge_threshold=threshold)
     model: dict[int, dict[int, int]] = {}  # node -> {hash: slot}
-    hashval = lambda i: (i * 0x9E3779B97F4A7C15) % 2**64  # spread over the u64 range
+
+    def hashval(i):
+        return (i * 0x9E3779B97F4A7C15) % 2**64  # spread over the u64 range
+
     for kind, node, arg in ops:
         if kind == "put":
             hs = [hashval(h) for h, _ in arg]

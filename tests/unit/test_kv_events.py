@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from directory.events_subscriber import EventsSettings
 from directory.hashing import block_hashes
-from directory.kv_events import (
+from engines.config import EventsSettings
+from engines.kv_events import (
     END_SEQ,
     Cleared,
     DecodeError,
@@ -38,8 +38,10 @@ A2, B2 = 11144390117411643634, 16310062092427750112  # seq 11 and 12: the third 
 
 def captured(run: str = "") -> list[list[bytes]]:
     folder = CAPTURES / run if run else CAPTURES
-    return [[(folder / f.name.replace("frame0", f"frame{i}")).read_bytes() for i in range(3)]
-            for f in sorted(folder.glob("msg*_frame0.bin"))]
+    return [
+        [(folder / f.name.replace("frame0", f"frame{i}")).read_bytes() for i in range(3)]
+        for f in sorted(folder.glob("msg*_frame0.bin"))
+    ]
 
 
 def prompts() -> dict[str, list[int]]:
@@ -67,7 +69,14 @@ def test_captured_frames_decode_to_the_expected_events() -> None:
     assert isinstance(first, Stored)
     assert first.engine_hashes == (A0, A1) and first.parent is None
     assert first.token_ids[:5] == (334, 157, 407, 669, 52) and len(first.token_ids) == 64
-    assert (first.block_size, first.medium, first.lora_name, first.lora_id, first.extra_keys, first.group_idx) == (32, "GPU", None, None, None, 0)
+    assert (first.block_size, first.medium, first.lora_name, first.lora_id, first.extra_keys, first.group_idx) == (
+        32,
+        "GPU",
+        None,
+        None,
+        None,
+        0,
+    )
     assert batches[0].ts == pytest.approx(1795936700.4191983)
     second = batches[1].events[0]
     assert second.engine_hashes == (A2,) and second.parent == A1
@@ -154,11 +163,27 @@ def _events(encoding: str, hs: list, lone: object) -> list:
             ["AllBlocksCleared"],
         ]
     return [
-        {"type": "BlockStored", "block_hashes": hs[:2], "parent_block_hash": None, "token_ids": TOKENS[:32],
-         "block_size": 16, "lora_id": None, "medium": "GPU"},
-        {"type": "BlockStored", "block_hashes": hs[2:], "parent_block_hash": hs[1], "token_ids": TOKENS[32:],
-         "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-         "kv_cache_spec_kind": "full_attention"},
+        {
+            "type": "BlockStored",
+            "block_hashes": hs[:2],
+            "parent_block_hash": None,
+            "token_ids": TOKENS[:32],
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": hs[2:],
+            "parent_block_hash": hs[1],
+            "token_ids": TOKENS[32:],
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        },
         {"type": "BlockRemoved", "block_hashes": [hs[3]], "medium": "GPU"},
         {"type": "BlockRemoved", "block_hashes": [lone]},
         {"type": "AllBlocksCleared"},
@@ -172,7 +197,9 @@ def test_synthesized_batches_decode_in_every_encoding(encoding: str, hash_kind: 
     hs = _hashes(hash_kind, 4)
     lone = _hashes(hash_kind, 1, "unknown")[0]
     events = _events(encoding, hs, lone)
-    batch = {"array3": [1.5, events, 2], "array2": [1.5, events], "map": {"ts": 1.5, "events": events, "attn_dp_rank": 2}}[batch_form]
+    batch = {"array3": [1.5, events, 2], "array2": [1.5, events], "map": {"ts": 1.5, "events": events, "attn_dp_rank": 2}}[
+        batch_form
+    ]
     stats = DecodeStats()
     b = decode_message([b"kv", encode_seq(7), msgspec.msgpack.encode(batch)], stats)
     assert b is not None and b.seq == 7 and b.ts == 1.5 and b.topic == b"kv"
@@ -195,10 +222,12 @@ def test_synthesized_batches_decode_in_every_encoding(encoding: str, hash_kind: 
 def test_sglang_style_signed_hashes_and_positional_events_without_medium() -> None:
     hs = [-5, 2**63 - 1, -(2**63)]
     tokens = list(range(48))
-    events = [["BlockStored", hs[:1], None, tokens[:16], 16, None],  # SGLang: one page per event, chained
-              ["BlockStored", hs[1:], hs[0], tokens[16:], 16, 3],
-              ["BlockRemoved", [hs[2]]]]
-    ts, evs, rank = decode_payload(msgspec.msgpack.encode([2.0, events]))
+    events = [
+        ["BlockStored", hs[:1], None, tokens[:16], 16, None],  # SGLang: one page per event, chained
+        ["BlockStored", hs[1:], hs[0], tokens[16:], 16, 3],
+        ["BlockRemoved", [hs[2]]],
+    ]
+    _ts, evs, rank = decode_payload(msgspec.msgpack.encode([2.0, events]))
     assert rank is None and evs[1].lora_id == 3 and evs[1].parent == -5
     m = HashMapper(16)
     m.apply(evs[0])
@@ -218,8 +247,16 @@ def test_unknown_types_and_extra_fields_are_counted_and_skipped() -> None:
     events = [
         ["BlockUpdated", [1], "CPU"],
         {"type": "SomethingNew", "x": 1},
-        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16)),
-         "block_size": 16, "lora_id": None, "brand_new": True, "another": [1, 2]},
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": list(range(16)),
+            "block_size": 16,
+            "lora_id": None,
+            "brand_new": True,
+            "another": [1, 2],
+        },
         {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 0, "locality": "x", "mystery": 0},
         ["BlockRemoved", [1], "GPU", 0, None, None, "one too many", "two"],
         {"type": "AllBlocksCleared", "why": "reset"},
@@ -233,24 +270,77 @@ def test_unknown_types_and_extra_fields_are_counted_and_skipped() -> None:
 
 def test_stores_of_other_cache_groups_are_skipped() -> None:
     stats = DecodeStats()
-    ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16)),
-          "block_size": 16, "lora_id": None, "kv_cache_spec_kind": "sliding_window", "group_idx": 1}
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "kv_cache_spec_kind": "sliding_window",
+        "group_idx": 1,
+    }
     assert decode_event(ev, stats) is None and stats.skipped_groups == 1
 
 
-@pytest.mark.parametrize("bad", [
-    {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": list(range(16)), "block_size": 16, "lora_id": None},
-    {"type": "BlockStored", "block_hashes": ["x"], "parent_block_hash": None, "token_ids": list(range(16)), "block_size": 16, "lora_id": None},
-    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": 1.5, "token_ids": list(range(16)), "block_size": 16, "lora_id": None},
-    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [[1, 2]] * 16, "block_size": 16, "lora_id": None},
-    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [-1] * 16, "block_size": 16, "lora_id": None},
-    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": list(range(16)), "block_size": 0, "lora_id": None},
-    {"type": "BlockRemoved", "block_hashes": 7},
-    ["BlockStored", [1], None],
-    [1, 2, 3],
-    "BlockStored",
-    None,
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {
+            "type": "BlockStored",
+            "block_hashes": [1, 2],
+            "parent_block_hash": None,
+            "token_ids": list(range(16)),
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": ["x"],
+            "parent_block_hash": None,
+            "token_ids": list(range(16)),
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": 1.5,
+            "token_ids": list(range(16)),
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": [[1, 2]] * 16,
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": [-1] * 16,
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": list(range(16)),
+            "block_size": 0,
+            "lora_id": None,
+        },
+        {"type": "BlockRemoved", "block_hashes": 7},
+        ["BlockStored", [1], None],
+        [1, 2, 3],
+        "BlockStored",
+        None,
+    ],
+)
 def test_malformed_events_are_counted_not_fatal(bad: object) -> None:
     stats = DecodeStats()
     good = ["AllBlocksCleared"]
@@ -261,20 +351,23 @@ def test_malformed_events_are_counted_not_fatal(bad: object) -> None:
 GOOD = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]], 0])
 
 
-@pytest.mark.parametrize("frames", [
-    [b"kv", encode_seq(1)],  # too few frames
-    [b"kv", encode_seq(1), GOOD, b"more"],  # too many
-    [b"kv", b"\x00" * 7, GOOD],  # seq of 7 bytes
-    [b"kv", encode_seq(1), b"\xc1"],  # never valid msgpack
-    [b"kv", encode_seq(1), GOOD + b"\x00"],  # trailing bytes
-    [b"kv", encode_seq(1), b""],
-    [b"kv", encode_seq(1), msgspec.msgpack.encode(42)],
-    [b"kv", encode_seq(1), msgspec.msgpack.encode([1.0])],
-    [b"kv", encode_seq(1), msgspec.msgpack.encode([1.0, [], 0, "x"])],
-    [b"kv", encode_seq(1), msgspec.msgpack.encode([1.0, "events"])],
-    [b"kv", encode_seq(1), msgspec.msgpack.encode(["ts", []])],
-    [b"kv", encode_seq(1), msgspec.msgpack.encode({"ts": 1.0})],
-])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"kv", encode_seq(1)],  # too few frames
+        [b"kv", encode_seq(1), GOOD, b"more"],  # too many
+        [b"kv", b"\x00" * 7, GOOD],  # seq of 7 bytes
+        [b"kv", encode_seq(1), b"\xc1"],  # never valid msgpack
+        [b"kv", encode_seq(1), GOOD + b"\x00"],  # trailing bytes
+        [b"kv", encode_seq(1), b""],
+        [b"kv", encode_seq(1), msgspec.msgpack.encode(42)],
+        [b"kv", encode_seq(1), msgspec.msgpack.encode([1.0])],
+        [b"kv", encode_seq(1), msgspec.msgpack.encode([1.0, [], 0, "x"])],
+        [b"kv", encode_seq(1), msgspec.msgpack.encode([1.0, "events"])],
+        [b"kv", encode_seq(1), msgspec.msgpack.encode(["ts", []])],
+        [b"kv", encode_seq(1), msgspec.msgpack.encode({"ts": 1.0})],
+    ],
+)
 def test_garbage_frames_are_counted_and_skipped(frames: list[bytes]) -> None:
     stats = DecodeStats()
     assert decode_message(frames, stats) is None
@@ -369,7 +462,11 @@ def test_lora_name_folds_into_the_namespace() -> None:
     lora = m.store(_chain(tokens, 16, [3, 4], lora_name="sql", lora_id=1)).publish
     salted = m.store(_chain(tokens, 16, [5, 6], cache_salt="tenant-9")).publish
     assert plain == tuple(block_hashes(tokens, 16, "llama"))
-    assert lora == tuple(block_hashes(tokens, 16, "llama|lora=sql")) == tuple(block_hashes(tokens, 16, engine_namespace("llama", lora_name="sql")))
+    assert (
+        lora
+        == tuple(block_hashes(tokens, 16, "llama|lora=sql"))
+        == tuple(block_hashes(tokens, 16, engine_namespace("llama", lora_name="sql")))
+    )
     assert salted == tuple(block_hashes(tokens, 16, "llama|salt=tenant-9"))
     assert len({plain, lora, salted}) == 3
 
@@ -460,7 +557,7 @@ class FakeDirectory:
 
 
 def _subscriber():
-    from directory.events_subscriber import EventsSubscriber
+    from engines.subscriber import EventsSubscriber
 
     fake = FakeDirectory()
     sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake)  # type: ignore[arg-type]
@@ -469,7 +566,7 @@ def _subscriber():
 
 
 def _batch(seq: int, *events, ts: float = 1.0):
-    from directory.kv_events import Batch
+    from engines.kv_events import Batch
 
     return Batch(seq, ts, tuple(events))
 

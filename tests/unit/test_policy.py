@@ -37,8 +37,9 @@ ALL = sorted(POLICIES)
 
 
 def req_of(n_blocks: int, extra: int = 0, bs: int = 16, max_tokens: int = 16, base: int = 1000) -> RouteRequest:
-    return RouteRequest(prompt_tokens=n_blocks * bs + extra, hashes=tuple(range(base, base + n_blocks)),
-                        block_size=bs, max_tokens=max_tokens)
+    return RouteRequest(
+        prompt_tokens=n_blocks * bs + extra, hashes=tuple(range(base, base + n_blocks)), block_size=bs, max_tokens=max_tokens
+    )
 
 
 def cand(node_id: str, cached: int = 0, **kw) -> Candidate:
@@ -129,11 +130,14 @@ def break_even_blocks(cost: CostModel, bs: int = 16) -> float:
     return cost.pull_setup_s / per_block_saving if per_block_saving > 0 else math.inf
 
 
-@pytest.mark.parametrize("cost", [
-    C,  # default: 0.002 / (1.6e-3 - 8.192e-6) = 1.26 blocks
-    CostModel(pull_setup_s=0.0105, block_bytes=16_384, link_bytes_per_s=16_384 / 0.0006),  # 0.0105 / 0.001 = 10.5
-    CostModel(prefill_tokens_per_s=40_000.0, block_bytes=2 * 1024 * 1024, link_bytes_per_s=10e9, pull_setup_s=0.001),
-])
+@pytest.mark.parametrize(
+    "cost",
+    [
+        C,  # default: 0.002 / (1.6e-3 - 8.192e-6) = 1.26 blocks
+        CostModel(pull_setup_s=0.0105, block_bytes=16_384, link_bytes_per_s=16_384 / 0.0006),  # 0.0105 / 0.001 = 10.5
+        CostModel(prefill_tokens_per_s=40_000.0, block_bytes=2 * 1024 * 1024, link_bytes_per_s=10e9, pull_setup_s=0.001),
+    ],
+)
 def test_break_even_both_sides(cost):
     n_star = break_even_blocks(cost)
     assert 1 < n_star < 200 and n_star != int(n_star)
@@ -177,10 +181,12 @@ def test_pull_of_missing_part_only_and_partial_holder():
 
 def test_pull_source_is_the_longest_holder_lowest_id_on_ties():
     r = req_of(40)
-    cs = [cand("zz", cached=40, slots=tuple(range(900, 940)), pending_prefill_tokens=1e6),
-          cand("hb", cached=40, slots=tuple(range(40)), pending_prefill_tokens=1e6, epoch=4),
-          cand("hc", cached=39, slots=tuple(range(300, 339)), pending_prefill_tokens=1e6),
-          cand("x", cached=2)]
+    cs = [
+        cand("zz", cached=40, slots=tuple(range(900, 940)), pending_prefill_tokens=1e6),
+        cand("hb", cached=40, slots=tuple(range(40)), pending_prefill_tokens=1e6, epoch=4),
+        cand("hc", cached=39, slots=tuple(range(300, 339)), pending_prefill_tokens=1e6),
+        cand("x", cached=2),
+    ]
     d = kvdir().choose(r, cs, rng())
     assert (d.node_id, d.reason, d.pull_from, d.pull_epoch, d.pull_slots) == ("x", "pull", "hb", 4, tuple(range(40)))
 
@@ -243,8 +249,10 @@ def test_hot_prefix_spreads_over_the_cluster():
         pol.on_routed(r, d)
         seen.append(d)
         c = state[d.node_id]
-        upd = {"inflight": c.inflight + 1,
-               "pending_prefill_tokens": c.pending_prefill_tokens + r.prompt_tokens - d.predicted_cached_tokens}
+        upd = {
+            "inflight": c.inflight + 1,
+            "pending_prefill_tokens": c.pending_prefill_tokens + r.prompt_tokens - d.predicted_cached_tokens,
+        }
         if d.reason == "pull":
             upd.update(cached_blocks=100, slots=tuple(range(1000, 1100)))
         state[d.node_id] = replace(c, **upd)
@@ -304,8 +312,9 @@ def test_kvdir_is_cheap():
     import time
 
     r = req_of(62, extra=8)
-    cs = [cand(f"n{i:02d}", cached=(7 * i) % 50, running=i % 5, inflight=i % 3, pending_prefill_tokens=100.0 * i)
-          for i in range(16)]
+    cs = [
+        cand(f"n{i:02d}", cached=(7 * i) % 50, running=i % 5, inflight=i % 3, pending_prefill_tokens=100.0 * i) for i in range(16)
+    ]
     pol, g = kvdir(), rng()
     n = 2000
     t0 = time.perf_counter()
@@ -469,9 +478,9 @@ def test_sglang_options_validated():
 def test_dynamo_argmin_cost():
     r = req_of(20, max_tokens=12)  # 320 prompt tokens, 20 blocks; per active request (320+12)/16 = 20.75 blocks
     cs = [
-        cand("a", cached=20, running=1),                      # 0 + 20.75
-        cand("b", cached=5),                                  # 15 + 0
-        cand("c", cached=10, pending_prefill_tokens=32.0),    # 10 + 2
+        cand("a", cached=20, running=1),  # 0 + 20.75
+        cand("b", cached=5),  # 15 + 0
+        cand("c", cached=10, pending_prefill_tokens=32.0),  # 10 + 2
     ]
     pol = make_policy("dynamo")
     assert pol.costs(r, cs) == pytest.approx([20.75, 15.0, 12.0])
@@ -546,24 +555,39 @@ def scenario(draw):
     # prompt_tokens normally covers the blocks; sometimes (inconsistent input) it does not
     prompt = draw(st.one_of(st.integers(nh * bs, nh * bs + bs - 1), st.integers(0, nh * bs + bs)))
     prefix = draw(st.integers(0, 3))  # a few prompts share hashes, so trees match
-    req = RouteRequest(prompt_tokens=prompt, hashes=tuple(range(prefix * 100, prefix * 100 + nh)), block_size=bs,
-                       max_tokens=draw(st.integers(1, 64)))
+    req = RouteRequest(
+        prompt_tokens=prompt,
+        hashes=tuple(range(prefix * 100, prefix * 100 + nh)),
+        block_size=bs,
+        max_tokens=draw(st.integers(1, 64)),
+    )
     ids = draw(st.lists(st.sampled_from(NODE_IDS), min_size=1, max_size=6, unique=True))
     cands = []
     for i, node in enumerate(ids):
         cached = draw(st.integers(0, nh + 2))
-        cands.append(Candidate(
-            node_id=node, epoch=draw(st.integers(1, 5)), cached_blocks=cached,
-            slots=tuple(range(i * 50, i * 50 + draw(st.integers(0, cached + 1)))),
-            running=draw(st.integers(0, 40)), waiting=draw(st.integers(0, 5)),
-            pending_prefill_tokens=draw(st.floats(0, 1e5)), inflight=draw(st.integers(0, 40)),
-            healthy=draw(st.booleans()) if i else True, can_pull=draw(st.booleans()),
-        ))
+        cands.append(
+            Candidate(
+                node_id=node,
+                epoch=draw(st.integers(1, 5)),
+                cached_blocks=cached,
+                slots=tuple(range(i * 50, i * 50 + draw(st.integers(0, cached + 1)))),
+                running=draw(st.integers(0, 40)),
+                waiting=draw(st.integers(0, 5)),
+                pending_prefill_tokens=draw(st.floats(0, 1e5)),
+                inflight=draw(st.integers(0, 40)),
+                healthy=draw(st.booleans()) if i else True,
+                can_pull=draw(st.booleans()),
+            )
+        )
     return req, cands
 
 
-COSTS = st.builds(CostModel, link_bytes_per_s=st.sampled_from([1e6, 1e8, 2e9, 1e11]),
-                  pull_setup_s=st.sampled_from([0.0, 0.002, 0.05]), max_running=st.integers(1, 64))
+COSTS = st.builds(
+    CostModel,
+    link_bytes_per_s=st.sampled_from([1e6, 1e8, 2e9, 1e11]),
+    pull_setup_s=st.sampled_from([0.0, 0.002, 0.05]),
+    max_running=st.integers(1, 64),
+)
 
 
 def check(req: RouteRequest, cands: list[Candidate], d: Decision) -> None:
@@ -577,7 +601,7 @@ def check(req: RouteRequest, cands: list[Candidate], d: Decision) -> None:
         assert d.pull_from in healthy and d.pull_from != d.node_id
         assert d.pull_epoch == healthy[d.pull_from].epoch
         assert 0 < len(d.pull_slots) <= healthy[d.pull_from].cached_blocks
-        assert d.pull_slots == healthy[d.pull_from].slots[:len(d.pull_slots)]
+        assert d.pull_slots == healthy[d.pull_from].slots[: len(d.pull_slots)]
     else:
         assert d.pull_from is None and d.pull_epoch is None and d.pull_slots == ()
 

@@ -29,8 +29,9 @@ class _Call:
         return (self.fn, self.args)
 
 
-@pytest.mark.parametrize("fn", [os.system, subprocess.Popen, eval, getattr, __import__, pickle.loads,
-                                raft_transport.install, np.load])
+@pytest.mark.parametrize(
+    "fn", [os.system, subprocess.Popen, eval, getattr, __import__, pickle.loads, raft_transport.install, np.load]
+)
 def test_the_raft_unpickler_builds_no_callable_outside_its_list(fn: object) -> None:
     with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
         raft_transport.safe_loads(dumps(_Call(fn, "true")))
@@ -49,8 +50,14 @@ def test_every_command_kind_survives_the_raft_unpickler() -> None:
     hashes = np.arange(1, 5, dtype=np.uint64)
     commands = [
         Register("n", "inc", "http://127.0.0.1:9", "127.0.0.1:7", ({"base": 1, "rkey": "r", "len": 2},), 8, 16, 1 << 40),
-        Heartbeat("n", 3, {"queue": 1.5}), Deregister("n"), Publish("n", 3, hashes, np.arange(4, dtype=np.uint32), "cpu"),
-        Remove("n", 3, hashes), Clear("n", 3), Expire("n", 3, 7), AnnounceReplica("127.0.0.1:1", "http://127.0.0.1:2"), Noop(),
+        Heartbeat("n", 3, {"queue": 1.5}),
+        Deregister("n"),
+        Publish("n", 3, hashes, np.arange(4, dtype=np.uint32), "cpu"),
+        Remove("n", 3, hashes),
+        Clear("n", 3),
+        Expire("n", 3, 7),
+        AnnounceReplica("127.0.0.1:1", "http://127.0.0.1:2"),
+        Noop(),
     ]
     call = (0, (commands,), {})  # how pysyncobj's @replicated pickles a call
     back = raft_transport.safe_loads(dumps(call))
@@ -78,8 +85,14 @@ def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path:
     replica = Replica(settings)
     try:
         _wait(lambda: replica.is_leader, what="a leader")
-        assert replica.sm.apply_batch([Register("n", "inc", "http://127.0.0.1:9", regions=({"base": 4096, "rkey": "k"},),
-                                                epoch_base=1 << 31)], sync=True, timeout=10)[0].status == "ok"
+        assert (
+            replica.sm.apply_batch(
+                [Register("n", "inc", "http://127.0.0.1:9", regions=({"base": 4096, "rkey": "k"},), epoch_base=1 << 31)],
+                sync=True,
+                timeout=10,
+            )[0].status
+            == "ok"
+        )
         epoch = replica.state.nodes["n"].epoch
         hashes = np.arange(1, 1001, dtype=np.uint64)
         replica.sm.apply_batch([Publish("n", epoch, hashes, np.arange(1000, dtype=np.uint32))], sync=True, timeout=10)
@@ -114,7 +127,9 @@ def test_install_routes_pysyncobj_through_the_guarded_classes() -> None:
     assert list(sopickle.load(buf)["a"]) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("payload", [_Call(bytes, 1 << 40), _Call(bytearray, 1 << 40), _Call(__import__("_codecs").encode, "x", "zlib")])
+@pytest.mark.parametrize(
+    "payload", [_Call(bytes, 1 << 40), _Call(bytearray, 1 << 40), _Call(__import__("_codecs").encode, "x", "zlib")]
+)
 def test_the_raft_unpickler_refuses_huge_allocations_and_other_codecs(payload: _Call) -> None:
     with pytest.raises(pickle.UnpicklingError):
         raft_transport.safe_loads(dumps(payload))

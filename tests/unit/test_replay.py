@@ -6,6 +6,7 @@ Pure code: no sockets, no clocks in the model, fixed seeds.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -56,8 +57,13 @@ def test_chained_keys_name_the_whole_prefix():
 
 def test_load_mooncake_reads_the_fields(tmp_path):
     p = tmp_path / "t.jsonl"
-    write_trace(p, [{"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
-                    {"timestamp": 2000.5, "input_length": 600, "output_length": 0, "hash_ids": [0, 4]}])
+    write_trace(
+        p,
+        [
+            {"timestamp": 1500, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+            {"timestamp": 2000.5, "input_length": 600, "output_length": 0, "hash_ids": [0, 4]},
+        ],
+    )
     reqs, errors = load_mooncake(p)
     assert errors == []
     assert reqs[0] == TraceRequest(1.5, 1100, 7, chain_blocks([0, 1, 2]))
@@ -67,18 +73,18 @@ def test_load_mooncake_reads_the_fields(tmp_path):
 def test_malformed_lines_are_reported_by_line_number_and_strict_raises(tmp_path):
     good = {"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]}
     rows = [
-        good,                                                                    # 1
-        "{not json",                                                             # 2
-        {"timestamp": 1, "input_length": 10, "output_length": 1},                # 3 missing hash_ids
-        {**good, "input_length": "1024"},                                        # 4 wrong type
-        {**good, "output_length": -1},                                           # 5 negative
-        "",                                                                      # 6 blank: ignored
-        {**good, "hash_ids": [0, "x"]},                                          # 7 wrong element type
-        {**good, "input_length": 512},                                           # 8 two blocks for 512 tokens
-        {**good, "timestamp": True},                                             # 9 bool is not a number
-        "[1, 2]",                                                                # 10 not an object
-        {**good, "hash_ids": [-1]},                                              # 11 negative id
-        good,                                                                    # 12
+        good,  # 1
+        "{not json",  # 2
+        {"timestamp": 1, "input_length": 10, "output_length": 1},  # 3 missing hash_ids
+        {**good, "input_length": "1024"},  # 4 wrong type
+        {**good, "output_length": -1},  # 5 negative
+        "",  # 6 blank: ignored
+        {**good, "hash_ids": [0, "x"]},  # 7 wrong element type
+        {**good, "input_length": 512},  # 8 two blocks for 512 tokens
+        {**good, "timestamp": True},  # 9 bool is not a number
+        "[1, 2]",  # 10 not an object
+        {**good, "hash_ids": [-1]},  # 11 negative id
+        good,  # 12
     ]
     p = tmp_path / "bad.jsonl"
     write_trace(p, rows)
@@ -103,7 +109,7 @@ def brute_oracle(requests: list[tuple[float, list[int], int]], by: str) -> float
         _, ids, tokens = requests[k]
         total += len(ids) if by == "blocks" else tokens
         for i in range(len(ids)):
-            seen = any(len(requests[q][1]) > i and requests[q][1][:i + 1] == ids[:i + 1] for q in order[:pos])
+            seen = any(len(requests[q][1]) > i and requests[q][1][: i + 1] == ids[: i + 1] for q in order[:pos])
             if seen:
                 hit += 1 if by == "blocks" else max(0, min(B, tokens - i * B))
     return hit / total if total else 0.0
@@ -111,7 +117,8 @@ def brute_oracle(requests: list[tuple[float, list[int], int]], by: str) -> float
 
 trace_st = st.lists(
     st.tuples(st.integers(0, 20), st.lists(st.integers(0, 3), min_size=0, max_size=6), st.integers(0, 511)),
-    min_size=0, max_size=12,
+    min_size=0,
+    max_size=12,
 )
 
 
@@ -219,11 +226,23 @@ def test_stale_directory_lowers_prediction_accuracy():
 
 
 def test_cost_model_matches_the_parameters():
-    p = SimParams(prefill_tokens_per_s=1234.0, block_bytes=99, link_bytes_per_s=5e8, pull_setup_s=0.01,
-                  max_running=7, decode_tokens_per_s=33.0)
+    p = SimParams(
+        prefill_tokens_per_s=1234.0,
+        block_bytes=99,
+        link_bytes_per_s=5e8,
+        pull_setup_s=0.01,
+        max_running=7,
+        decode_tokens_per_s=33.0,
+    )
     c = p.cost_model()
-    assert (c.prefill_tokens_per_s, c.block_bytes, c.link_bytes_per_s, c.pull_setup_s, c.max_running,
-            c.decode_tokens_per_s) == (1234.0, 99, 5e8, 0.01, 7, 33.0)
+    assert (c.prefill_tokens_per_s, c.block_bytes, c.link_bytes_per_s, c.pull_setup_s, c.max_running, c.decode_tokens_per_s) == (
+        1234.0,
+        99,
+        5e8,
+        0.01,
+        7,
+        33.0,
+    )
 
 
 def test_unknown_policy_is_refused():
@@ -240,7 +259,7 @@ def test_multi_turn_shape():
     assert len(trs) == 40
     lengths = sorted({r.input_tokens for r in trs})
     assert lengths[0] >= 4000 and lengths[-1] <= 8100 and len(lengths) == 5
-    assert all(a.arrival_s <= b.arrival_s for a, b in zip(trs, trs[1:]))
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(trs))
     assert all(len(r.blocks) == -(-r.input_tokens // B) for r in trs)
 
 
@@ -282,13 +301,36 @@ def test_same_seed_same_results():
 
 def test_report_writes_json_and_table(tmp_path, capsys):
     p = tmp_path / "t.jsonl"
-    rows = [{"timestamp": int(r.arrival_s * 1000), "input_length": r.input_tokens, "output_length": r.output_tokens,
-             "hash_ids": [0, i % 3, i % 5]} for i, r in enumerate(reuse_trace(40))]
+    rows = [
+        {
+            "timestamp": int(r.arrival_s * 1000),
+            "input_length": r.input_tokens,
+            "output_length": r.output_tokens,
+            "hash_ids": [0, i % 3, i % 5],
+        }
+        for i, r in enumerate(reuse_trace(40))
+    ]
     rows[7] = "garbage"
     write_trace(p, rows)
     out = tmp_path / "r.json"
-    rc = replay_main(["--trace", str(p), "--nodes", "3", "--capacity-blocks", "100", "--policies", "kvdir,round_robin",
-                      "--limit", "30", "--json", str(out), "--seed", "2"])
+    rc = replay_main(
+        [
+            "--trace",
+            str(p),
+            "--nodes",
+            "3",
+            "--capacity-blocks",
+            "100",
+            "--policies",
+            "kvdir,round_robin",
+            "--limit",
+            "30",
+            "--json",
+            str(out),
+            "--seed",
+            "2",
+        ]
+    )
     assert rc == 0
     cap = capsys.readouterr()
     assert "kvdir" in cap.out and "round_robin" in cap.out and "oracle" in cap.out
@@ -307,8 +349,9 @@ def test_report_writes_json_and_table(tmp_path, capsys):
 
 def test_report_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rc = replay_main(["--synthetic", "shared_prefix", "--limit", "60", "--policies", "kvdir,sglang",
-                      "--plot", str(tmp_path / "plots")])
+    rc = replay_main(
+        ["--synthetic", "shared_prefix", "--limit", "60", "--policies", "kvdir,sglang", "--plot", str(tmp_path / "plots")]
+    )
     assert rc == 0
     names = sorted(f.name for f in (tmp_path / "plots").iterdir())
     assert names == ["hit_rate.png", "load_kvdir.png", "load_sglang.png", "ttft.png"]

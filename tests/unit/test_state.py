@@ -132,8 +132,9 @@ def test_reregistration_updates_fields(st):
 def test_reregistrations_replace_the_old_one_and_leak_nothing(st):
     """Issue #12 item 7: the state holds one registration per node, whatever the churn; only the Raft
     log grows with re-registrations (compacted by size in the replica)."""
-    regions = tuple({"rank": r, "base_addr": 0, "length": 1, "block_bytes": 1, "rkey": "k" * 256, "layer": None}
-                    for r in range(256))
+    regions = tuple(
+        {"rank": r, "base_addr": 0, "length": 1, "block_bytes": 1, "rkey": "k" * 256, "layer": None} for r in range(256)
+    )
     for k in range(1000):
         e = st.apply(Register("a", f"i{k}", "http://a", regions=regions)).value
         assert pub(st, "a", e, [k, k + 1]).ok

@@ -177,13 +177,18 @@ _KIND_OPS = {
     "expire_now": expire_now_op,
     "deregister": deregister_op,
 }
-_WEIGHTED_KINDS = ["publish"] * 6 + ["register"] * 2 + ["heartbeat"] * 2 + [
-    "remove",
-    "clear",
-    "expire",
-    "expire_now",
-    "deregister",
-]
+_WEIGHTED_KINDS = (
+    ["publish"] * 6
+    + ["register"] * 2
+    + ["heartbeat"] * 2
+    + [
+        "remove",
+        "clear",
+        "expire",
+        "expire_now",
+        "deregister",
+    ]
+)
 op_strategy = st.sampled_from(_WEIGHTED_KINDS).flatmap(_KIND_OPS.__getitem__)
 
 

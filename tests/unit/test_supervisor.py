@@ -26,8 +26,9 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait()
 
 
-def test_restarts_back_off_exponentially_and_reset_once_stable(tmp_path: Path, procs: list[subprocess.Popen[bytes]],
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_restarts_back_off_exponentially_and_reset_once_stable(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
     log = tmp_path / "crasher.log"
 
     def start() -> None:

@@ -30,13 +30,15 @@ def unmix(key: int, value: int) -> int:
     return x ^ key
 
 
-SAMPLES = np.concatenate([
-    np.arange(100_000, dtype=np.uint64),  # dense low values
-    np.uint64(U64_MAX) - np.arange(1000, dtype=np.uint64),  # top of the range
-    (np.uint64(1) << np.arange(64, dtype=np.uint64)),  # single bits
-    np.random.default_rng(7).integers(0, U64_MAX, 100_000, dtype=np.uint64, endpoint=True),
-    np.asarray(block_hashes(list(range(4096))), dtype=np.uint64),
-])
+SAMPLES = np.concatenate(
+    [
+        np.arange(100_000, dtype=np.uint64),  # dense low values
+        np.uint64(U64_MAX) - np.arange(1000, dtype=np.uint64),  # top of the range
+        (np.uint64(1) << np.arange(64, dtype=np.uint64)),  # single bits
+        np.random.default_rng(7).integers(0, U64_MAX, 100_000, dtype=np.uint64, endpoint=True),
+        np.asarray(block_hashes(list(range(4096))), dtype=np.uint64),
+    ]
+)
 
 
 @given(key=st.integers(0, U64_MAX), value=st.integers(0, U64_MAX))
@@ -70,11 +72,17 @@ def test_keys_are_deterministic_and_leave_the_input_alone() -> None:
 def test_tenants_and_secrets_give_unrelated_keys() -> None:
     hashes = SAMPLES[:100_000]
     t = Tenancy(b"s3cr3t")
-    views = {"": t.keys(hashes, ""), "a": t.keys(hashes, "a"), "b": t.keys(hashes, "b"), "A": t.keys(hashes, "A"),
-             "a/other secret": Tenancy(b"other").keys(hashes, "a"), "a/no secret": Tenancy().keys(hashes, "a")}
+    views = {
+        "": t.keys(hashes, ""),
+        "a": t.keys(hashes, "a"),
+        "b": t.keys(hashes, "b"),
+        "A": t.keys(hashes, "A"),
+        "a/other secret": Tenancy(b"other").keys(hashes, "a"),
+        "a/no secret": Tenancy().keys(hashes, "a"),
+    }
     names = list(views)
     for i, x in enumerate(names):
-        for y in names[i + 1:]:
+        for y in names[i + 1 :]:
             # The same hash never lands on the same key, and no key of one tenant is any key of another.
             assert not np.any(views[x] == views[y]), (x, y)
             assert len(np.intersect1d(views[x], views[y])) == 0, (x, y)

@@ -123,7 +123,9 @@ def test_engine_implements_protocol(name: str, shared_engine: Callable[[str], Tr
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_scattered_read(name: str, shared_engine: Callable[[str], TransferEngine], shared_peer: Callable[[str], PeerProcess]) -> None:
+def test_scattered_read(
+    name: str, shared_engine: Callable[[str], TransferEngine], shared_peer: Callable[[str], PeerProcess]
+) -> None:
     """64 pieces of 16 KiB from unaligned remote offsets into shuffled local slots, plus the region's last byte."""
     engine, peer = shared_engine(name), shared_peer(name)
     rng = np.random.default_rng(7)
@@ -151,7 +153,9 @@ def test_scattered_read(name: str, shared_engine: Callable[[str], TransferEngine
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_concurrent_reads(name: str, shared_engine: Callable[[str], TransferEngine], shared_peer: Callable[[str], PeerProcess]) -> None:
+def test_concurrent_reads(
+    name: str, shared_engine: Callable[[str], TransferEngine], shared_peer: Callable[[str], PeerProcess]
+) -> None:
     engine, peer = shared_engine(name), shared_peer(name)
     k, size = 4, 256 << 10
     bufs = [np.zeros(size, dtype=np.uint8) for _ in range(k)]
@@ -164,7 +168,7 @@ def test_concurrent_reads(name: str, shared_engine: Callable[[str], TransferEngi
         try:
             for _ in range(5):
                 engine.read(peer.session, [bufs[i].ctypes.data], [peer.addr + i * size], [size])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(k)]

@@ -61,11 +61,14 @@ def wildcard_listener() -> Iterator[Callable[[str], tuple[socket.socket, TcpList
         s.close()
 
 
-@pytest.mark.parametrize(("bind", "host", "allowed", "refused"), [
-    ("0.0.0.0", HOST, [HOST], [ELSEWHERE]),
-    ("::", HOST, [HOST], [ELSEWHERE, "::1"]),
-    ("::", "::1", ["::1"], [HOST, ELSEWHERE]),
-])
+@pytest.mark.parametrize(
+    ("bind", "host", "allowed", "refused"),
+    [
+        ("0.0.0.0", HOST, [HOST], [ELSEWHERE]),
+        ("::", HOST, [HOST], [ELSEWHERE, "::1"]),
+        ("::", "::1", ["::1"], [HOST, ELSEWHERE]),
+    ],
+)
 def test_confined_listener_accepts_only_connections_to_its_host(wildcard_listener, bind, host, allowed, refused) -> None:
     listener, li = wildcard_listener(bind)
     for target in allowed + refused:  # the premise: a wildcard listener answers every address

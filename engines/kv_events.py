@@ -1,6 +1,6 @@
 """Engine KV events (protocol §5): decoding and mapping engine block hashes to ours.
 
-Pure code: no sockets, no clocks. `directory.events_subscriber` feeds it ZMQ
+Pure code: no sockets, no clocks. `engines.subscriber` feeds it ZMQ
 frames and sends what it returns to the directory.
 
 Wire format
@@ -113,14 +113,14 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import xxhash
 
 from directory.hashing import U32_MAX, local_hashes, seed_for
 
-EngineHash = Union[int, bytes]
+EngineHash = int | bytes
 """An engine's block hash: opaque, compared for equality only."""
 
 END_SEQ = -1
@@ -162,7 +162,7 @@ class Cleared:
     """AllBlocksCleared: the engine dropped every block (e.g. /reset_prefix_cache)."""
 
 
-Event = Union[Stored, Removed, Cleared]
+Event = Stored | Removed | Cleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,20 +197,48 @@ class DecodeError(ValueError):
 
 # -- decoding --------------------------------------------------------------------
 
-_STORED_MAP_KEYS = frozenset({
-    "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "lora_name", "extra_keys", "cache_salt", "group_idx",
-})
+_STORED_MAP_KEYS = frozenset(
+    {
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "cache_salt",
+        "group_idx",
+    }
+)
 _REMOVED_MAP_KEYS = frozenset({"type", "block_hashes", "medium", "group_idx"})
 # Known, carry nothing the directory needs: not counted as extra.
-_IGNORED_KEYS = frozenset({
-    "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
-})
+_IGNORED_KEYS = frozenset(
+    {
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+    }
+)
 # vLLM's positional field order after the tag; positions past the last are extra.
 _STORED_POSITIONS = (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-    "ownership", "session_id",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
 )
 _REMOVED_POSITIONS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _FULL_ATTENTION = "full_attention"
@@ -224,7 +252,8 @@ def parse_seq(raw: bytes) -> int:
     """An 8-byte big-endian signed sequence number."""
     if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) != 8:
         raise DecodeError(f"a seq frame has 8 bytes, got {len(raw) if hasattr(raw, '__len__') else raw!r}")
-    return _seq.unpack(bytes(raw))[0]
+    seq: int = _seq.unpack(bytes(raw))[0]
+    return seq
 
 
 def encode_seq(seq: int) -> bytes:
@@ -308,7 +337,9 @@ def decode_event(raw: Any, stats: DecodeStats | None = None) -> Event | None:
         kind, fields = raw[0], _positional(raw[0], raw[1:], stats)
     elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
         kind, fields = raw["type"], raw
-        known = {"BlockStored": _STORED_MAP_KEYS, "BlockRemoved": _REMOVED_MAP_KEYS, "AllBlocksCleared": frozenset({"type"})}.get(kind)
+        known = {"BlockStored": _STORED_MAP_KEYS, "BlockRemoved": _REMOVED_MAP_KEYS, "AllBlocksCleared": frozenset({"type"})}.get(
+            kind
+        )
         if known is not None:
             stats.extra_fields += sum(1 for k in raw if k not in known and k not in _IGNORED_KEYS)
     else:
@@ -354,7 +385,9 @@ def _positional(kind: str, values: list[Any], stats: DecodeStats) -> dict[str, A
             del out[name]
     if "extra_keys" in out and out["extra_keys"] is not None and not isinstance(out["extra_keys"], list):
         del out["extra_keys"]
-    if "group_idx" in out and not (out["group_idx"] is None or (isinstance(out["group_idx"], int) and not isinstance(out["group_idx"], bool))):
+    if "group_idx" in out and not (
+        out["group_idx"] is None or (isinstance(out["group_idx"], int) and not isinstance(out["group_idx"], bool))
+    ):
         del out["group_idx"]
     if kind == "BlockStored" and len(values) < 4:
         return None
@@ -430,7 +463,9 @@ def _freeze(v: Any) -> Any:
 # -- hash mapping ----------------------------------------------------------------
 
 
-def engine_namespace(base: str = "", *, lora_name: str | None = None, lora_id: int | None = None, cache_salt: str | None = None) -> str:
+def engine_namespace(
+    base: str = "", *, lora_name: str | None = None, lora_id: int | None = None, cache_salt: str | None = None
+) -> str:
     """The namespace blocks of an engine event are hashed under (see the module docstring)."""
     ns = base
     if lora_name:
@@ -581,8 +616,15 @@ class HashMapper:
             self.stats.removed_blocks += 1
         return MapResult(remove=tuple(remove))
 
-    def _put(self, eh: EngineHash, ours: tuple[int, ...], holder: tuple[int | None, str | None], medium: str | None,
-             publish: list[int], remove: list[int]) -> None:
+    def _put(
+        self,
+        eh: EngineHash,
+        ours: tuple[int, ...],
+        holder: tuple[int | None, str | None],
+        medium: str | None,
+        publish: list[int],
+        remove: list[int],
+    ) -> None:
         e = self._map.get(eh)
         if e is not None:
             self._map.move_to_end(eh)

@@ -11,7 +11,7 @@ its own port). It
   gateway routes to it; no memory regions, no transfer URL) and heartbeats
   for it only while the engine's ``GET /health`` answers 200: a dead engine's
   lease runs out and its entries go with it;
-* turns events into our block hashes (`directory.kv_events.HashMapper`) and
+* turns events into our block hashes (`engines.kv_events.HashMapper`) and
   sends the net change in batches, one round per ``batch_window_s``
   (10 ms): AllBlocksCleared first (as a clear of this node), then removals,
   then stores.
@@ -72,20 +72,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import httpx
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
 
+from directory.addresses import parse_hostport
 from directory.client import DirectoryClient
-from directory.config import DirectoryClientSettings, HostPort, parse_hostport
 from directory.errors import DirectoryError, RequestRejected, StaleEpochError
-from directory.kv_events import (
+from engines.config import EventsSettings
+from engines.kv_events import (
     END_SEQ,
     Batch,
     Cleared,
@@ -103,47 +101,6 @@ log = logging.getLogger("kvdir.events")
 
 CHUNK = 4096  # blocks per publish/remove request (the directory accepts 16384 by default)
 SLOT = 0
-
-
-class EventsSettings(DirectoryClientSettings):
-    """The KV-events subscriber of one engine (`kvdir events`)."""
-
-    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
-
-    engine_url: str = Field("http://127.0.0.1:8000", min_length=1,
-                            description="the engine's HTTP API: registered as the node's api_url; its /health gates heartbeats")
-    zmq: str = Field("tcp://127.0.0.1:5557", min_length=1, description="the engine's KV events ZMQ endpoint")
-    bind: bool = Field(True, description="bind the SUB socket (vLLM connects when its endpoint has no '*'); --no-bind connects")
-    replay: str | None = Field(None, description="the engine's ZMQ replay endpoint (ROUTER), to fetch missed batches; "
-                                                 "without it a gap means a resync")
-    topic: str = Field("", description="ZMQ topic to subscribe to (the engine's kv-events-config topic)")
-    block_size: int = Field(16, ge=1, le=4096, description="our tokens per block: must match the gateway's; "
-                                                             "the engine's block size must equal it or be a multiple")
-    namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
-    node_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$",
-                                description="the engine's node id in the directory (default: ENGINE_URL's host:port)")
-    metrics: HostPort | None = Field(None, description="HOST:PORT to serve Prometheus metrics on (default: none)")
-    heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat and /health probe period (keep well under the lease TTL)")
-    batch_window_s: float = Field(0.01, ge=0, le=10, description="changes are gathered this long before they are sent")
-    replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
-    max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
-    log_level: str = Field("info", description="debug, info, warning or error")
-
-    @model_validator(mode="after")
-    def _check(self) -> EventsSettings:
-        if not self.directory_urls:
-            raise ValueError("directory: at least one replica URL")
-        if not self.node:
-            raise ValueError("node_id: cannot derive one from engine_url; give --node-id")
-        return self
-
-    @property
-    def node(self) -> str:
-        return self.node_id or urlparse(self.engine_url).netloc
-
-    @property
-    def api_url(self) -> str:
-        return self.engine_url.rstrip("/")
 
 
 @dataclass(slots=True)
@@ -175,8 +132,14 @@ class _Collector:
     def collect(self) -> Any:
         s, d, m = self.sub.stats, self.sub.decode_stats, self.sub.mapper.stats
         ev = CounterMetricFamily("kvdir_events_events", "engine events decoded, by type", labels=["type"])
-        for name, v in (("stored", d.stored), ("removed", d.removed), ("cleared", d.cleared),
-                        ("unknown", d.unknown_events), ("malformed", d.malformed_events), ("skipped_group", d.skipped_groups)):
+        for name, v in (
+            ("stored", d.stored),
+            ("removed", d.removed),
+            ("cleared", d.cleared),
+            ("unknown", d.unknown_events),
+            ("malformed", d.malformed_events),
+            ("skipped_group", d.skipped_groups),
+        ):
             ev.add_metric([name], v)
         yield ev
         rp = CounterMetricFamily("kvdir_events_replays", "replay requests, by outcome", labels=["outcome"])
@@ -203,11 +166,16 @@ class _Collector:
             ("rejected_blocks", "changes the directory refused (dropped)", s.rejected_blocks),
         ):
             yield CounterMetricFamily(f"kvdir_events_{name}", doc, value=v)
-        yield GaugeMetricFamily("kvdir_events_engine_up", "1 while the engine's /health answers", value=1 if self.sub.engine_healthy else 0)
+        yield GaugeMetricFamily(
+            "kvdir_events_engine_up", "1 while the engine's /health answers", value=1 if self.sub.engine_healthy else 0
+        )
         yield GaugeMetricFamily("kvdir_events_epoch", "this node's current epoch (0: not registered)", value=self.sub.epoch or 0)
         yield GaugeMetricFamily("kvdir_events_mapped_blocks", "engine blocks in the hash map", value=len(self.sub.mapper))
-        yield GaugeMetricFamily("kvdir_events_last_seq", "the last engine seq applied (-1: none)",
-                                value=-1 if self.sub.last_seq is None else self.sub.last_seq)
+        yield GaugeMetricFamily(
+            "kvdir_events_last_seq",
+            "the last engine seq applied (-1: none)",
+            value=-1 if self.sub.last_seq is None else self.sub.last_seq,
+        )
 
 
 class EventsSubscriber:
@@ -223,9 +191,13 @@ class EventsSubscriber:
         self.decode_stats = DecodeStats()
         self.stats = SubscriberStats()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self))  # type: ignore[arg-type]
-        self.lag = Histogram("kvdir_events_lag_seconds", "engine event time (batch ts) to committed in the directory",
-                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
+        self.registry.register(_Collector(self))
+        self.lag = Histogram(
+            "kvdir_events_lag_seconds",
+            "engine event time (batch ts) to committed in the directory",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
         self.engine_healthy = False
         self.epoch: int | None = None
         self.last_seq: int | None = None
@@ -260,12 +232,21 @@ class EventsSubscriber:
                 sub.bind(self.s.zmq)
             else:
                 sub.connect(self.s.zmq)
-            log.info("events of %s (node %s) on %s (%s), replay %s, directory %s", self.s.api_url, self.node_id, self.s.zmq,
-                     "bound" if self.s.bind else "connected", self.s.replay or "off", self.s.directory)
+            log.info(
+                "events of %s (node %s) on %s (%s), replay %s, directory %s",
+                self.s.api_url,
+                self.node_id,
+                self.s.zmq,
+                "bound" if self.s.bind else "connected",
+                self.s.replay or "off",
+                self.s.directory,
+            )
             async with httpx.AsyncClient() as http:
-                tasks = [asyncio.create_task(self._receive_loop(sub), name="receive"),
-                         asyncio.create_task(self._sync_loop(), name="sync"),
-                         asyncio.create_task(self._health_loop(http), name="health")]
+                tasks = [
+                    asyncio.create_task(self._receive_loop(sub), name="receive"),
+                    asyncio.create_task(self._sync_loop(), name="sync"),
+                    asyncio.create_task(self._health_loop(http), name="health"),
+                ]
                 try:
                     await asyncio.gather(*tasks)
                 finally:
@@ -424,8 +405,14 @@ class EventsSubscriber:
             self.stats.replays_ok += 1
             return [got[s] for s in range(start, stop)]
         self.stats.replays_failed += 1
-        log.info("replay of %d..%d %s with %d of %d batches", start, stop - 1, "ended" if ended else "timed out",
-                 len(got), stop - start)
+        log.info(
+            "replay of %d..%d %s with %d of %d batches",
+            start,
+            stop - 1,
+            "ended" if ended else "timed out",
+            len(got),
+            stop - start,
+        )
         if not partial:
             return None
         run: list[Batch] = []
@@ -472,7 +459,9 @@ class EventsSubscriber:
                 self._wake.set()
 
     async def _register(self) -> None:
-        reg = await self.client.register(self.node_id, self.s.api_url, incarnation=self._incarnation, block_size=self.s.block_size)
+        reg = await self.client.register(
+            self.node_id, self.s.api_url, incarnation=self._incarnation, block_size=self.s.block_size
+        )
         if reg.epoch != self.epoch or self._entries_lost:
             # A new epoch holds nothing, and after a 409 neither does ours (a directory that lost its
             # state even hands out the same epoch number again): everything the map knows goes out again.
@@ -485,7 +474,13 @@ class EventsSubscriber:
         self._need_register = False
         self._down_since_registered = False
         self.stats.registrations += 1
-        log.info("engine %s registered as %s, epoch %d (%d blocks to publish)", self.s.api_url, self.node_id, reg.epoch, len(self._store))
+        log.info(
+            "engine %s registered as %s, epoch %d (%d blocks to publish)",
+            self.s.api_url,
+            self.node_id,
+            reg.epoch,
+            len(self._store),
+        )
 
     async def _flush(self) -> None:
         epoch, gen = self.epoch, self._gen
@@ -557,8 +552,9 @@ class EventsSubscriber:
             self.engine_healthy = ok
             if ok and self.epoch is not None and not self._need_register:
                 try:
-                    await self.client.request("POST", f"/v1/nodes/{self.node_id}/heartbeat", {"epoch": self.epoch},
-                                              deadline=max(0.2, interval))
+                    await self.client.request(
+                        "POST", f"/v1/nodes/{self.node_id}/heartbeat", {"epoch": self.epoch}, deadline=max(0.2, interval)
+                    )
                 except StaleEpochError:
                     self._lapsed()
                 except DirectoryError as exc:
@@ -568,7 +564,9 @@ class EventsSubscriber:
     def _lapsed(self) -> None:
         """The directory dropped this node (its lease ran out, or it lost it): register again."""
         if self._down_since_registered:
-            log.warning("node %s expired while the engine was down: it may have restarted, starting from an empty map", self.node_id)
+            log.warning(
+                "node %s expired while the engine was down: it may have restarted, starting from an empty map", self.node_id
+            )
             self._forget_engine()
         else:
             log.warning("node %s epoch %s is no longer current: registering again and republishing", self.node_id, self.epoch)

@@ -1,0 +1,67 @@
+"""Settings of an engine adapter (`kvdir events`): one pydantic-settings class, every field a flag and a KVDIR_* env var."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from directory.addresses import HostPort
+from directory.client_settings import DirectoryClientSettings
+
+
+class EventsSettings(DirectoryClientSettings):
+    """The KV-events subscriber of one engine (`kvdir events`)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
+
+    engine_url: str = Field(
+        "http://127.0.0.1:8000",
+        min_length=1,
+        description="the engine's HTTP API: registered as the node's api_url; its /health gates heartbeats",
+    )
+    zmq: str = Field("tcp://127.0.0.1:5557", min_length=1, description="the engine's KV events ZMQ endpoint")
+    bind: bool = Field(True, description="bind the SUB socket (vLLM connects when its endpoint has no '*'); --no-bind connects")
+    replay: str | None = Field(
+        None, description="the engine's ZMQ replay endpoint (ROUTER), to fetch missed batches; without it a gap means a resync"
+    )
+    topic: str = Field("", description="ZMQ topic to subscribe to (the engine's kv-events-config topic)")
+    block_size: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="our tokens per block: must match the gateway's; the engine's block size must equal it or be a multiple",
+    )
+    namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
+    node_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:@/-]+$",
+        description="the engine's node id in the directory (default: ENGINE_URL's host:port)",
+    )
+    metrics: HostPort | None = Field(None, description="HOST:PORT to serve Prometheus metrics on (default: none)")
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, le=60, description="heartbeat and /health probe period (keep well under the lease TTL)"
+    )
+    batch_window_s: float = Field(0.01, ge=0, le=10, description="changes are gathered this long before they are sent")
+    replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
+    max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @model_validator(mode="after")
+    def _check(self) -> EventsSettings:
+        if not self.directory_urls:
+            raise ValueError("directory: at least one replica URL")
+        if not self.node:
+            raise ValueError("node_id: cannot derive one from engine_url; give --node-id")
+        return self
+
+    @property
+    def node(self) -> str:
+        return self.node_id or urlparse(self.engine_url).netloc
+
+    @property
+    def api_url(self) -> str:
+        return self.engine_url.rstrip("/")
