@@ -1,4 +1,4 @@
-"""The directory's REST API (protocol §3) on FastAPI.
+"""The directory's REST API (docs/protocol.md §3) on FastAPI.
 
 Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
 404 unknown node, 409 stale epoch or expired node (register again), 413 body
@@ -39,7 +39,7 @@ from directory.errors import CommitTimeout
 from directory.hashing import block_hashes
 from directory.http_limits import BodyLimit
 from directory.metrics import DirectoryMetrics
-from directory.replica import Replica
+from directory.replica import NodeView, Replica
 from directory.schemas import (
     MAX_LOAD_LABELS,
     ClearRequest,
@@ -216,13 +216,10 @@ async def register(request: Request, replica: Replica = Depends(_replica)) -> An
     body = await _decode(request, RegisterRequest, Counted("regions", Counted.OBJECTS, limit, "regions_per_node"))
     _check_count(len(body.regions), limit, "regions_per_node")
     _may_write(request, body.node_id)
-    with replica.sm.lock:
-        state = replica.state
-        full = body.node_id not in state.nodes and len(state.nodes) >= state.max_nodes
-    if full:
+    if not await replica.has_room_for(body.node_id):
         # Refused here, before Raft: a flood of registrations over the limit must not fill the Raft log.
         # The state machine still enforces the limit on every replica (this replica's view may lag).
-        raise ApiError(429, st.NODE_LIMIT, f"the directory holds its maximum of {state.max_nodes} nodes")
+        raise ApiError(429, st.NODE_LIMIT, f"the directory holds its maximum of {replica.settings.max_nodes} nodes")
     cmd = st.Register(
         node_id=body.node_id,
         incarnation=body.incarnation or uuid.uuid4().hex,
@@ -259,7 +256,8 @@ async def deregister(request: Request, node_id: str, replica: Replica = Depends(
     return JSONResponse({"node_id": node_id, "removed": res.value})
 
 
-def _node_info(state: st.DirectoryState, node: st.Node) -> dict[str, Any]:
+def _node_info(view: NodeView) -> dict[str, Any]:
+    node = view.node
     return {
         "node_id": node.node_id,
         "epoch": node.epoch,
@@ -269,27 +267,22 @@ def _node_info(state: st.DirectoryState, node: st.Node) -> dict[str, Any]:
         "regions": list(node.regions),
         "capacity_blocks": node.capacity_blocks,
         "block_size": node.block_size,
-        "blocks": state.blocks_held(node),
+        "blocks": view.blocks,
         "load": node.load,
     }
 
 
 @router.get("/v1/nodes", response_model=NodesResponse)
 async def nodes(replica: Replica = Depends(_replica)) -> Any:
-    with replica.sm.lock:
-        state = replica.state
-        out = [_node_info(state, n) for n in state.nodes.values()]
-    return JSONResponse({"nodes": out})
+    return JSONResponse({"nodes": [_node_info(v) for v in await replica.nodes()]})
 
 
 @router.get("/v1/nodes/{node_id}", response_model=NodeInfo)
 async def node(node_id: str, replica: Replica = Depends(_replica)) -> Any:
-    with replica.sm.lock:
-        state = replica.state
-        n = state.nodes.get(node_id)
-        if n is None:
-            raise ApiError(404, "not_found", f"node {node_id!r} is not registered")
-        return JSONResponse(_node_info(state, n))
+    view = await replica.node(node_id)
+    if view is None:
+        raise ApiError(404, "not_found", f"node {node_id!r} is not registered")
+    return JSONResponse(_node_info(view))
 
 
 @router.post("/v1/blocks", response_model=PublishResponse, openapi_extra=_body_doc(PublishRequest))
@@ -371,8 +364,7 @@ async def lookup(
             503, "catching_up", "this replica is catching up with its leader: its entries may be stale; try another replica"
         )
     t0 = time.perf_counter()
-    with replica.sm.lock:
-        holders = replica.state.lookup(keys, body.with_slots)
+    holders = await replica.lookup(keys, body.with_slots)
     metrics.lookup_seconds.observe(time.perf_counter() - t0)
     metrics.lookups.labels(mode).inc()
     out = [
@@ -390,20 +382,16 @@ async def lookup(
 @router.get("/v1/cluster")
 async def cluster(replica: Replica = Depends(_replica)) -> Any:
     status = replica.status()
-    with replica.sm.lock:
-        status["nodes"] = len(replica.state.nodes)
-        status["entries"] = len(replica.state.index)
+    counts = await replica.counts()
+    status["nodes"], status["entries"] = counts.nodes, counts.entries
     return JSONResponse(status)
 
 
 @router.get("/v1/digest")
 async def digest(replica: Replica = Depends(_replica)) -> Any:
     """A digest of nodes and entries, equal on replicas that applied the same commands."""
-    with replica.sm.lock:
-        state = replica.state
-        return JSONResponse(
-            {"digest": state.digest(), "applied": state.applied, "entries": len(state.index), "nodes": len(state.nodes)}
-        )
+    d = await replica.digest()
+    return JSONResponse({"digest": d.digest, "applied": d.applied, "entries": d.entries, "nodes": d.nodes})
 
 
 @router.get("/healthz")

@@ -22,10 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
+import msgspec
 from pydantic import SecretStr
 
 from directory.errors import DirectoryUnavailable, rejection
-from directory.schemas import LookupResponse, NodeInfo, RegisterResponse
+from directory.schemas import LookupResponse, NodeInfo, Region, RegisterResponse
 
 _RETRY_STATUS = {502, 503, 504}
 
@@ -110,9 +111,10 @@ class DirectoryClient:
         *,
         incarnation: str | None = None,
         transfer_url: str | None = None,
-        regions: Iterable[Mapping[str, Any]] = (),
+        regions: Iterable[Region | Mapping[str, Any]] = (),
         capacity_blocks: int | None = None,
         block_size: int | None = None,
+        deadline: float | None = None,
     ) -> RegisterResponse:
         """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch."""
         body = {
@@ -120,29 +122,40 @@ class DirectoryClient:
             "api_url": api_url,
             "incarnation": incarnation or uuid.uuid4().hex,
             "transfer_url": transfer_url,
-            "regions": list(regions),
+            "regions": [msgspec.to_builtins(r) if isinstance(r, Region) else dict(r) for r in regions],
             "capacity_blocks": capacity_blocks,
             "block_size": block_size,
         }
-        return RegisterResponse.model_validate(await self.request("POST", "/v1/nodes", body))
+        return RegisterResponse.model_validate(await self.request("POST", "/v1/nodes", body, deadline=deadline))
 
-    async def heartbeat(self, node_id: str, epoch: int, load: Mapping[str, float] | None = None) -> None:
-        await self.request("POST", f"/v1/nodes/{node_id}/heartbeat", {"epoch": epoch, "load": dict(load) if load else None})
+    async def heartbeat(
+        self, node_id: str, epoch: int, load: Mapping[str, float] | None = None, *, deadline: float | None = None
+    ) -> None:
+        body = {"epoch": epoch, "load": dict(load) if load else None}
+        await self.request("POST", f"/v1/nodes/{node_id}/heartbeat", body, deadline=deadline)
 
-    async def deregister(self, node_id: str) -> int:
-        removed: int = (await self.request("DELETE", f"/v1/nodes/{node_id}"))["removed"]
+    async def deregister(self, node_id: str, *, deadline: float | None = None) -> int:
+        removed: int = (await self.request("DELETE", f"/v1/nodes/{node_id}", deadline=deadline))["removed"]
         return removed
 
-    async def nodes(self) -> list[NodeInfo]:
-        return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes"))["nodes"]]
+    async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:
+        return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes", deadline=deadline))["nodes"]]
 
-    async def cluster(self) -> dict[str, Any]:
-        cluster: dict[str, Any] = await self.request("GET", "/v1/cluster")
+    async def cluster(self, *, deadline: float | None = None) -> dict[str, Any]:
+        cluster: dict[str, Any] = await self.request("GET", "/v1/cluster", deadline=deadline)
         return cluster
 
     # -- blocks -------------------------------------------------------------------
 
-    async def publish(self, node_id: str, epoch: int, blocks: Iterable[tuple[int, int]], medium: str | None = None) -> int:
+    async def publish(
+        self,
+        node_id: str,
+        epoch: int,
+        blocks: Iterable[tuple[int, int]],
+        medium: str | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> int:
         """Publish (hash, slot) pairs; returns how many entries were new."""
         body = {
             "node_id": node_id,
@@ -151,16 +164,17 @@ class DirectoryClient:
             "medium": medium,
             **self._tenant,
         }
-        stored: int = (await self.request("POST", "/v1/blocks", body))["stored"]
+        stored: int = (await self.request("POST", "/v1/blocks", body, deadline=deadline))["stored"]
         return stored
 
-    async def remove(self, node_id: str, epoch: int, hashes: Iterable[int]) -> int:
+    async def remove(self, node_id: str, epoch: int, hashes: Iterable[int], *, deadline: float | None = None) -> int:
         body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes), **self._tenant}
-        removed: int = (await self.request("POST", "/v1/blocks/remove", body))["removed"]
+        removed: int = (await self.request("POST", "/v1/blocks/remove", body, deadline=deadline))["removed"]
         return removed
 
-    async def clear(self, node_id: str, epoch: int) -> int:
-        removed: int = (await self.request("POST", "/v1/blocks/clear", {"node_id": node_id, "epoch": epoch}))["removed"]
+    async def clear(self, node_id: str, epoch: int, *, deadline: float | None = None) -> int:
+        body = {"node_id": node_id, "epoch": epoch}
+        removed: int = (await self.request("POST", "/v1/blocks/clear", body, deadline=deadline))["removed"]
         return removed
 
     async def lookup(
@@ -172,6 +186,7 @@ class DirectoryClient:
         block_size: int = 16,
         with_slots: bool = False,
         linearizable: bool = False,
+        deadline: float | None = None,
     ) -> LookupResponse:
         """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica)."""
         body: dict[str, Any] = {
@@ -183,4 +198,4 @@ class DirectoryClient:
             body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
         else:
             body["hashes"] = list(hashes or [])
-        return LookupResponse.model_validate(await self.request("POST", "/v1/lookup", body))
+        return LookupResponse.model_validate(await self.request("POST", "/v1/lookup", body, deadline=deadline))

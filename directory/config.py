@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from directory.addresses import HostPort, is_loopback, parse_hostport
 from directory.auth import TokenTable, load_tokens
 from directory.client_settings import read_secret_file
+from directory.logs import LogLevel
 from directory.tenancy import Tenancy
 
 
@@ -80,7 +81,7 @@ class DirectorySettings(BaseSettings):
         description="a Raft link silent this long is dropped and redialled; a replica stalled for less "
         "(GC, slow disk, starved CPU) rejoins without an election",
     )
-    log_level: str = Field("info", description="debug, info, warning or error")
+    log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
 
     _auth_tokens: TokenTable | None = PrivateAttr(None)
     _tenancy: Tenancy = PrivateAttr(default_factory=Tenancy)

@@ -1,4 +1,4 @@
-"""Block hashing: protocol §1 (chained XXH3-64 over full token blocks).
+"""Block hashing: docs/protocol.md §1 (chained XXH3-64 over full token blocks).
 
 Compatible with the scheme of NVIDIA Dynamo's KV router and Mooncake's
 Conductor, so their events and ours name the same blocks. The token-to-bytes
@@ -58,8 +58,13 @@ def local_hashes(
     return [_xxh3(buf[i * step : (i + 1) * step], seed) for i in range(n_blocks)]
 
 
+def chain_next(prev: int | None, local: int, seed: int) -> int:
+    """One step of the chain (docs/protocol.md §1): seq[0] = local[0], seq[i] = XXH3(le64(seq[i-1]) || le64(local[i]))."""
+    return local if prev is None else _xxh3(_pair.pack(prev, local), seed)
+
+
 def chain_hashes(local: Sequence[int], seed: int, parent: int | None = None) -> list[int]:
-    """Sequence hashes from local hashes: seq[i] = XXH3(le64(seq[i-1]) || le64(local[i])).
+    """Sequence hashes from local hashes (`chain_next` over them).
 
     `parent` continues a chain whose last sequence hash is known (incremental hashing).
     """
@@ -67,7 +72,7 @@ def chain_hashes(local: Sequence[int], seed: int, parent: int | None = None) -> 
     prev = parent
     pack = _pair.pack
     for h in local:
-        prev = h if prev is None else _xxh3(pack(prev, h), seed)
+        prev = h if prev is None else _xxh3(pack(prev, h), seed)  # chain_next, inlined: this loop is the hot path
         out.append(prev)
     return out
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Literal
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+"""Every role's `--log-level` choices."""
 
 
 def configure_logging(level: str) -> None:

@@ -1,4 +1,4 @@
-"""REST wire types of the directory (protocol §3), shared by the server and the client.
+"""REST wire types of the directory (docs/protocol.md §3), shared by the server and the client.
 
 Request bodies are msgspec Structs: the API decodes them straight from the
 raw JSON with bounded cost (msgspec stops at the first invalid element, and
@@ -39,7 +39,9 @@ U64 = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": U64_MAX})]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 Epoch = Annotated[int, msgspec.Meta(ge=1)]  # any larger integer is just not the node's epoch (409)
 # msgspec matches patterns with Python's re, where "$" also matches before a final newline: "(?!\n)" refuses it.
-NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=NODE_ID_MAX_LEN, pattern=r"^[A-Za-z0-9._:@/-]+$(?!\n)")]
+NODE_ID_PATTERN = r"^[A-Za-z0-9._:@/-]+$"
+"""Node ids: what every component's settings and the wire accept (no spaces, no `,`, which separate lists)."""
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=NODE_ID_MAX_LEN, pattern=NODE_ID_PATTERN + r"(?!\n)")]
 Label = Annotated[str, msgspec.Meta(max_length=LABEL_MAX_LEN)]
 # 1e999 decodes to infinity: the bounds refuse it (a non-finite load would make every answer listing the node a 500).
 FiniteFloat = Annotated[float, msgspec.Meta(ge=-1.7976931348623157e308, le=1.7976931348623157e308)]
@@ -201,6 +203,27 @@ class LookupRequest(_Body):
     with_slots: bool = False
     consistency: Literal["local", "linearizable"] = "local"
     tenant: Tenant | None = None
+
+
+PULL_PLAN_FIELD = "kvdir_pull"
+"""The completion-body field that carries a `PullPlan` (written by the gateway only: it drops one a client sent)."""
+
+
+class PullPlan(_Body):
+    """Where an engine reads a prompt's first `len(slots)` blocks instead of computing them (docs/protocol.md §4).
+
+    The gateway writes it into a completion body under `PULL_PLAN_FIELD`; the
+    engine reads those blocks from `source_node`'s registered memory, provided
+    that node still has epoch `source_epoch` (else the slots may hold anything).
+    """
+
+    source_node: NodeId
+    source_epoch: Epoch
+    slots: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON object, as it goes into a completion body."""
+        return {"source_node": self.source_node, "source_epoch": self.source_epoch, "slots": list(self.slots)}
 
 
 REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (

@@ -296,7 +296,7 @@ class DirectoryState:
     # -- queries --------------------------------------------------------------
 
     def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> list[Holder]:
-        """Holders of the longest prefixes of `hashes`, longest first (protocol §3)."""
+        """Holders of the longest prefixes of `hashes`, longest first (docs/protocol.md §3)."""
         nodes, matched, slots = self.index.lookup(hashes, with_slots)
         found = map(self.by_idx.__getitem__, nodes.tolist())
         if not with_slots:

@@ -1,6 +1,6 @@
 """Tenants: the directory keys every entry by (block hash, tenant), so tenants never see each other's entries.
 
-The block hash names content (protocol §1, seeded by the hash namespace); the
+The block hash names content (docs/protocol.md §1, seeded by the hash namespace); the
 tenant names who may see it. The API layer turns each hash into the key
 `mix(hash, tenant)` before a command goes through Raft, so the replicated
 state machine (directory.state) knows nothing of tenants. For each tenant,

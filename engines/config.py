@@ -9,6 +9,8 @@ from pydantic_settings import SettingsConfigDict
 
 from directory.addresses import HostPort
 from directory.client_settings import DirectoryClientSettings
+from directory.logs import LogLevel
+from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
 
 
 class EventsSettings(DirectoryClientSettings):
@@ -37,8 +39,8 @@ class EventsSettings(DirectoryClientSettings):
     node_id: str | None = Field(
         None,
         min_length=1,
-        max_length=128,
-        pattern=r"^[A-Za-z0-9._:@/-]+$",
+        max_length=NODE_ID_MAX_LEN,
+        pattern=NODE_ID_PATTERN,
         description="the engine's node id in the directory (default: ENGINE_URL's host:port)",
     )
     metrics: HostPort | None = Field(None, description="HOST:PORT to serve Prometheus metrics on (default: none)")
@@ -48,7 +50,7 @@ class EventsSettings(DirectoryClientSettings):
     batch_window_s: float = Field(0.01, ge=0, le=10, description="changes are gathered this long before they are sent")
     replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
     max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
-    log_level: str = Field("info", description="debug, info, warning or error")
+    log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
 
     @model_validator(mode="after")
     def _check(self) -> EventsSettings:

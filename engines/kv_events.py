@@ -1,4 +1,4 @@
-"""Engine KV events (protocol §5): decoding and mapping engine block hashes to ours.
+"""Engine KV events (docs/protocol.md §5): decoding and mapping engine block hashes to ours.
 
 Pure code: no sockets, no clocks. `engines.subscriber` feeds it ZMQ
 frames and sends what it returns to the directory.
@@ -71,7 +71,7 @@ python/sglang/srt/mem_cache/events.py (revision 06f643f4):
 Hash mapping
 ------------
 `HashMapper` keeps, per engine (one mapper per subscriber), engine hash ->
-our sequence hashes (protocol §1), bounded by an LRU of `max_entries`
+our sequence hashes (docs/protocol.md §1), bounded by an LRU of `max_entries`
 engine hashes. A BlockStored's tokens are hashed with our block size and
 chained from the sequence hash of its parent (``parent_block_hash``, looked
 up in the map; None means the start of a sequence). A parent the map does
@@ -118,7 +118,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from directory.hashing import U32_MAX, local_hashes, seed_for
+from directory.hashing import U32_MAX, chain_next, local_hashes, seed_for
 
 EngineHash = int | bytes
 """An engine's block hash: opaque, compared for equality only."""
@@ -127,7 +127,6 @@ END_SEQ = -1
 """The seq of the replay socket's end-of-replay marker."""
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_pair = struct.Struct("<QQ")
 _seq = struct.Struct(">q")
 
 
@@ -581,7 +580,7 @@ class HashMapper:
         for i, eh in enumerate(ev.engine_hashes):
             ours: list[int] = []
             for j in range(k):
-                cur = local[i * k + j] if prev is None else _xxh3(_pair.pack(prev, local[i * k + j]), seed)
+                cur = chain_next(prev, local[i * k + j], seed)
                 if j == 0 and ev.extra_keys is not None:
                     cur = _mix_extra(cur, ev.extra_keys[i], ev.lora_name, seed)
                 ours.append(cur)

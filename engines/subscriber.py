@@ -1,4 +1,4 @@
-"""Feeds the directory from one real engine's KV events (vLLM, SGLang; protocol §5).
+"""Feeds the directory from one real engine's KV events (vLLM, SGLang; docs/protocol.md §5).
 
 One subscriber per engine (per data-parallel rank: each rank publishes on
 its own port). It
@@ -56,10 +56,12 @@ clock in ns, sends empty batches as heartbeats and an AllBlocksCleared
 first: a restart there looks like a gap (a resync) followed by that clear,
 which ends in the same place.
 
-If the directory answers 409 (the lease lapsed, or the directory lost the
-node), the subscriber registers again and republishes everything its hash
-map holds; if the engine was down in between, it may have restarted, so the
-map is dropped instead and rebuilt from new events.
+Registration, heartbeats, the pending changes and their flushing are a
+`directory.session.NodeSession`. If the directory answers 409 (the lease
+lapsed, or the directory lost the node), the session registers again and
+republishes everything the hash map holds; if the engine was down in between,
+it may have restarted, so the map is dropped instead and rebuilt from new
+events. A rejected round (another 4xx) is dropped and the next one backs off.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ import contextlib
 import logging
 import signal
 import time
-import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +83,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from directory.addresses import parse_hostport
 from directory.client import DirectoryClient
-from directory.errors import DirectoryError, RequestRejected, StaleEpochError
+from directory.errors import RequestRejected, StaleEpochError
+from directory.session import NodeSession
 from engines.config import EventsSettings
 from engines.kv_events import (
     END_SEQ,
@@ -99,7 +102,6 @@ from engines.kv_events import (
 
 log = logging.getLogger("kvdir.events")
 
-CHUNK = 4096  # blocks per publish/remove request (the directory accepts 16384 by default)
 SLOT = 0
 
 
@@ -113,11 +115,6 @@ class SubscriberStats:
     resyncs: int = 0
     restarts: int = 0
     clears: int = 0  # AllBlocksCleared applied
-    registrations: int = 0
-    published_blocks: int = 0
-    removed_blocks: int = 0
-    directory_clears: int = 0
-    rejected_blocks: int = 0  # changes the directory refused (4xx other than 409): dropped
 
 
 class _Collector:
@@ -130,7 +127,7 @@ class _Collector:
         return []
 
     def collect(self) -> Any:
-        s, d, m = self.sub.stats, self.sub.decode_stats, self.sub.mapper.stats
+        s, d, m, n = self.sub.stats, self.sub.decode_stats, self.sub.mapper.stats, self.sub.session.stats
         ev = CounterMetricFamily("kvdir_events_events", "engine events decoded, by type", labels=["type"])
         for name, v in (
             ("stored", d.stored),
@@ -159,11 +156,11 @@ class _Collector:
             ("unsupported", "stores whose block size or tokens cannot be mapped (skipped)", m.unsupported),
             ("unknown_removals", "removals of engine blocks not in the map (harmless)", m.unknown_removals),
             ("evicted", "engine blocks dropped from the bounded map (and the directory)", m.evicted),
-            ("registrations", "registrations with the directory", s.registrations),
-            ("published_blocks", "block entries sent to the directory", s.published_blocks),
-            ("removed_blocks", "block removals sent to the directory", s.removed_blocks),
-            ("directory_clears", "clears of this node's entries sent to the directory", s.directory_clears),
-            ("rejected_blocks", "changes the directory refused (dropped)", s.rejected_blocks),
+            ("registrations", "registrations with the directory", n.registrations),
+            ("published_blocks", "block entries sent to the directory", n.published_blocks),
+            ("removed_blocks", "block removals sent to the directory", n.removed_blocks),
+            ("directory_clears", "clears of this node's entries sent to the directory", n.directory_clears),
+            ("rejected_blocks", "changes the directory refused (dropped)", n.rejected),
         ):
             yield CounterMetricFamily(f"kvdir_events_{name}", doc, value=v)
         yield GaugeMetricFamily(
@@ -199,21 +196,62 @@ class EventsSubscriber:
             registry=self.registry,
         )
         self.engine_healthy = False
-        self.epoch: int | None = None
         self.last_seq: int | None = None
         self._last_ts: float | None = None
-        self._incarnation = uuid.uuid4().hex
-        self._need_register = True
-        self._entries_lost = False  # set by a 409: the directory holds none of this node's entries
         self._down_since_registered = False
-        # Pending net change since the last round: our hash -> medium to store, hashes to remove, a clear first.
-        self._store: dict[int, str | None] = {}
-        self._remove: set[int] = set()
-        self._clear = False
-        self._pending_ts: float | None = None
-        self._gen = 0  # bumped when pending changes stop following from earlier ones (clear, reset, new epoch)
+        # No regions, no transfer URL, no slots, no load: see the module docstring.
+        self.session = NodeSession(
+            self.client,
+            self.node_id,
+            settings.api_url,
+            holdings=self._holdings,
+            block_size=settings.block_size,
+            on_registered=self._registered,
+            retry_first_s=0.05,
+            retry_max_s=1.0,
+            logger=log,
+        )
+        self._pending_ts: float | None = None  # the oldest engine ts among pending changes: the lag histogram
         self._wake = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
+
+    # Views on the session's state (read by the metrics and the unit tests).
+    @property
+    def epoch(self) -> int | None:
+        return self.session.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int | None) -> None:
+        self.session.epoch = epoch
+        self.session.need_register = epoch is None
+
+    @property
+    def _store(self) -> dict[int, str | None]:
+        return self.session.pending_stores
+
+    @property
+    def _remove(self) -> set[int]:
+        return self.session.pending_removals
+
+    @property
+    def _clear(self) -> bool:
+        return self.session.pending_clear
+
+    @property
+    def _incarnation(self) -> str:
+        return self.session.incarnation
+
+    @property
+    def _need_register(self) -> bool:
+        return self.session.need_register
+
+    @property
+    def _entries_lost(self) -> bool:
+        return self.session.entries_lost
+
+    @_entries_lost.setter
+    def _entries_lost(self, lost: bool) -> None:
+        self.session.entries_lost = lost
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -256,9 +294,8 @@ class EventsSubscriber:
         finally:
             sub.close(linger=0)
             self._ctx.destroy(linger=0)
-            if self.epoch is not None:
-                with contextlib.suppress(DirectoryError, asyncio.CancelledError):
-                    await self.client.request("DELETE", f"/v1/nodes/{self.node_id}", deadline=2.0)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.session.close(deadline=2.0)
             if self._own_client:
                 await self.client.aclose()
             if server is not None:
@@ -326,12 +363,9 @@ class EventsSubscriber:
             elif r.unsupported:
                 log.debug("seq %d: %s", batch.seq, r.unsupported)
             medium = ev.medium if isinstance(ev, Stored) else None
-            for h in r.publish:  # publish, then remove: an LRU eviction in the same event wins
-                self._remove.discard(h)
-                self._store[h] = medium
-            for h in r.remove:
-                self._store.pop(h, None)
-                self._remove.add(h)
+            # publish, then remove: an LRU eviction in the same event wins
+            self.session.stored(((h, SLOT) for h in r.publish), medium)
+            self.session.removed(r.remove)
             changed = changed or bool(r.publish or r.remove)
         if changed:
             if batch.ts is not None:
@@ -341,10 +375,7 @@ class EventsSubscriber:
     def _clear_all(self) -> None:
         """Drop every entry of this node (and what was pending): AllBlocksCleared, or a resync."""
         self.mapper.reset()
-        self._store.clear()
-        self._remove.clear()
-        self._clear = True
-        self._gen += 1
+        self.session.clear()
         self._wake.set()
 
     def _resync(self) -> None:
@@ -354,17 +385,12 @@ class EventsSubscriber:
     def _forget_engine(self) -> None:
         """Start over as a new incarnation (so a new epoch) with an empty map and nothing pending."""
         self.mapper.reset()
-        self._store.clear()
-        self._remove.clear()
-        self._clear = False
-        self._gen += 1
-        self._incarnation = uuid.uuid4().hex
+        self.session.restart()
 
     def _restart(self) -> None:
         """The engine is a new process: a new incarnation, so a new epoch, and an empty map."""
         self.stats.restarts += 1
         self._forget_engine()
-        self._need_register = True
         self._wake.set()
 
     async def _fetch_replay(self, start: int, stop: int, *, partial: bool = False) -> list[Batch] | None:
@@ -425,7 +451,6 @@ class EventsSubscriber:
     # -- directory ------------------------------------------------------------------
 
     async def _sync_loop(self) -> None:
-        backoff = 0.05
         while True:
             await self._wake.wait()
             if self.s.batch_window_s:
@@ -434,104 +459,43 @@ class EventsSubscriber:
             if not self.engine_healthy:
                 continue  # the health loop wakes us when it answers again; until then the lease runs out
             try:
-                if self._need_register:
-                    await self._register()
-                if self._store or self._remove or self._clear:
-                    await self._flush()
-                backoff = 0.05
-            except StaleEpochError:
-                log.warning("directory answered 409 for %s epoch %s: registering again", self.node_id, self.epoch)
-                self._need_register = True
-                self._entries_lost = True
-                self._wake.set()
-            except RequestRejected as exc:
-                log.error("directory refused this node's changes: %s", exc)
-            except DirectoryError as exc:
-                log.info("directory unavailable (%s); changes kept for the next round", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                self._wake.set()
+                delay = await self.session.sync(self._flush)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("unexpected error while syncing with the directory")
-                await asyncio.sleep(backoff)
+                delay = self.session.retry.failed()
+            if delay is not None:  # a 409 (0: at once), an unreachable directory or a rejection: another round later
+                await asyncio.sleep(delay)
                 self._wake.set()
 
     async def _register(self) -> None:
-        reg = await self.client.register(
-            self.node_id, self.s.api_url, incarnation=self._incarnation, block_size=self.s.block_size
-        )
-        if reg.epoch != self.epoch or self._entries_lost:
-            # A new epoch holds nothing, and after a 409 neither does ours (a directory that lost its
-            # state even hands out the same epoch number again): everything the map knows goes out again.
-            self._entries_lost = False
-            self._gen += 1
-            self._store = self.mapper.snapshot()
-            self._remove = set()
-            self._clear = False
-        self.epoch = reg.epoch
-        self._need_register = False
+        await self.session.register()
+
+    def _registered(self, epoch: int) -> None:
         self._down_since_registered = False
-        self.stats.registrations += 1
-        log.info(
-            "engine %s registered as %s, epoch %d (%d blocks to publish)",
-            self.s.api_url,
-            self.node_id,
-            reg.epoch,
-            len(self._store),
-        )
+
+    def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
+        return ((h, SLOT, medium) for h, medium in self.mapper.snapshot().items())
 
     async def _flush(self) -> None:
-        epoch, gen = self.epoch, self._gen
-        assert epoch is not None
-        store, remove, clear, since = self._store, self._remove, self._clear, self._pending_ts
-        self._store, self._remove, self._clear, self._pending_ts = {}, set(), False, None
+        """One flush of the session, observing the lag of the engine's oldest change it committed."""
+        gen, since = self.session.generation, self._pending_ts
+        self._pending_ts = None
         try:
-            if clear:
-                await self.client.clear(self.node_id, epoch)
-                self.stats.directory_clears += 1
-                clear = False
-            if remove:
-                todo = list(remove)
-                for i in range(0, len(todo), CHUNK):
-                    await self.client.remove(self.node_id, epoch, todo[i : i + CHUNK])
-                    remove.difference_update(todo[i : i + CHUNK])
-                    self.stats.removed_blocks += len(todo[i : i + CHUNK])
-            by_medium: dict[str | None, list[int]] = {}
-            for h, medium in store.items():
-                by_medium.setdefault(medium, []).append(h)
-            for medium, hashes in by_medium.items():
-                for i in range(0, len(hashes), CHUNK):
-                    part = hashes[i : i + CHUNK]
-                    await self.client.publish(self.node_id, epoch, [(h, SLOT) for h in part], medium=medium)
-                    for h in part:
-                        del store[h]
-                    self.stats.published_blocks += len(part)
+            await self.session.flush()
         except RequestRejected as exc:
-            if not isinstance(exc, StaleEpochError):
-                self.stats.rejected_blocks += len(store) + len(remove)
-                raise
-            self._merge_back(gen, store, remove, clear, since)
+            if isinstance(exc, StaleEpochError):
+                self._merge_back_ts(gen, since)
             raise
         except BaseException:
-            self._merge_back(gen, store, remove, clear, since)
+            self._merge_back_ts(gen, since)
             raise
         if since is not None:
             self.lag.observe(max(0.0, time.time() - since))
 
-    def _merge_back(self, gen: int, store: dict[int, str | None], remove: set[int], clear: bool, since: float | None) -> None:
-        """Put back what a failed round did not send, under what changed since (newer changes win)."""
-        if gen != self._gen:
-            return  # a clear, reset or new epoch since: the old changes mean nothing now
-        for h in remove:
-            if h not in self._store:
-                self._remove.add(h)
-        for h, medium in store.items():
-            if h not in self._remove and h not in self._store:
-                self._store[h] = medium
-        self._clear = self._clear or clear
-        if since is not None:
+    def _merge_back_ts(self, gen: int, since: float | None) -> None:
+        if gen == self.session.generation and since is not None:
             self._pending_ts = since if self._pending_ts is None else min(self._pending_ts, since)
 
     async def _health_loop(self, http: httpx.AsyncClient) -> None:
@@ -550,15 +514,8 @@ class EventsSubscriber:
             if not ok:
                 self._down_since_registered = True
             self.engine_healthy = ok
-            if ok and self.epoch is not None and not self._need_register:
-                try:
-                    await self.client.request(
-                        "POST", f"/v1/nodes/{self.node_id}/heartbeat", {"epoch": self.epoch}, deadline=max(0.2, interval)
-                    )
-                except StaleEpochError:
-                    self._lapsed()
-                except DirectoryError as exc:
-                    log.info("heartbeat failed: %s", exc)
+            if ok and not await self.session.heartbeat(deadline=max(0.2, interval)):
+                self._lapsed()
             await asyncio.sleep(interval)
 
     def _lapsed(self) -> None:
@@ -568,9 +525,6 @@ class EventsSubscriber:
                 "node %s expired while the engine was down: it may have restarted, starting from an empty map", self.node_id
             )
             self._forget_engine()
-        else:
-            log.warning("node %s epoch %s is no longer current: registering again and republishing", self.node_id, self.epoch)
-        self._need_register = True
         self._wake.set()
 
 

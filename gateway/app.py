@@ -12,6 +12,11 @@ request never fails because the directory is down.
 Response headers say what happened: `x-kvdir-node`, `x-kvdir-decision`,
 `x-kvdir-predicted-cached-tokens`.
 
+This module is the FastAPI wiring: routes, request parsing and size checks,
+middleware, metrics and lifespan. Choosing the engine is gateway.router (pure:
+request -> candidates -> decision); sending, retrying, streaming and counting
+the gateway's own load on each engine is gateway.proxy.
+
 Sizes are checked before the work they would cost: the body's length from its
 header (413), the length of a token-array prompt and the number of chat
 messages from one allocation-light scan of the raw JSON (400), a string
@@ -30,29 +35,31 @@ import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from directory.client import DirectoryClient
-from directory.errors import DirectoryError
 from directory.http_limits import BodyLimit
+from directory.schemas import PULL_PLAN_FIELD
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRegistry, EngineState
-from gateway.policy import Candidate, CostModel, Decision, RouteRequest, make_policy
+from gateway.errors import GatewayError, error_response
+from gateway.metrics import GatewayMetrics
+from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
+from gateway.proxy import Proxy
+from gateway.router import Router, cost_model
 
 log = logging.getLogger("kvdir.gateway")
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
-_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class _Body(BaseModel):
@@ -109,76 +116,12 @@ def _request_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-class GatewayError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
-    ) -> None:
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-
-
-def _error(
-    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
-) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
-
-
-class GatewayMetrics:
-    def __init__(self, registry: EngineRegistry) -> None:
-        r = self.registry = CollectorRegistry()
-        self.decisions = Counter("kvdir_gateway_decisions_total", "Routing decisions, by reason", ["reason"], registry=r)
-        self.predicted = Counter(
-            "kvdir_gateway_predicted_cached_tokens_total", "Cached tokens the directory predicted", registry=r
-        )
-        self.reported = Counter("kvdir_gateway_reported_cached_tokens_total", "Cached tokens the engines reported", registry=r)
-        self.prompt_tokens = Counter("kvdir_gateway_prompt_tokens_total", "Prompt tokens routed", registry=r)
-        self.prediction_error = Histogram(
-            "kvdir_gateway_prediction_error_tokens",
-            "|predicted - reported| cached tokens per request",
-            buckets=(0, 16, 64, 256, 1024, 4096, 16384),
-            registry=r,
-        )
-        self.route_seconds = Histogram(
-            "kvdir_gateway_route_seconds", "Tokenize + hash + lookup + decide", buckets=_LATENCY, registry=r
-        )
-        self.added_seconds = Histogram(
-            "kvdir_gateway_added_seconds",
-            "From a request's arrival to its forwarding, tokenization excluded",
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.upstream_errors = Counter("kvdir_gateway_upstream_errors_total", "Upstream failures, by kind", ["kind"], registry=r)
-        self.lookup_failures = Counter(
-            "kvdir_gateway_lookup_failures_total",
-            "Directory lookups that failed (request routed by load), by cause: timeout or error",
-            ["cause"],
-            registry=r,
-        )
-        Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
-        Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
-            lambda: 1 if registry.directory_ok else 0
-        )
-
-
-def _cached_tokens(payload: Any) -> int | None:
-    try:
-        return int(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def create_app(settings: GatewaySettings) -> FastAPI:
     use_engine_tokenizer = settings.tokenizer == "engine"
     tokenizer = None if use_engine_tokenizer else load_tokenizer(settings.tokenizer)
     chars_per_token = max_chars_per_token(tokenizer)
-    hasher = PrefixHasher(settings.block_size, settings.namespace)
-    cost = CostModel(
-        prefill_tokens_per_s=settings.prefill_tokens_per_s,
-        link_bytes_per_s=settings.link_gbps * 1e9,
-        pull_setup_s=settings.pull_setup_ms / 1000,
-        max_running=settings.max_running,
-    )
-    policy = make_policy(settings.policy, cost=cost)
-    rng = random.Random(settings.seed)
+    policy = make_policy(settings.policy, cost=cost_model(settings))
+    router = Router(policy, random.Random(settings.seed), PrefixHasher(settings.block_size, settings.namespace))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,7 +140,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await registry.refresh()
         registry.start()
         app.state.directory, app.state.registry, app.state.http = directory, registry, http
-        app.state.metrics = GatewayMetrics(registry)
+        app.state.metrics = metrics = GatewayMetrics(registry)
+        app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s)
         app.state.models_cache = (0.0, [])
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
         try:
@@ -210,7 +154,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
 
     def too_large(limit: int) -> JSONResponse:
-        response = _error(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
+        response = error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
         response.headers["connection"] = "close"  # the rest of the body is not read: the connection cannot be reused
         return response
 
@@ -218,7 +162,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.code, exc.param)
+        return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
 
     def max_prompt_tokens(request: Request) -> int:
         registry: EngineRegistry = request.app.state.registry
@@ -282,194 +226,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
         if not isinstance(raw, dict):
             raise GatewayError(400, "the request body must be a JSON object")
-        raw.pop("kvdir_pull", None)  # only the gateway writes pull plans
+        raw.pop(PULL_PLAN_FIELD, None)  # only the gateway writes pull plans
         try:
             return raw, model.model_validate(raw)
         except ValidationError as exc:
             e = exc.errors()[0]
             loc = ".".join(str(x) for x in e["loc"])
             raise GatewayError(400, f"{loc}: {e['msg']}", param=loc or None) from exc
-
-    async def lookup(request: Request, hashes: list[int]) -> tuple[dict[str, Any], str | None]:
-        """Holders by node id, and why the directory did not answer (None: it did)."""
-        if not hashes:
-            return {}, None
-        directory: DirectoryClient = request.app.state.directory
-        try:
-            res = await asyncio.wait_for(directory.lookup(hashes, with_slots=True), settings.lookup_timeout_s)
-        except TimeoutError:
-            failure = f"no answer within --lookup-timeout-s {settings.lookup_timeout_s:g} s"
-        except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
-            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        else:
-            return {h.node_id: h for h in res.holders}, None
-        log.info("directory lookup failed (%s): routing by load", failure)
-        metrics: GatewayMetrics = request.app.state.metrics
-        metrics.lookup_failures.labels("timeout" if failure.startswith("no answer") else "error").inc()
-        return {}, failure
-
-    def candidates(registry: EngineRegistry, holders: dict[str, Any], exclude: set[str]) -> list[Candidate]:
-        out = []
-        for e in registry.engines.values():
-            if e.node_id in exclude:
-                continue
-            h: Any = holders.get(e.node_id)
-            held = h is not None and h.epoch == e.epoch
-            # The engine's reported `running` includes this gateway's own in-flight requests: count those once.
-            out.append(
-                Candidate(
-                    node_id=e.node_id,
-                    epoch=e.epoch,
-                    cached_blocks=h.matched_blocks if held else 0,
-                    slots=tuple(h.slots or ()) if held else (),
-                    running=max(0, int(e.running) - e.inflight),
-                    waiting=int(e.waiting),
-                    pending_prefill_tokens=e.pending_prefill_tokens,
-                    inflight=e.inflight,
-                    healthy=e.healthy,
-                    can_pull=e.can_pull,
-                )
-            )
-        return out
-
-    async def forward(
-        request: Request, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, t_arrival: float, tokenize_s: float
-    ) -> Response:
-        registry: EngineRegistry = request.app.state.registry
-        http: httpx.AsyncClient = request.app.state.http
-        metrics: GatewayMetrics = request.app.state.metrics
-        t0 = time.perf_counter()
-        hashes = hasher.hashes(tokens)
-        t_hashed = time.perf_counter()
-        holders, lookup_failure = await lookup(request, hashes)
-        block_bytes = max((e.block_bytes for e in registry.engines.values() if e.can_pull), default=0)
-        if block_bytes and block_bytes != policy.cost.block_bytes:
-            # Pull cost depends on the engines' real block size (all TP ranks): learn it from their regions.
-            policy.cost = replace(policy.cost, block_bytes=block_bytes)
-        rreq = RouteRequest(
-            prompt_tokens=len(tokens),
-            hashes=tuple(hashes),
-            block_size=settings.block_size,
-            max_tokens=int(raw.get("max_tokens") or 16),
-        )
-        exclude: set[str] = set()
-        while True:
-            cands = [c for c in candidates(registry, holders, exclude) if c.healthy]
-            if not cands:
-                raise GatewayError(503, "no engine is available", "service_unavailable", "no_engine")
-            decision: Decision = policy.choose(rreq, cands, rng)
-            if lookup_failure is not None:
-                decision = replace(
-                    decision,
-                    reason="fallback",
-                    predicted_cached_tokens=0,
-                    detail=f"directory lookup failed ({lookup_failure}): routed by load",
-                )
-            engine = registry.engines[decision.node_id]
-            body = raw
-            if decision.pull_from is not None:
-                body = {
-                    **raw,
-                    "kvdir_pull": {
-                        "source_node": decision.pull_from,
-                        "source_epoch": decision.pull_epoch,
-                        "slots": list(decision.pull_slots),
-                    },
-                }
-            uncached = max(0, len(tokens) - decision.predicted_cached_tokens)
-            engine.inflight += 1
-            engine.pending_prefill_tokens += uncached
-            metrics.route_seconds.observe(time.perf_counter() - t0)
-            metrics.added_seconds.observe(time.perf_counter() - t_arrival - tokenize_s - (t_hashed - t0))
-            try:
-                upstream = await http.send(http.build_request("POST", engine.origin.url(path), json=body), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                engine.inflight -= 1
-                engine.pending_prefill_tokens -= uncached
-                registry.mark_unhealthy(engine.node_id)
-                metrics.upstream_errors.labels("connect").inc()
-                exclude.add(engine.node_id)
-                log.warning("engine %s unreachable (%s): retrying on the next best", engine.node_id, exc)
-                continue
-            break
-        policy.on_routed(rreq, decision)
-        metrics.decisions.labels(decision.reason).inc()
-        metrics.predicted.inc(decision.predicted_cached_tokens)
-        metrics.prompt_tokens.inc(len(tokens))
-        engine.served += 1
-        engine.prompt_tokens += len(tokens)
-        log.debug("routed to %s: %s (%s)", engine.node_id, decision.reason, decision.detail)
-        headers = {
-            "x-kvdir-node": engine.node_id,
-            "x-kvdir-decision": decision.reason,
-            "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens),
-        }
-        if upstream.status_code >= 400:
-            metrics.upstream_errors.labels(str(upstream.status_code)).inc()
-
-        def first_token(done: list[bool]) -> None:
-            if not done:
-                done.append(True)
-                engine.pending_prefill_tokens -= uncached
-
-        def finish(reported: int | None) -> None:
-            engine.inflight -= 1
-            if reported is not None:
-                engine.cached_tokens += reported
-                metrics.reported.inc(reported)
-                metrics.prediction_error.observe(abs(decision.predicted_cached_tokens - reported))
-
-        if not stream or upstream.status_code >= 400:
-            started: list[bool] = []
-            try:
-                content = await upstream.aread()
-            finally:
-                first_token(started)
-                await upstream.aclose()
-            reported = None
-            if upstream.status_code < 400:
-                try:
-                    reported = _cached_tokens(json.loads(content))
-                except ValueError:
-                    pass
-            finish(reported)
-            return Response(
-                content,
-                status_code=upstream.status_code,
-                headers=headers,
-                media_type=upstream.headers.get("content-type", "application/json"),
-            )
-
-        async def relay() -> AsyncIterator[bytes]:
-            started: list[bool] = []
-            tail = b""
-            try:
-                async for chunk in upstream.aiter_raw():
-                    first_token(started)
-                    tail = (tail + chunk)[-65536:]
-                    yield chunk
-            except httpx.HTTPError as exc:
-                metrics.upstream_errors.labels("stream").inc()
-                log.warning("stream from %s broke: %s", engine.node_id, exc)
-            finally:
-                first_token(started)
-                await upstream.aclose()
-                reported = None
-                for line in reversed(tail.split(b"\n")):
-                    if line.startswith(b"data: {") and b'"usage"' in line:
-                        try:
-                            reported = _cached_tokens(json.loads(line[6:]))
-                        except ValueError:
-                            pass
-                        break
-                finish(reported)
-
-        return StreamingResponse(
-            relay(),
-            status_code=upstream.status_code,
-            headers=headers,
-            media_type=upstream.headers.get("content-type", "text/event-stream"),
-        )
 
     async def engine_tokens(request: Request, payload: dict[str, Any]) -> list[int]:
         """Tokens from an engine's own /tokenize (vLLM's API): its tokenizer and chat template, exactly."""
@@ -511,7 +274,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             check_chars(request, body.prompt, "prompt")
             tokens = tokenizer.encode(body.prompt)
         check_tokens(request, len(tokens), "prompt")
-        return await forward(request, "/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
+        proxy: Proxy = request.app.state.proxy
+        return await proxy.complete("/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatBody))
     async def chat(request: Request) -> Response:
@@ -526,7 +290,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             check_chars(request, text, "messages")
             tokens = tokenizer.encode(text)
         check_tokens(request, len(tokens), "messages")
-        return await forward(request, "/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
+        proxy: Proxy = request.app.state.proxy
+        return await proxy.complete("/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from directory.addresses import HostPort, url_list
 from directory.client_settings import DirectoryClientSettings
+from directory.logs import LogLevel
 from gateway.engines import Network, parse_networks, parse_origin
+from gateway.policy import POLICIES
+
+# The routing policies by name: the keys of gateway.policy.POLICIES, spelt out for type checkers.
+PolicyName = Literal["kvdir", "round_robin", "least_loaded", "sglang", "dynamo", "local_only"]
+if set(get_args(PolicyName)) != set(POLICIES):
+    raise RuntimeError(f"PolicyName {get_args(PolicyName)} differs from gateway.policy.POLICIES {tuple(POLICIES)}")
 
 
 class GatewaySettings(DirectoryClientSettings):
@@ -23,7 +32,7 @@ class GatewaySettings(DirectoryClientSettings):
         "a host name is resolved once, when learned, and refused if any address is "
         "outside; empty: no restriction",
     )
-    policy: str = Field("kvdir", description="kvdir, round_robin, least_loaded, sglang, dynamo or local_only")
+    policy: PolicyName = Field("kvdir", description="routing policy: " + ", ".join(get_args(PolicyName)))
     tokenizer: str = Field(
         "bytes",
         description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)",
@@ -31,6 +40,9 @@ class GatewaySettings(DirectoryClientSettings):
     namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the engines'")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the engines'")
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="engines' prefill rate, for the TTFT estimate")
+    decode_tokens_per_s: float = Field(
+        80.0, gt=0, description="engines' decode rate per running request in tokens/s, for the queueing estimate"
+    )
     link_gbps: float = Field(2.0, gt=0, description="measured pull bandwidth between engines in GB/s (kvdir bench worker)")
     pull_setup_ms: float = Field(2.0, ge=0, description="fixed cost of one pull (handshake, lookup)")
     max_running: int = Field(32, ge=1, description="engines' concurrency, for the queueing estimate")
@@ -39,7 +51,7 @@ class GatewaySettings(DirectoryClientSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="limit for one upstream request")
     unhealthy_s: float = Field(5.0, ge=0, description="how long an engine that refused a connection is skipped")
     seed: int = Field(0, description="seed of the policies' random tie-breaks")
-    log_level: str = Field("info", description="debug, info, warning or error")
+    log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
     max_prompt_tokens: int = Field(
         131072,
         ge=1,

@@ -1,38 +1,24 @@
 """Routing policies: pure functions of (request, candidates, rng) -> Decision.
 
-The same code drives the HTTP gateway and the offline trace-replay simulator, so
-nothing here does I/O, reads a clock or uses global randomness: every random
-choice goes through the `random.Random` passed to `choose`, and a policy with
-state (round robin's position, the SGLang-modeled tree) changes it only in
-`choose` (round robin) or `on_routed` (SGLang-modeled). Given the same seed and
-the same inputs every policy makes the same decisions.
+Over 400 lines on purpose: six small policies and their registry, kept in one
+file so that the ones compared in a replay report read side by side. What they
+share (the inputs, `Decision` and kvdir's TTFT model) is in gateway.cost and
+re-exported here.
+
+The same code drives the HTTP gateway (through gateway.router) and the offline
+trace-replay simulator, so nothing here does I/O, reads a clock or uses global
+randomness: every random choice goes through the `random.Random` passed to
+`choose`, and a policy with state (round robin's position, the SGLang-modeled
+tree) changes it only in `choose` (round robin) or `on_routed` (SGLang-modeled).
+Given the same seed and the same inputs every policy makes the same decisions.
 
 Policies
 --------
 ``kvdir`` (ours)
-    Estimated time to first token (TTFT) per healthy candidate, with the option
-    of pulling the missing part of the longest cached prefix from its holder
-    instead of recomputing it; minimum wins. The model:
-
-    - ``slot_interval_s = T_req / max_running`` with
-      ``T_req = output_tokens / decode_tokens_per_s`` (``output_tokens`` is
-      ``CostModel.mean_output_tokens`` when set, else the request's
-      ``max_tokens``): a request that finds all ``max_running`` places taken
-      waits for one to free; the running requests spend most of their life
-      decoding (their prefill is counted separately, below), so places free
-      at ``max_running / T_req`` per second and every request ahead in line
-      adds ``T_req / max_running``.
-    - ``queue_s = pending_prefill_tokens / prefill_tokens_per_s
-      + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval_s``
-    - ``cached_tokens = min(min(cached_blocks, len(hashes)) * block_size, prompt_tokens)``
-    - ``compute_s = (prompt_tokens - cached_tokens) / prefill_tokens_per_s``
-    - ``pull_s(n) = pull_setup_s + n * block_bytes / link_bytes_per_s``
-    - recompute: ``ttft = queue_s + compute_s``;
-      pull (candidates holding fewer blocks than the longest holder H):
-      ``ttft = queue_s + pull_s(H.blocks - c.blocks) + (prompt_tokens - H.cached_tokens) / prefill_tokens_per_s``,
-      taken only when ``pull_s < (H.cached_tokens - c.cached_tokens) / prefill_tokens_per_s``
-      (strictly: at the break-even the node recomputes; no network, no
-      dependency on the holder).
+    Estimated time to first token (TTFT) per healthy candidate (the model in
+    gateway.cost, computed by `gateway.cost.evaluate`), with the option of
+    pulling the missing part of the longest cached prefix from its holder
+    instead of recomputing it; minimum wins.
     The holder's own load does not enter the pull cost: a pull is a one-sided
     read of the holder's registered memory, it takes no engine place there.
     A pull needs the holder's slots: H can serve blocks
@@ -60,8 +46,25 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from gateway.cost import (
+    DEFAULT_COST,
+    REASONS,
+    Candidate,
+    CostModel,
+    Decision,
+    RouteRequest,
+    TTFTBreakdown,
+    estimate_ttft,
+    evaluate,
+    pull_seconds,
+    queue_seconds,
+    queued_ahead,
+    slot_interval_seconds,
+    ttft_breakdown,
+)
+from gateway.cost import blocks_held as _blocks
 
 __all__ = [
     "POLICIES",
@@ -79,6 +82,7 @@ __all__ = [
     "SGLangPolicy",
     "TTFTBreakdown",
     "estimate_ttft",
+    "evaluate",
     "make_policy",
     "pull_seconds",
     "queue_seconds",
@@ -86,59 +90,8 @@ __all__ = [
     "ttft_breakdown",
 ]
 
-REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback"})
-
 # Two estimates closer than this (seconds, or cost units for dynamo) are a tie.
 TIE_EPSILON = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    node_id: str
-    epoch: int
-    cached_blocks: int  # leading blocks of this prompt the node holds (from the directory lookup)
-    slots: tuple[int, ...] = ()  # the node's slots for blocks [0, cached_blocks); passed through into a pull plan
-    running: int = 0  # load the node reported (heartbeat)
-    waiting: int = 0
-    pending_prefill_tokens: float = 0.0  # uncached prompt tokens sent there that have not produced a first token yet
-    inflight: int = 0  # requests the gateway has sent there and not finished
-    healthy: bool = True
-    can_pull: bool = True  # the node can read a pull plan's blocks from a peer (else kvdir never plans a pull to it)
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    prompt_tokens: int
-    hashes: tuple[int, ...]  # the prompt's full-block sequence hashes (protocol §1)
-    block_size: int = 16
-    max_tokens: int = 16
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    prefill_tokens_per_s: float = 10_000.0
-    block_bytes: int = 16_384 * 1  # KV bytes of one block summed over a node's TP ranks
-    link_bytes_per_s: float = 2e9  # measured pull bandwidth between nodes
-    pull_setup_s: float = 0.002  # per pull (handshake/lookup)
-    max_running: int = 32  # engine concurrency; above it requests queue
-    decode_tokens_per_s: float = 80.0
-    # Output length of a typical running request, for the queueing term; None: the request's max_tokens.
-    mean_output_tokens: float | None = None
-
-
-DEFAULT_COST = CostModel()
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    node_id: str
-    reason: str  # one of REASONS
-    predicted_cached_tokens: int
-    pull_from: str | None = None
-    pull_epoch: int | None = None
-    pull_slots: tuple[int, ...] = ()  # the holder's slots for blocks [0, n)
-    estimated_ttft_s: float = 0.0
-    detail: str = ""  # the formula with values, for debug logs
 
 
 @runtime_checkable
@@ -149,76 +102,6 @@ class Policy(Protocol):
     def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision: ...
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None: ...
-
-
-# ---------------------------------------------------------------------------
-# The TTFT model (kvdir's), as pure functions
-
-
-class TTFTBreakdown(NamedTuple):
-    queue_s: float
-    pull_s: float
-    compute_s: float
-    cached_tokens: int  # prompt tokens not recomputed (held locally or pulled)
-
-    @property
-    def total_s(self) -> float:
-        return self.queue_s + self.pull_s + self.compute_s
-
-
-def slot_interval_seconds(req: RouteRequest, cost: CostModel = DEFAULT_COST) -> float:
-    """Mean wait added by each request ahead in an engine's queue: T_req / max_running.
-
-    T_req = output_tokens / decode_tokens_per_s is how long a running request
-    holds its place (its prefill is in `pending_prefill_tokens`); with
-    `max_running` places a place frees every T_req / max_running on average.
-    """
-    out = cost.mean_output_tokens if cost.mean_output_tokens is not None else req.max_tokens
-    return out / cost.decode_tokens_per_s / cost.max_running
-
-
-def queue_seconds(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
-    """pending_prefill_tokens / prefill_rate + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval."""
-    ahead = max(0, cand.running + cand.inflight - cost.max_running + 1) + cand.waiting
-    return cand.pending_prefill_tokens / cost.prefill_tokens_per_s + ahead * slot_interval_seconds(req, cost)
-
-
-def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST) -> float:
-    """pull_setup_s + n_blocks * block_bytes / link_bytes_per_s (0 for no blocks)."""
-    if n_blocks <= 0:
-        return 0.0
-    return cost.pull_setup_s + n_blocks * cost.block_bytes / cost.link_bytes_per_s
-
-
-def _blocks(cand: Candidate, n_hashes: int) -> int:
-    b = cand.cached_blocks
-    return 0 if b < 0 else (n_hashes if b > n_hashes else b)
-
-
-def ttft_breakdown(
-    req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0
-) -> TTFTBreakdown:
-    """kvdir's TTFT estimate for serving `req` on `cand`.
-
-    `pull_to_blocks` > the candidate's cached blocks means: pull blocks
-    [cached_blocks, pull_to_blocks) from a peer first, then compute the rest.
-    """
-    nh = len(req.hashes)
-    have = _blocks(cand, nh)
-    bs = req.block_size
-    prompt = req.prompt_tokens
-    queue_s = queue_seconds(req, cand, cost)
-    target = min(max(pull_to_blocks, 0), nh)
-    if target > have:
-        cached = min(target * bs, prompt)
-        return TTFTBreakdown(queue_s, pull_seconds(target - have, cost), (prompt - cached) / cost.prefill_tokens_per_s, cached)
-    cached = min(have * bs, prompt)
-    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / cost.prefill_tokens_per_s, cached)
-
-
-def estimate_ttft(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0) -> float:
-    """queue_s + pull_s + compute_s of `ttft_breakdown` (seconds)."""
-    return ttft_breakdown(req, cand, cost, pull_to_blocks=pull_to_blocks).total_s
 
 
 # ---------------------------------------------------------------------------
@@ -277,6 +160,8 @@ def _load(c: Candidate) -> int:
 class KvdirPolicy:
     """Minimum estimated TTFT over (candidate, recompute | pull from the longest holder).
 
+    Each candidate's option and its estimate come from `gateway.cost.evaluate`;
+    the same breakdown explains the decision (`detail`).
     Ties (within TIE_EPSILON seconds): more cached tokens (local or pulled),
     then fewer inflight, then rng among the rest (ordered by node_id).
     `allow_pull=False` gives the same policy without pulls (an ablation).
@@ -291,39 +176,15 @@ class KvdirPolicy:
     def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
         healthy = _healthy(candidates)
         cost = self.cost
-        nh = len(req.hashes)
-        bs = req.block_size
-        prompt = req.prompt_tokens
-        rate = cost.prefill_tokens_per_s
-        slot_s = slot_interval_seconds(req, cost)
-        free_after = cost.max_running - 1
-        holder, longest = _longest(healthy, nh)
+        holder, longest = _longest(healthy, len(req.hashes))
         pull_to = min(longest, len(holder.slots)) if self.allow_pull else 0
-        pull_tokens = pull_to * bs
-        if pull_tokens > prompt:
-            pull_tokens = prompt
-        per_block = cost.block_bytes / cost.link_bytes_per_s
-        setup = cost.pull_setup_s
 
         best_t = math.inf
-        options: list[tuple[float, int, int, Candidate, bool]] = []
+        options: list[tuple[float, int, int, Candidate, TTFTBreakdown]] = []
         for c in healthy:
-            b = c.cached_blocks
-            b = 0 if b < 0 else (nh if b > nh else b)
-            cached = b * bs
-            if cached > prompt:
-                cached = prompt
-            ahead = c.running + c.inflight - free_after
-            q = c.pending_prefill_tokens / rate + ((ahead if ahead > 0 else 0) + c.waiting) * slot_s
-            t = q + (prompt - cached) / rate
-            pulled = False
-            if pull_to > b and c.can_pull:
-                p = setup + (pull_to - b) * per_block
-                if p < (pull_tokens - cached) / rate:
-                    t = q + p + (prompt - pull_tokens) / rate
-                    cached = pull_tokens
-                    pulled = True
-            options.append((t, cached, c.inflight, c, pulled))
+            br = evaluate(req, c, cost, pull_to_blocks=pull_to)
+            t = br.total_s
+            options.append((t, br.cached_tokens, c.inflight, c, br))
             if t < best_t:
                 best_t = t
 
@@ -335,9 +196,10 @@ class KvdirPolicy:
             if len(tied) > 1:
                 tied.sort(key=lambda o: o[3].node_id)
                 tied = [rng.choice(tied)]
-        t, cached, _, chosen, pulled = tied[0]
+        t, cached, _, chosen, br = tied[0]
+        detail = self._explain(req, chosen, br, holder, longest)
 
-        if pulled:
+        if br.pulled_blocks:
             return Decision(
                 chosen.node_id,
                 "pull",
@@ -346,25 +208,22 @@ class KvdirPolicy:
                 pull_epoch=holder.epoch,
                 pull_slots=tuple(holder.slots[:pull_to]),
                 estimated_ttft_s=t,
-                detail=self._detail(req, chosen, holder, longest, pull_to, t),
+                detail=detail,
             )
-        reason = _cache_reason(_blocks(chosen, nh), longest)
-        return Decision(
-            chosen.node_id, reason, cached, estimated_ttft_s=t, detail=self._detail(req, chosen, holder, longest, 0, t)
-        )
+        reason = _cache_reason(_blocks(chosen, len(req.hashes)), longest)
+        return Decision(chosen.node_id, reason, cached, estimated_ttft_s=t, detail=detail)
 
-    def _detail(self, req: RouteRequest, c: Candidate, holder: Candidate, longest: int, pull_to: int, t: float) -> str:
+    def _explain(self, req: RouteRequest, c: Candidate, br: TTFTBreakdown, holder: Candidate, longest: int) -> str:
+        """The evaluated option's formula with its values (a debug log line): nothing is recomputed."""
         cost = self.cost
-        br = ttft_breakdown(req, c, cost, pull_to_blocks=pull_to)
-        ahead = max(0, c.running + c.inflight - cost.max_running + 1)
         s = (
-            f"ttft={t:.6f}s = queue {br.queue_s:.6f} [{c.pending_prefill_tokens:g}/{cost.prefill_tokens_per_s:g}"
-            f" + (max(0,{c.running}+{c.inflight}-{cost.max_running}+1)={ahead} + {c.waiting})*{slot_interval_seconds(req, cost):.6f}]"
+            f"ttft={br.total_s:.6f}s = queue {br.queue_s:.6f} [{c.pending_prefill_tokens:g}/{cost.prefill_tokens_per_s:g}"
+            f" + (max(0,{c.running}+{c.inflight}-{cost.max_running}+1)={queued_ahead(c, cost)} + {c.waiting})"
+            f"*{slot_interval_seconds(req, cost):.6f}]"
         )
         if br.pull_s:
-            n = pull_to - _blocks(c, len(req.hashes))
             s += (
-                f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {n}*{cost.block_bytes}/{cost.link_bytes_per_s:g}]"
+                f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {br.pulled_blocks}*{cost.block_bytes}/{cost.link_bytes_per_s:g}]"
                 f" from {holder.node_id}@{holder.epoch}"
             )
         s += (

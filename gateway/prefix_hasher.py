@@ -19,7 +19,7 @@ from directory.hashing import chain_hashes, local_hashes, seed_for
 
 
 class PrefixHasher:
-    """Sequence hashes (protocol §1) of token lists, reusing recently hashed prefixes. Not thread-safe."""
+    """Sequence hashes (docs/protocol.md §1) of token lists, reusing recently hashed prefixes. Not thread-safe."""
 
     def __init__(self, block_size: int = 16, namespace: str = "", stride_blocks: int = 64, capacity: int = 4096) -> None:
         self.block_size = block_size

@@ -21,27 +21,14 @@ from typing import Any
 import httpx
 import yaml
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings
 
-from directory.config import DirectorySettings
-from engines.config import EventsSettings
-from gateway.config import GatewaySettings
-from kvdir.launcher import UpSettings
-from worker_stub.config import WorkerSettings
+from kvdir.roles import ENV_PREFIX, ROLES, add_settings_flags, build_settings
 
 # Variables read by `kvdir health`, allowed beside any role's settings.
 COMMON_ENV = {"KVDIR_HEALTH_URL"}
 # What stands in for a compose secret's file: valid as any secret a setting reads, a password,
 # a token, and a tokens file (ROLE:NODE_PATTERN:TOKEN).
 STAND_IN_SECRET = "admin:*:stand-in-for-a-secret\n"
-
-ROLES: dict[str, type[BaseSettings]] = {
-    "directory": DirectorySettings,
-    "gateway": GatewaySettings,
-    "worker": WorkerSettings,
-    "events": EventsSettings,
-    "up": UpSettings,
-}
 
 
 @contextmanager
@@ -61,26 +48,23 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 def check(role: str, args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """Problems with running `kvdir ROLE ARGS...` under `env`; empty when it would start."""
-    from kvdir.cli import add_settings_flags, build_settings
-
-    cls = ROLES.get(role)
-    if cls is None:
+    spec = ROLES.get(role)
+    if spec is None:
         return [f"unknown role {role!r}: expected one of {', '.join(ROLES)}"]
     problems = []
-    prefix = cls.model_config.get("env_prefix", "")
     for key in env:
-        if key.startswith(prefix) and key not in COMMON_ENV and key[len(prefix) :].lower() not in cls.model_fields:
+        if key.startswith(ENV_PREFIX) and key not in COMMON_ENV and spec.env_field(key) is None:
             problems.append(f"{key}: not a setting of `kvdir {role}`")
     parser = argparse.ArgumentParser(prog=f"kvdir {role}", add_help=False, exit_on_error=False)
-    add_settings_flags(parser, cls)
+    add_settings_flags(parser, spec)
     try:
         ns, extra = parser.parse_known_args(list(args))
     except argparse.ArgumentError as exc:
         return [*problems, str(exc)]
     problems += [f"{a}: not a flag of `kvdir {role}`" for a in extra]
-    with _environment({k: str(v) for k, v in env.items() if k.startswith(prefix) and k not in COMMON_ENV}):
+    with _environment({k: str(v) for k, v in env.items() if k.startswith(ENV_PREFIX) and k not in COMMON_ENV}):
         try:
-            build_settings(cls, ns)
+            build_settings(spec, ns)
         except ValidationError as exc:
             problems += [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
     return problems
@@ -151,10 +135,10 @@ def compose_services(
 CLIENT_ROLES = ("gateway", "worker", "events")  # the roles that talk to the directory
 
 
-def _sets(name: str, args: Sequence[str], env: Mapping[str, str]) -> bool:
-    """Whether a service gives the setting `name`, as a flag or a KVDIR_* variable."""
+def _sets(role: str, name: str, args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether a service of `role` gives the setting `name`, as a flag or a KVDIR_[ROLE_]* variable."""
     flag = "--" + name.replace("_", "-")
-    return f"KVDIR_{name.upper()}" in env or any(a == flag or a.startswith(flag + "=") for a in args)
+    return any(ROLES[role].env_field(k) == name for k in env) or any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def compose_auth_problems(services: Mapping[str, tuple[str, list[str], dict[str, str]]]) -> list[str]:
@@ -163,7 +147,7 @@ def compose_auth_problems(services: Mapping[str, tuple[str, list[str], dict[str,
     Each service on its own is valid without these, and would only meet 401s once deployed.
     """
     replicas = [n for n, (role, _, _) in services.items() if role == "directory"]
-    secured = [n for n in replicas if _sets("auth_tokens_file", *services[n][1:])]
+    secured = [n for n in replicas if _sets("directory", "auth_tokens_file", *services[n][1:])]
     if not secured:
         return []
     problems = [
@@ -174,7 +158,7 @@ def compose_auth_problems(services: Mapping[str, tuple[str, list[str], dict[str,
     problems += [
         f"{n}: no directory token file, while the directory has auth on (every request would be 401)"
         for n, (role, args, env) in services.items()
-        if role in CLIENT_ROLES and not _sets("directory_token_file", args, env)
+        if role in CLIENT_ROLES and not _sets(role, "directory_token_file", args, env)
     ]
     return problems
 
@@ -182,7 +166,7 @@ def compose_auth_problems(services: Mapping[str, tuple[str, list[str], dict[str,
 def run_check_config(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="kvdir check-config", description=__doc__)
     p.add_argument("--compose", type=Path, help="check every kvdir service of this docker-compose file")
-    p.add_argument("role", nargs="?", help="directory, gateway, worker or up (with its flags after it)")
+    p.add_argument("role", nargs="?", help=f"{', '.join(ROLES)} (with its flags after it)")
     args, rest = p.parse_known_args(list(argv))
     if args.compose is None and args.role is None:
         p.error("give --compose FILE or a role and its flags")

@@ -1,5 +1,5 @@
-"""`kvdir` and its subcommands. Flags are generated from the settings classes, so every
-setting has a `--flag` and a `KVDIR_*` environment variable (flags win)."""
+"""`kvdir` and its subcommands. Flags are generated from the settings classes (kvdir.roles), so every
+setting has a `--flag`, a `KVDIR_<ROLE>_*` and a `KVDIR_*` environment variable (in that order of precedence)."""
 
 from __future__ import annotations
 
@@ -7,56 +7,21 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings
 
-from kvdir.check_config import ROLES
-
-
-def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    """One flag per settings field; defaults stay None so that env vars and defaults apply."""
-    prefix = cls.model_config.get("env_prefix", "")
-    for name, field in cls.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"{prefix}{name}".upper()
-        help_text = f"{field.description or ''} [env {env}; default {field.default}]"
-        if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
-
-
-def build_settings(cls: type[BaseSettings], args: argparse.Namespace) -> Any:
-    given = {k: v for k, v in vars(args).items() if k in cls.model_fields and v is not None}
-    return cls(**given)
-
-
-# The long-running roles: each is a settings class (kvdir.check_config.ROLES) and a module whose
-# serve(settings) runs it until SIGINT/SIGTERM.
-_SERVERS = {
-    "directory": ("run one directory replica", "directory.server"),
-    "gateway": ("run the OpenAI-compatible affinity gateway", "gateway.server"),
-    "worker": ("run one worker stub (a stand-in GPU engine)", "worker_stub.server"),
-    "events": ("feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)", "engines.subscriber"),
-}
+from kvdir.roles import ROLES, add_settings_flags, build_settings
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdir", description="A Raft-replicated KV-cache directory for LLM inference clusters.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    for role, (help_text, _) in _SERVERS.items():
-        add_settings_flags(sub.add_parser(role, help=help_text), ROLES[role])
+    for role in ROLES.values():
+        add_settings_flags(sub.add_parser(role.name, help=role.help), role)
     sub.choices["events"].add_argument(
         "--connect", dest="bind", action="store_false", help="connect the SUB socket (same as --no-bind)"
     )
-
-    from kvdir.launcher import UpSettings
-
-    u = sub.add_parser("up", help="start a local cluster on loopback: directory replicas, worker stubs, gateway")
-    add_settings_flags(u, UpSettings)
 
     sub.add_parser(
         "check-config", help="validate settings (flags, env, a docker-compose file) without starting anything", add_help=False
@@ -92,13 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return (run_check_config if argv[0] == "check-config" else run_health)(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        if args.command in _SERVERS:
-            importlib.import_module(_SERVERS[args.command][1]).serve(build_settings(ROLES[args.command], args))
-            return 0
-        if args.command == "up":
-            from kvdir.launcher import UpSettings, run_up
-
-            return run_up(build_settings(UpSettings, args))
+        if args.command in ROLES:
+            role = ROLES[args.command]
+            module, function = role.entry.split(":")
+            status = getattr(importlib.import_module(module), function)(build_settings(role, args))
+            return int(status or 0)
         if args.command == "replay":
             from kvdir.replay.report import run_replay
 

@@ -41,6 +41,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from directory.addresses import is_wildcard
+from directory.logs import LogLevel
+from gateway.config import PolicyName
+from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")
 
@@ -59,14 +62,14 @@ class UpSettings(BaseSettings):
         None, description="where replicas keep state and logs (default: a temporary directory removed on exit)"
     )
     lease_ttl_s: float = Field(10.0, gt=0.2, description="node lease TTL of the directory")
-    log_level: str = Field("warning", description="log level of the started processes (their logs go to DATA_DIR/*.log)")
+    log_level: LogLevel = Field("warning", description="log level of the started processes (their logs go to DATA_DIR/*.log)")
     ready_timeout_s: float = Field(60.0, gt=0, description="give up if no leader is elected within this time")
     workers: int = Field(4, ge=0, le=64, description="worker stubs to start; worker i serves HTTP on BASE_PORT+10+i")
     worker_capacity_blocks: int = Field(4096, ge=1, description="KV slots of each worker stub")
     worker_time_scale: float = Field(1.0, ge=0, description="time scale of the workers' simulated prefill and decode")
-    worker_transfer: str = Field("mooncake", description="transfer engine of the workers: mooncake or tcp")
+    worker_transfer: TransferName = Field("mooncake", description="transfer engine of the workers: mooncake or tcp")
     gateway: bool = Field(True, description="start the gateway on BASE_PORT")
-    policy: str = Field("kvdir", description="routing policy of the gateway")
+    policy: PolicyName = Field("kvdir", description="routing policy of the gateway")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
     demo_and_exit: bool = Field(False, description="run the demo, then stop everything and exit 0")
     auth: bool = Field(

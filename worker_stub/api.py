@@ -31,9 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from directory.client import DirectoryClient
 from directory.http_limits import BodyLimit
+from directory.schemas import PullPlan
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from worker_stub.config import WorkerSettings
-from worker_stub.engine import Engine, PullPlan, QueueFull, RequestStats
+from worker_stub.engine import Engine, QueueFull, RequestStats
 from worker_stub.pool import KVPool
 from worker_stub.publisher import Publisher
 from worker_stub.transfer import create_engine
@@ -43,19 +44,11 @@ log = logging.getLogger("kvdir.worker")
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
 
 
-class PullPlanModel(BaseModel):
-    """Extension: read the prompt's first len(slots) blocks from this node's memory instead of computing them."""
-
-    source_node: str = Field(min_length=1, max_length=128)
-    source_epoch: int = Field(ge=1)
-    slots: list[Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]] = Field(max_length=1 << 20)
-
-
 class _Req(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI parameters (temperature, ...) are accepted and ignored
     model: str
     stream: bool = False
-    kvdir_pull: PullPlanModel | None = None
+    kvdir_pull: dict[str, Any] | None = None  # a directory.schemas.PullPlan, decoded by `run`
 
 
 class CompletionRequest(_Req):
@@ -219,11 +212,12 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         engine: Engine = request.app.state.engine
         metrics: WorkerMetrics = request.app.state.metrics
         check_length(len(tokens), max_tokens)
-        plan = (
-            PullPlan(body.kvdir_pull.source_node, body.kvdir_pull.source_epoch, tuple(body.kvdir_pull.slots))
-            if body.kvdir_pull
-            else None
-        )
+        plan = None
+        if body.kvdir_pull is not None:
+            try:
+                plan = msgspec.convert(body.kvdir_pull, PullPlan)
+            except msgspec.ValidationError as exc:
+                raise OpenAIError(400, f"kvdir_pull: {exc}", param="kvdir_pull") from exc
         stats = RequestStats()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())

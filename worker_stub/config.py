@@ -8,11 +8,21 @@ so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from directory.addresses import HostPort, is_wildcard
 from directory.client_settings import DirectoryClientSettings
+from directory.logs import LogLevel
+from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
+from worker_stub.transfer import ENGINES
+
+# The KV transfer engines by name: the keys of worker_stub.transfer.ENGINES, spelt out for type checkers.
+TransferName = Literal["mooncake", "tcp"]
+if set(get_args(TransferName)) != set(ENGINES):
+    raise RuntimeError(f"TransferName {get_args(TransferName)} differs from worker_stub.transfer.ENGINES {tuple(ENGINES)}")
 
 
 class WorkerSettings(DirectoryClientSettings):
@@ -21,7 +31,11 @@ class WorkerSettings(DirectoryClientSettings):
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
     node_id: str = Field(
-        "worker-1", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/-]+$", description="this node's id in the directory"
+        "worker-1",
+        min_length=1,
+        max_length=NODE_ID_MAX_LEN,
+        pattern=NODE_ID_PATTERN,
+        description="this node's id in the directory",
     )
     http: HostPort = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
     advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
@@ -39,7 +53,7 @@ class WorkerSettings(DirectoryClientSettings):
     max_running: int = Field(32, ge=1, description="requests served at once; more wait in a queue")
     max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_running (429 above)")
     time_scale: float = Field(1.0, ge=0, description="multiplies every simulated duration (0: no waiting)")
-    transfer: str = Field("mooncake", description="KV transfer engine: mooncake or tcp")
+    transfer: TransferName = Field("mooncake", description="KV transfer engine: " + " or ".join(get_args(TransferName)))
     transfer_host: str = Field(
         "127.0.0.1",
         min_length=1,
@@ -48,7 +62,7 @@ class WorkerSettings(DirectoryClientSettings):
     )
     publish_interval_s: float = Field(0.01, gt=0, le=10, description="how often new and evicted blocks are published")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
-    log_level: str = Field("info", description="debug, info, warning or error")
+    log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
 
     @field_validator("transfer_host")
     @classmethod

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
 from directory.hashing import block_hashes
-from directory.schemas import NodeInfo
+from directory.schemas import NodeInfo, PullPlan
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool, Lease, PoolFull
 from worker_stub.transfer import TransferEngine, TransferError
@@ -33,15 +33,6 @@ _WORDS = b"the quick brown fox jumps over the lazy dog "
 
 class QueueFull(Exception):
     """More requests wait than `max_queue` allows."""
-
-
-@dataclass(frozen=True, slots=True)
-class PullPlan:
-    """Where to read a prefix from: the source node's slots for the first `len(slots)` blocks."""
-
-    source_node: str
-    source_epoch: int
-    slots: tuple[int, ...]
 
 
 @dataclass(slots=True)

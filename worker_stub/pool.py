@@ -3,7 +3,7 @@
 A node keeps KV blocks in `capacity_blocks` fixed-size slots per tensor-parallel
 rank. Each rank is one contiguous region of host memory (a numpy uint8 array),
 so a transfer engine can register it once and a peer can read slot `s` of rank
-`r` at `regions[r].base_addr + s * block_bytes` (protocol §2). Slots are
+`r` at `regions[r].base_addr + s * block_bytes` (docs/protocol.md §2). Slots are
 mirrored: slot `s` holds the same block on every rank, so a directory entry is
 just `(hash -> node, slot)`.
 

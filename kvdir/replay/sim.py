@@ -72,80 +72,36 @@ Figures (token counts: a block counts ``min(B, tokens of the prompt in it)``)
   ``prediction_exact``: fraction of requests with predicted == actual
   (predicted: the decision's ``predicted_cached_tokens``; actual: local + pulled).
 - ``load_timeline``: prefill-busy fraction per node in equal time buckets.
+
+The code
+--------
+This module is the API (`simulate`, `oracle_hit_rate`, and `SimParams` /
+`describe_params` re-exported from `kvdir.replay.params`). The simulation
+itself is `kvdir.replay.cluster.ClusterSim` (the state as objects, events
+dispatched through a table of handler methods), over the caches of
+`kvdir.replay.cache` (`NodeCache`: pin / unpin / store / settle, and the
+directory's lagged `DirectoryView`).
 """
 
 from __future__ import annotations
 
-import heapq
-import random
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-
-from gateway.policy import POLICIES, Candidate, CostModel, RouteRequest, make_policy
+from gateway.policy import POLICIES
+from kvdir.replay.cluster import ClusterSim
+from kvdir.replay.params import DEFAULT_BLOCK_BYTES, SimParams, describe_params
 from kvdir.replay.trace import TraceRequest
 
-__all__ = ["SimParams", "oracle_hit_rate", "simulate"]
-
-# Default KV block: 512 tokens of a Llama-3-8B-like model in bf16
-# (32 layers * 8 KV heads * 128 dims * 2 (K, V) * 2 bytes = 128 KiB per token).
-DEFAULT_BLOCK_BYTES = 512 * 32 * 8 * 128 * 2 * 2
-
-
-@dataclass(frozen=True, slots=True)
-class SimParams:
-    nodes: int = 8
-    capacity_blocks: int = 3000  # per node
-    block_tokens: int = 512
-    prefill_tokens_per_s: float = 10_000.0  # per node, one prefill at a time
-    decode_tokens_per_s: float = 80.0  # per request
-    max_running: int = 32  # per node
-    block_bytes: int = DEFAULT_BLOCK_BYTES  # KV bytes of one block on a node (all TP ranks)
-    link_bytes_per_s: float = 12.5e9  # one pull's bandwidth (100 Gb/s)
-    pull_setup_s: float = 0.002
-    publish_lag_s: float = 0.05  # node stores/evicts -> the router sees it
-    seed: int = 0
-    timeline_buckets: int = 200
-    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # keyword options per policy name, for make_policy
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1 or self.capacity_blocks < 1 or self.block_tokens < 1 or self.max_running < 1:
-            raise ValueError("nodes, capacity_blocks, block_tokens and max_running must be >= 1")
-        if min(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.link_bytes_per_s) <= 0:
-            raise ValueError("rates must be > 0")
-        if self.block_bytes < 0 or self.pull_setup_s < 0 or self.publish_lag_s < 0:
-            raise ValueError("block_bytes, pull_setup_s and publish_lag_s must be >= 0")
-        if self.timeline_buckets < 1:
-            raise ValueError("timeline_buckets must be >= 1")
-
-    def cost_model(self) -> CostModel:
-        """The policies' cost model, with this simulation's parameters."""
-        return CostModel(
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
-            block_bytes=self.block_bytes,
-            link_bytes_per_s=self.link_bytes_per_s,
-            pull_setup_s=self.pull_setup_s,
-            max_running=self.max_running,
-            decode_tokens_per_s=self.decode_tokens_per_s,
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["DEFAULT_BLOCK_BYTES", "SimParams", "describe_params", "oracle_hit_rate", "simulate"]
 
 
 def _sorted(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
+    """`requests` by arrival (stable: equal arrivals keep their order); no sort when already in order."""
     if all(requests[i].arrival_s <= requests[i + 1].arrival_s for i in range(len(requests) - 1)):
         return list(requests)
     return sorted(requests, key=lambda r: r.arrival_s)
-
-
-def _tokens_of_blocks(k: int, prompt: int, bs: int) -> int:
-    t = k * bs
-    return t if t < prompt else prompt
 
 
 def oracle_hit_rate(requests: Sequence[TraceRequest], *, by: str = "blocks", block_tokens: int = 512) -> float:
@@ -183,37 +139,6 @@ def oracle_hit_rate(requests: Sequence[TraceRequest], *, by: str = "blocks", blo
     return hit / total if total else 0.0
 
 
-def _runs(blocks: tuple[int, ...], masks: dict[int, int], full: int, n: int) -> tuple[list[int], int]:
-    """Leading run of `blocks` each node holds per `masks` (block -> bitmask of nodes), and the longest."""
-    res = [0] * n
-    alive = full
-    i = 0
-    get = masks.get
-    for b in blocks:
-        m = get(b, 0) & alive
-        if m != alive:
-            gone = alive ^ m
-            while gone:
-                low = gone & -gone
-                res[low.bit_length() - 1] = i
-                gone ^= low
-            alive = m
-            if not alive:
-                return res, i
-        i += 1
-    j = 0
-    while alive:
-        if alive & 1:
-            res[j] = i
-        alive >>= 1
-        j += 1
-    return res, i
-
-
-# event kinds (ordered: at equal times, earlier-scheduled events go first via the sequence number)
-_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH = 0, 1, 2, 3
-
-
 def simulate(
     requests: Sequence[TraceRequest],
     policy_name: str,
@@ -224,388 +149,15 @@ def simulate(
     """Replay `requests` through the policy `policy_name` on the cluster `params`; the figures as a dict.
 
     See the module docstring for the model and the figures. `progress(done,
-    total)` is called about every 1% of requests.
+    total)` is called about every 1% of requests. ``wall_s`` (the last key) is
+    the wall-clock time the run took.
     """
     p = params or SimParams()
     if policy_name not in POLICIES:
         raise ValueError(f"unknown policy {policy_name!r}; valid: {', '.join(sorted(POLICIES))}")
     wall0 = time.perf_counter()
-    reqs = _sorted(requests)
-    total = len(reqs)
-    cost = p.cost_model()
-    policy = make_policy(policy_name, cost, **p.policy_options.get(policy_name, {}))
-    rng = random.Random(p.seed)
-    choose, on_routed = policy.choose, policy.on_routed
-
-    N = p.nodes
-    width = len(str(N - 1))
-    ids = [f"n{j:0{width}d}" for j in range(N)]
-    index = {nid: j for j, nid in enumerate(ids)}
-    full = (1 << N) - 1
-    bs = p.block_tokens
-    cap = p.capacity_blocks
-    rate = p.prefill_tokens_per_s
-    drate = p.decode_tokens_per_s
-    max_running = p.max_running
-    lag = p.publish_lag_s
-    per_block_s = p.block_bytes / p.link_bytes_per_s
-    setup_s = p.pull_setup_s
-    block_bytes = p.block_bytes
-
-    # real cache state
-    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(N)]  # held, not in use (cold first)
-    pins: list[dict[int, int]] = [{} for _ in range(N)]  # held, in use: block -> users
-    real: dict[int, int] = {}  # block -> bitmask of nodes holding it
-    vis: dict[int, int] = {}  # block -> bitmask of nodes the directory lists (lagged)
-    # load state
-    running = [0] * N
-    inflight = [0] * N
-    pending = [0.0] * N
-    waitq: list[deque[int]] = [deque() for _ in range(N)]
-    prefill_free = [0.0] * N
-    link_in_free = [0.0] * N
-    link_out_free = [0.0] * N
-    busy = [0.0] * N
-    spans: list[list[tuple[float, float]]] = [[] for _ in range(N)]
-    # per request
-    r_node = [0] * total
-    r_local = [0] * total  # blocks found locally (pinned at arrival)
-    r_uncached = [0] * total
-    r_pred_unc = [0.0] * total
-    r_pull_src = [-1] * total
-    r_pull_n = [0] * total
-    r_pull_pending = [False] * total
-    r_admitted = [False] * total
-    ttft = np.zeros(total)
-    evictions = [0]
-
-    last_end = [0.0]  # the latest decode end
-    heap: list[tuple[float, int, int, object]] = []
-    push = heapq.heappush
-    pop = heapq.heappop
-    seq = 0
-    slot_cache: list[tuple[int, ...]] = [()]
-
-    def slots_of(k: int) -> tuple[int, ...]:
-        while len(slot_cache) <= k:
-            slot_cache.append(tuple(range(len(slot_cache))))
-        return slot_cache[k]
-
-    def publish(node: int, adds: list[int], removes: list[int]) -> None:
-        bit = 1 << node
-        for b in removes:
-            m = vis.get(b, 0) & ~bit
-            if m:
-                vis[b] = m
-            else:
-                vis.pop(b, None)
-        for b in adds:
-            vis[b] = vis.get(b, 0) | bit
-
-    def settle(n: int, now: float, adds: list[int]) -> None:
-        """Evict node n's coldest unused blocks down to capacity; publish the change (after the lag)."""
-        nonlocal seq
-        cold = lru[n]
-        over = len(cold) + len(pins[n]) - cap
-        removes = []
-        if over > 0:
-            keep = ~(1 << n)
-            while over > 0 and cold:
-                b = cold.popitem(last=False)[0]
-                m = real[b] & keep
-                if m:
-                    real[b] = m
-                else:
-                    del real[b]
-                removes.append(b)
-                over -= 1
-            evictions[0] += len(removes)
-        if adds or removes:
-            if lag > 0:
-                seq += 1
-                push(heap, (now + lag, seq, _PUBLISH, (n, adds, removes)))
-            else:
-                publish(n, adds, removes)
-
-    def start_prefill(i: int, now: float) -> None:
-        nonlocal seq
-        n = r_node[i]
-        s = prefill_free[n]
-        if s < now:
-            s = now
-        e = s + r_uncached[i] / rate
-        prefill_free[n] = e
-        if e > s:
-            busy[n] += e - s
-            spans[n].append((s, e))
-        seq += 1
-        push(heap, (e, seq, _PREFILL_DONE, i))
-
-    def admit(i: int, now: float) -> None:
-        running[r_node[i]] += 1
-        r_admitted[i] = True
-        if not r_pull_pending[i]:
-            start_prefill(i, now)
-
-    def handle(t: float, kind: int, x: object) -> None:
-        nonlocal seq
-        if kind == _PULL_DONE:
-            i = cast(int, x)  # the payload of the three request events is the request index
-            src = r_pull_src[i]
-            sp = pins[src]
-            slru = lru[src]
-            b0 = r_local[i]
-            blocks = reqs[i].blocks
-            for b in reversed(blocks[b0 : b0 + r_pull_n[i]]):
-                c: int | None = sp[b] - 1  # int | None: the name is reused for pin.get() below
-                if c:
-                    sp[b] = c
-                else:
-                    del sp[b]
-                    slru[b] = None
-            if len(slru) + len(sp) > cap:
-                settle(src, t, [])
-            r_pull_pending[i] = False
-            if r_admitted[i]:
-                start_prefill(i, t)
-        elif kind == _PREFILL_DONE:
-            i = cast(int, x)
-            n = r_node[i]
-            r = reqs[i]
-            ttft[i] = t - r.arrival_s
-            pending[n] -= r_pred_unc[i]
-            bit = 1 << n
-            pin = pins[n]
-            cold = lru[n]
-            adds: list[int] = []
-            for b in r.blocks[r_local[i] :]:
-                c = pin.get(b)
-                if c is not None:
-                    pin[b] = c + 1
-                else:
-                    if b in cold:
-                        del cold[b]
-                    else:
-                        real[b] = real.get(b, 0) | bit
-                        adds.append(b)
-                    pin[b] = 1
-            settle(n, t, adds)
-            seq += 1
-            push(heap, (t + r.output_tokens / drate, seq, _DECODE_DONE, i))
-        elif kind == _DECODE_DONE:
-            i = cast(int, x)
-            n = r_node[i]
-            pin = pins[n]
-            cold = lru[n]
-            for b in reversed(reqs[i].blocks):
-                c = pin[b] - 1
-                if c:
-                    pin[b] = c
-                else:
-                    del pin[b]
-                    cold[b] = None
-            if len(cold) + len(pin) > cap:
-                settle(n, t, [])
-            running[n] -= 1
-            inflight[n] -= 1
-            last_end[0] = t
-            q = waitq[n]
-            if q and running[n] < max_running:
-                admit(q.popleft(), t)
-        else:  # _PUBLISH
-            n, adds, removes = cast("tuple[int, list[int], list[int]]", x)
-            publish(n, adds, removes)
-
-    prompt_total = 0
-    blocks_total = 0
-    hit_tokens = pulled_tokens = 0
-    hit_blocks = 0
-    redundant = 0
-    pred_err = 0
-    pred_exact = 0
-    pulls = pulls_short = pull_blocks = 0
-    reasons: dict[str, int] = {}
-    step = max(1, total // 100)
-    Cand = Candidate
-    RReq = RouteRequest
-
-    for i, r in enumerate(reqs):
-        t = r.arrival_s
-        while heap and heap[0][0] <= t:
-            et, _, kind, x = pop(heap)
-            handle(et, kind, x)
-        blocks = r.blocks
-        nb = len(blocks)
-        prompt = r.input_tokens
-        view, _ = _runs(blocks, vis, full, N)
-        cands = [
-            Cand(ids[j], 1, view[j], slots_of(view[j]), max(0, running[j] - inflight[j]), len(waitq[j]), pending[j], inflight[j])
-            for j in range(N)
-        ]
-        rreq = RReq(prompt, blocks, bs, r.output_tokens)
-        d = choose(rreq, cands, rng)
-        on_routed(rreq, d)
-        reasons[d.reason] = reasons.get(d.reason, 0) + 1
-        n = index[d.node_id]
-
-        have, longest = _runs(blocks, real, full, N)
-        local = have[n]
-        got = local
-        if local:
-            pin = pins[n]
-            cold = lru[n]
-            for b in blocks[:local]:
-                c = pin.get(b)
-                if c is None:
-                    del cold[b]
-                    pin[b] = 1
-                else:
-                    pin[b] = c + 1
-        if d.pull_from is not None and d.pull_from != d.node_id:
-            src = index[d.pull_from]
-            plan = len(d.pull_slots)
-            reach = have[src] if have[src] < plan else plan
-            if reach < plan:
-                pulls_short += 1
-            npull = reach - local
-            if npull > 0:
-                sp = pins[src]
-                slru = lru[src]
-                for b in blocks[local:reach]:
-                    c = sp.get(b)
-                    if c is None:
-                        del slru[b]
-                        sp[b] = 1
-                    else:
-                        sp[b] = c + 1
-                start = t
-                if link_in_free[n] > start:
-                    start = link_in_free[n]
-                if link_out_free[src] > start:
-                    start = link_out_free[src]
-                done = start + setup_s + npull * per_block_s
-                link_in_free[n] = link_out_free[src] = done
-                r_pull_src[i] = src
-                r_pull_n[i] = npull
-                r_pull_pending[i] = True
-                seq += 1
-                push(heap, (done, seq, _PULL_DONE, i))
-                pulls += 1
-                pull_blocks += npull
-                got = reach
-        cached = _tokens_of_blocks(got, prompt, bs)
-        pulled_tokens += cached - _tokens_of_blocks(local, prompt, bs)
-        hit_tokens += cached
-        hit_blocks += got
-        held = _tokens_of_blocks(longest, prompt, bs)
-        if held > cached:
-            redundant += held - cached
-        prompt_total += prompt
-        blocks_total += nb
-        pc = d.predicted_cached_tokens
-        diff = pc - cached
-        if diff:
-            pred_err += diff if diff > 0 else -diff
-        else:
-            pred_exact += 1
-
-        r_node[i] = n
-        r_local[i] = local
-        r_uncached[i] = prompt - cached
-        unc = prompt - pc
-        r_pred_unc[i] = unc if unc > 0 else 0
-        pending[n] += r_pred_unc[i]
-        inflight[n] += 1
-        if running[n] < max_running:
-            admit(i, t)
-        else:
-            waitq[n].append(i)
-        if progress is not None and (i + 1) % step == 0 and i + 1 < total:
-            progress(i + 1, total)
-
-    while heap:
-        et, _, kind, x = pop(heap)
-        handle(et, kind, x)
-    if progress is not None:
-        progress(total, total)
-
-    # Bookkeeping checks (cheap): everything finished and released, and the directory caught up with the caches.
-    if any(pins) or any(running) or any(inflight) or any(waitq) or any(abs(x) > 1e-6 for x in pending):
-        raise AssertionError("replay bookkeeping leak: requests or pins left at the end")
-    if vis != real or sum(len(lru[j]) for j in range(N)) != sum(m.bit_count() for m in real.values()):
-        raise AssertionError("replay bookkeeping: the directory view or the block index disagrees with the caches")
-    if any(len(lru[j]) > cap for j in range(N)):
-        raise AssertionError("replay bookkeeping: a cache holds more than its capacity at rest")
-
-    first = reqs[0].arrival_s if reqs else 0.0
-    end = max(last_end[0], first)
-    span = end - first
-    mean_busy = sum(busy) / N
-    if total:
-        p50, p90, p99 = (float(x) for x in np.percentile(ttft, [50, 90, 99]))
-        mean_ttft = float(ttft.mean())
-    else:
-        p50 = p90 = p99 = mean_ttft = 0.0
-    out = {
-        "policy": policy_name,
-        "requests": total,
-        "prompt_tokens": prompt_total,
-        "hit_rate": hit_tokens / prompt_total if prompt_total else 0.0,
-        "local_hit_rate": (hit_tokens - pulled_tokens) / prompt_total if prompt_total else 0.0,
-        "pulled_hit_rate": pulled_tokens / prompt_total if prompt_total else 0.0,
-        "block_hit_rate": hit_blocks / blocks_total if blocks_total else 0.0,
-        "redundant_prefill": redundant / prompt_total if prompt_total else 0.0,
-        "ttft_p50_s": p50,
-        "ttft_p90_s": p90,
-        "ttft_p99_s": p99,
-        "ttft_mean_s": mean_ttft,
-        "throughput_rps": total / span if span > 0 else 0.0,
-        "span_s": span,
-        "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
-        "busy_s": busy,
-        "pulls": pulls,
-        "pulls_short": pulls_short,
-        "pull_blocks": pull_blocks,
-        "bytes_moved": pull_blocks * block_bytes,
-        "evictions": evictions[0],
-        "prediction_error": pred_err / prompt_total if prompt_total else 0.0,
-        "prediction_exact": pred_exact / total if total else 1.0,
-        "reasons": dict(sorted(reasons.items())),
-        "load_timeline": _timeline(spans, first, end, p.timeline_buckets),
-        "wall_s": time.perf_counter() - wall0,
-    }
+    sim = ClusterSim(_sorted(requests), policy_name, p)
+    sim.run(progress)
+    out = sim.figures()
+    out["wall_s"] = time.perf_counter() - wall0
     return out
-
-
-def _timeline(spans: list[list[tuple[float, float]]], t0: float, t1: float, buckets: int) -> dict[str, Any]:
-    """Prefill-busy fraction per node in `buckets` equal buckets over [t0, t1]."""
-    if t1 <= t0:
-        return {"t0_s": t0, "bucket_s": 0.0, "busy": [[0.0] * buckets for _ in spans]}
-    edges = np.linspace(t0, t1, buckets + 1)
-    width = (t1 - t0) / buckets
-    rows = []
-    for sp in spans:
-        if not sp:
-            rows.append([0.0] * buckets)
-            continue
-        a = np.array(sp)
-        s, e = a[:, 0], a[:, 1]  # FIFO server: sorted and disjoint
-        cum = np.concatenate(([0.0], np.cumsum(e - s)))
-        k = np.searchsorted(e, edges, side="right")  # intervals wholly ended by each edge
-        part = np.zeros_like(edges)
-        inside = k < len(s)
-        kk = k[inside]
-        part[inside] = np.clip(edges[inside] - s[kk], 0.0, None)
-        b = cum[k] + part  # busy seconds up to each edge
-        rows.append([float(x) for x in np.clip(np.diff(b) / width, 0.0, 1.0)])
-    return {"t0_s": t0, "bucket_s": width, "busy": rows}
-
-
-def describe_params(p: SimParams) -> str:
-    """One line with the parameters that matter, for tables."""
-    return (
-        f"{p.nodes} nodes x {p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
-        f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
-        f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
-        f"publish lag {p.publish_lag_s * 1e3:g} ms"
-    )

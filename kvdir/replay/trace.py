@@ -10,7 +10,7 @@ traces), and its key names the whole prefix up to and including it:
 
 so equal ids at equal positions after an equal prefix give equal keys, and a
 key seen anywhere implies its whole prefix (like the protocol's sequence
-hashes, protocol §1). The ids are the trace's ``hash_ids`` (protocol §6); the
+hashes, docs/protocol.md §1). The ids are the trace's ``hash_ids`` (docs/protocol.md §6); the
 synthetic generators make their own content ids and chain them the same way.
 
 Mooncake format (one JSON object a line): ``timestamp`` (ms, number),

@@ -23,6 +23,13 @@ def test_every_setting_is_documented_with_flag_and_env(cls) -> None:
         assert f"| `{flag}` | `{env}` |" in README, f"{cls.__name__}.{name} is missing from README.md"
 
 
+def test_role_prefixed_variables_are_documented() -> None:
+    from kvdir.roles import ROLES
+
+    for role in ROLES.values():
+        assert f"`{role.env_prefix}*`" in README, f"README.md does not name {role.env_prefix}* (kvdir {role.name})"
+
+
 def test_readme_starts_with_the_two_commands() -> None:
     head = README[:600]
     assert "make run" in head and "make test" in head

@@ -1,4 +1,4 @@
-"""Block hashing (protocol §1): test vectors, input validation, chaining, namespaces."""
+"""Block hashing (docs/protocol.md §1): test vectors, input validation, chaining, namespaces."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from directory.hashing import (
 TOKENS_1_40 = list(range(1, 41))
 
 
-# -- protocol §1 test vectors ----------------------------------------------------
+# -- docs/protocol.md §1 test vectors ----------------------------------------------------
 
 
 def test_vector_block16_empty_namespace():

@@ -1,4 +1,4 @@
-"""Engine KV events (protocol §5): decoding real vLLM captures and synthesized batches, and hash mapping."""
+"""Engine KV events (docs/protocol.md §5): decoding real vLLM captures and synthesized batches, and hash mapping."""
 
 from __future__ import annotations
 

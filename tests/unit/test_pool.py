@@ -107,7 +107,7 @@ def test_mirrored_slots_hold_one_block_with_per_rank_content():
         for r in range(tp):
             assert np.array_equal(per_rank[r], pool.expected(h, r))  # same slot index on every rank
         assert len({p.tobytes() for p in per_rank}) == tp  # but each rank's bytes differ
-    # the address arithmetic of protocol §2 points at those bytes
+    # the address arithmetic of docs/protocol.md §2 points at those bytes
     s = lease.slots[1]
     for r in range(tp):
         off = pool.slot_addr(r, s) - pool.regions[r].base_addr

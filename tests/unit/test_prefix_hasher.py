@@ -1,4 +1,4 @@
-"""PrefixHasher: the same hashes as protocol §1, with a conversation's earlier turns reused."""
+"""PrefixHasher: the same hashes as docs/protocol.md §1, with a conversation's earlier turns reused."""
 
 from __future__ import annotations
 

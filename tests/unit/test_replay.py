@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.policy import POLICIES
+from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
 from kvdir.replay.report import main as replay_main
 from kvdir.replay.sim import SimParams, oracle_hit_rate, simulate
 from kvdir.replay.trace import (
@@ -135,6 +136,58 @@ def test_oracle_of_a_known_trace():
     trs = [req(0, [0, 1, 2]), req(1, [0, 1, 3]), req(2, [9, 1, 2]), req(3, [0, 1, 2, 4])]
     # hits: -, (0,1), -, (0,1,2) -> 5 of 13 blocks
     assert oracle_hit_rate(trs) == pytest.approx(5 / 13)
+
+
+# ---------------------------------------------------------------------------
+# A node's cache and the directory's view (kvdir/replay/cache.py)
+
+
+def test_node_cache_stores_pins_and_reports_new_blocks():
+    holders: dict[int, int] = {}
+    c = NodeCache(1, capacity=4, holders=holders)
+    assert c.store([10, 11, 12]) == [10, 11, 12]  # all new
+    assert holders == {10: 0b10, 11: 0b10, 12: 0b10} and c.pins == {10: 1, 11: 1, 12: 1} and not c.lru
+    assert c.store([10, 11, 13]) == [13]  # 10 and 11 held already: one more user each
+    assert c.pins == {10: 2, 11: 2, 12: 1, 13: 1} and len(c) == 4
+
+
+def test_node_cache_unpin_feeds_the_lru_in_release_order_and_pin_takes_blocks_back():
+    c = NodeCache(0, capacity=10, holders={})
+    c.store([1, 2, 3])
+    c.unpin(reversed([1, 2, 3]))  # deepest first: the prefix is the warmest
+    assert list(c.lru) == [3, 2, 1] and not c.pins
+    c.pin([1, 2])
+    assert list(c.lru) == [3] and c.pins == {1: 1, 2: 1}
+    c.pin([1])
+    assert c.pins[1] == 2
+    c.unpin([1])
+    assert c.pins[1] == 1 and list(c.lru) == [3]  # still in use: not back in the LRU
+    with pytest.raises(KeyError):
+        c.pin([99])  # pin is for blocks the node holds
+
+
+def test_node_cache_settle_evicts_the_coldest_unused_blocks_only():
+    holders: dict[int, int] = {}
+    a, b = NodeCache(0, capacity=2, holders=holders), NodeCache(1, capacity=2, holders=holders)
+    b.store([1])
+    a.store([1, 2, 3, 4])
+    assert a.settle() == [] and len(a) == 4  # everything in use: over capacity for now
+    a.unpin([3, 1, 2])  # 4 stays pinned
+    assert a.settle() == [3, 1] and a.evictions == 2  # coldest first, down to capacity
+    assert list(a.lru) == [2] and a.pins == {4: 1}
+    assert holders == {1: 0b10, 2: 0b01, 4: 0b01}  # 3 gone; 1 still on node 1
+    assert a.settle() == [] and a.evictions == 2
+
+
+def test_directory_view_publish_and_leading_runs():
+    d = DirectoryView()
+    d.publish(Publish(0, [1, 2, 3], []))
+    d.publish(Publish(2, [1, 2], []))
+    assert leading_runs((1, 2, 3, 4), d.masks, 0b111, 3) == ([3, 0, 2], 3)
+    d.publish(Publish(0, [], [2]))
+    assert d.masks == {1: 0b101, 2: 0b100, 3: 0b001}
+    assert leading_runs((1, 2, 3), d.masks, 0b111, 3) == ([1, 0, 2], 2)
+    assert leading_runs((), d.masks, 0b111, 3) == ([0, 0, 0], 0)
 
 
 # ---------------------------------------------------------------------------

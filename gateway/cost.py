@@ -1,0 +1,198 @@
+"""kvdir's time-to-first-token (TTFT) model: the routing inputs and one evaluation function.
+
+Everything a policy needs to compare engines lives here, with no I/O, no clock
+and no randomness, so the gateway (gateway.router) and the offline replay
+simulator (kvdir.replay) score the same candidate identically.
+
+The model, per healthy candidate ``c`` and request ``req``:
+
+- ``slot_interval_s = T_req / max_running`` with
+  ``T_req = output_tokens / decode_tokens_per_s`` (``output_tokens`` is
+  ``CostModel.mean_output_tokens`` when set, else the request's ``max_tokens``):
+  a request that finds all ``max_running`` places taken waits for one to free;
+  the running requests spend most of their life decoding (their prefill is
+  counted separately, below), so places free at ``max_running / T_req`` per
+  second and every request ahead in line adds ``T_req / max_running``.
+- ``queue_s = pending_prefill_tokens / prefill_tokens_per_s
+  + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval_s``
+- ``cached_tokens = min(min(cached_blocks, len(hashes)) * block_size, prompt_tokens)``
+- ``compute_s = (prompt_tokens - cached_tokens) / prefill_tokens_per_s``
+- ``pull_s(n) = pull_setup_s + n * (block_bytes / link_bytes_per_s)``
+- recompute: ``ttft = queue_s + compute_s``; pull up to block ``P`` (the longest
+  holder's servable prefix): ``ttft = queue_s + pull_s(P - c.blocks) +
+  (prompt_tokens - P.cached_tokens) / prefill_tokens_per_s``, taken only when
+  ``pull_s < (P.cached_tokens - c.cached_tokens) / prefill_tokens_per_s``
+  (strictly: at the break-even the node recomputes; no network, no dependency
+  on the holder).
+
+`evaluate` is that model, written once: it returns the `TTFTBreakdown` of the
+option a candidate would take, which both decides (its `total_s`) and explains
+(its parts) a kvdir decision. The arithmetic is fixed term by term (the order of
+additions included) because replayed traces compare decisions bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "DEFAULT_COST",
+    "REASONS",
+    "Candidate",
+    "CostModel",
+    "Decision",
+    "RouteRequest",
+    "TTFTBreakdown",
+    "blocks_held",
+    "estimate_ttft",
+    "evaluate",
+    "pull_seconds",
+    "queue_seconds",
+    "queued_ahead",
+    "slot_interval_seconds",
+    "ttft_breakdown",
+]
+
+REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback"})
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node_id: str
+    epoch: int
+    cached_blocks: int  # leading blocks of this prompt the node holds (from the directory lookup)
+    slots: tuple[int, ...] = ()  # the node's slots for blocks [0, cached_blocks); passed through into a pull plan
+    running: int = 0  # load the node reported (heartbeat)
+    waiting: int = 0
+    pending_prefill_tokens: float = 0.0  # uncached prompt tokens sent there that have not produced a first token yet
+    inflight: int = 0  # requests the gateway has sent there and not finished
+    healthy: bool = True
+    can_pull: bool = True  # the node can read a pull plan's blocks from a peer (else kvdir never plans a pull to it)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int
+    hashes: tuple[int, ...]  # the prompt's full-block sequence hashes (docs/protocol.md §1)
+    block_size: int = 16
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    prefill_tokens_per_s: float = 10_000.0
+    block_bytes: int = 16_384 * 1  # KV bytes of one block summed over a node's TP ranks
+    link_bytes_per_s: float = 2e9  # measured pull bandwidth between nodes
+    pull_setup_s: float = 0.002  # per pull (handshake/lookup)
+    max_running: int = 32  # engine concurrency; above it requests queue
+    decode_tokens_per_s: float = 80.0  # per running request (the gateway's --decode-tokens-per-s)
+    # Output length of a typical running request, for the queueing term; None: the request's max_tokens.
+    mean_output_tokens: float | None = None
+
+
+DEFAULT_COST = CostModel()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    node_id: str
+    reason: str  # one of REASONS
+    predicted_cached_tokens: int
+    pull_from: str | None = None
+    pull_epoch: int | None = None
+    pull_slots: tuple[int, ...] = ()  # the holder's slots for blocks [0, n)
+    estimated_ttft_s: float = 0.0
+    detail: str = ""  # the formula with values, for debug logs
+
+
+class TTFTBreakdown(NamedTuple):
+    queue_s: float
+    pull_s: float
+    compute_s: float
+    cached_tokens: int  # prompt tokens not recomputed (held locally or pulled)
+    pulled_blocks: int = 0  # blocks read from a peer first (0: the option recomputes what it lacks)
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.pull_s + self.compute_s
+
+
+def blocks_held(cand: Candidate, n_hashes: int) -> int:
+    """The candidate's cached blocks that count for this prompt: clamped to [0, n_hashes]."""
+    b = cand.cached_blocks
+    return 0 if b < 0 else (n_hashes if b > n_hashes else b)
+
+
+def slot_interval_seconds(req: RouteRequest, cost: CostModel = DEFAULT_COST) -> float:
+    """Mean wait added by each request ahead in an engine's queue: T_req / max_running.
+
+    T_req = output_tokens / decode_tokens_per_s is how long a running request
+    holds its place (its prefill is in `pending_prefill_tokens`); with
+    `max_running` places a place frees every T_req / max_running on average.
+    """
+    out = cost.mean_output_tokens if cost.mean_output_tokens is not None else req.max_tokens
+    return out / cost.decode_tokens_per_s / cost.max_running
+
+
+def queued_ahead(cand: Candidate, cost: CostModel = DEFAULT_COST) -> int:
+    """Running requests beyond the free places: max(0, running + inflight - max_running + 1) (waiting not included)."""
+    return max(0, cand.running + cand.inflight - cost.max_running + 1)
+
+
+def queue_seconds(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
+    """pending_prefill_tokens / prefill_rate + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval."""
+    ahead = queued_ahead(cand, cost) + cand.waiting
+    return cand.pending_prefill_tokens / cost.prefill_tokens_per_s + ahead * slot_interval_seconds(req, cost)
+
+
+def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST) -> float:
+    """pull_setup_s + n_blocks * (block_bytes / link_bytes_per_s) (0 for no blocks)."""
+    if n_blocks <= 0:
+        return 0.0
+    return cost.pull_setup_s + n_blocks * (cost.block_bytes / cost.link_bytes_per_s)
+
+
+def evaluate(
+    req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0, force_pull: bool = False
+) -> TTFTBreakdown:
+    """kvdir's TTFT estimate for serving `req` on `cand`: the one place the model is computed.
+
+    `pull_to_blocks` is how far a peer could serve this prompt (the longest
+    holder's blocks it has slots for). Above what `cand` holds, and when `cand`
+    can pull, the pull option is taken only if reading the missing blocks is
+    strictly faster than computing them (the break-even rule); `force_pull`
+    prices the pull regardless (a what-if: `ttft_breakdown`). Otherwise the
+    candidate recomputes what it lacks. `pulled_blocks` says which option it is.
+    """
+    nh = len(req.hashes)
+    have = blocks_held(cand, nh)
+    bs = req.block_size
+    prompt = req.prompt_tokens
+    rate = cost.prefill_tokens_per_s
+    queue_s = queue_seconds(req, cand, cost)
+    cached = have * bs
+    if cached > prompt:
+        cached = prompt
+    target = min(max(pull_to_blocks, 0), nh)
+    if target > have and (force_pull or cand.can_pull):
+        pull_s = pull_seconds(target - have, cost)
+        pulled = target * bs
+        if pulled > prompt:
+            pulled = prompt
+        if force_pull or pull_s < (pulled - cached) / rate:
+            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have)
+    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached)
+
+
+def ttft_breakdown(
+    req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0
+) -> TTFTBreakdown:
+    """The estimate of one given option: `pull_to_blocks` > the candidate's cached blocks means pull blocks
+    [cached_blocks, pull_to_blocks) from a peer first (whatever it costs), then compute the rest."""
+    return evaluate(req, cand, cost, pull_to_blocks=pull_to_blocks, force_pull=True)
+
+
+def estimate_ttft(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0) -> float:
+    """queue_s + pull_s + compute_s of `ttft_breakdown` (seconds)."""
+    return ttft_breakdown(req, cand, cost, pull_to_blocks=pull_to_blocks).total_s

@@ -1,0 +1,52 @@
+"""The gateway's Prometheus metrics (`/metrics`), one registry per app.
+
+Names follow `kvdir_gateway_<what>_<unit>`. The routing and forwarding code
+(gateway.proxy) updates them; the engine gauges read the registry when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.engines import EngineRegistry
+
+_LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class GatewayMetrics:
+    """The counters and histograms of one gateway, in their own `CollectorRegistry` (several apps per process in tests)."""
+
+    def __init__(self, registry: EngineRegistry) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("kvdir_gateway_decisions_total", "Routing decisions, by reason", ["reason"], registry=r)
+        self.predicted = Counter(
+            "kvdir_gateway_predicted_cached_tokens_total", "Cached tokens the directory predicted", registry=r
+        )
+        self.reported = Counter("kvdir_gateway_reported_cached_tokens_total", "Cached tokens the engines reported", registry=r)
+        self.prompt_tokens = Counter("kvdir_gateway_prompt_tokens_total", "Prompt tokens routed", registry=r)
+        self.prediction_error = Histogram(
+            "kvdir_gateway_prediction_error_tokens",
+            "|predicted - reported| cached tokens per request",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384),
+            registry=r,
+        )
+        self.route_seconds = Histogram(
+            "kvdir_gateway_route_seconds", "Tokenize + hash + lookup + decide", buckets=_LATENCY, registry=r
+        )
+        self.added_seconds = Histogram(
+            "kvdir_gateway_added_seconds",
+            "From a request's arrival to its forwarding, tokenization excluded",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.upstream_errors = Counter("kvdir_gateway_upstream_errors_total", "Upstream failures, by kind", ["kind"], registry=r)
+        self.lookup_failures = Counter(
+            "kvdir_gateway_lookup_failures_total",
+            "Directory lookups that failed (request routed by load), by cause: timeout or error",
+            ["cause"],
+            registry=r,
+        )
+        Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
+        Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
+            lambda: 1 if registry.directory_ok else 0
+        )

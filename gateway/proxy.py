@@ -1,0 +1,279 @@
+"""Forwarding a completion to the engine the router chose: lookup, retries, streaming, load accounting.
+
+The I/O half of the request path (gateway.router is the pure half). For one
+request, `Proxy.complete`:
+1. hashes the prompt and asks the directory which engines hold it; a lookup
+   that fails or takes longer than `lookup_timeout_s` is routed by load
+   (`fallback`): a request never fails because the directory is down;
+2. routes it and sends the body (with the pull plan, if any) upstream; a
+   connection refused before any byte was received marks the engine unhealthy
+   and is retried on the next best, until no engine is left (503);
+3. relays the response: read whole (not streamed, or an error status) or
+   streamed chunk by chunk as it comes.
+
+What the gateway adds to an engine's reported load is counted by one
+`InflightTicket` per request, from just before the request is sent until the
+response is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from directory.client import DirectoryClient
+from directory.errors import DirectoryError
+from directory.schemas import Holder
+from gateway.cost import Decision, RouteRequest
+from gateway.engines import EngineRegistry, EngineState
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.router import NoEngineAvailable, Route, Router
+
+log = logging.getLogger("kvdir.gateway")
+
+_TAIL_BYTES = 65536  # the end of a stream kept to read its final usage chunk
+
+
+class InflightTicket:
+    """One request's share of an engine's load as the gateway counts it: the only code that changes it.
+
+    Taking the ticket adds 1 to `engine.inflight` and the request's uncached
+    prompt tokens to `engine.pending_prefill_tokens`; `first_byte` removes the
+    tokens (the prefill is over once the engine answers), `close` removes
+    both what is left and the request. Both are idempotent, so every exit path
+    may call them. `with ticket:` hands the ticket to a block that closes it
+    however the block ends; a streamed response's ticket is closed by its relay
+    when the stream ends. Event loop only (not thread-safe).
+    """
+
+    __slots__ = ("_closed", "_prefilling", "engine", "uncached")
+
+    def __init__(self, engine: EngineState, uncached: int) -> None:
+        self.engine = engine
+        self.uncached = uncached
+        engine.inflight += 1
+        engine.pending_prefill_tokens += uncached
+        self._prefilling = True
+        self._closed = False
+
+    def first_byte(self) -> None:
+        """The engine started answering: the prompt is no longer waiting to be prefilled."""
+        if self._prefilling:
+            self._prefilling = False
+            self.engine.pending_prefill_tokens -= self.uncached
+
+    def close(self) -> None:
+        """The request is over (answered, failed or abandoned)."""
+        self.first_byte()
+        if not self._closed:
+            self._closed = True
+            self.engine.inflight -= 1
+
+    def __enter__(self) -> InflightTicket:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """perf_counter() marks of one request, for the route and added-latency histograms."""
+
+    arrival: float  # the request arrived
+    tokenize_s: float  # spent tokenizing (not the gateway's routing cost: an engine tokenizes too)
+    start: float  # routing started (before hashing)
+    hash_s: float  # spent hashing
+
+
+def cached_tokens(payload: Any) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of an OpenAI response, None when absent or not a number."""
+    try:
+        return int(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _usage_in_tail(tail: bytes) -> int | None:
+    """The cached tokens of the last server-sent event that carries `usage` (vLLM sends it in the final chunk)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                return cached_tokens(json.loads(line[6:]))
+            except ValueError:
+                return None
+    return None
+
+
+class Proxy:
+    """Sends routed requests upstream and relays the answers; one per app, built at startup."""
+
+    def __init__(
+        self,
+        router: Router,
+        registry: EngineRegistry,
+        directory: DirectoryClient,
+        http: httpx.AsyncClient,
+        metrics: GatewayMetrics,
+        lookup_timeout_s: float,
+    ) -> None:
+        self.router = router
+        self.registry = registry
+        self.directory = directory
+        self.http = http
+        self.metrics = metrics
+        self.lookup_timeout_s = lookup_timeout_s
+
+    async def lookup(self, hashes: list[int]) -> tuple[dict[str, Holder], str | None]:
+        """Holders by node id, and why the directory did not answer (None: it did)."""
+        if not hashes:
+            return {}, None
+        try:
+            res = await asyncio.wait_for(self.directory.lookup(hashes, with_slots=True), self.lookup_timeout_s)
+        except TimeoutError:
+            failure = f"no answer within --lookup-timeout-s {self.lookup_timeout_s:g} s"
+        except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
+            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        else:
+            return {h.node_id: h for h in res.holders}, None
+        log.info("directory lookup failed (%s): routing by load", failure)
+        self.metrics.lookup_failures.labels("timeout" if failure.startswith("no answer") else "error").inc()
+        return {}, failure
+
+    async def complete(
+        self, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, arrival: float, tokenize_s: float
+    ) -> Response:
+        """Route `raw` (the client's body, `tokens` its prompt) to an engine's `path` and relay the answer."""
+        t0 = time.perf_counter()
+        hashes = self.router.hashes(tokens)
+        timing = Timing(arrival, tokenize_s, t0, time.perf_counter() - t0)
+        holders, lookup_failure = await self.lookup(hashes)
+        self.router.learn_block_bytes(self.registry.engines.values())
+        req = self.router.request(len(tokens), hashes, raw.get("max_tokens"))
+        route, engine, upstream, ticket = await self._send(path, raw, req, holders, lookup_failure, timing)
+
+        decision = route.decision
+        self.router.routed(req, decision)
+        self.metrics.decisions.labels(decision.reason).inc()
+        self.metrics.predicted.inc(decision.predicted_cached_tokens)
+        self.metrics.prompt_tokens.inc(len(tokens))
+        engine.served += 1
+        engine.prompt_tokens += len(tokens)
+        log.debug("routed to %s: %s (%s)", engine.node_id, decision.reason, decision.detail)
+        headers = {
+            "x-kvdir-node": engine.node_id,
+            "x-kvdir-decision": decision.reason,
+            "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens),
+        }
+        if upstream.status_code >= 400:
+            self.metrics.upstream_errors.labels(str(upstream.status_code)).inc()
+        if not stream or upstream.status_code >= 400:
+            return await self._buffered(upstream, engine, decision, ticket, headers)
+        return StreamingResponse(
+            self._relay(upstream, engine, decision, ticket),
+            status_code=upstream.status_code,
+            headers=headers,
+            media_type=upstream.headers.get("content-type", "text/event-stream"),
+        )
+
+    async def _send(
+        self,
+        path: str,
+        raw: dict[str, Any],
+        req: RouteRequest,
+        holders: dict[str, Holder],
+        lookup_failure: str | None,
+        timing: Timing,
+    ) -> tuple[Route, EngineState, httpx.Response, InflightTicket]:
+        """Send to the best engine, then the next best while connections are refused; 503 when none is left."""
+        exclude: set[str] = set()
+        while True:
+            try:
+                route = self.router.route(
+                    req, self.registry.engines.values(), holders, lookup_failure=lookup_failure, exclude=exclude
+                )
+            except NoEngineAvailable as exc:
+                raise GatewayError(503, str(exc), "service_unavailable", "no_engine") from exc
+            engine = self.registry.engines[route.decision.node_id]
+            body = route.upstream_body(raw)
+            ticket = InflightTicket(engine, route.uncached_tokens)
+            self.metrics.route_seconds.observe(time.perf_counter() - timing.start)
+            self.metrics.added_seconds.observe(time.perf_counter() - timing.arrival - timing.tokenize_s - timing.hash_s)
+            try:
+                upstream = await self.http.send(self.http.build_request("POST", engine.origin.url(path), json=body), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                ticket.close()
+                self.registry.mark_unhealthy(engine.node_id)
+                self.metrics.upstream_errors.labels("connect").inc()
+                exclude.add(engine.node_id)
+                log.warning("engine %s unreachable (%s): retrying on the next best", engine.node_id, exc)
+                continue
+            except BaseException:
+                ticket.close()
+                raise
+            return route, engine, upstream, ticket
+
+    def _record(self, engine: EngineState, decision: Decision, reported: int | None) -> None:
+        """The cached tokens the engine reported, against the prediction."""
+        if reported is not None:
+            engine.cached_tokens += reported
+            self.metrics.reported.inc(reported)
+            self.metrics.prediction_error.observe(abs(decision.predicted_cached_tokens - reported))
+
+    async def _buffered(
+        self,
+        upstream: httpx.Response,
+        engine: EngineState,
+        decision: Decision,
+        ticket: InflightTicket,
+        headers: dict[str, str],
+    ) -> Response:
+        """A response read whole (a non-streamed request, or any error status), then answered at once."""
+        with ticket:
+            try:
+                content = await upstream.aread()
+            finally:
+                ticket.first_byte()
+                await upstream.aclose()
+            reported = None
+            if upstream.status_code < 400:
+                try:
+                    reported = cached_tokens(json.loads(content))
+                except ValueError:
+                    pass
+            self._record(engine, decision, reported)
+        return Response(
+            content,
+            status_code=upstream.status_code,
+            headers=headers,
+            media_type=upstream.headers.get("content-type", "application/json"),
+        )
+
+    async def _relay(
+        self, upstream: httpx.Response, engine: EngineState, decision: Decision, ticket: InflightTicket
+    ) -> AsyncIterator[bytes]:
+        """The upstream stream, chunk by chunk as it comes; a break mid-stream ends it (the client sees a short stream)."""
+        with ticket:
+            tail = b""
+            try:
+                async for chunk in upstream.aiter_raw():
+                    ticket.first_byte()
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
+                    yield chunk
+            except httpx.HTTPError as exc:
+                self.metrics.upstream_errors.labels("stream").inc()
+                log.warning("stream from %s broke: %s", engine.node_id, exc)
+            finally:
+                ticket.first_byte()
+                await upstream.aclose()
+                self._record(engine, decision, _usage_in_tail(tail))

@@ -1,0 +1,356 @@
+"""The replay simulator's engine: one `ClusterSim` object holds a simulated cluster and runs its events.
+
+The model and the figures are described in `kvdir.replay.sim`'s docstring;
+this module implements them. Its shape:
+
+- the state is plain objects: a `_Node` per engine (its `NodeCache` and its
+  load: running, waiting, link and prefill-server availability), a `_Flight`
+  per routed request (where it went, what it found, its pull), a `Tally` of
+  the figures' counters, and the directory's lagged `DirectoryView`;
+- time advances by a heap of ``(time, seq, kind, payload)`` events; ``seq``
+  (a counter) orders events at equal times by when they were scheduled, so a
+  run is deterministic, and ``kind`` indexes the table of handler methods
+  (``_handlers``) that dispatch them;
+- arrivals are not events: `ClusterSim.run` takes the requests in arrival
+  order and first handles every event due by then, which is what the
+  gateway sees (the state of the cluster at the moment a request arrives).
+
+Speed matters (the report runs every policy over traces of ~10^4 requests), so
+the per-request and per-event paths bind attributes to locals and keep the
+cache work inside `NodeCache`'s loops.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.policy import Candidate, Decision, RouteRequest, make_policy
+from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
+from kvdir.replay.figures import Tally, load_timeline
+from kvdir.replay.params import SimParams
+from kvdir.replay.trace import TraceRequest
+
+__all__ = ["ClusterSim"]
+
+# Event kinds, the indices of ClusterSim._handlers.
+_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH = 0, 1, 2, 3
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """A routed request until its decode ends; the payload of its pull, prefill and decode events."""
+
+    index: int  # in arrival order
+    req: TraceRequest
+    node: int
+    local: int  # leading blocks found on the node (pinned at arrival)
+    uncached: int = 0  # prompt tokens to prefill
+    pred_uncached: int = 0  # what the gateway counts in the node's pending prefill tokens
+    pull_src: int = -1
+    pull_n: int = 0  # blocks pulled (pinned on the source until the pull is done)
+    pull_pending: bool = False
+    admitted: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Node:
+    """One engine: its cache, and the load the gateway sees or the model's queues need."""
+
+    cache: NodeCache
+    running: int = 0  # admitted (prefill or decode)
+    inflight: int = 0  # sent by the gateway, not finished
+    pending: float = 0.0  # the gateway's predicted uncached prompt tokens without a first token yet
+    waitq: deque[_Flight] = field(default_factory=deque)  # waiting for a running place, FIFO
+    prefill_free: float = 0.0  # when the prefill server is next free
+    link_in_free: float = 0.0
+    link_out_free: float = 0.0
+    busy: float = 0.0  # prefill-busy seconds
+    spans: list[tuple[float, float]] = field(default_factory=list)  # prefill intervals, for the timeline
+
+
+class ClusterSim:
+    """One policy's run over one list of requests (sorted by arrival): `run`, then `figures`.
+
+    Single use: the state is consumed by the run.
+    """
+
+    def __init__(self, reqs: list[TraceRequest], policy_name: str, params: SimParams) -> None:
+        p = params
+        self.reqs = reqs
+        self.params = p
+        self.policy_name = policy_name
+        self.policy = make_policy(policy_name, p.cost_model(), **p.policy_options.get(policy_name, {}))
+        self.rng = random.Random(p.seed)
+        n = p.nodes
+        width = len(str(n - 1))
+        self.ids = [f"n{j:0{width}d}" for j in range(n)]  # zero padded: they sort in order
+        self.index = {nid: j for j, nid in enumerate(self.ids)}
+        self.full = (1 << n) - 1
+        self.holders: dict[int, int] = {}  # block -> bitmask of the nodes really holding it
+        self.nodes = [_Node(NodeCache(j, p.capacity_blocks, self.holders)) for j in range(n)]
+        self.directory = DirectoryView()
+        self.per_block_s = p.block_bytes / p.link_bytes_per_s
+        self.tally = Tally()
+        self.ttft = np.zeros(len(reqs))
+        self.last_end = 0.0  # the latest decode end
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._slot_cache: list[tuple[int, ...]] = [()]
+        self._handlers: tuple[Callable[[float, Any], None], ...] = (
+            self._on_pull_done,
+            self._on_prefill_done,
+            self._on_decode_done,
+            self._on_publish,
+        )
+
+    # -- the loop
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Route every request at its arrival, then run the cluster until every event is handled; check the books."""
+        heap = self._heap
+        pop = heapq.heappop
+        handlers = self._handlers
+        total = len(self.reqs)
+        step = max(1, total // 100)
+        for i, r in enumerate(self.reqs):
+            t = r.arrival_s
+            while heap and heap[0][0] <= t:
+                et, _, kind, x = pop(heap)
+                handlers[kind](et, x)
+            self._arrive(i, r)
+            if progress is not None and (i + 1) % step == 0 and i + 1 < total:
+                progress(i + 1, total)
+        while heap:
+            et, _, kind, x = pop(heap)
+            handlers[kind](et, x)
+        if progress is not None:
+            progress(total, total)
+        self._check()
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def _slots_of(self, k: int) -> tuple[int, ...]:
+        """Dummy slots ``(0, .., k-1)`` for a candidate's cached blocks, shared between calls."""
+        cache = self._slot_cache
+        while len(cache) <= k:
+            cache.append(tuple(range(len(cache))))
+        return cache[k]
+
+    # -- arrival: route, pin what is found, start the pull, admit or queue
+
+    def _arrive(self, i: int, r: TraceRequest) -> None:
+        t = r.arrival_s
+        blocks = r.blocks
+        prompt = r.input_tokens
+        nodes = self.nodes
+        n_nodes = len(nodes)
+        ids = self.ids
+        slots_of = self._slots_of
+        view, _ = leading_runs(blocks, self.directory.masks, self.full, n_nodes)
+        cands = [
+            Candidate(
+                ids[j], 1, view[j], slots_of(view[j]), max(0, nd.running - nd.inflight), len(nd.waitq), nd.pending, nd.inflight
+            )
+            for j, nd in enumerate(nodes)
+        ]
+        rreq = RouteRequest(prompt, blocks, self.params.block_tokens, r.output_tokens)
+        d = self.policy.choose(rreq, cands, self.rng)
+        self.policy.on_routed(rreq, d)
+        reasons = self.tally.reasons
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        n = self.index[d.node_id]
+        node = nodes[n]
+
+        have, longest = leading_runs(blocks, self.holders, self.full, n_nodes)
+        local = have[n]
+        if local:
+            node.cache.pin(blocks[:local])
+        f = _Flight(i, r, n, local)
+        got = self._maybe_pull(f, d, have, t)
+        cached = self.tally.count(prompt, len(blocks), local, got, longest, d.predicted_cached_tokens, self.params.block_tokens)
+
+        f.uncached = prompt - cached
+        unc = prompt - d.predicted_cached_tokens
+        f.pred_uncached = unc if unc > 0 else 0
+        node.pending += f.pred_uncached
+        node.inflight += 1
+        if node.running < self.params.max_running:
+            self._admit(f, t)
+        else:
+            node.waitq.append(f)
+
+    def _maybe_pull(self, f: _Flight, d: Decision, have: list[int], t: float) -> int:
+        """Start the pull `d` plans, as far as the source really holds it; the blocks the request will have cached.
+
+        The source's blocks are pinned until the pull is done; the pull waits
+        for the destination's inbound and the source's outbound link.
+        """
+        local = f.local
+        if d.pull_from is None or d.pull_from == d.node_id:
+            return local
+        src = self.index[d.pull_from]
+        plan = len(d.pull_slots)
+        reach = have[src] if have[src] < plan else plan
+        tally = self.tally
+        if reach < plan:
+            tally.pulls_short += 1
+        npull = reach - local
+        if npull <= 0:
+            return local
+        source = self.nodes[src]
+        dest = self.nodes[f.node]
+        source.cache.pin(f.req.blocks[local:reach])
+        start = t
+        if dest.link_in_free > start:
+            start = dest.link_in_free
+        if source.link_out_free > start:
+            start = source.link_out_free
+        done = start + self.params.pull_setup_s + npull * self.per_block_s
+        dest.link_in_free = source.link_out_free = done
+        f.pull_src = src
+        f.pull_n = npull
+        f.pull_pending = True
+        self._push(done, _PULL_DONE, f)
+        tally.pulls += 1
+        tally.pull_blocks += npull
+        return reach
+
+    def _admit(self, f: _Flight, now: float) -> None:
+        """Give `f` a running place; its prefill starts now unless its pull is still under way."""
+        self.nodes[f.node].running += 1
+        f.admitted = True
+        if not f.pull_pending:
+            self._start_prefill(f, now)
+
+    def _start_prefill(self, f: _Flight, now: float) -> None:
+        """Queue `f`'s prefill on its node's single FIFO prefill server."""
+        node = self.nodes[f.node]
+        s = node.prefill_free
+        if s < now:
+            s = now
+        e = s + f.uncached / self.params.prefill_tokens_per_s
+        node.prefill_free = e
+        if e > s:
+            node.busy += e - s
+            node.spans.append((s, e))
+        self._push(e, _PREFILL_DONE, f)
+
+    def _settle(self, n: int, now: float, adds: list[int]) -> None:
+        """Evict node `n` down to capacity; publish its stores `adds` and evictions (after the lag, if any)."""
+        removes = self.nodes[n].cache.settle()
+        if adds or removes:
+            change = Publish(n, adds, removes)
+            lag = self.params.publish_lag_s
+            if lag > 0:
+                self._push(now + lag, _PUBLISH, change)
+            else:
+                self.directory.publish(change)
+
+    # -- event handlers (the table self._handlers, indexed by kind)
+
+    def _on_pull_done(self, t: float, f: _Flight) -> None:
+        """The source releases the pulled blocks (deepest first); the prefill may start."""
+        b0 = f.local
+        self.nodes[f.pull_src].cache.unpin(reversed(f.req.blocks[b0 : b0 + f.pull_n]))
+        self._settle(f.pull_src, t, [])
+        f.pull_pending = False
+        if f.admitted:
+            self._start_prefill(f, t)
+
+    def _on_prefill_done(self, t: float, f: _Flight) -> None:
+        """First token: the node stores (and pins) the whole prompt; the decode starts."""
+        node = self.nodes[f.node]
+        r = f.req
+        self.ttft[f.index] = t - r.arrival_s
+        node.pending -= f.pred_uncached
+        self._settle(f.node, t, node.cache.store(r.blocks[f.local :]))
+        self._push(t + r.output_tokens / self.params.decode_tokens_per_s, _DECODE_DONE, f)
+
+    def _on_decode_done(self, t: float, f: _Flight) -> None:
+        """The request finishes: its blocks are released deepest first, the next waiting request is admitted."""
+        node = self.nodes[f.node]
+        node.cache.unpin(reversed(f.req.blocks))
+        self._settle(f.node, t, [])
+        node.running -= 1
+        node.inflight -= 1
+        self.last_end = t
+        q = node.waitq
+        if q and node.running < self.params.max_running:
+            self._admit(q.popleft(), t)
+
+    def _on_publish(self, t: float, change: Publish) -> None:
+        """The directory learns of a node's stores and evictions."""
+        self.directory.publish(change)
+
+    # -- the end
+
+    def _check(self) -> None:
+        """Bookkeeping checks (cheap): everything finished and released, and the directory caught up with the caches."""
+        nodes = self.nodes
+        if (
+            any(nd.cache.pins for nd in nodes)
+            or any(nd.running for nd in nodes)
+            or any(nd.inflight for nd in nodes)
+            or any(nd.waitq for nd in nodes)
+            or any(abs(nd.pending) > 1e-6 for nd in nodes)
+        ):
+            raise AssertionError("replay bookkeeping leak: requests or pins left at the end")
+        if self.directory.masks != self.holders or sum(len(nd.cache.lru) for nd in nodes) != sum(
+            m.bit_count() for m in self.holders.values()
+        ):
+            raise AssertionError("replay bookkeeping: the directory view or the block index disagrees with the caches")
+        if any(len(nd.cache.lru) > self.params.capacity_blocks for nd in nodes):
+            raise AssertionError("replay bookkeeping: a cache holds more than its capacity at rest")
+
+    def figures(self) -> dict[str, Any]:
+        """The run's figures (the keys are described in `kvdir.replay.sim`), without ``wall_s``."""
+        reqs = self.reqs
+        total = len(reqs)
+        tally = self.tally
+        prompt_total = tally.prompt_tokens
+        busy = [nd.busy for nd in self.nodes]
+        first = reqs[0].arrival_s if reqs else 0.0
+        end = max(self.last_end, first)
+        span = end - first
+        mean_busy = sum(busy) / len(busy)
+        if total:
+            p50, p90, p99 = (float(x) for x in np.percentile(self.ttft, [50, 90, 99]))
+            mean_ttft = float(self.ttft.mean())
+        else:
+            p50 = p90 = p99 = mean_ttft = 0.0
+        return {
+            "policy": self.policy_name,
+            "requests": total,
+            "prompt_tokens": prompt_total,
+            "hit_rate": tally.hit_tokens / prompt_total if prompt_total else 0.0,
+            "local_hit_rate": (tally.hit_tokens - tally.pulled_tokens) / prompt_total if prompt_total else 0.0,
+            "pulled_hit_rate": tally.pulled_tokens / prompt_total if prompt_total else 0.0,
+            "block_hit_rate": tally.hit_blocks / tally.blocks if tally.blocks else 0.0,
+            "redundant_prefill": tally.redundant / prompt_total if prompt_total else 0.0,
+            "ttft_p50_s": p50,
+            "ttft_p90_s": p90,
+            "ttft_p99_s": p99,
+            "ttft_mean_s": mean_ttft,
+            "throughput_rps": total / span if span > 0 else 0.0,
+            "span_s": span,
+            "imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
+            "busy_s": busy,
+            "pulls": tally.pulls,
+            "pulls_short": tally.pulls_short,
+            "pull_blocks": tally.pull_blocks,
+            "bytes_moved": tally.pull_blocks * self.params.block_bytes,
+            "evictions": sum(nd.cache.evictions for nd in self.nodes),
+            "prediction_error": tally.pred_err / prompt_total if prompt_total else 0.0,
+            "prediction_exact": tally.pred_exact / total if total else 1.0,
+            "reasons": dict(sorted(tally.reasons.items())),
+            "load_timeline": load_timeline([nd.spans for nd in self.nodes], first, end, self.params.timeline_buckets),
+        }

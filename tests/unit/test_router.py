@@ -1,0 +1,238 @@
+"""The gateway's pure routing step (gateway.router), its load accounting (gateway.proxy.InflightTicket),
+the pull-plan wire type and the cost model's one evaluation function.
+
+No sockets, no processes: engines and holders are plain objects.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+
+from directory.schemas import PULL_PLAN_FIELD, Holder, Origin, PullPlan
+from gateway.config import GatewaySettings
+from gateway.cost import CostModel, RouteRequest, evaluate, slot_interval_seconds, ttft_breakdown
+from gateway.engines import EngineState
+from gateway.policy import SGLangPolicy, make_policy
+from gateway.prefix_hasher import PrefixHasher
+from gateway.proxy import InflightTicket, cached_tokens
+from gateway.router import NoEngineAvailable, Router, build_candidates, cost_model, make_candidate
+
+
+@dataclass
+class Engine:
+    """An engine as routing sees it (the fields of gateway.engines.EngineState it reads)."""
+
+    node_id: str
+    epoch: int = 1
+    running: float = 0.0
+    waiting: float = 0.0
+    inflight: int = 0
+    pending_prefill_tokens: float = 0.0
+    healthy: bool = True
+    can_pull: bool = True
+    block_bytes: int = 0
+
+
+def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
+    return Router(make_policy(policy, cost), random.Random(seed), PrefixHasher(16))
+
+
+def req(n_blocks: int, extra: int = 0) -> RouteRequest:
+    return RouteRequest(prompt_tokens=n_blocks * 16 + extra, hashes=tuple(range(1000, 1000 + n_blocks)))
+
+
+# ---------------------------------------------------------------------------
+# Candidates
+
+
+def test_candidate_counts_the_gateways_own_requests_once() -> None:
+    c = make_candidate("a", 3, reported_running=5.0, waiting=2.0, inflight=3, pending_prefill_tokens=40.0)
+    assert (c.running, c.waiting, c.inflight, c.pending_prefill_tokens) == (2, 2, 3, 40.0)
+    # an engine that has not reported the gateway's requests yet: never negative
+    assert make_candidate("a", 3, reported_running=1.0, waiting=0.0, inflight=4, pending_prefill_tokens=0.0).running == 0
+
+
+def test_candidates_take_cached_blocks_only_from_the_engines_current_epoch() -> None:
+    engines = [Engine("a", epoch=2), Engine("b", epoch=1, healthy=False), Engine("c", epoch=5)]
+    holders = {
+        "a": Holder(node_id="a", epoch=2, matched_blocks=4, slots=[7, 8, 9, 10]),
+        "b": Holder(node_id="b", epoch=1, matched_blocks=3, slots=None),
+        "c": Holder(node_id="c", epoch=4, matched_blocks=9, slots=[1] * 9),  # an earlier incarnation: gone
+    }
+    cands = build_candidates(engines, holders)
+    assert [(c.node_id, c.cached_blocks, c.slots, c.healthy) for c in cands] == [
+        ("a", 4, (7, 8, 9, 10), True),
+        ("b", 3, (), False),
+        ("c", 0, (), True),
+    ]
+    assert [c.node_id for c in build_candidates(engines, holders, exclude={"a"})] == ["b", "c"]
+
+
+# ---------------------------------------------------------------------------
+# Decisions
+
+
+def test_no_healthy_engine_is_no_engine_available() -> None:
+    r = router()
+    with pytest.raises(NoEngineAvailable, match="no engine is available"):
+        r.route(req(2), [], {})
+    with pytest.raises(NoEngineAvailable):
+        r.route(req(2), [Engine("a", healthy=False), Engine("b")], {}, exclude={"b"})
+
+
+def test_affinity_to_the_holder_without_a_plan() -> None:
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=10, slots=list(range(10)))}
+    route = router().route(req(10, extra=4), [Engine("a"), Engine("b")], holders)
+    assert (route.decision.node_id, route.decision.reason, route.decision.predicted_cached_tokens) == ("b", "affinity", 160)
+    assert route.pull_plan is None and route.uncached_tokens == 4
+    body = {"model": "m", "prompt": "x"}
+    assert route.upstream_body(body) is body
+
+
+def test_a_pull_becomes_the_wire_plan_in_the_body() -> None:
+    # the holder is saturated: the idle peer pulls the prefix instead of queueing behind it
+    holders = {"b": Holder(node_id="b", epoch=7, matched_blocks=50, slots=list(range(100, 150)))}
+    engines = [Engine("a"), Engine("b", epoch=7, running=64.0)]
+    route = router().route(req(50), engines, holders)
+    d = route.decision
+    assert (d.node_id, d.reason, d.pull_from, d.pull_epoch) == ("a", "pull", "b", 7)
+    assert route.pull_plan == PullPlan(source_node="b", source_epoch=7, slots=list(range(100, 150)))
+    body = route.upstream_body({"model": "m", "prompt": "x"})
+    assert body == {
+        "model": "m",
+        "prompt": "x",
+        PULL_PLAN_FIELD: {"source_node": "b", "source_epoch": 7, "slots": list(range(100, 150))},
+    }
+    assert list(body) == ["model", "prompt", "kvdir_pull"]
+    assert route.uncached_tokens == 0
+
+
+def test_a_failed_lookup_is_a_fallback_by_load() -> None:
+    route = router("least_loaded").route(req(4), [Engine("a", running=3.0), Engine("b")], {}, lookup_failure="TimeoutError")
+    d = route.decision
+    assert (d.node_id, d.reason, d.predicted_cached_tokens) == ("b", "fallback", 0)
+    assert d.detail == "directory lookup failed (TimeoutError): routed by load"
+    assert route.uncached_tokens == 64 and route.pull_plan is None
+
+
+def test_request_defaults_and_block_size() -> None:
+    r = router()
+    assert r.request(40, [1, 2], None) == RouteRequest(40, (1, 2), 16, 16)
+    assert r.request(40, [1, 2], 0).max_tokens == 16
+    assert r.request(40, [1, 2], 300).max_tokens == 300
+    assert r.hashes(list(range(40))) == PrefixHasher(16).hashes(list(range(40)))
+
+
+def test_block_bytes_are_learned_from_engines_that_can_pull() -> None:
+    r = router()
+    r.learn_block_bytes([Engine("a", block_bytes=1 << 20, can_pull=False)])
+    assert r.policy.cost.block_bytes == CostModel().block_bytes
+    r.learn_block_bytes([Engine("a", block_bytes=1 << 20), Engine("b", block_bytes=1 << 21)])
+    assert r.policy.cost.block_bytes == 1 << 21
+
+
+def test_routed_feeds_a_policy_with_memory() -> None:
+    r = router("sglang")
+    rq = req(3)
+    route = r.route(rq, [Engine("a"), Engine("b")], {})
+    r.routed(rq, route.decision)
+    assert isinstance(r.policy, SGLangPolicy)
+    assert r.policy.tree_size(route.decision.node_id) == 3
+
+
+# ---------------------------------------------------------------------------
+# Settings -> cost model (the decode rate)
+
+
+def test_cost_model_from_settings_decode_rate() -> None:
+    default = cost_model(GatewaySettings())
+    assert default == CostModel(decode_tokens_per_s=80.0)  # the defaults keep the model's defaults
+    slow = cost_model(GatewaySettings(decode_tokens_per_s=40.0, link_gbps=4.0, pull_setup_ms=1.0, max_running=8))
+    assert (slow.decode_tokens_per_s, slow.link_bytes_per_s, slow.pull_setup_s, slow.max_running) == (40.0, 4e9, 0.001, 8)
+    r = req(4)
+    assert slot_interval_seconds(r, slow) == pytest.approx(16 / 40 / 8)
+    with pytest.raises(ValueError):
+        GatewaySettings(decode_tokens_per_s=0)
+
+
+# ---------------------------------------------------------------------------
+# One evaluation drives the choice and the explanation
+
+
+def test_evaluate_takes_a_pull_only_below_the_break_even() -> None:
+    r = req(50)
+    c = make_candidate("a", 1, reported_running=0.0, waiting=0.0, inflight=0, pending_prefill_tokens=0.0)
+    fast = evaluate(r, c, CostModel(), pull_to_blocks=50)
+    assert fast.pulled_blocks == 50 and fast.cached_tokens == 800
+    slow = CostModel(link_bytes_per_s=1e7)  # 1.64 ms per block > 1.6 ms to compute it
+    assert evaluate(r, c, slow, pull_to_blocks=50).pulled_blocks == 0
+    assert ttft_breakdown(r, c, slow, pull_to_blocks=50).pulled_blocks == 50  # the what-if prices it anyway
+    no_pull = make_candidate("a", 1, reported_running=0.0, waiting=0.0, inflight=0, pending_prefill_tokens=0.0, can_pull=False)
+    assert evaluate(r, no_pull, CostModel(), pull_to_blocks=50).pulled_blocks == 0
+
+
+def test_the_explanation_shows_the_evaluated_option() -> None:
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=50, slots=list(range(50)))}
+    d = router().route(req(50), [Engine("a"), Engine("b", running=64.0)], holders).decision
+    assert d.reason == "pull"
+    assert d.detail.startswith(f"ttft={d.estimated_ttft_s:.6f}s = queue ")
+    assert " + pull " in d.detail and "50*16384/2e+09" in d.detail and "from b@1" in d.detail
+
+
+# ---------------------------------------------------------------------------
+# The inflight ticket
+
+
+def engine_state() -> EngineState:
+    return EngineState("a", Origin("http", "127.0.0.1", 1))
+
+
+def test_ticket_counts_once_and_releases_once() -> None:
+    e = engine_state()
+    t = InflightTicket(e, 100)
+    assert (e.inflight, e.pending_prefill_tokens) == (1, 100.0)
+    t.first_byte()
+    t.first_byte()
+    assert (e.inflight, e.pending_prefill_tokens) == (1, 0.0)
+    t.close()
+    t.close()
+    assert (e.inflight, e.pending_prefill_tokens) == (0, 0.0)
+
+
+def test_ticket_released_by_its_block_whatever_happens() -> None:
+    e = engine_state()
+    other = InflightTicket(e, 5)
+    with pytest.raises(RuntimeError), InflightTicket(e, 100):
+        assert (e.inflight, e.pending_prefill_tokens) == (2, 105.0)
+        raise RuntimeError("upstream broke")
+    assert (e.inflight, e.pending_prefill_tokens) == (1, 5.0)
+    other.close()
+    assert (e.inflight, e.pending_prefill_tokens) == (0, 0.0)
+
+
+def test_cached_tokens_of_a_response() -> None:
+    assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}}) == 32
+    assert cached_tokens({"usage": {"prompt_tokens_details": None}}) is None
+    assert cached_tokens([]) is None
+
+
+# ---------------------------------------------------------------------------
+# The pull plan on the wire
+
+
+def test_pull_plan_round_trips_and_is_bounded() -> None:
+    plan = PullPlan(source_node="worker-1", source_epoch=3, slots=[4, 5, 6])
+    wire = msgspec.json.encode(plan.to_json())
+    assert msgspec.json.decode(wire, type=PullPlan) == plan
+    for bad in (
+        b'{"source_node": "", "source_epoch": 1, "slots": []}',
+        b'{"source_node": "a", "source_epoch": 0, "slots": []}',
+        b'{"source_node": "a", "source_epoch": 1, "slots": [-1]}',
+        b'{"source_node": "a", "source_epoch": 1, "slots": [4294967296]}',
+    ):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(bad, type=PullPlan)
