@@ -1,5 +1,8 @@
 """The directory's REST API (docs/protocol.md §3) on FastAPI.
 
+Over 400 lines: one route per endpoint of docs/protocol.md §3, with the body decoding and error
+mapping they share; the logic is in Replica and the state.
+
 Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
 404 unknown node, 409 stale epoch or expired node (register again), 413 body
 too large, 422 invalid fields or limits, 429 node limit, 503 not committed in

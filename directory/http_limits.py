@@ -4,7 +4,7 @@ uvicorn's httptools protocol has no such cap (`h11_max_incomplete_event_size` on
 h11), and httptools joins the pieces of a header that arrives over many reads with `+=`: a
 50 MB header to `/healthz` cost a replica 3.3 s of CPU on its event loop. This module imports
 only uvicorn and starlette, so the gateway and the worker can use it without the directory's
-server side.
+server side. `serve_app` runs every kvdir HTTP server the same way, with these caps.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import uvicorn
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from directory.addresses import parse_hostport
+from directory.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +103,20 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def serve_app(app: ASGIApp, http: str, log_level: str) -> None:
+    """Serve `app` on HOST:PORT until SIGINT/SIGTERM: logging set up, the head cap, uvloop, no access log
+    (one line per request is noise), and 5 s for open requests to finish at shutdown."""
+    configure_logging(log_level)
+    host, port = parse_hostport(http)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        access_log=False,
+        loop="uvloop",
+        http=LimitedHttpToolsProtocol,
+        timeout_graceful_shutdown=5,
+    )

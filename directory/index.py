@@ -1,5 +1,8 @@
 """The block index: which node holds which block hash, at which slot.
 
+Over 400 lines: the arrays, the numba kernels that walk them and the merge that rebuilds them share
+one layout; split, each half would need the other's invariants restated.
+
 Why this shape: the directory must hold millions of (hash, holder) entries in
 well under 100 bytes each and answer 256-block prefix lookups in microseconds.
 A dict of Python ints costs ~110 bytes an entry and a numpy pipeline pays

@@ -1,5 +1,8 @@
 """A directory replica: the state machine replicated with pysyncobj, plus group commit and leases.
 
+Over 400 lines: the pysyncobj wrapper with its group commit and lease keeper, which run on its
+threads and share its lock; state logic is in directory.state.
+
 Threads: pysyncobj applies commands on its own thread; the HTTP server runs
 on an asyncio loop. `StateMachine.lock` serialises the two around the state,
 and results travel back to the loop with `call_soon_threadsafe`. The loop reads

@@ -1,5 +1,8 @@
 """Engine KV events (docs/protocol.md §5): decoding and mapping engine block hashes to ours.
 
+Over 400 lines: both wire encodings of vLLM's and SGLang's events and the hash mapper that consumes
+them, tested together against captured frames.
+
 Pure code: no sockets, no clocks. `engines.subscriber` feeds it ZMQ
 frames and sends what it returns to the directory.
 

@@ -1,5 +1,8 @@
 """Feeds the directory from one real engine's KV events (vLLM, SGLang; docs/protocol.md §5).
 
+Over 400 lines: the ZMQ receive loop, replay after gaps, restarts, batching and the engine health
+gate are one ordering problem; the directory side is directory.session.
+
 One subscriber per engine (per data-parallel rank: each rank publishes on
 its own port). It
 
@@ -215,43 +218,10 @@ class EventsSubscriber:
         self._wake = asyncio.Event()
         self._ctx: zmq.asyncio.Context | None = None
 
-    # Views on the session's state (read by the metrics and the unit tests).
+    # The session's epoch, read by the metrics.
     @property
     def epoch(self) -> int | None:
         return self.session.epoch
-
-    @epoch.setter
-    def epoch(self, epoch: int | None) -> None:
-        self.session.epoch = epoch
-        self.session.need_register = epoch is None
-
-    @property
-    def _store(self) -> dict[int, str | None]:
-        return self.session.pending_stores
-
-    @property
-    def _remove(self) -> set[int]:
-        return self.session.pending_removals
-
-    @property
-    def _clear(self) -> bool:
-        return self.session.pending_clear
-
-    @property
-    def _incarnation(self) -> str:
-        return self.session.incarnation
-
-    @property
-    def _need_register(self) -> bool:
-        return self.session.need_register
-
-    @property
-    def _entries_lost(self) -> bool:
-        return self.session.entries_lost
-
-    @_entries_lost.setter
-    def _entries_lost(self, lost: bool) -> None:
-        self.session.entries_lost = lost
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -468,9 +438,6 @@ class EventsSubscriber:
             if delay is not None:  # a 409 (0: at once), an unreachable directory or a rejection: another round later
                 await asyncio.sleep(delay)
                 self._wake.set()
-
-    async def _register(self) -> None:
-        await self.session.register()
 
     def _registered(self, epoch: int) -> None:
         self._down_since_registered = False

@@ -1,5 +1,8 @@
 """`kvdir up`: a local cluster on loopback, each component in its own process.
 
+Over 400 lines: `kvdir up`'s settings, the three kinds of child processes, their supervisor and the
+start-up sequence, which one command drives together.
+
 Replica i (1-based) serves HTTP on base_port+i and Raft on base_port+100+i.
 Once a leader is elected it prints one JSON line `{"ready": true, ...}` on
 stdout, optionally drives a demo, and keeps the cluster up until SIGINT or

@@ -1,5 +1,8 @@
 """The worker stub's paged KV pool: a stand-in for an engine's GPU block pool.
 
+Over 400 lines: slot allocation, pinning, LRU eviction and the change log that feeds publishing
+share one lock and one set of invariants.
+
 A node keeps KV blocks in `capacity_blocks` fixed-size slots per tensor-parallel
 rank. Each rank is one contiguous region of host memory (a numpy uint8 array),
 so a transfer engine can register it once and a peer can read slot `s` of rank

@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import uvicorn
-
-from directory.addresses import parse_hostport
-from directory.http_limits import LimitedHttpToolsProtocol
-from directory.logs import configure_logging
+from directory.http_limits import serve_app
 from worker_stub.api import create_app
 from worker_stub.config import WorkerSettings
 
 
 def serve(settings: WorkerSettings) -> None:
-    configure_logging(settings.log_level)
-    host, port = parse_hostport(settings.http)
-    uvicorn.run(
-        create_app(settings),
-        host=host,
-        port=port,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        loop="uvloop",
-        http=LimitedHttpToolsProtocol,
-        timeout_graceful_shutdown=5,
-    )
+    serve_app(create_app(settings), settings.http, settings.log_level)

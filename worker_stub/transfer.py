@@ -1,5 +1,8 @@
 """Moving KV-cache bytes between worker processes.
 
+Over 400 lines: the `TransferEngine` protocol and its two engines (Mooncake and the TCP fallback),
+kept side by side so they stay interchangeable.
+
 A worker that holds KV blocks *registers* the memory they live in; a worker
 that wants them *reads* byte ranges of that memory straight into its own
 buffers (one-sided: the holder's Python code is not involved per read). Two

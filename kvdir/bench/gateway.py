@@ -1,4 +1,4 @@
-"""`kvdir bench gateway`: what the gateway adds to a request, and tokenize + hash times."""
+"""`kvdir bench gateway`: what the gateway adds to a request, tokenize + hash times, and the policy's decision time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import httpx
 
 from directory.hashing import block_hashes
 from directory.tokenizer import ByteTokenizer
+from gateway.cost import RouteRequest
+from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
+from gateway.router import make_candidate
 from kvdir.bench.loadgen import LoadResult, LoadSpec, run_load
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
@@ -43,6 +46,32 @@ def bench_tokenize_hash() -> dict[str, Any]:
         out[f"hash_only_{n // 1000}k_ms"] = best_plain * 1e3
         out[f"tokenize_hash_{n // 1000}k_next_turn_ms"] = best_turn * 1e3
     return out
+
+
+def bench_policy_choose() -> dict[str, Any]:
+    """Microseconds for the kvdir policy to choose among 16 candidates with mixed cached prefixes and loads (best of 5)."""
+    req = RouteRequest(prompt_tokens=62 * 16 + 8, hashes=tuple(range(1, 63)), max_tokens=16)
+    cands = [
+        make_candidate(
+            f"n{i:02d}",
+            1,
+            reported_running=i % 5,
+            waiting=0,
+            inflight=i % 3,
+            pending_prefill_tokens=100.0 * i,
+            cached_blocks=(7 * i) % 50,
+            slots=tuple(range((7 * i) % 50)),
+        )
+        for i in range(16)
+    ]
+    policy, rng = make_policy("kvdir"), random.Random(0)
+    n, best = 2000, float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            policy.choose(req, cands, rng)
+        best = min(best, (time.perf_counter() - t0) / n)
+    return {"policy_choose_16_candidates_us": best * 1e6}
 
 
 def _load(url: str, duration: float, rate: float) -> LoadResult:
@@ -105,6 +134,8 @@ def main(*, as_json: bool, quick: bool) -> int:
     results: dict[str, Any] = header(quick)
     say("tokenize + hash, 1k / 10k / 100k tokens...")
     results.update(bench_tokenize_hash())
+    say("the kvdir policy's decision among 16 candidates...")
+    results.update(bench_policy_choose())
     say("added latency of the gateway vs the worker directly (3 replicas, 1 worker at --time-scale 0)...")
     results.update(bench_added_latency(quick))
     emit(results, as_json)

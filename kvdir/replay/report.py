@@ -1,5 +1,8 @@
 """`kvdir replay`: run policies over a trace or a synthetic workload, print a table, write JSON and plots.
 
+Over 400 lines: the CLI's arguments, the table, the JSON and the plots of one report, which change
+together.
+
 Wiring into a CLI::
 
     p = sub.add_parser("replay", help="replay a trace through the routing policies (offline simulation)")

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports, write_raft_password
@@ -48,51 +44,6 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     yield make
     for c in started:
         c.stop()
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05, what: str = "condition") -> Any:
-    """Poll `cond` until it returns a truthy value or `timeout` passes (then fail with `what`)."""
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        try:
-            last = cond()
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
-
-
-def port_free(port: int) -> bool:
-    """Nothing listens on the port (connections in TIME_WAIT do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_base_port(offsets: Sequence[int]) -> int:
-    """A base port for `kvdir up` such that base+offset is free now for every offset."""
-    for _ in range(50):
-        base = free_ports(1)[0] - 200
-        if base > 1024 and all(port_free(base + d) for d in offsets):
-            return base
-    raise RuntimeError("no free port range found")
-
-
-def leader_index(cluster: Cluster) -> int:
-    leader = cluster.wait_ready(30)
-    return cluster.replica_urls.index(leader)
-
-
-def digests(cluster: Cluster, among: list[int]) -> list[str]:
-    return [httpx.get(cluster.replica_urls[i] + "/v1/digest", timeout=5).json()["digest"] for i in among]
 
 
 @pytest.fixture

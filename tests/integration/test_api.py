@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from directory.hashing import block_hashes
-from tests.integration.conftest import leader_index, wait_for
+from tests.support.cluster import leader_index
+from tests.support.wait import wait_for
 
 
 def _register(url: str, node_id: str, incarnation: str | None = None, **extra) -> int:

@@ -13,7 +13,7 @@ import pytest
 from directory.client import DirectoryClient
 from directory.errors import DirectoryUnavailable, InvalidRequestError, StaleEpochError
 from kvdir.launcher import free_ports
-from tests.integration.conftest import free_base_port, port_free
+from tests.support.ports import free_base_port, port_free
 
 
 def test_client_fails_over_past_dead_replicas(make_cluster) -> None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvdir.launcher import Cluster
-from tests.integration.conftest import leader_index
+from tests.support.cluster import leader_index
 
 JSON = {"content-type": "application/json"}
 

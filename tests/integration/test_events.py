@@ -29,7 +29,7 @@ import pytest
 import zmq
 
 from kvdir.launcher import Cluster, free_ports
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = ROOT / "tests" / "data" / "vllm_kv_events"  # a copy of shared/data/vllm_kv_events (vLLM 0.32 captures)

@@ -6,12 +6,11 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 
 from kvdir.launcher import Gateway, free_ports
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"
 SYSTEM = "You are the assistant of a very long shared system prompt about KV caches. " * 8
@@ -207,19 +206,36 @@ def test_killed_engine_is_avoided_and_no_request_fails(make_cluster, make_worker
     assert "worker-2" not in {r.headers["x-kvdir-node"] for r in served}
 
 
+def _running(worker_url: str) -> float:
+    """The worker's `kvdir_worker_running` gauge: requests its engine is still decoding."""
+    for line in httpx.get(worker_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvdir_worker_running "):
+            return float(line.split()[1])
+    raise AssertionError("kvdir_worker_running not exported")
+
+
 def test_streaming_arrives_incrementally(make_cluster, make_workers, make_gateway) -> None:
+    """The first chunk reaches the client while the engine is still decoding the request (observed on the
+    engine's own gauge), so the gateway forwards chunks as they come rather than buffering the response:
+    a buffered stream could only start after the engine's generator had finished and left `running` at 0."""
     c = make_cluster(1)
-    make_workers(c, 1, ("--time-scale", "1", "--decode-tokens-per-s", "40"))
+    w = make_workers(c, 1, ("--time-scale", "1", "--decode-tokens-per-s", "40"))
     g = make_gateway(c, 1)
-    arrivals = []
+    tokens = 40  # ~1 s of decoding after the first chunk: the window in which the gauge is read
+    assert _running(w.urls[0]) == 0
+    chunks = 0
+    running_at_first_chunk = None
     with httpx.stream(
-        "POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 12, "stream": True}, timeout=60
+        "POST", g.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": tokens, "stream": True}, timeout=60
     ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
-                arrivals.append(time.monotonic())
-    # 12 tokens at 40 tokens/s take ~0.3 s: the first chunk must not wait for the last.
-    assert len(arrivals) >= 12 and arrivals[-1] - arrivals[0] > 0.15
+                chunks += 1
+                if chunks == 1:
+                    running_at_first_chunk = _running(w.urls[0])
+    assert chunks >= tokens
+    assert running_at_first_chunk == 1
+    wait_for(lambda: _running(w.urls[0]) == 0, what="the engine to finish the streamed request")
 
 
 def test_official_openai_client_works(make_cluster, make_workers, make_gateway) -> None:

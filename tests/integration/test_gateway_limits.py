@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"
 MAX_MODEL_LEN = 4096

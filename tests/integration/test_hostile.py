@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 JSON = {"content-type": "application/json"}
 MODEL = "kvdir-stub"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvdir.launcher import free_ports
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 
 class _RunsCommand:

@@ -13,10 +13,12 @@ from collections.abc import Callable
 import httpx
 
 from directory.client import DirectoryClient
+from directory.config import DirectorySettings
 from directory.errors import DirectoryUnavailable
 from directory.hashing import chain_hashes, seed_for
 from kvdir.bench.elections import publish_until
-from tests.integration.conftest import digests, leader_index, wait_for
+from tests.support.cluster import digests, leader_index
+from tests.support.wait import wait_for
 
 SEED = seed_for("")
 
@@ -200,6 +202,20 @@ def test_full_cluster_sigkill_and_restart_recovers_acknowledged_writes(make_clus
     assert all(_holds(c.replica_urls[2], ch, "n1", reg["epoch"]) for ch in chains)
 
 
+def _unread_connections(port: int) -> int:
+    """Established TCP connections to local `port` holding bytes the server has not read yet (from
+    /proc/net/tcp{,6}: a stopped server's accepted-by-the-kernel connections with a request waiting)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                local, state, queues = fields[1], fields[3], fields[4]
+                if int(local.rsplit(":", 1)[1], 16) == port and state == "01" and int(queues.split(":")[1], 16) > 0:
+                    n += 1
+    return n
+
+
 def test_a_follower_resumed_from_a_stall_serves_no_stale_local_reads(make_cluster) -> None:
     """Lookups sent to a stopped follower wait in its socket backlog and are answered the moment it
     resumes, racing its Raft thread: they must not return the epoch superseded during the stall."""
@@ -215,25 +231,37 @@ def test_a_follower_resumed_from_a_stall_serves_no_stale_local_reads(make_cluste
     assert r.status_code == 200, r.text
     wait_for(lambda: _holds(f, chain, "n1", old["epoch"]), what="the blocks on the follower")
     pid = c.procs[(lead + 1) % 3].pid
+    port = int(f.rsplit(":", 1)[1])
+    bound_s = DirectorySettings.model_fields["raft_max_timeout_s"].default  # the cluster runs with the default
     os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
     try:
         new = httpx.post(leader + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:9", "incarnation": "b"}).json()
         assert new["epoch"] > old["epoch"]
 
-        async def lookups() -> list[httpx.Response]:
+        async def lookups() -> tuple[list[httpx.Response], int]:
             async with httpx.AsyncClient(timeout=30) as http:
                 sent = [asyncio.create_task(http.post(f + "/v1/lookup", json={"hashes": chain})) for _ in range(20)]
-                await asyncio.sleep(1.0)  # they wait in the stopped follower's backlog
+                # Resume only once every lookup sits unread in the stopped follower's socket queues, and the
+                # stall has outlasted the staleness bound (so the follower's own caught-up mark has lapsed).
+                end = time.monotonic() + 30
+                while (queued := _unread_connections(port)) < len(sent) or time.monotonic() - stopped_at < 2 * bound_s:
+                    assert time.monotonic() < end, f"only {queued} of {len(sent)} lookups reached the follower's sockets"
+                    assert not any(t.done() for t in sent), "a stopped follower answered"
+                    await asyncio.sleep(0.02)
                 os.kill(pid, signal.SIGCONT)
-                return await asyncio.gather(*sent)
+                return await asyncio.gather(*sent), queued
 
-        answers = asyncio.run(lookups())
+        answers, queued = asyncio.run(lookups())
     finally:
         os.kill(pid, signal.SIGCONT)
+    assert queued == len(answers)  # the race was set up: all of them were pending when the follower resumed
     stale = [
         r.json()
         for r in answers
         if r.status_code == 200 and any(h["node_id"] == "n1" and h["epoch"] == old["epoch"] for h in r.json()["holders"])
     ]
     assert all(r.status_code in (200, 503) for r in answers), [r.text for r in answers]
+    refused = [r.json()["error"] for r in answers if r.status_code == 503]
+    assert set(refused) <= {"catching_up", "no_leader"}, refused
     assert not stale, f"{len(stale)} of {len(answers)} lookups answered with the superseded epoch"

@@ -12,7 +12,7 @@ import pytest
 from directory.client import DirectoryClient
 from directory.errors import AuthError
 from directory.hashing import block_hashes
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d", "engine-bravo-1f2e3d4c"
 GATEWAY, GATEWAY_BRAVO, ADMIN = "gateway-any-55aa66bb", "gateway-bravo-77cc88dd", "admin-tok-0a0b0c0d"

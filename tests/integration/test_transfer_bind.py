@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 HOST = "127.0.0.1"
 ELSEWHERE = "127.0.0.2"

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import free_base_port, port_free, wait_for
-from tests.integration.test_up_auth import Up
+from tests.support.launcher import Up
+from tests.support.ports import free_base_port, port_free
+from tests.support.wait import wait_for
 
 PORTS = (0, 1, 2, 3, 101, 102, 103, 11, 12)  # gateway, replicas' HTTP and Raft, two workers
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from directory.hashing import block_hashes
-from tests.integration.conftest import wait_for
+from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"
 PROMPT = "You are a careful assistant. Keep answers short and cite the cache. " * 6  # 408 bytes: 25 full blocks

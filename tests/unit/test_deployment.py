@@ -8,10 +8,6 @@ processes read), and the topology must be consistent and match `kvdir up`.
 
 from __future__ import annotations
 
-import shutil
-import stat
-import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,7 +15,6 @@ import pytest
 import yaml
 
 from directory.addresses import parse_hostport
-from directory.auth import load_tokens
 from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services, interpolate
 from kvdir.launcher import UpSettings
 
@@ -38,17 +33,6 @@ def services(tmp_path_factory):
 @pytest.fixture(scope="module")
 def doc():
     return yaml.safe_load(COMPOSE.read_text())
-
-
-def test_every_service_passes_check_config(services) -> None:
-    assert services, "no kvdir service found"
-    for name, (role, args, env) in services.items():
-        assert check(role, args, env) == [], name
-    out = subprocess.run(
-        [sys.executable, "-m", "kvdir", "check-config", "--compose", str(COMPOSE)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.count("ok: ") == len(services)
 
 
 def test_check_config_catches_mistakes(services, tmp_path) -> None:
@@ -221,42 +205,11 @@ def test_secrets_are_wired(services, doc) -> None:
     assert compose_auth_problems(services) == []
 
 
-def test_check_config_catches_a_client_without_a_token(tmp_path) -> None:
-    broken = yaml.safe_load(COMPOSE.read_text())
-    del broken["services"]["worker3"]["environment"]["KVDIR_DIRECTORY_TOKEN_FILE"]
-    del broken["services"]["dir2"]["environment"]["KVDIR_AUTH_TOKENS_FILE"]
-    path = tmp_path / "compose.yml"
-    path.write_text(yaml.safe_dump(broken))
-    stand_in = tmp_path / "s"
-    stand_in.write_text("x")
-    problems = compose_auth_problems(compose_services(path, stand_in))
-    assert len(problems) == 2 and problems[0].startswith("dir2:") and problems[1].startswith("worker3:"), problems
-    out = subprocess.run(
-        [sys.executable, "-m", "kvdir", "check-config", "--compose", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 2 and "worker3: no directory token file" in out.stderr, out.stderr
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
+def test_kvdir_up_refuses_a_wildcard_host(host: str) -> None:
+    from pydantic import ValidationError
 
+    from kvdir.launcher import UpSettings
 
-def test_generate_secrets_script(tmp_path, services) -> None:
-    """deploy/secrets/generate.sh writes every file the compose secrets name, consistent with each other."""
-    script = tmp_path / "secrets" / "generate.sh"
-    script.parent.mkdir()
-    shutil.copy(SECRETS / "generate.sh", script)
-    node_ids = [env["KVDIR_NODE_ID"] for role, _, env in services.values() if role == "worker"]
-    subprocess.run(["sh", str(script), *node_ids], check=True, capture_output=True, timeout=60)
-    d = script.parent
-    assert stat.S_IMODE(d.stat().st_mode) == 0o700  # the files are 0644 for the containers' user; the directory guards them
-    table = load_tokens(d / "auth_tokens")
-    assert len(table) == 2 + len(node_ids)
-
-    def principal(name: str):
-        return table.find((d / name).read_text().strip().encode())
-
-    assert principal("admin.token").role == "admin" and principal("gateway.token").role == "gateway"
-    for node_id in node_ids:
-        engine = principal(f"{node_id}.token")
-        assert engine.role == "engine" and engine.may_write(node_id)
-        assert not any(engine.may_write(other) for other in node_ids if other != node_id)
-    assert len((d / "raft_password").read_text().strip()) >= 40
-    tokens = {(d / f"{n}.token").read_text() for n in [*node_ids, "admin", "gateway"]}
-    assert len(tokens) == len(node_ids) + 2
+    with pytest.raises(ValidationError, match="not the wildcard"):
+        UpSettings(host=host)

@@ -561,7 +561,7 @@ def _subscriber():
 
     fake = FakeDirectory()
     sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake)  # type: ignore[arg-type]
-    sub.epoch = 1
+    sub.session.epoch, sub.session.need_register = 1, False  # registered already, as epoch 1
     return sub, fake
 
 
@@ -575,25 +575,26 @@ def test_subscriber_orders_batches_duplicates_gaps_and_restarts() -> None:
     import asyncio
 
     sub, _ = _subscriber()
+    session = sub.session
     t = list(range(32))
     ours = block_hashes(t, 16)
 
     async def go() -> None:
         await sub.on_batch(_batch(5, _chain(t[:16], 16, [1])))
-        assert sub.last_seq == 5 and sub._store == {ours[0]: None}
+        assert sub.last_seq == 5 and session.pending_stores == {ours[0]: None}
         await sub.on_batch(_batch(5, _chain(t[16:], 16, [2], parent=1)))  # same seq, same ts: a duplicate
         assert sub.stats.duplicates == 1 and len(sub.mapper) == 1
         await sub.on_batch(_batch(6, _chain(t[16:], 16, [2], parent=1)))
-        assert sub._store == {ours[0]: None, ours[1]: None}
+        assert session.pending_stores == {ours[0]: None, ours[1]: None}
         await sub.on_batch(_batch(7, Removed((2,))))  # stored and removed within one window: only the removal goes out
-        assert sub._store == {ours[0]: None} and sub._remove == {ours[1]}
+        assert session.pending_stores == {ours[0]: None} and session.pending_removals == {ours[1]}
         await sub.on_batch(_batch(9, _chain(t[16:], 16, [3], parent=1)))  # a gap, no replay: resync
-        assert sub.stats.gaps == sub.stats.resyncs == 1 and sub._clear
-        assert sub._store == {} and sub.mapper.stats.missing_parents == 1
-        inc = sub._incarnation
+        assert sub.stats.gaps == sub.stats.resyncs == 1 and session.pending_clear
+        assert session.pending_stores == {} and sub.mapper.stats.missing_parents == 1
+        inc = session.incarnation
         await sub.on_batch(_batch(0, _chain(t[:16], 16, [1]), ts=2.0))  # seq went back: the engine restarted
-        assert sub.stats.restarts == 1 and sub._need_register and sub._incarnation != inc and not sub._clear
-        assert sub._store == {ours[0]: None}
+        assert sub.stats.restarts == 1 and session.need_register and session.incarnation != inc and not session.pending_clear
+        assert session.pending_stores == {ours[0]: None}
         await sub.on_batch(_batch(0, ts=3.0))  # seq 0 again with another ts: restarted again
         assert sub.stats.restarts == 2 and sub.stats.duplicates == 1
 
@@ -606,22 +607,23 @@ def test_subscriber_flushes_clear_then_removals_then_stores_and_keeps_failed_rou
     from directory.errors import DirectoryUnavailable
 
     sub, fake = _subscriber()
+    session = sub.session
     t = list(range(48))
     ours = block_hashes(t, 16)
 
     async def go() -> None:
         await sub.on_batch(_batch(0, _chain(t[:32], 16, [1, 2], medium="GPU")))
-        await sub._flush()
+        await session.flush()
         assert fake.calls == [("publish", 1, frozenset(ours[:2]), "GPU")]
         fake.calls.clear()
         await sub.on_batch(_batch(1, Removed((2,), "GPU"), Cleared(), _chain(t[:16], 16, [1], medium="GPU")))
         fake.fail = DirectoryUnavailable("down")
         with pytest.raises(DirectoryUnavailable):
-            await sub._flush()
-        assert sub._clear and sub._store == {ours[0]: "GPU"}  # kept for the next round
+            await session.flush()
+        assert session.pending_clear and session.pending_stores == {ours[0]: "GPU"}  # kept for the next round
         await sub.on_batch(_batch(2, Removed((1,), "GPU")))  # newer changes win over the kept ones
-        assert sub._store == {} and sub._remove == {ours[0]}
-        await sub._flush()
+        assert session.pending_stores == {} and session.pending_removals == {ours[0]}
+        await session.flush()
         assert fake.calls == [("clear", 1), ("remove", 1, frozenset({ours[0]}))]
 
     asyncio.run(go())
@@ -636,6 +638,7 @@ def test_after_a_409_everything_is_published_again_even_under_the_same_epoch_num
     from directory.schemas import RegisterResponse
 
     sub, fake = _subscriber()
+    session = sub.session
     t = list(range(32))
     ours = block_hashes(t, 16)
 
@@ -647,16 +650,16 @@ def test_after_a_409_everything_is_published_again_even_under_the_same_epoch_num
 
     async def go() -> None:
         await sub.on_batch(_batch(0, _chain(t, 16, [1, 2])))
-        await sub._flush()
+        await session.flush()
         fake.calls.clear()
         fake.fail = StaleEpochError(409, "unknown_node", "not registered")
         await sub.on_batch(_batch(1, Removed((2,))))
         with pytest.raises(StaleEpochError):
-            await sub._flush()
-        sub._entries_lost = True  # what the sync loop records on a 409
-        await sub._register()
-        assert sub.epoch == 1 and sub._store == {ours[0]: None} and sub._remove == set()
-        await sub._flush()
+            await session.flush()
+        session.lapse()  # what the sync loop does on a 409
+        await session.register()
+        assert session.epoch == 1 and session.pending_stores == {ours[0]: None} and session.pending_removals == set()
+        await session.flush()
         assert fake.calls[-1] == ("publish", 1, frozenset({ours[0]}), None)
 
     asyncio.run(go())

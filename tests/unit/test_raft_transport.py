@@ -6,8 +6,6 @@ import io
 import os
 import pickle
 import subprocess
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +13,7 @@ from pysyncobj.node import TCPNode
 from pysyncobj.pickle import dump, dumps
 
 from directory import raft_transport
-from directory.config import DirectorySettings
-from directory.replica import Replica
 from directory.state import AnnounceReplica, Clear, Deregister, Expire, Heartbeat, Noop, Publish, Register, Remove
-from kvdir.launcher import free_ports
 
 
 class _Call:
@@ -67,49 +62,6 @@ def test_every_command_kind_survives_the_raft_unpickler() -> None:
         assert repr(a) == repr(b)
     frame = {"type": "append_entries", "term": 2, "entries": [(dumps(call), 5, 2)], "cluster": {TCPNode("127.0.0.1:5")}}
     assert raft_transport.safe_loads(dumps(frame))["cluster"] == {TCPNode("127.0.0.1:5")}
-
-
-def _wait(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path: Path) -> None:
-    """A real single-replica Raft node compacts its log into a snapshot, and a new one loads it."""
-    http, raft = free_ports(2)
-    settings = DirectorySettings(http=f"127.0.0.1:{http}", raft=f"127.0.0.1:{raft}", data_dir=tmp_path, fsync=False)
-    replica = Replica(settings)
-    try:
-        _wait(lambda: replica.is_leader, what="a leader")
-        assert (
-            replica.sm.apply_batch(
-                [Register("n", "inc", "http://127.0.0.1:9", regions=({"base": 4096, "rkey": "k"},), epoch_base=1 << 31)],
-                sync=True,
-                timeout=10,
-            )[0].status
-            == "ok"
-        )
-        epoch = replica.state.nodes["n"].epoch
-        hashes = np.arange(1, 1001, dtype=np.uint64)
-        replica.sm.apply_batch([Publish("n", epoch, hashes, np.arange(1000, dtype=np.uint32))], sync=True, timeout=10)
-        digest = replica.state.digest()
-        replica.raft.forceLogCompaction()
-        _wait(lambda: (tmp_path / "raft.dump").exists() and replica.raft.getStatus()["log_len"] <= 2, what="a snapshot")
-    finally:
-        replica.raft.destroy()
-    with open(tmp_path / "raft.dump", "rb") as f:
-        head = f.read(2)
-    assert head  # a real file was written (pysyncobj gzips it)
-    again = Replica(settings)
-    try:
-        _wait(lambda: again.state.digest() == digest, what="the state restored from the snapshot")
-        assert again.state.nodes["n"].epoch == epoch
-    finally:
-        again.raft.destroy()
 
 
 def test_install_routes_pysyncobj_through_the_guarded_classes() -> None:

@@ -64,13 +64,3 @@ def test_restarts_back_off_exponentially_and_reset_once_stable(
     procs[-1].wait(30)
     supervisor.tick(now + 10.1)
     assert f"crasher (pid {procs[-1].pid}) was killed by SIGKILL; restarting it in 0.5s" in caplog.text
-
-
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
-def test_kvdir_up_refuses_a_wildcard_host(host: str) -> None:
-    from pydantic import ValidationError
-
-    from kvdir.launcher import UpSettings
-
-    with pytest.raises(ValidationError, match="not the wildcard"):
-        UpSettings(host=host)

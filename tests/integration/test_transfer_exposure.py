@@ -14,9 +14,7 @@ import socket
 from collections.abc import Callable, Iterator
 
 import pytest
-from pydantic import ValidationError
 
-from worker_stub.config import WorkerSettings
 from worker_stub.socket_filter import EarlyConnectionError, TcpListener, confine_listeners, own_tcp_listeners
 from worker_stub.transfer import ENGINES, create_engine
 
@@ -127,14 +125,3 @@ def test_a_wildcard_transfer_host_logs_a_warning_naming_the_ports(name: str, cap
         assert "all interfaces" in warnings[0] and all(str(p) in warnings[0] for p in ports), warnings[0]
     finally:
         engine.close()
-
-
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
-def test_worker_refuses_a_wildcard_transfer_host(host: str) -> None:
-    with pytest.raises(ValidationError, match="wildcard"):
-        WorkerSettings(transfer_host=host)
-
-
-@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "::1", "worker1-transfer"])
-def test_worker_accepts_a_specific_transfer_host(host: str) -> None:
-    assert WorkerSettings(transfer_host=host).transfer_host == host
