@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.policy import Candidate, Decision, RouteRequest, make_policy
+from gateway.policy import Decision, RouteRequest, make_policy
+from gateway.router import make_candidate
 from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
 from kvdir.replay.figures import Tally, load_timeline
 from kvdir.replay.params import SimParams
@@ -156,9 +157,17 @@ class ClusterSim:
         ids = self.ids
         slots_of = self._slots_of
         view, _ = leading_runs(blocks, self.directory.masks, self.full, n_nodes)
+        # The gateway's rule for a candidate (gateway.router.make_candidate), on the simulated engines' state.
         cands = [
-            Candidate(
-                ids[j], 1, view[j], slots_of(view[j]), max(0, nd.running - nd.inflight), len(nd.waitq), nd.pending, nd.inflight
+            make_candidate(
+                ids[j],
+                1,
+                reported_running=nd.running,
+                waiting=len(nd.waitq),
+                inflight=nd.inflight,
+                pending_prefill_tokens=nd.pending,
+                cached_blocks=view[j],
+                slots=slots_of(view[j]),
             )
             for j, nd in enumerate(nodes)
         ]
