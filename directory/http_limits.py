@@ -105,10 +105,14 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def serve_app(app: ASGIApp, http: str, log_level: str) -> None:
-    """Serve `app` on HOST:PORT until SIGINT/SIGTERM: logging set up, the head cap, uvloop, no access log
-    (one line per request is noise), and 5 s for open requests to finish at shutdown."""
+def serve_app(make_app: Callable[[], ASGIApp], http: str, log_level: str) -> None:
+    """Serve the app `make_app` builds on HOST:PORT until SIGINT/SIGTERM: the head cap, uvloop, no access log
+    (one line per request is noise), and 5 s for open requests to finish at shutdown.
+
+    Logging is set up before the app is built, so what building it logs (auth on, tenant keys) is not lost.
+    """
     configure_logging(log_level)
+    app = make_app()
     host, port = parse_hostport(http)
     uvicorn.run(
         app,

@@ -9,4 +9,4 @@ from directory.http_limits import serve_app
 
 def serve(settings: DirectorySettings) -> None:
     """Serve until SIGINT/SIGTERM; the lifespan stops the Raft node cleanly."""
-    serve_app(create_app(settings), settings.http, settings.log_level)
+    serve_app(lambda: create_app(settings), settings.http, settings.log_level)

@@ -8,4 +8,4 @@ from gateway.config import GatewaySettings
 
 
 def serve(settings: GatewaySettings) -> None:
-    serve_app(create_app(settings), settings.http, settings.log_level)
+    serve_app(lambda: create_app(settings), settings.http, settings.log_level)

@@ -8,4 +8,4 @@ from worker_stub.config import WorkerSettings
 
 
 def serve(settings: WorkerSettings) -> None:
-    serve_app(create_app(settings), settings.http, settings.log_level)
+    serve_app(lambda: create_app(settings), settings.http, settings.log_level)

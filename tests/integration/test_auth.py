@@ -222,3 +222,30 @@ def test_worker_and_gateway_send_tokens_from_files(secured, make_workers, make_g
     assert r.status_code == 200 and r.headers["x-kvdir-decision"] == "affinity", (r.headers, r.text)
     assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == n_blocks * 16
     assert httpx.get(g.url + "/health").json()["directory"] is True
+
+
+def test_a_replica_logs_that_auth_is_on(tmp_path: Path) -> None:
+    """What building the app logs reaches the log: once lost, because logging was set up only after the app was built
+    (the docker-compose test caught it), leaving operators no sign that auth was on."""
+    import subprocess
+    import sys
+
+    from kvdir.launcher import free_ports
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("admin:*:s3cr3t\n")
+    http, raft = free_ports(2)
+    log = tmp_path / "replica.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdir", "directory", "--http", f"127.0.0.1:{http}", "--raft", f"127.0.0.1:{raft}",
+             "--auth-tokens-file", str(tokens), "--log-level", "info"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "index kernels ready" in log.read_text(), what="the replica to start", timeout=60)
+        text = log.read_text()
+        assert "bearer-token auth on: 1 tokens" in text and "auth is off" not in text, text
+    finally:
+        proc.kill()
+        proc.wait(10)
