@@ -109,6 +109,10 @@ def test_burst_on_a_hot_prefix_all_served(cluster: ComposeCluster) -> None:
         results = list(pool.map(one, range(32)))
     decisions = [d for d, _ in results]
     print("burst decisions:", {d: decisions.count(d) for d in set(decisions)})
+    failures = [line.split("directory lookup failed", 1)[1] for line in cluster.logs("gateway").splitlines()
+                if "directory lookup failed" in line]  # fmt: skip
+    print("lookups that failed (routed by load):", failures or "none")
+    assert not any(f.startswith(" ()") for f in failures), failures  # every fallback says why (issue #19: "()")
     assert len(results) == 32
     # Whatever the routing, no request recomputes the hot prefix from scratch unless it was routed blind.
     assert all(cached >= len(prompt) - 32 for d, cached in results if d != "fallback"), results
