@@ -141,13 +141,13 @@ class Proxy:
         try:
             res = await asyncio.wait_for(self.directory.lookup(hashes, with_slots=True), self.lookup_timeout_s)
         except TimeoutError:
-            failure = f"no answer within --lookup-timeout-s {self.lookup_timeout_s:g} s"
+            cause, failure = "timeout", f"no answer within --lookup-timeout-s {self.lookup_timeout_s:g} s"
         except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
-            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            cause, failure = "error", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         else:
             return {h.node_id: h for h in res.holders}, None
         log.info("directory lookup failed (%s): routing by load", failure)
-        self.metrics.lookup_failures.labels("timeout" if failure.startswith("no answer") else "error").inc()
+        self.metrics.lookup_failures.labels(cause).inc()
         return {}, failure
 
     async def complete(

@@ -13,18 +13,17 @@ import json
 import os
 import shlex
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from kvdir.launcher import free_ports
+from tests.support.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = ROOT / "deploy" / "secrets"
@@ -34,21 +33,7 @@ WORKERS = ("worker1", "worker2", "worker3", "worker4")
 SERVICES = (*REPLICAS, *WORKERS, "gateway")
 MODEL = "kvdir-stub"
 UP_DEADLINE_S = 240.0
-
-
-def wait_for(check: Callable[[], Any], *, what: str, timeout: float = 60.0, interval: float = 0.25) -> Any:
-    """Poll `check` until it returns something truthy; fail naming `what` after `timeout` seconds."""
-    end = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < end:
-        try:
-            result = check()
-        except (httpx.HTTPError, subprocess.CalledProcessError, KeyError, ValueError) as exc:
-            last, result = exc, None
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
+WAIT_S = 60.0  # what the compose tests wait for at most, unless a step says otherwise
 
 
 @dataclass

@@ -21,11 +21,12 @@ from tests.compose.conftest import (
     MODEL,
     REPLICAS,
     SERVICES,
+    WAIT_S,
     WORKERS,
     ComposeCluster,
     token,
-    wait_for,
 )
+from tests.support.wait import wait_for
 
 SYSTEM = (
     "You are the support assistant of a hardware store. Answer briefly, cite the aisle, and never invent stock levels. "
@@ -86,6 +87,7 @@ def test_turn_two_is_served_from_cache(cluster: ComposeCluster) -> None:
             >= published
         ),
         what=f"{node}'s blocks published",
+        timeout=WAIT_S,
     )
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the nails?"}]
     second = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=8, messages=turn2)
@@ -99,7 +101,7 @@ def test_burst_on_a_hot_prefix_all_served(cluster: ComposeCluster) -> None:
     prompt = SYSTEM + " Burst."
     client = _client(cluster)
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-    wait_for(lambda: _lookup(cluster, list(prompt.encode())), what="the hot prefix published")
+    wait_for(lambda: _lookup(cluster, list(prompt.encode())), what="the hot prefix published", timeout=WAIT_S)
 
     def one(i: int) -> tuple[str, int]:
         r = client.completions.with_raw_response.create(model=MODEL, prompt=prompt + f" user {i}", max_tokens=16)
@@ -125,7 +127,7 @@ def test_a_pull_between_two_worker_containers(cluster: ComposeCluster) -> None:
     tokens = list(prompt.encode())
     first = _client(cluster).completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
     source = first.headers["x-kvdir-node"]
-    holder = wait_for(lambda: _lookup(cluster, tokens).get(source), what=f"{source} to publish the prompt")
+    holder = wait_for(lambda: _lookup(cluster, tokens).get(source), what=f"{source} to publish the prompt", timeout=WAIT_S)
     assert holder["matched_blocks"] == len(tokens) // 16
     dest = next(w for w in WORKERS if w not in _lookup(cluster, tokens))
     # The pull plan the gateway would attach, sent to the destination's own API from inside its container:
@@ -147,7 +149,7 @@ def test_a_pull_between_two_worker_containers(cluster: ComposeCluster) -> None:
     assert kvdir["pulled_tokens"] == holder["matched_blocks"] * 16, kvdir
     assert kvdir["pull_bytes"] >= holder["matched_blocks"] * 16384, kvdir
     # The destination publishes what it pulled: the prefix now has two holders.
-    wait_for(lambda: {source, dest} <= set(_lookup(cluster, tokens)), what=f"{dest} to publish the pulled blocks")
+    wait_for(lambda: {source, dest} <= set(_lookup(cluster, tokens)), what=f"{dest} to publish the pulled blocks", timeout=WAIT_S)
 
 
 def test_auth_is_enforced(cluster: ComposeCluster) -> None:
@@ -188,7 +190,7 @@ def test_a_replica_killed_and_restarted_loses_nothing_acknowledged(cluster: Comp
     writer = threading.Thread(target=asyncio.run, args=(write(),))
     writer.start()
     try:
-        wait_for(lambda: len(acked) >= 20, what="20 acknowledged writes")
+        wait_for(lambda: len(acked) >= 20, what="20 acknowledged writes", timeout=WAIT_S)
         subprocess.run(["docker", "kill", cluster.container(leader)], check=True, capture_output=True)
         before = len(acked)
         wait_for(lambda: len(acked) >= before + 20, what="20 more writes acknowledged by a new leader", timeout=60)
@@ -223,7 +225,7 @@ def test_a_killed_worker_expires_and_requests_keep_succeeding(cluster: ComposeCl
     tokens = list(prompt.encode())
     client = _client(cluster)
     victim = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1).headers["x-kvdir-node"]
-    wait_for(lambda: victim in _lookup(cluster, tokens), what=f"{victim} to publish")
+    wait_for(lambda: victim in _lookup(cluster, tokens), what=f"{victim} to publish", timeout=WAIT_S)
     subprocess.run(["docker", "kill", cluster.container(victim)], check=True, capture_output=True)
     # Requests during the outage: the gateway retries past the dead engine until the lease runs out.
     for i in range(6):

@@ -21,8 +21,8 @@ from tests.compose.conftest import (
     ComposeCluster,
     compose_up,
     token,
-    wait_for,
 )
+from tests.support.wait import wait_for
 
 VLLM = ("docker-compose.yml", "deploy/docker-compose.vllm.yml", "tests/compose/expose.yml")
 MODEL = "tiny-llama"

@@ -9,24 +9,18 @@ import shutil
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from directory.auth import load_tokens
-from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services
-
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = ROOT / "docker-compose.yml"
-SECRETS = ROOT / "deploy" / "secrets"
+from kvdir.check_config import check, compose_auth_problems, compose_services
+from tests.support.deployment import COMPOSE, SECRETS, stand_in_services
 
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    stand_in = tmp_path_factory.mktemp("secrets") / "secret"
-    stand_in.write_text(STAND_IN_SECRET)
-    return compose_services(COMPOSE, stand_in)
+    return stand_in_services(tmp_path_factory.mktemp("secrets"))
 
 
 def test_every_service_passes_check_config(services) -> None:

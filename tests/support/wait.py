@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ def wait_for(cond: Callable[[], Any], timeout: float = 15.0, interval: float = 0
     while time.monotonic() < end:
         try:
             last = cond()
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (httpx.HTTPError, subprocess.CalledProcessError, ValueError, KeyError) as exc:  # not up yet
             last = exc
         else:
             if last:

@@ -8,26 +8,20 @@ processes read), and the topology must be consistent and match `kvdir up`.
 
 from __future__ import annotations
 
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from directory.addresses import parse_hostport
-from kvdir.check_config import STAND_IN_SECRET, check, compose_auth_problems, compose_services, interpolate
+from kvdir.check_config import check, compose_auth_problems, compose_services, interpolate
 from kvdir.launcher import UpSettings
-
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = ROOT / "docker-compose.yml"
-SECRETS = ROOT / "deploy" / "secrets"
+from tests.support.deployment import COMPOSE, ROOT, stand_in_services
 
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    stand_in = tmp_path_factory.mktemp("secrets") / "secret"
-    stand_in.write_text(STAND_IN_SECRET)
-    return compose_services(COMPOSE, stand_in)
+    return stand_in_services(tmp_path_factory.mktemp("secrets"))
 
 
 @pytest.fixture(scope="module")
