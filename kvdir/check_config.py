@@ -1,5 +1,4 @@
-"""`kvdir check-config` and `kvdir health`: validate configurations without starting anything,
-and probe a running component (for container health checks).
+"""`kvdir check-config`: validate configurations without starting anything.
 
 One settings class per role serves the command line, the environment,
 `kvdir up` and docker-compose.yml, so checking a compose file is checking the
@@ -18,13 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 from pydantic import ValidationError
 
 from kvdir.roles import ENV_PREFIX, ROLES, add_settings_flags, build_settings
 
-# Variables read by `kvdir health`, allowed beside any role's settings.
+# Variables read by `kvdir health` (kvdir.health), allowed beside any role's settings.
 COMMON_ENV = {"KVDIR_HEALTH_URL"}
 # What stands in for a compose secret's file: valid as any secret a setting reads, a password,
 # a token, and a tokens file (ROLE:NODE_PATTERN:TOKEN).
@@ -203,22 +201,3 @@ def _run_checks(compose: Path | None, role: str | None, rest: list[str], stand_i
             failed += 1
             print(f"{compose}: {pr}", file=sys.stderr)
     return 2 if failed else 0
-
-
-def run_health(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="kvdir health", description="exit 0 if URL answers 2xx within the timeout (container health checks)"
-    )
-    p.add_argument(
-        "--url",
-        default=os.environ.get("KVDIR_HEALTH_URL", "http://127.0.0.1:8100/health"),
-        help="the endpoint to probe [env KVDIR_HEALTH_URL]",
-    )
-    p.add_argument("--timeout", type=float, default=2.0)
-    args = p.parse_args(list(argv))
-    try:
-        ok = httpx.get(args.url, timeout=args.timeout).is_success
-    except httpx.HTTPError as exc:
-        print(f"unhealthy: {exc}", file=sys.stderr)
-        return 1
-    return 0 if ok else 1

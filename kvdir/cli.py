@@ -8,12 +8,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
-from kvdir.roles import ROLES, add_settings_flags, build_settings
-
 
 def _parser() -> argparse.ArgumentParser:
+    from kvdir.roles import ROLES, add_settings_flags
+
     p = argparse.ArgumentParser(prog="kvdir", description="A Raft-replicated KV-cache directory for LLM inference clusters.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -51,10 +49,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["check-config"], ["health"]):  # they parse their own arguments
-        from kvdir.check_config import run_check_config, run_health
+    # These parse their own arguments. `health` runs in every container every few seconds: it imports
+    # nothing beyond the standard library (kvdir.health), so nothing above the stdlib is imported at the top.
+    if argv[:1] == ["health"]:
+        from kvdir.health import run_health
 
-        return (run_check_config if argv[0] == "check-config" else run_health)(argv[1:])
+        return run_health(argv[1:])
+    if argv[:1] == ["check-config"]:
+        from kvdir.check_config import run_check_config
+
+        return run_check_config(argv[1:])
+    from pydantic import ValidationError
+
+    from kvdir.roles import ROLES, build_settings
+
     args = _parser().parse_args(argv)
     try:
         if args.command in ROLES:

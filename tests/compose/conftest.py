@@ -71,13 +71,36 @@ class ComposeCluster:
         state = self.inspect(service)["State"]
         return state.get("Health", {}).get("Status", state["Status"])
 
-    def wait_healthy(self, services: tuple[str, ...] = SERVICES, timeout: float = UP_DEADLINE_S) -> None:
-        wait_for(
-            lambda: all(self.health(s) == "healthy" for s in services),
-            what=f"{', '.join(services)} healthy",
-            timeout=timeout,
-            interval=1.0,
+    def health_report(self, service: str) -> str:
+        """The service's state, restarts and its last health probes' exit codes and output: what a
+        timed-out wait shows, so a CI log says which service failed and why."""
+        info = self.inspect(service)
+        state = info["State"]
+        probes = [
+            f"exit {p.get('ExitCode')}: {str(p.get('Output', '')).strip()[:200]}"
+            for p in state.get("Health", {}).get("Log", [])[-3:]
+        ]
+        return (
+            f"{service}: {state.get('Health', {}).get('Status', state['Status'])}, "
+            f"restarts {info.get('RestartCount', 0)}, last probes {probes}"
         )
+
+    def wait_healthy(self, services: tuple[str, ...] = SERVICES, timeout: float = UP_DEADLINE_S) -> None:
+        try:
+            wait_for(
+                lambda: all(self.health(s) == "healthy" for s in services),
+                what=f"{', '.join(services)} healthy",
+                timeout=timeout,
+                interval=1.0,
+            )
+        except AssertionError as exc:
+            report = []
+            for s in services:
+                try:
+                    report.append(self.health_report(s))
+                except (subprocess.CalledProcessError, AssertionError, KeyError) as why:
+                    report.append(f"{s}: no report ({why})")
+            raise AssertionError(f"{exc}\n" + "\n".join(report)) from None
 
     def replica_url(self, service: str) -> str:
         host, port = self.compose("port", service, "8101").stdout.strip().rsplit(":", 1)

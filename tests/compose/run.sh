@@ -132,5 +132,7 @@ done
 docker build -q "${torch_index[@]}" -t kvdir-vllm-cpu deploy/vllm-cpu
 
 stage "tests"
+# What else is using the CPUs: the containers' start and their health probes compete with it.
+echo "load before the tests: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) CPUs"
 # -s: the figures the tests print (burst decisions, writes through a leader kill, vLLM's cached tokens).
 KVDIR_COMPOSE="$COMPOSE" "$PYTHON" -m pytest -s tests/compose "$@"
