@@ -3,16 +3,18 @@
 Over 400 lines: one route per endpoint of docs/protocol.md §3, with the body decoding and error
 mapping they share; the logic is in Replica and the state.
 
-Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON,
+Every error is JSON `{"error": ..., "detail": ...}`: 400 malformed JSON or msgpack,
 404 unknown node, 409 stale epoch or expired node (register again), 413 body
-too large, 422 invalid fields or limits, 429 node limit, 503 not committed in
-time (retry: every write is idempotent) or, for a local lookup, a replica
-without a leader or catching up with it (try another), 507 index full. A 500 means a bug.
+too large, 415 a Content-Type the route does not take, 422 invalid fields or
+limits, 429 node limit, 503 not committed in time (retry: every write is
+idempotent) or, for a local lookup, a replica without a leader or catching up
+with it (try another), 507 index full. A 500 means a bug.
 With `auth_tokens_file` set, 401 without a known bearer token and 403 for a
 role, node or tenant the token may not use (directory.auth).
 
 Entries are keyed per tenant (directory.tenancy): publish, remove and lookup
 map their hashes to the tenant's keys here, before anything goes through Raft.
+Those three also take binary batches (directory.binary), chosen by Content-Type.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from directory import binary, watch
 from directory import state as st
 from directory.addresses import is_loopback, parse_hostport
 from directory.auth import PRINCIPAL, BearerAuth, Principal
+from directory.binary import LookupBatch, PublishBatch, RemoveBatch
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.hashing import block_hashes
@@ -81,10 +85,11 @@ _ERRORS = {
     405: "method_not_allowed",
     409: "conflict",
     413: "body_too_large",
+    415: "unsupported_media_type",
     422: "invalid_request",
 }
 _RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503, 507)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503, 507)
 }
 
 
@@ -172,13 +177,31 @@ class Counted:
         return raw.count(b"{" if self.shape == self.OBJECTS else b":")
 
 
+# curl -d sends form-urlencoded unless told otherwise: taken as JSON, as before content types were checked.
+_JSON_TYPES = frozenset({binary.JSON, "application/x-www-form-urlencoded"})
+
+
+def _is_msgpack(request: Request, *, binary_ok: bool = True) -> bool:
+    """Whether the body is a binary batch (Content-Type application/msgpack); JSON is the default, also
+    without a Content-Type. 415 for any other type, or msgpack where a route takes JSON only."""
+    ctype = request.headers.get("content-type")
+    media = ctype.split(";", 1)[0].strip().lower() if ctype is not None else binary.JSON
+    if media in _JSON_TYPES or media.endswith("+json"):
+        return False
+    if media == binary.MSGPACK and binary_ok:
+        return True
+    accepted = f"{binary.JSON} (the default) or {binary.MSGPACK}" if binary_ok else f"{binary.JSON} only"
+    raise ApiError(415, "unsupported_media_type", f"Content-Type {ctype!r}: this route takes {accepted}")
+
+
 async def _decode(request: Request, body_type: type[BodyT], *counted: Counted) -> BodyT:
-    """The request's body as `body_type`, its bulk fields refused (422 too_many) before they are decoded.
+    """The request's JSON body as `body_type`, its bulk fields refused (422 too_many) before they are decoded.
 
     Decoding costs about 2 ms per MiB here (msgspec: 8 MiB, 4 million hashes, in ~15 ms) and per-element
     validation runs on at most the limit's worth of elements, so no body, however large, holds the GIL
     long enough to starve the Raft thread into an election (pydantic took 3 s for 400,000 blocks).
     """
+    _is_msgpack(request, binary_ok=False)
     body = await request.body()
     try:
         try:
@@ -195,6 +218,27 @@ async def _decode(request: Request, body_type: type[BodyT], *counted: Counted) -
         raise ApiError(422, "invalid_request", f"{body_type.__name__}: {exc}") from exc
     except (msgspec.DecodeError, RecursionError) as exc:
         raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {exc}") from exc
+
+
+async def _decode_batch(request: Request, body_type: type[BodyT]) -> BodyT:
+    """The request's msgpack body as `body_type`: its packed arrays are bytes, counted by `_packed_count`."""
+    body = await request.body()
+    try:
+        return msgspec.msgpack.decode(body, type=body_type)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, "invalid_request", f"{body_type.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, "invalid_msgpack", f"the request body is not valid msgpack: {exc}") from exc
+
+
+def _packed_count(packed: bytes, dtype: np.dtype, field: str, limit: int, what: str) -> int:
+    """How many values a packed array holds: 400 for a partial value, 422 too_many over `limit`."""
+    try:
+        n = binary.count(packed, dtype, field)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_batch", str(exc)) from exc
+    _check_count(n, limit, what)
+    return n
 
 
 def _u64(values: list[int], what: str) -> np.ndarray:
@@ -291,14 +335,25 @@ async def node(node_id: str, replica: Replica = Depends(_replica)) -> Any:
 @router.post("/v1/blocks", response_model=PublishResponse, openapi_extra=_body_doc(PublishRequest))
 async def publish(request: Request, replica: Replica = Depends(_replica), metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
     limit = replica.settings.max_blocks_per_publish
-    body = await _decode(request, PublishRequest, Counted("blocks", Counted.OBJECTS, limit, "blocks_per_publish"))
+    body: PublishRequest | PublishBatch
+    if _is_msgpack(request):
+        body = await _decode_batch(request, PublishBatch)
+        n = _packed_count(body.hashes, binary.U64, "hashes", limit, "blocks_per_publish")
+        m = _packed_count(body.slots, binary.U32, "slots", limit, "blocks_per_publish")
+        if m != n:
+            raise ApiError(400, "invalid_batch", f"{n} hashes but {m} slots: give one slot per hash")
+    else:
+        body = await _decode(request, PublishRequest, Counted("blocks", Counted.OBJECTS, limit, "blocks_per_publish"))
+        _check_count(len(body.blocks), limit, "blocks_per_publish")
     _may_write(request, body.node_id)
     tenant = _tenant(request, body.tenant)
-    _check_count(len(body.blocks), limit, "blocks_per_publish")
     t0 = time.perf_counter()
-    hashes = _u64([b.hash for b in body.blocks], "block hashes")
+    if isinstance(body, PublishBatch):
+        hashes, slots = binary.unpack(body.hashes, binary.U64), binary.unpack(body.slots, binary.U32)
+    else:
+        hashes = _u64([b.hash for b in body.blocks], "block hashes")
+        slots = np.fromiter((b.slot for b in body.blocks), dtype=np.uint32, count=len(body.blocks))
     keys = _keys(request, hashes, tenant)
-    slots = np.fromiter((b.slot for b in body.blocks), dtype=np.uint32, count=len(body.blocks))
     res = await _commit(replica, st.Publish(body.node_id, body.epoch, keys, slots, body.medium))
     metrics.write_seconds.labels("publish").observe(time.perf_counter() - t0)
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "stored": res.value})
@@ -307,12 +362,17 @@ async def publish(request: Request, replica: Replica = Depends(_replica), metric
 @router.post("/v1/blocks/remove", response_model=RemoveResponse, openapi_extra=_body_doc(RemoveRequest))
 async def remove(request: Request, replica: Replica = Depends(_replica), metrics: DirectoryMetrics = Depends(_metrics)) -> Any:
     limit = replica.settings.max_blocks_per_publish
-    body = await _decode(request, RemoveRequest, Counted("hashes", Counted.ARRAY, limit, "blocks_per_publish"))
+    body: RemoveRequest | RemoveBatch
+    if _is_msgpack(request):
+        body = await _decode_batch(request, RemoveBatch)
+        _packed_count(body.hashes, binary.U64, "hashes", limit, "blocks_per_publish")
+    else:
+        body = await _decode(request, RemoveRequest, Counted("hashes", Counted.ARRAY, limit, "blocks_per_publish"))
+        _check_count(len(body.hashes), limit, "blocks_per_publish")
     _may_write(request, body.node_id)
     tenant = _tenant(request, body.tenant)
-    _check_count(len(body.hashes), limit, "blocks_per_publish")
     t0 = time.perf_counter()
-    hashes = _u64(body.hashes, "hashes")
+    hashes = binary.unpack(body.hashes, binary.U64) if isinstance(body, RemoveBatch) else _u64(body.hashes, "hashes")
     res = await _commit(replica, st.Remove(body.node_id, body.epoch, _keys(request, hashes, tenant)))
     metrics.write_seconds.labels("remove").observe(time.perf_counter() - t0)
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
@@ -326,6 +386,12 @@ async def clear(request: Request, replica: Replica = Depends(_replica)) -> Any:
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
 
 
+def _accepts_msgpack(request: Request) -> bool:
+    """Whether the client asked for a msgpack answer (`Accept: application/msgpack`); else JSON."""
+    accept = request.headers.get("accept", "")
+    return any(r.split(";", 1)[0].strip().lower() == binary.MSGPACK for r in accept.split(","))
+
+
 @router.post("/v1/lookup", response_model=LookupResponse, openapi_extra=_body_doc(LookupRequest))
 async def lookup(
     request: Request,
@@ -335,19 +401,31 @@ async def lookup(
 ) -> Any:
     s = replica.settings
     limit = s.max_hashes_per_lookup
-    body = await _decode(
-        request,
-        LookupRequest,
-        Counted("hashes", Counted.ARRAY, limit, "hashes_per_lookup"),
-        Counted("tokens", Counted.ARRAY, s.max_tokens_per_lookup, "tokens_per_lookup"),
-    )
+    body: LookupRequest | LookupBatch
+    if _is_msgpack(request):
+        body = await _decode_batch(request, LookupBatch)
+    else:
+        body = await _decode(
+            request,
+            LookupRequest,
+            Counted("hashes", Counted.ARRAY, limit, "hashes_per_lookup"),
+            Counted("tokens", Counted.ARRAY, s.max_tokens_per_lookup, "tokens_per_lookup"),
+        )
     tenant = _tenant(request, body.tenant)
     if (body.hashes is None) == (body.tokens is None):
         raise ApiError(422, "invalid_request", "give exactly one of `hashes` or `tokens`")
     if body.tokens is not None:
-        _check_count(len(body.tokens) // body.block_size, limit, "hashes_per_lookup")
-        tokens = np.array(body.tokens, dtype=np.uint32)
+        if isinstance(body.tokens, bytes):
+            n = _packed_count(body.tokens, binary.U32, "tokens", s.max_tokens_per_lookup, "tokens_per_lookup")
+            _check_count(n // body.block_size, limit, "hashes_per_lookup")
+            tokens = binary.unpack(body.tokens, binary.U32)
+        else:
+            _check_count(len(body.tokens) // body.block_size, limit, "hashes_per_lookup")
+            tokens = np.array(body.tokens, dtype=np.uint32)
         hashes = np.asarray(block_hashes(tokens, body.block_size, body.namespace), dtype=np.uint64)
+    elif isinstance(body.hashes, bytes):
+        _packed_count(body.hashes, binary.U64, "hashes", limit, "hashes_per_lookup")
+        hashes = binary.unpack(body.hashes, binary.U64)
     else:
         assert body.hashes is not None
         _check_count(len(body.hashes), limit, "hashes_per_lookup")
@@ -379,7 +457,10 @@ async def lookup(
         }
         for h in holders
     ]
-    return JSONResponse({"num_blocks": len(hashes), "holders": out})
+    answer = {"num_blocks": len(hashes), "holders": out}
+    if _accepts_msgpack(request):
+        return Response(msgspec.msgpack.encode(answer), media_type=binary.MSGPACK)
+    return JSONResponse(answer)
 
 
 @router.get("/v1/cluster")
@@ -431,6 +512,7 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
 
     app = FastAPI(title="kvdir directory", version="1", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(watch.router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

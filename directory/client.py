@@ -10,6 +10,12 @@ request carries `Authorization: Bearer TOKEN` (the directory's auth_tokens_file)
 With `tenant`, publishes, removals and lookups act in that tenant
 (directory.tenancy); without it, in the token's tenant if it is confined to
 one, else in the shared tenant "".
+
+Publishes, removals and lookups go as binary batches (msgpack with packed
+arrays, directory.binary: no JSON number per hash for either side to parse);
+`binary=False` sends JSON as humans and older replicas read it. A value out
+of range is refused before sending, as the directory would refuse it in JSON
+(InvalidRequestError 422).
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ from typing import Any
 
 import httpx
 import msgspec
+import numpy as np
 from pydantic import SecretStr
 
-from directory.errors import DirectoryUnavailable, rejection
-from directory.schemas import LookupResponse, NodeInfo, Region, RegisterResponse
+from directory import binary
+from directory.binary import LookupBatch, PublishBatch, RemoveBatch
+from directory.errors import DirectoryUnavailable, InvalidRequestError, rejection
+from directory.schemas import Consistency, LookupResponse, NodeInfo, Region, RegisterResponse
 
 _RETRY_STATUS = {502, 503, 504}
 
@@ -43,6 +52,7 @@ class DirectoryClient:
         transport: httpx.AsyncBaseTransport | None = None,
         token: str | SecretStr | None = None,
         tenant: str = "",
+        binary: bool = True,
     ) -> None:
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
@@ -50,6 +60,7 @@ class DirectoryClient:
             raise ValueError("DirectoryClient needs at least one replica URL")
         self.urls = [u.strip().rstrip("/") for u in urls]
         self.deadline = deadline
+        self.binary = binary
         self._tenant = {"tenant": tenant} if tenant else {}  # omitted: the directory picks the token's default
         self._preferred = 0
         if isinstance(token, SecretStr):
@@ -71,8 +82,12 @@ class DirectoryClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def request(self, method: str, path: str, json: Any = None, *, deadline: float | None = None) -> Any:
-        """Send to the preferred replica, failing over to the others until `deadline` seconds pass."""
+    async def request(
+        self, method: str, path: str, json: Any = None, *, msgpack: bytes | None = None, deadline: float | None = None
+    ) -> Any:
+        """Send `json` (or the msgpack body `msgpack`) to the preferred replica, failing over to the others
+        until `deadline` seconds pass; returns the JSON answer."""
+        headers = {"content-type": binary.MSGPACK} if msgpack is not None else None
         end = time.monotonic() + (self.deadline if deadline is None else deadline)
         delay = 0.02
         attempt = 0
@@ -81,7 +96,7 @@ class DirectoryClient:
             i = (self._preferred + attempt) % len(self.urls)
             url = self.urls[i] + path
             try:
-                resp = await self._http.request(method, url, json=json)
+                resp = await self._http.request(method, url, json=json, content=msgpack, headers=headers)
             except httpx.TransportError as exc:
                 last = f"{url}: {type(exc).__name__}: {exc}"
             else:
@@ -157,19 +172,39 @@ class DirectoryClient:
         deadline: float | None = None,
     ) -> int:
         """Publish (hash, slot) pairs; returns how many entries were new."""
-        body = {
-            "node_id": node_id,
-            "epoch": epoch,
-            "blocks": [{"hash": h, "slot": s} for h, s in blocks],
-            "medium": medium,
-            **self._tenant,
-        }
-        stored: int = (await self.request("POST", "/v1/blocks", body, deadline=deadline))["stored"]
+        if self.binary:
+            pairs = list(blocks)
+            batch = PublishBatch(
+                node_id=node_id,
+                epoch=epoch,
+                hashes=_pack((h for h, _ in pairs), binary.U64, "block hashes"),
+                slots=_pack((s for _, s in pairs), binary.U32, "slots"),
+                medium=medium,
+                tenant=self._tenant.get("tenant"),
+            )
+            answer = await self.request("POST", "/v1/blocks", msgpack=msgspec.msgpack.encode(batch), deadline=deadline)
+        else:
+            body = {
+                "node_id": node_id,
+                "epoch": epoch,
+                "blocks": [{"hash": h, "slot": s} for h, s in blocks],
+                "medium": medium,
+                **self._tenant,
+            }
+            answer = await self.request("POST", "/v1/blocks", body, deadline=deadline)
+        stored: int = answer["stored"]
         return stored
 
     async def remove(self, node_id: str, epoch: int, hashes: Iterable[int], *, deadline: float | None = None) -> int:
-        body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes), **self._tenant}
-        removed: int = (await self.request("POST", "/v1/blocks/remove", body, deadline=deadline))["removed"]
+        if self.binary:
+            batch = RemoveBatch(
+                node_id=node_id, epoch=epoch, hashes=_pack(hashes, binary.U64, "hashes"), tenant=self._tenant.get("tenant")
+            )
+            answer = await self.request("POST", "/v1/blocks/remove", msgpack=msgspec.msgpack.encode(batch), deadline=deadline)
+        else:
+            body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes), **self._tenant}
+            answer = await self.request("POST", "/v1/blocks/remove", body, deadline=deadline)
+        removed: int = answer["removed"]
         return removed
 
     async def clear(self, node_id: str, epoch: int, *, deadline: float | None = None) -> int:
@@ -189,13 +224,31 @@ class DirectoryClient:
         deadline: float | None = None,
     ) -> LookupResponse:
         """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica)."""
-        body: dict[str, Any] = {
-            "with_slots": with_slots,
-            "consistency": "linearizable" if linearizable else "local",
-            **self._tenant,
-        }
-        if tokens is not None:
-            body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
+        consistency: Consistency = "linearizable" if linearizable else "local"
+        if self.binary:
+            batch = LookupBatch(
+                hashes=_pack(hashes or (), binary.U64, "hashes") if tokens is None else None,
+                tokens=_pack(tokens, binary.U32, "tokens") if tokens is not None else None,
+                namespace=namespace,
+                block_size=block_size,
+                with_slots=with_slots,
+                consistency=consistency,
+                tenant=self._tenant.get("tenant"),
+            )
+            answer = await self.request("POST", "/v1/lookup", msgpack=msgspec.msgpack.encode(batch), deadline=deadline)
         else:
-            body["hashes"] = list(hashes or [])
-        return LookupResponse.model_validate(await self.request("POST", "/v1/lookup", body, deadline=deadline))
+            body: dict[str, Any] = {"with_slots": with_slots, "consistency": consistency, **self._tenant}
+            if tokens is not None:
+                body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
+            else:
+                body["hashes"] = list(hashes or [])
+            answer = await self.request("POST", "/v1/lookup", body, deadline=deadline)
+        return LookupResponse.model_validate(answer)
+
+
+def _pack(values: Iterable[int], dtype: np.dtype, field: str) -> bytes:
+    """`binary.pack`, its range error raised as the directory's answer to the same values in JSON would be."""
+    try:
+        return binary.pack(values, dtype, field)
+    except ValueError as exc:
+        raise InvalidRequestError(422, "invalid_request", str(exc)) from exc

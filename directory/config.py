@@ -39,6 +39,12 @@ class DirectorySettings(BaseSettings):
     max_regions_per_node: int = Field(256, ge=1, le=4096, description="most memory regions in one registration (422 above)")
     max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
+    watch_buffer_bytes: int = Field(
+        16 << 20,
+        ge=1,
+        description="bytes of committed changes kept for watchers (GET /v1/watch), about 12 per block; "
+        "a watcher further behind re-snapshots",
+    )
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
     raft_password_file: Path | None = Field(
         None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)"

@@ -6,7 +6,7 @@ DirectoryError
 └── RequestRejected           a replica answered 4xx; `status`, `error`, `detail` say why
     ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
     ├── NotFoundError         404
-    ├── InvalidRequestError   400, 413, 422
+    ├── InvalidRequestError   400, 413, 415, 422
     ├── AuthError             401 (no or unknown bearer token), 403 (the token may not do this)
     └── LimitError            429, 507: a configured limit (nodes, entries) is reached
 """
@@ -58,5 +58,5 @@ def rejection(status: int, error: str, detail: object = None) -> RequestRejected
     """The RequestRejected subclass for an HTTP status."""
     cls = {409: StaleEpochError, 404: NotFoundError, 429: LimitError, 507: LimitError, 401: AuthError, 403: AuthError}.get(status)
     if cls is None:
-        cls = InvalidRequestError if status in (400, 413, 422) else RequestRejected
+        cls = InvalidRequestError if status in (400, 413, 415, 422) else RequestRejected
     return cls(status, error, detail)

@@ -22,6 +22,7 @@ from directory.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
+ENDLESS_PATHS = frozenset({"/v1/watch"})  # the directory's watch stream (directory.watch)
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers; real clients send a few KiB at most (a bearer token is < 100 B)
 
 _MESSAGE = b"request line and headers too big\n"
@@ -59,6 +60,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._in_body = False
         super().on_message_complete()
+
+    def shutdown(self) -> None:
+        """At shutdown, close a connection streaming a response that never ends on its own (ENDLESS_PATHS)
+        at once: uvicorn would otherwise wait `timeout_graceful_shutdown` for it. Its consumer resumes
+        elsewhere; other in-flight responses still get their grace period."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and cycle.scope.get("path") in ENDLESS_PATHS:
+            self.transport.close()
+            return
+        super().shutdown()
 
 
 class BodyLimit:

@@ -22,8 +22,11 @@ private names used below are pysyncobj 0.3.17's; the version is pinned.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +103,46 @@ def install(fsync: bool, dump_file: str | None) -> None:
         return DurableJournal(journal_file, dump_file)
 
     _syncobj.createJournal = factory
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _isolate_dump_child() -> None:
+    """In a child that pysyncobj forked to write a snapshot (the only fork in a replica): close every
+    listening socket inherited from the replica, and die with it.
+
+    The child holds the replica's Raft and HTTP listening sockets for as long as the dump takes (tens
+    of seconds for a big state): a replica killed meanwhile could not rebind its ports when restarted
+    and exited with "cannot listen for Raft". A child that outlives a killed replica only finishes a
+    dump nobody will read (the replica starts from the last complete one).
+    """
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:  # not a socket
+            continue
+        try:
+            listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        if listening:
+            s.close()
+        else:
+            s.detach()  # leave the fd as it was
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def isolate_dump_children() -> None:
+    """Make every later fork of this process a dump child that holds no listening socket (once per process)."""
+    global _isolated
+    if not _isolated:
+        os.register_at_fork(after_in_child=_isolate_dump_child)
+        _isolated = True
+
+
+_isolated = False

@@ -37,6 +37,7 @@ import numpy as np
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, SyncObjException, replicated
 
 from directory import index, journal, raft_transport
+from directory.changefeed import ChangeFeed
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.state import (
@@ -47,15 +48,24 @@ from directory.state import (
     Holder,
     Node,
     Publish,
-    Register,
     Remove,
     Result,
+    command_size,
 )
 
 log = logging.getLogger("kvdir.directory")
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
 BIND_TRIES, BIND_RETRY_S = 10, 0.5  # how long a replica waits for its Raft port before it gives up
+# pysyncobj sends an entry of at least appendEntriesBatchSizeBytes (64 KiB by default) in pieces, and
+# marks the last piece by the entry's size where it should use the size of what it sends (the entry
+# pickled again, ~1.5x bigger for binary data): followers unpickled truncated entries ("pickle data
+# was truncated"), and after the errors one truncated entries it had already applied. So no entry is
+# ever sent in pieces: entries are capped at 1/ENTRY_SHARE of the frame cap by `command_size` (numpy bytes;
+# pickled ~1.5x, plus one command of at most max_blocks_per_publish blocks), below the
+# 1/APPEND_SHARE that pysyncobj splits at; a message (entries up to that share, plus one, pickled
+# again) stays under the frame cap that peers enforce.
+ENTRY_SHARE, APPEND_SHARE = 8, 4
 READ_THREADS = 8  # reads that wait for the Raft thread to finish applying, each on a thread of its own (`Replica.read`)
 
 T = TypeVar("T")
@@ -64,39 +74,29 @@ T = TypeVar("T")
 class StateMachine(SyncObjConsumer):  # type: ignore[misc]  # pysyncobj ships no type information
     """The pysyncobj consumer around DirectoryState; only `state` is snapshotted."""
 
-    def __init__(self, state: DirectoryState) -> None:
+    def __init__(self, state: DirectoryState, feed: ChangeFeed) -> None:
+        # Attributes set before SyncObjConsumer.__init__ are left out of snapshots: the feed is this
+        # replica's own record of what it applied, for watchers (GET /v1/watch), not replicated state.
         self.lock = threading.RLock()
+        self.feed = feed
         super().__init__()
         self.state = state
 
     @replicated  # type: ignore[untyped-decorator]  # pysyncobj ships no type information (it adds `callback`, `sync`)
     def apply_batch(self, commands: list[Command]) -> list[Result]:
         with self.lock:
-            return [self.state.apply(c) for c in commands]
+            results = [self.state.apply(c) for c in commands]
+            self.feed.append(self.state.applied, commands)
+            return results
 
     def _deserialize(self, data: dict[str, Any]) -> None:
         with self.lock:
             super()._deserialize(data)
+            self.feed.reset(self.state.applied)
 
 
 def _weight(cmd: Command) -> int:
     return len(cmd.hashes) if isinstance(cmd, (Publish, Remove)) else 1
-
-
-def _size(cmd: Command) -> int:
-    """About the pickled size of a command: keeps a Raft entry, and so a frame, under the peers' frame cap."""
-    if isinstance(cmd, Publish):
-        return 128 + cmd.hashes.nbytes + cmd.slots.nbytes
-    if isinstance(cmd, Remove):
-        return 128 + cmd.hashes.nbytes
-    if isinstance(cmd, Register):
-        return (
-            256
-            + len(cmd.api_url)
-            + len(cmd.transfer_url or "")
-            + sum(16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
-        )
-    return 256
 
 
 @dataclass(slots=True)
@@ -171,7 +171,7 @@ class GroupCommitter:
         now = time.monotonic()
         while self._queue and len(batch) < self._max_commands:
             p = self._queue[0]
-            w, b = _weight(p.cmd), _size(p.cmd)
+            w, b = _weight(p.cmd), command_size(p.cmd)
             if batch and (weight + w > self._max_weight or size + b > self._max_bytes):
                 break
             self._queue.popleft()
@@ -404,9 +404,13 @@ class Replica:
 
     def __init__(self, settings: DirectorySettings) -> None:
         self.settings = settings
-        self.sm = StateMachine(DirectoryState(max_nodes=settings.max_nodes, max_entries=settings.max_entries))
+        self.sm = StateMachine(
+            DirectoryState(max_nodes=settings.max_nodes, max_entries=settings.max_entries),
+            ChangeFeed(settings.watch_buffer_bytes),
+        )
         conf = SyncObjConf(
             appendEntriesUseBatch=False,
+            appendEntriesBatchSizeBytes=settings.raft_max_frame_bytes // APPEND_SHARE,
             commandsWaitLeader=True,
             raftMinTimeout=settings.raft_min_timeout_s,
             raftMaxTimeout=settings.raft_max_timeout_s,
@@ -433,6 +437,7 @@ class Replica:
             conf.journalFile = str(settings.data_dir / "raft.journal")
             conf.fullDumpFile = str(settings.data_dir / "raft.dump")
         journal.install(settings.fsync, conf.fullDumpFile)
+        journal.isolate_dump_children()
         raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections)
         if settings.raft_password is None:
             log.warning(
@@ -478,11 +483,11 @@ class Replica:
 
     async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
         """Start the loop-side machinery; call from the server's event loop."""
-        # A batch of commands is one Raft entry: a quarter of the frame cap leaves room for the one
-        # command that may overshoot it (a whole request, at most max_body_bytes) and a frame's other entries.
+        # A batch of commands is one Raft entry, of at most ENTRY_SHARE of the frame cap by `command_size` (plus the
+        # one command that may overshoot it): see APPEND_SHARE for why entries stay well under the cap.
         self.committer = GroupCommitter(
             self.sm,
-            max_bytes=self.settings.raft_max_frame_bytes // 4,
+            max_bytes=self.settings.raft_max_frame_bytes // ENTRY_SHARE,
             command_timeout=max(1.0, self.settings.write_timeout_s / 2),
             on_commit=on_commit,
         )

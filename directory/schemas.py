@@ -195,13 +195,18 @@ class ClearRequest(_Body):
     epoch: Epoch
 
 
+Namespace = Annotated[str, msgspec.Meta(max_length=256)]
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
+Consistency = Literal["local", "linearizable"]
+
+
 class LookupRequest(_Body):
     hashes: list[U64] | None = None
     tokens: list[U32] | None = None
-    namespace: Annotated[str, msgspec.Meta(max_length=256)] = ""
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 16
+    namespace: Namespace = ""
+    block_size: BlockSize = 16
     with_slots: bool = False
-    consistency: Literal["local", "linearizable"] = "local"
+    consistency: Consistency = "local"
     tenant: Tenant | None = None
 
 

@@ -10,10 +10,11 @@ are written once:
   a removal cancels a pending store of the same hash and vice versa, so while
   the directory is unreachable the sets hold the net change, never a history.
   `clear()` drops what is pending and sends one clear of the node first.
-* **Flush in chunks** through the typed `DirectoryClient`: the clear, then
-  removals, then stores grouped by medium, `CHUNK` entries per request. A
-  round takes the pending sets; what it could not send goes back under any
-  newer change (newer changes win), unless a clear or a new epoch came since.
+* **Flush in chunks** through the typed `DirectoryClient` (binary batches unless
+  it was built with `binary=False`): the clear, then removals, then stores
+  grouped by medium, `CHUNK` entries per request. A round takes the pending
+  sets; what it could not send goes back under any newer change (newer
+  changes win), unless a clear or a new epoch came since.
 * **409 = the directory holds none of our entries** (stale epoch, the lease
   ran out, or the directory lost its state and may even hand out the same
   epoch number again): register again, then republish what `holdings()` says

@@ -113,6 +113,24 @@ class Noop:
 
 Command = Register | Heartbeat | Deregister | Publish | Remove | Clear | Expire | AnnounceReplica | Noop
 
+
+def command_size(cmd: Command) -> int:
+    """About the size of a command in bytes (numpy payloads counted as raw): what keeps a Raft entry under the
+    peers' frame cap (directory.replica) and the watch stream's history under its budget (directory.changefeed)."""
+    if isinstance(cmd, Publish):
+        return 128 + cmd.hashes.nbytes + cmd.slots.nbytes
+    if isinstance(cmd, Remove):
+        return 128 + cmd.hashes.nbytes
+    if isinstance(cmd, Register):
+        return (
+            256
+            + len(cmd.api_url)
+            + len(cmd.transfer_url or "")
+            + sum(16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
+        )
+    return 256
+
+
 # -- results ------------------------------------------------------------------------
 
 OK = "ok"

@@ -52,6 +52,7 @@ from gateway.config import GatewaySettings
 from gateway.engines import EngineRegistry, EngineState
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import GatewayMetrics
+from gateway.mirror import Mirror
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import Proxy
@@ -141,12 +142,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         registry.start()
         app.state.directory, app.state.registry, app.state.http = directory, registry, http
         app.state.metrics = metrics = GatewayMetrics(registry)
-        app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s)
+        mirror = None
+        if settings.mirror and not settings.tenant:
+            mirror = Mirror(settings.directory_urls, settings.directory_token, settings.mirror_max_lag_s)
+            mirror.start()
+        elif settings.mirror:
+            log.info("directory mirror off: keys of tenant %r are known to the replicas only (REST lookups)", settings.tenant)
+        metrics.watch_mirror(mirror)
+        app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror)
         app.state.models_cache = (0.0, [])
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
         try:
             yield
         finally:
+            if mirror is not None:
+                await mirror.stop()
             await registry.stop()
             await http.aclose()
             await directory.aclose()

@@ -48,6 +48,18 @@ class GatewaySettings(DirectoryClientSettings):
     max_running: int = Field(32, ge=1, description="engines' concurrency, for the queueing estimate")
     refresh_s: float = Field(0.5, gt=0, le=60, description="how often the engine list and loads are read from the directory")
     lookup_timeout_s: float = Field(0.25, gt=0, description="a directory lookup slower than this is abandoned (route by load)")
+    mirror: bool = Field(
+        True,
+        description="keep a mirror of the directory (GET /v1/watch) and answer lookups in-process; "
+        "off, or with a --tenant, every lookup is a REST call",
+    )
+    mirror_max_lag_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="the mirror answers lookups while it was caught up with a fresh replica at most this long ago "
+        "(default: the directory's staleness bound, its --raft-max-timeout-s); else REST lookups",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="limit for one upstream request")
     unhealthy_s: float = Field(5.0, ge=0, description="how long an engine that refused a connection is skipped")
     seed: int = Field(0, description="seed of the policies' random tie-breaks")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.engines import EngineRegistry
+from gateway.mirror import Mirror
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -46,7 +47,31 @@ class GatewayMetrics:
             ["cause"],
             registry=r,
         )
+        self.lookups = Counter(
+            "kvdir_gateway_lookups_total",
+            "Prefix lookups, by source: mirror (in-process), rest (a replica), none (failed: routed by load)",
+            ["source"],
+            registry=r,
+        )
         Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
         Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
             lambda: 1 if registry.directory_ok else 0
+        )
+
+    def watch_mirror(self, mirror: Mirror | None) -> None:
+        """Gauges of the directory mirror's freshness (absent when the gateway keeps none)."""
+        if mirror is None:
+            return
+        r = self.registry
+        Gauge(
+            "kvdir_gateway_mirror_lag_seconds",
+            "Seconds since the mirror was last caught up with a fresh replica (above --mirror-max-lag-s: REST lookups)",
+            registry=r,
+        ).set_function(lambda: min(mirror.lag_s(), 1e9))
+        Gauge("kvdir_gateway_mirror_position", "The mirror's log position (commands applied)", registry=r).set_function(
+            lambda: mirror.position
+        )
+        Gauge("kvdir_gateway_mirror_snapshots", "Snapshots the mirror loaded", registry=r).set_function(lambda: mirror.snapshots)
+        Gauge("kvdir_gateway_mirror_failovers", "Streams the mirror lost and resumed elsewhere", registry=r).set_function(
+            lambda: mirror.failovers
         )

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -32,12 +32,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.schemas import Holder
 from gateway.cost import Decision, RouteRequest
 from gateway.engines import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
-from gateway.router import NoEngineAvailable, Route, Router
+from gateway.mirror import Mirror
+from gateway.router import HolderView, NoEngineAvailable, Route, Router
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -126,6 +126,7 @@ class Proxy:
         http: httpx.AsyncClient,
         metrics: GatewayMetrics,
         lookup_timeout_s: float,
+        mirror: Mirror | None = None,
     ) -> None:
         self.router = router
         self.registry = registry
@@ -133,11 +134,19 @@ class Proxy:
         self.http = http
         self.metrics = metrics
         self.lookup_timeout_s = lookup_timeout_s
+        self.mirror = mirror
 
-    async def lookup(self, hashes: list[int]) -> tuple[dict[str, Holder], str | None]:
-        """Holders by node id, and why the directory did not answer (None: it did)."""
+    async def lookup(self, hashes: list[int]) -> tuple[Mapping[str, HolderView], str | None]:
+        """Holders by node id, and why the directory did not answer (None: it did).
+
+        From the mirror while it is fresh (gateway.mirror), else from a replica over REST, else none
+        (routing by load); each source is counted in kvdir_gateway_lookups_total.
+        """
         if not hashes:
             return {}, None
+        if self.mirror is not None and self.mirror.fresh():
+            self.metrics.lookups.labels("mirror").inc()
+            return {h.node_id: h for h in self.mirror.lookup(hashes)}, None
         try:
             res = await asyncio.wait_for(self.directory.lookup(hashes, with_slots=True), self.lookup_timeout_s)
         except TimeoutError:
@@ -145,8 +154,10 @@ class Proxy:
         except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
             cause, failure = "error", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         else:
+            self.metrics.lookups.labels("rest").inc()
             return {h.node_id: h for h in res.holders}, None
         log.info("directory lookup failed (%s): routing by load", failure)
+        self.metrics.lookups.labels("none").inc()
         self.metrics.lookup_failures.labels(cause).inc()
         return {}, failure
 
@@ -191,7 +202,7 @@ class Proxy:
         path: str,
         raw: dict[str, Any],
         req: RouteRequest,
-        holders: dict[str, Holder],
+        holders: Mapping[str, HolderView],
         lookup_failure: str | None,
         timing: Timing,
     ) -> tuple[Route, EngineState, httpx.Response, InflightTicket]:

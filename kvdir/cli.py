@@ -36,13 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
     b.add_argument(
         "target",
-        choices=["directory", "worker", "gateway", "events", "elections", "soak", "attacks"],
-        help="what to measure (elections: needless Raft elections after starts, stalls and restarts; "
+        choices=["directory", "worker", "gateway", "mirror", "events", "elections", "soak", "attacks"],
+        help="what to measure (mirror: the gateway's mirror of the directory, its lag under writes and leader kills; elections: needless Raft elections after starts, stalls and restarts; "
         "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost)",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    b.add_argument("--minutes", type=float, default=10.0, help="soak: how long to cycle the fault schedule")
+    b.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="soak: how long to cycle the fault schedule; mirror: how long the leader-kill phase runs",
+    )
     b.add_argument("--replicas", type=int, choices=[3, 5], default=3, help="soak: directory replicas")
     return p
 
@@ -81,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from kvdir.faults.run import main as soak_main
 
                 return soak_main(minutes=args.minutes, replicas=args.replicas, as_json=args.json)
+            if args.target == "mirror":
+                from kvdir.bench.mirror import main as mirror_main
+
+                return mirror_main(as_json=args.json, quick=args.quick, minutes=args.minutes)
             return run_bench(args.target, as_json=args.json, quick=args.quick)
     except ValidationError as exc:
         for e in exc.errors():

@@ -12,7 +12,6 @@ whether any replica's Raft term moved (an election) and what the attacked proces
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import tempfile
@@ -25,20 +24,9 @@ from typing import Any
 
 import httpx
 
+from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster, free_ports
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _terms(c: Cluster) -> list[int]:
@@ -114,9 +102,9 @@ def raft_flood(c: Cluster, seconds: float, connections: int = 3) -> dict[str, An
         for t in threads:
             t.join()
 
-    rss, cpu = _rss_mib(pid), _cpu_s(pid)
+    rss, cpu = rss_mib(pid), cpu_s(pid)
     out = _under_writes(c, seconds, attack)
-    out.update(leader_rss_growth_mib=_rss_mib(pid) - rss, leader_cpu_s=_cpu_s(pid) - cpu, attacker_connections=opened[0])
+    out.update(leader_rss_growth_mib=rss_mib(pid) - rss, leader_cpu_s=cpu_s(pid) - cpu, attacker_connections=opened[0])
     return out
 
 
@@ -124,7 +112,7 @@ def header_flood(c: Cluster, mib: int = 50) -> dict[str, Any]:
     pid = c.procs[0].pid  # type: ignore[union-attr]
     host, port = c.replica_urls[0].removeprefix("http://").rsplit(":", 1)
     payload = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (mib << 20) + b"\r\n\r\n"
-    cpu, started = _cpu_s(pid), time.monotonic()
+    cpu, started = cpu_s(pid), time.monotonic()
     with socket.create_connection((host, int(port)), timeout=60) as s:
         try:
             s.sendall(payload)
@@ -135,7 +123,7 @@ def header_flood(c: Cluster, mib: int = 50) -> dict[str, Any]:
         except OSError as exc:
             answer = repr(exc)
     took = time.monotonic() - started
-    return {"header_mib": mib, "answer": answer, "seconds": took, "replica_cpu_s": _cpu_s(pid) - cpu}
+    return {"header_mib": mib, "answer": answer, "seconds": took, "replica_cpu_s": cpu_s(pid) - cpu}
 
 
 def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[str, Any]:
@@ -146,7 +134,7 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
         + ",".join(f'{{"hash":{i + 1},"slot":{i % 4096}}}' for i in range(blocks))
         + "]}"
     ).encode()
-    terms, cpu = _terms(c), _cpu_s(pid)
+    terms, cpu = _terms(c), cpu_s(pid)
 
     def post(_: int) -> tuple[int, float]:
         started = time.monotonic()
@@ -160,7 +148,7 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
         "body_mib": len(body) / 2**20,
         "statuses": sorted({s for s, _ in results}),
         "slowest_s": max(t for _, t in results),
-        "leader_cpu_s": _cpu_s(pid) - cpu,
+        "leader_cpu_s": cpu_s(pid) - cpu,
         "elections": sum(b - a for a, b in zip(terms, _terms(c))),
     }
 

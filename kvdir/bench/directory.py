@@ -1,5 +1,6 @@
 """`kvdir bench directory`: hashing, in-process lookups (vs Dynamo's RadixTree when installed),
-memory per entry, and publish / lookup / failover over REST on three local replicas."""
+memory per entry, the state machine's own publish rate, and publish (JSON and binary batches) /
+lookup / failover over REST on three local replicas."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from directory.errors import DirectoryUnavailable
 from directory.hashing import block_hashes, chain_hashes, seed_for
 from directory.state import DirectoryState, Publish, Register
 from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
 
@@ -188,6 +191,26 @@ def bench_memory(entries: int = 1_000_000) -> float:
     return used / len(st.index)
 
 
+# -- the state machine alone ---------------------------------------------------------------
+
+
+def bench_apply(batch: int, blocks: int) -> float:
+    """Blocks/s `DirectoryState.apply` stores in-process, publishing `blocks` random hashes in batches of
+    `batch` into one node (merges included): the ceiling under the REST and Raft layers."""
+    rng = np.random.default_rng(2)
+    hashes = rng.integers(0, 2**64 - 1, blocks, dtype=np.uint64, endpoint=True)
+    slots = np.arange(blocks, dtype=np.uint32)
+
+    def run() -> int:
+        st = DirectoryState()
+        epoch = st.apply(Register("node0", "bench", "http://127.0.0.1:1")).value
+        for i in range(0, blocks, batch):
+            st.apply(Publish("node0", epoch, hashes[i : i + batch], slots[i : i + batch]))
+        return blocks
+
+    return _best_rate(run)
+
+
 # -- REST ----------------------------------------------------------------------------
 
 
@@ -229,12 +252,7 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
     with _publishing_cluster() as (c, nodes, epochs):
         urls = c.replica_urls
         for batch, key in ((64, "publish"), (1024, "publish_batch1024")):
-            say(f"  publishing batches of {batch} blocks for {duration:.0f}s (16 connections over the 3 replicas)...")
-            items, lat, errors = _load(urls, "publish", duration, nodes, epochs, blocks_per_request=batch)
-            out[f"{key}_blocks_per_s"] = items / duration
-            out[f"{key}_p50_ms"] = pct(lat, 50) * 1e3
-            out[f"{key}_p99_ms"] = pct(lat, 99) * 1e3
-            out[f"{key}_errors"] = errors
+            out.update(_publish_json_vs_msgpack(c, nodes, epochs, batch, key, duration))
         with httpx.Client() as http:
             seqs = [chain_hashes([i * 1000 + j for j in range(64)], SEED) for i in range(len(queries_tail))]
             for i, seq in enumerate(seqs):
@@ -262,6 +280,56 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
         out["failover_runs_s"] = [asyncio.run(_failover_once(c)) for _ in range(rounds)]
         out["failover_s"] = statistics.median(out["failover_runs_s"])
         return out
+
+
+@dataclass
+class _Tally:
+    """What the runs of one encoding added up to."""
+
+    items: int = 0
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    replica_cpu_s: float = 0.0
+
+
+def _publish_json_vs_msgpack(
+    c: Cluster, nodes: list[str], epochs: list[int], batch: int, key: str, duration: float
+) -> dict[str, Any]:
+    """Publish rate with JSON bodies (`KEY_*`) and binary batches (`KEY_msgpack_*`), `duration` seconds each,
+    and the CPU the three replicas spent per 1,000 blocks (steadier than the rate on a shared machine).
+
+    Halves in the order JSON, msgpack, msgpack, JSON: the index grows as the run goes on, and this
+    order gives both encodings the same share of early and late."""
+    pids = [p.pid for p in c.procs if p is not None]
+    tallies = {"json": _Tally(), "msgpack": _Tally()}
+    say(
+        f"  publishing batches of {batch} blocks, JSON and msgpack bodies, {duration:.0f}s each (16 connections over 3 replicas)..."
+    )
+    for encoding in ("json", "msgpack", "msgpack", "json"):
+        cpu = sum(map(cpu_s, pids))
+        items, lat, errors = _load(
+            c.replica_urls, "publish", duration / 2, nodes, epochs, blocks_per_request=batch, encoding=encoding
+        )
+        t = tallies[encoding]
+        t.replica_cpu_s += sum(map(cpu_s, pids)) - cpu
+        t.items += items
+        t.errors += errors
+        t.latencies += lat
+    out: dict[str, Any] = {}
+    for encoding, t in tallies.items():
+        name = key if encoding == "json" else f"{key}_msgpack"
+        out[f"{name}_blocks_per_s"] = t.items / duration
+        out[f"{name}_p50_ms"] = pct(t.latencies, 50) * 1e3
+        out[f"{name}_p99_ms"] = pct(t.latencies, 99) * 1e3
+        out[f"{name}_errors"] = t.errors
+        out[f"{name}_replica_cpu_ms_per_1k_blocks"] = t.replica_cpu_s / t.items * 1e6 if t.items else float("nan")
+    rate, binary_rate = out[f"{key}_blocks_per_s"], out[f"{key}_msgpack_blocks_per_s"]
+    out[f"{key}_msgpack_speedup"] = binary_rate / rate if rate else float("nan")
+    say(
+        f"    batches of {batch}: JSON {rate:,.0f} blocks/s, {out[f'{key}_replica_cpu_ms_per_1k_blocks']:.1f} ms of replica CPU"
+        f" per 1k blocks; msgpack {binary_rate:,.0f} blocks/s, {out[f'{key}_msgpack_replica_cpu_ms_per_1k_blocks']:.1f} ms"
+    )
+    return out
 
 
 def bench_fsync(quick: bool) -> dict[str, Any]:
@@ -315,6 +383,10 @@ def main(*, as_json: bool, quick: bool) -> int:
     results.update(lk)
     say("memory per entry at 1M entries...")
     results["bytes_per_entry"] = bench_memory(200_000 if quick else 1_000_000)
+    say("the state machine alone: in-process publishes of batches of 64 and 1,024 blocks...")
+    blocks = 100_000 if quick else 500_000
+    results["apply_blocks_per_s"] = bench_apply(64, blocks)
+    results["apply_batch1024_blocks_per_s"] = bench_apply(1024, blocks)
     say("REST on 3 local replicas...")
     results.update(bench_rest(quick, LookupWorkload(sequences=10, queries=200, seed=5).query_seq))
     say("the cost of syncing the Raft journal...")

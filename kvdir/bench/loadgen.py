@@ -4,6 +4,7 @@ On a 2-core machine the client competes with the servers for CPU, and httpx
 costs about as much per request as the server does. So this speaks minimal
 HTTP/1.1 over asyncio streams: one keep-alive connection per coroutine, each
 sending its next request when the last is answered, for `duration` seconds.
+Publishes go as JSON or as binary batches (`encoding`, docs/protocol.md §3.1).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from typing import TypedDict
 from urllib.parse import urlsplit
 
+import msgspec
+import numpy as np
+
 
 @dataclass
 class LoadSpec:
@@ -27,6 +31,7 @@ class LoadSpec:
     node_ids: list[str]
     epochs: list[int]
     blocks_per_request: int = 64
+    encoding: str = "json"  # of publishes: "json" or "msgpack"
     lookup_queries: list[list[int]] | None = None
     rate: float | None = None  # requests/s over all connections (open loop); None: as fast as answers come
 
@@ -51,12 +56,12 @@ class _Conn:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
@@ -95,23 +100,31 @@ async def _run(spec: LoadSpec) -> LoadResult:
                 if interval:
                     await asyncio.sleep(max(0.0, next_at - time.monotonic()))
                     next_at += interval
+                content_type = "application/json"
                 if spec.mode == "publish":
                     n = spec.blocks_per_request
-                    blocks = [{"hash": rng.getrandbits(64), "slot": (slot + i) % (2**32)} for i in range(n)]
+                    path, fields = "/v1/blocks", {"node_id": spec.node_ids[node], "epoch": spec.epochs[node]}
+                    if spec.encoding == "msgpack":
+                        slots = (np.arange(slot, slot + n, dtype=np.uint64) % 2**32).astype("<u4")
+                        payload = msgspec.msgpack.encode({**fields, "hashes": rng.randbytes(8 * n), "slots": slots.tobytes()})
+                        content_type = "application/msgpack"
+                    else:
+                        blocks = [{"hash": rng.getrandbits(64), "slot": (slot + i) % (2**32)} for i in range(n)]
+                        payload = json.dumps({**fields, "blocks": blocks}).encode()
                     slot += n
-                    path, body = "/v1/blocks", {"node_id": spec.node_ids[node], "epoch": spec.epochs[node], "blocks": blocks}
                 elif spec.mode == "complete":
                     n = 1
                     prompt = f"request {rng.getrandbits(64)}: " + "x" * 48
-                    path, body = "/v1/completions", {"model": "kvdir-stub", "prompt": prompt, "max_tokens": 1}
+                    path = "/v1/completions"
+                    payload = json.dumps({"model": "kvdir-stub", "prompt": prompt, "max_tokens": 1}).encode()
                 else:
                     assert spec.lookup_queries is not None
                     n = 1
-                    path, body = "/v1/lookup", {"hashes": spec.lookup_queries[rng.randrange(len(spec.lookup_queries))]}
-                payload = json.dumps(body).encode()
+                    path = "/v1/lookup"
+                    payload = json.dumps({"hashes": spec.lookup_queries[rng.randrange(len(spec.lookup_queries))]}).encode()
                 t0 = time.perf_counter()
                 try:
-                    status, _ = await conn.post(path, payload)
+                    status, _ = await conn.post(path, payload, content_type)
                 except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
                     errors += 1
                     conn.close()

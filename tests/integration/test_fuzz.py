@@ -80,7 +80,11 @@ def test_directory_schema_fuzz(make_cluster, tmp_path: Path) -> None:
     c: Cluster = make_cluster(1, lease_ttl_s=300)
     url = c.replica_urls[0]
     t0 = time.monotonic()
-    data, output = schemathesis(url + "/openapi.json", tmp_path / "st-directory", "--max-examples", str(int(40 * SCALE)))
+    # GET /v1/watch answers with a stream that never ends (a tick every 0.1 s), which a request-response fuzzer
+    # waits on forever: its parameter is checked in test_watch.py instead.
+    data, output = schemathesis(
+        url + "/openapi.json", tmp_path / "st-directory", "--max-examples", str(int(40 * SCALE)), "--exclude-path", "/v1/watch"
+    )
     n = assert_clean(data, output, min_cases=int(700 * SCALE))
     print(
         f"\nfuzz: directory {n} cases in {time.monotonic() - t0:.1f}s (schemathesis {data['schemathesis_version']}, seed {SEED})"

@@ -6,11 +6,14 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import httpx
+import numpy as np
 
 from directory.client import DirectoryClient
 from directory.config import DirectorySettings
@@ -265,3 +268,50 @@ def test_a_follower_resumed_from_a_stall_serves_no_stale_local_reads(make_cluste
     refused = [r.json()["error"] for r in answers if r.status_code == 503]
     assert set(refused) <= {"catching_up", "no_leader"}, refused
     assert not stale, f"{len(stale)} of {len(answers)} lookups answered with the superseded epoch"
+
+
+def test_big_entries_reach_followers_whole(make_cluster) -> None:
+    """Publishes of the most blocks a request may carry, many at once, become Raft entries of megabytes:
+    pysyncobj sent those in pieces and marked the last piece wrongly, so followers logged "pickle data was
+    truncated" (and once truncated entries they had applied). Entries now never go in pieces."""
+    c = make_cluster(3)
+    rng = np.random.default_rng(3)
+
+    async def publish() -> None:
+        async with DirectoryClient(c.replica_urls, timeout=30.0) as d:
+            epochs = [(await d.register(f"big{i}", "http://127.0.0.1:1")).epoch for i in range(8)]
+            blocks = [rng.integers(1, 2**63, 16384, dtype=np.uint64).tolist() for _ in range(8)]
+            await asyncio.gather(*(d.publish(f"big{i}", epochs[i], zip(blocks[i], range(16384))) for i in range(8)))
+
+    asyncio.run(publish())
+    wait_for(lambda: len(set(digests(c, [0, 1, 2]))) == 1, what="every replica holding the same entries")
+    assert httpx.get(c.replica_urls[0] + "/v1/digest", timeout=5).json()["entries"] == 8 * 16384
+    for i in range(3):
+        log = c.log_path(i).read_text()
+        assert "truncated" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_snapshot_child_holds_no_listening_socket(tmp_path) -> None:
+    """pysyncobj forks to write a snapshot; the child held the replica's listening sockets for as long as the
+    dump took, so a replica killed meanwhile could not listen again when restarted. In a fresh interpreter
+    (the hook applies to every later fork): a listening socket is closed in the child, a connected one kept."""
+    code = """
+import os, socket, sys
+from directory.journal import isolate_dump_children
+listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen()
+peer = socket.socket(); peer.connect(listener.getsockname()); accepted, _ = listener.accept()
+isolate_dump_children()
+pid = os.fork()
+if pid == 0:
+    def is_open(fd):
+        try:
+            os.fstat(fd)
+            return True
+        except OSError:
+            return False
+    os._exit(10 * is_open(listener.fileno()) + is_open(peer.fileno()))
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert out.stdout.strip() == "1", out.stderr  # listener closed (0 x 10), connected socket open (1)

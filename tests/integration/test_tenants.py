@@ -12,6 +12,7 @@ import pytest
 from directory.client import DirectoryClient
 from directory.errors import AuthError
 from directory.hashing import block_hashes
+from directory.watch_codec import FrameReader
 from tests.support.wait import wait_for
 
 ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d", "engine-bravo-1f2e3d4c"
@@ -212,3 +213,25 @@ def test_worker_and_gateway_of_one_tenant_share_their_cache(tenanted, make_worke
     assert r.status_code == 200 and r.headers["x-kvdir-decision"] != "affinity", (r.headers, r.text)
     assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == 0
     assert httpx.get(bravo.url + "/health").json()["directory"] is True
+    # Neither gateway keeps a mirror (it would carry every tenant's entries): both looked up over REST.
+    for g in (acme, bravo):
+        metrics = httpx.get(g.url + "/metrics").text
+        assert 'kvdir_gateway_lookups_total{source="rest"} 1.0' in metrics, metrics
+        assert 'source="mirror"' not in metrics
+
+
+def test_the_watch_stream_refuses_tokens_confined_to_a_tenant(tenanted) -> None:
+    c, _ = tenanted
+    url = c.replica_urls[0] + "/v1/watch"
+    r = httpx.get(url, headers=bearer(GATEWAY_BRAVO), timeout=5)
+    assert r.status_code == 403 and "confined to tenant 'bravo'" in r.json()["detail"], r.text
+    assert httpx.get(url, timeout=5).status_code == 401
+    with httpx.stream("GET", url, headers=bearer(GATEWAY), timeout=5) as r:
+        assert r.status_code == 200
+        reader = FrameReader()
+        frames: list[dict[str, object]] = []
+        for chunk in r.iter_raw():
+            frames += reader.feed(chunk)
+            if frames:
+                break
+    assert frames[0]["k"] == "snapshot"

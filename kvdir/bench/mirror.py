@@ -1,0 +1,141 @@
+"""`kvdir bench mirror`: how far the gateway's mirror of the directory trails the replicas.
+
+Three replicas in their own processes; this process publishes 20,000 blocks/s (batches of 256)
+and follows the watch stream with the gateway's `Mirror`. Lag is the time from a publish's
+acknowledgement to the moment the mirror has applied it (negative when the stream delivered it
+before the acknowledgement arrived). A minute runs without faults; then `--minutes` (10 by default)
+during which, halfway through each third, the leader is killed and restarted. The mirror's
+freshness is sampled every 10 ms: a stale sample is a lookup the gateway would have sent over REST
+instead of answering it in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from directory.client import DirectoryClient
+from directory.errors import DirectoryError
+from directory.state import Publish
+from directory.watch_codec import decode_command
+from gateway.mirror import Mirror
+from kvdir.bench.report import emit, header, pct, say
+from kvdir.launcher import Cluster, free_ports
+
+BATCH = 256
+
+
+class _TimedMirror(Mirror):
+    """A mirror that notes when it applied each publish (keyed by its first hash)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.applied_at: dict[int, float] = {}
+
+    def _apply(self, f: dict[str, Any]) -> None:
+        super()._apply(f)
+        if f["k"] == "batch":
+            now = time.monotonic()
+            for c in f["commands"]:
+                if c[0] == "P":
+                    cmd = decode_command(c)
+                    assert isinstance(cmd, Publish)
+                    if len(cmd.hashes):
+                        self.applied_at[int(cmd.hashes[0])] = now
+
+
+async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int) -> dict[str, Any]:
+    mirror = _TimedMirror(cluster.replica_urls, None, max_lag_s=0.5)
+    mirror.start()
+    client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+    rng = np.random.default_rng(1)
+    acked: dict[int, float] = {}
+    samples = {"fresh": 0, "stale": 0}
+    failed = 0
+    try:
+        epoch = (await client.register("bench-node", "http://127.0.0.1:1")).epoch
+        while not mirror.fresh():
+            await asyncio.sleep(0.05)
+
+        async def sample() -> None:
+            while True:
+                samples["fresh" if mirror.fresh() else "stale"] += 1
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.create_task(sample())
+        start = time.monotonic()
+        kill_at = [start + seconds * (k + 0.5) / max(kills, 1) for k in range(kills)]
+        period = BATCH / blocks_per_s
+        sent = 0
+        while (now := time.monotonic()) < start + seconds:
+            if kill_at and now >= kill_at[0]:
+                kill_at.pop(0)
+                leader = await _leader(cluster)
+                say(f"  killing the leader (replica {leader}) and restarting it")
+                cluster.kill(leader, signal.SIGKILL)
+                cluster.start_replica(leader)
+            hashes = rng.integers(1, 2**63, BATCH, dtype=np.uint64)
+            try:
+                await client.publish("bench-node", epoch, zip(hashes.tolist(), range(BATCH)))
+                acked[int(hashes[0])] = time.monotonic()
+            except DirectoryError:
+                failed += 1
+            sent += 1
+            delay = start + sent * period - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        elapsed = time.monotonic() - start
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not all(h in mirror.applied_at for h in acked):
+            await asyncio.sleep(0.05)
+        sampler.cancel()
+    finally:
+        await client.aclose()
+        await mirror.stop()
+    lags = [mirror.applied_at[h] - t for h, t in acked.items() if h in mirror.applied_at]
+    missing = sum(1 for h in acked if h not in mirror.applied_at)
+    return {
+        "published_blocks_per_s": len(acked) * BATCH / elapsed,
+        "target_blocks_per_s": blocks_per_s,
+        "leader_kills": kills,
+        "publishes_failed": failed,
+        "mirror_lag_p50_ms": pct(lags, 50) * 1e3,
+        "mirror_lag_p99_ms": pct(lags, 99) * 1e3,
+        "mirror_lag_max_ms": max(lags) * 1e3 if lags else float("nan"),
+        "acknowledged_never_mirrored": missing,
+        "mirror_stale_fraction": samples["stale"] / max(1, samples["fresh"] + samples["stale"]),
+        "mirror_snapshots": mirror.snapshots,
+        "mirror_failovers": mirror.failovers,
+    }
+
+
+async def _leader(cluster: Cluster) -> int:
+    return await asyncio.to_thread(lambda: cluster.replica_urls.index(cluster.wait_ready(30)))
+
+
+def main(*, as_json: bool, quick: bool, minutes: float = 10.0) -> int:
+    """A minute without faults, then `minutes` with 3 leader kills (15 s each with `quick`)."""
+    results: dict[str, Any] = header(quick)
+    rate = 20_000.0
+    random.seed(1)
+    ports = free_ports(6)
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
+        cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        try:
+            cluster.start()
+            cluster.wait_ready(60)
+            for kills, seconds in ((0, 15.0 if quick else 60.0), (3, 15.0 if quick else 60.0 * minutes)):
+                say(f"publishing {rate:,.0f} blocks/s for {seconds:.0f} s with {kills} leader kills...")
+                run = asyncio.run(_run(cluster, seconds, rate, kills))
+                results.update({f"{k}{'' if kills == 0 else '_with_kills'}": v for k, v in run.items()})
+        finally:
+            cluster.stop()
+    emit(results, as_json)
+    return 0

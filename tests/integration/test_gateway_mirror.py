@@ -1,0 +1,77 @@
+"""The gateway answers lookups from its mirror of the directory (gateway.mirror) while it is fresh, from a
+replica over REST without one, and by load when neither answers; it recovers without a restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+
+from tests.support.wait import wait_for
+
+MODEL = "kvdir-stub"
+PROMPT = "A shared system prompt about KV caches, long enough to span several blocks of sixteen tokens. " * 4
+
+
+def _complete(url: str, prompt: str) -> httpx.Response:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _lookups(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvdir_gateway_lookups_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _mirror_lag(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvdir_gateway_mirror_lag_seconds "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no kvdir_gateway_mirror_lag_seconds")
+
+
+def test_lookups_come_from_the_mirror_and_a_stall_falls_back_then_recovers(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(3)
+    make_workers(c, 2)
+    g = make_gateway(c, 2)
+    wait_for(lambda: _mirror_lag(g.url) <= 0.5, what="a fresh mirror")
+    first = _complete(g.url, PROMPT + "one")
+    wait_for(
+        lambda: _complete(g.url, PROMPT + "two").headers["x-kvdir-decision"] == "affinity",
+        what="the prefix published and seen by the mirror",
+    )
+    counts = _lookups(g.url)
+    assert counts.get("mirror", 0) >= 2 and counts.get("rest", 0) == 0 and counts.get("none", 0) == 0, counts
+    assert first.headers["x-kvdir-node"]
+
+    pids = [p.pid for p in c.procs if p is not None]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _mirror_lag(g.url) > 0.5, what="the mirror to turn stale")
+        r = _complete(g.url, PROMPT + "three")
+        assert r.headers["x-kvdir-decision"] == "fallback"
+        assert _lookups(g.url).get("none", 0) >= 1
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: _mirror_lag(g.url) <= 0.5, what="the mirror fresh again", timeout=30)
+    before = _lookups(g.url).get("mirror", 0)
+    assert _complete(g.url, PROMPT + "four").headers["x-kvdir-decision"] == "affinity"
+    assert _lookups(g.url)["mirror"] == before + 1
+
+
+def test_without_the_mirror_lookups_go_to_a_replica(make_cluster, make_workers, make_gateway) -> None:
+    c = make_cluster(3)
+    make_workers(c, 2)
+    g = make_gateway(c, 2, extra_args=("--no-mirror",))
+    _complete(g.url, PROMPT)
+    counts = _lookups(g.url)
+    assert counts.get("rest", 0) == 1 and counts.get("mirror", 0) == 0, counts
+    assert "kvdir_gateway_mirror_lag_seconds" not in httpx.get(g.url + "/metrics").text

@@ -1,0 +1,197 @@
+"""The watch stream (GET /v1/watch) and the gateway's mirror of the directory, on real replicas in their own
+processes: the mirror equals the replicas' state through writes, a leader kill and a restart; a position no
+longer kept answers 410 and the mirror re-snapshots; a stalled source is detected within the lag bound."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+
+from directory.client import DirectoryClient
+from directory.errors import DirectoryError
+from directory.watch_codec import FrameReader
+from gateway.mirror import Mirror
+from kvdir.launcher import Cluster
+from tests.support.cluster import leader_index
+
+WAIT_S = 30.0
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _leader_digest(cluster: Cluster) -> dict[str, object]:
+    """The digest of a replica that has applied every write acknowledged so far (linearizable barrier first)."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        for url in cluster.replica_urls:
+            try:
+                await http.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": []})
+                d: dict[str, object] = (await http.get(url + "/v1/digest")).json()
+                return d
+            except httpx.HTTPError:
+                continue
+    raise AssertionError("no replica answered")
+
+
+async def _write(client: DirectoryClient, rng: random.Random, nodes: dict[str, int], n: int) -> None:
+    """`n` random writes (publishes, removals, a re-registration now and then); failures are retried by the client
+    or skipped: the mirror must match whatever was committed, not a script."""
+    for _ in range(n):
+        node = rng.choice(sorted(nodes))
+        try:
+            roll = rng.random()
+            if roll < 0.05:
+                nodes[node] = (await client.register(node, "http://127.0.0.1:1", incarnation=str(rng.random()))).epoch
+            elif roll < 0.75:
+                blocks = [(rng.getrandbits(64), rng.randrange(4096)) for _ in range(rng.randrange(1, 200))]
+                await client.publish(node, nodes[node], blocks)
+            else:
+                await client.remove(node, nodes[node], [rng.getrandbits(64) for _ in range(5)])
+        except DirectoryError:
+            pass
+
+
+def test_the_mirror_equals_the_replicas_through_writes_a_leader_kill_and_a_restart(make_cluster) -> None:
+    cluster = make_cluster(3)
+
+    async def scenario() -> None:
+        mirror = Mirror(cluster.replica_urls, None, max_lag_s=0.5)
+        mirror.start()
+        client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+        rng = random.Random(7)
+        try:
+            nodes = {f"n{i}": (await client.register(f"n{i}", "http://127.0.0.1:1")).epoch for i in range(4)}
+            await _write(client, rng, nodes, 40)
+            await _until(mirror.fresh, "a fresh mirror")
+            leader = leader_index(cluster)
+            cluster.kill(leader)
+            await _write(client, rng, nodes, 40)
+            cluster.start_replica(leader)
+            await _write(client, rng, nodes, 40)
+            want = await _leader_digest(cluster)
+            await _until(lambda: mirror.position >= int(want["applied"]), f"the mirror at position {want['applied']}")  # type: ignore[call-overload]
+            assert mirror.position == want["applied"]
+            assert mirror.state is not None and mirror.state.digest() == want["digest"]
+            assert len(mirror.state.index) == want["entries"] > 0
+        finally:
+            await client.aclose()
+            await mirror.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_position_no_longer_kept_answers_410_and_the_mirror_resnapshots(make_cluster) -> None:
+    cluster = make_cluster(3, extra_args=("--watch-buffer-bytes", "2000"))
+
+    async def scenario() -> None:
+        client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+        mirror = Mirror(cluster.replica_urls, None, max_lag_s=0.5)
+        mirror.start()
+        try:
+            epoch = (await client.register("n1", "http://127.0.0.1:1")).epoch
+            await client.publish("n1", epoch, [(h, h % 100) for h in range(1, 11)])
+            await _until(lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 10, "10 entries")
+            await mirror.stop()
+            old = mirror.position
+            for k in range(5):  # 5 publishes of 40 blocks (~600 bytes each): past the 2,000 bytes kept
+                await client.publish("n1", epoch, [(h, h % 100) for h in range(100 + 40 * k, 140 + 40 * k)])
+            async with httpx.AsyncClient(timeout=5) as http:
+                r = await http.get(cluster.replica_urls[0] + "/v1/watch", params={"from": old})
+            assert r.status_code == 410, r.text
+            assert r.json()["error"] == "compacted" and "without `from`" in r.json()["detail"]
+
+            resumed = Mirror(cluster.replica_urls, None, max_lag_s=0.5)
+            resumed.state, resumed.position = mirror.state, old
+            resumed.start()
+            try:
+                await _until(lambda: resumed.snapshots == 1 and resumed.fresh(), "a re-snapshot")
+                want = await _leader_digest(cluster)
+                await _until(lambda: resumed.position >= int(want["applied"]), "the new position")  # type: ignore[call-overload]
+                assert resumed.state is not None and resumed.state.digest() == want["digest"]
+                assert len(resumed.state.index) == 210
+            finally:
+                await resumed.stop()
+        finally:
+            await client.aclose()
+            await mirror.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_source_is_detected_within_the_bound_and_the_mirror_recovers(make_cluster) -> None:
+    """SIGSTOP on every replica: the stream goes silent (as behind a partition), the mirror turns stale
+    within its bound; after SIGCONT it is fresh again and has every write, without a restart."""
+    cluster = make_cluster(3)
+
+    async def scenario() -> None:
+        client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+        mirror = Mirror(cluster.replica_urls, None, max_lag_s=0.5)
+        mirror.start()
+        pids = [p.pid for p in cluster.procs if p is not None]
+        try:
+            epoch = (await client.register("n1", "http://127.0.0.1:1")).epoch
+            await _until(mirror.fresh, "a fresh mirror")
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                await _until(lambda: not mirror.fresh(), "a stale mirror", timeout=5)
+                assert time.monotonic() - stopped < 0.5 + 1.0  # the bound, and a tick of slack (no sleeps involved)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            await client.publish("n1", epoch, [(5, 1), (6, 2)])
+            await _until(lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 2, "recovery")
+            holders = mirror.lookup([5, 6])
+            assert [(h.node_id, h.matched_blocks, h.slots) for h in holders] == [("n1", 2, [1, 2])]
+        finally:
+            await client.aclose()
+            await mirror.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_stream_carries_a_snapshot_then_batches_then_ticks(make_cluster) -> None:
+    cluster = make_cluster(1)
+    with httpx.Client(timeout=5) as http:
+        reg = http.post(cluster.replica_urls[0] + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:1"})
+        epoch = reg.json()["epoch"]
+        frames: list[dict[str, object]] = []
+        with http.stream("GET", cluster.replica_urls[0] + "/v1/watch") as r:
+            assert r.headers["content-type"].startswith("application/x-kvdir-watch")
+            reader = FrameReader()
+            published = False
+            for chunk in r.iter_raw():
+                frames += reader.feed(chunk)
+                if not published and frames:
+                    body = {"node_id": "n1", "epoch": epoch, "blocks": [{"hash": 9, "slot": 3}]}
+                    assert http.post(cluster.replica_urls[0] + "/v1/blocks", json=body).status_code == 200
+                    published = True
+                if any(f["k"] == "batch" for f in frames) and frames[-1]["k"] == "tick":
+                    break
+    kinds = [f["k"] for f in frames]
+    assert kinds[0] == "snapshot" and "batch" in kinds
+    batch = next(f for f in frames if f["k"] == "batch")
+    (cmd,) = batch["commands"]  # type: ignore[misc]
+    assert cmd[0] == "P" and np.frombuffer(cmd[3], "<u8").tolist() == [9] and np.frombuffer(cmd[4], "<u4").tolist() == [3]
+    assert frames[-1]["position"] == batch["position"] and frames[-1]["fresh"] is True
+
+
+def test_a_bad_position_is_a_422(make_cluster) -> None:
+    cluster = make_cluster(1)
+    for bad in ("-1", "abc", "1.5", ""):
+        r = httpx.get(cluster.replica_urls[0] + "/v1/watch", params={"from": bad}, timeout=5)
+        assert r.status_code == 422, (bad, r.text)
+        assert r.json()["error"] == "invalid_request"
