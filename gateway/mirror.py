@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Any
 
@@ -58,6 +59,9 @@ class Mirror:
         self.failovers = 0
         self.refused: str | None = None
         self._task: asyncio.Task[None] | None = None
+        # Batches are applied on a thread, under this lock, so that an index merge never stalls the event loop
+        # (the gateway's requests); a lookup that finds the lock taken waits for it on a thread (`lookup`).
+        self._lock = threading.Lock()
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -68,9 +72,28 @@ class Mirror:
     def fresh(self) -> bool:
         return self.state is not None and self.lag_s() <= self.max_lag_s
 
-    def lookup(self, hashes: list[int]) -> list[Holder]:
-        """Holders of the longest prefixes of `hashes`, with slots: what `POST /v1/lookup` answers."""
-        assert self.state is not None
+    async def lookup(self, hashes: list[int]) -> list[Holder] | None:
+        """Holders of the longest prefixes of `hashes`, with slots (what `POST /v1/lookup` answers); None if
+        the mirror holds no state (it is re-snapshotting).
+
+        As a replica's reads do: right here while no batch is being applied (nearly always), else on a
+        thread that waits for the batch (an index merge takes up to seconds at millions of entries), so
+        the event loop never waits for the lock.
+        """
+        if self._lock.acquire(blocking=False):
+            try:
+                return self._lookup(hashes)
+            finally:
+                self._lock.release()
+        return await asyncio.to_thread(self._lookup_waiting, hashes)
+
+    def _lookup_waiting(self, hashes: list[int]) -> list[Holder] | None:
+        with self._lock:
+            return self._lookup(hashes)
+
+    def _lookup(self, hashes: list[int]) -> list[Holder] | None:
+        if self.state is None:
+            return None
         found = self.state.lookup(np.asarray(hashes, dtype=np.uint64), with_slots=True)
         return [Holder.model_construct(node_id=h.node_id, epoch=h.epoch, matched_blocks=h.matched, slots=h.slots) for h in found]
 
@@ -145,13 +168,21 @@ class Mirror:
             except TimeoutError:
                 raise WireError(f"{url} sent nothing for {wait_s:g} s") from None
             for f in reader.feed(chunk):
-                if f["k"] == "snapshot":  # building the index takes a while (5M entries: 1.6 s): not on the loop
-                    f["state"] = await asyncio.to_thread(state_from, f["state"])
-                    settled = time.monotonic()
-                self._apply(f)
+                if f["k"] == "tick":
+                    self._apply(f)
+                else:  # building or changing the index takes a while (a 5M-entry snapshot: 1.6 s): not on the loop
+                    await asyncio.to_thread(self._apply_locked, f)
+                    if f["k"] == "snapshot":
+                        settled = time.monotonic()
                 wait_s = live_s
             if self.lag_s() > self.max_lag_s and time.monotonic() - settled > self.max_lag_s:
                 raise WireError(f"{url} has not been caught up with a leader for {self.lag_s():.2f} s")
+
+    def _apply_locked(self, f: dict[str, Any]) -> None:
+        if f["k"] == "snapshot":
+            f["state"] = state_from(f["state"])  # outside the lock: lookups go on from the old state meanwhile
+        with self._lock:
+            self._apply(f)
 
     def _apply(self, f: dict[str, Any]) -> None:
         kind = f["k"]

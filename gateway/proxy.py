@@ -144,9 +144,9 @@ class Proxy:
         """
         if not hashes:
             return {}, None
-        if self.mirror is not None and self.mirror.fresh():
+        if self.mirror is not None and self.mirror.fresh() and (found := await self.mirror.lookup(hashes)) is not None:
             self.metrics.lookups.labels("mirror").inc()
-            return {h.node_id: h for h in self.mirror.lookup(hashes)}, None
+            return {h.node_id: h for h in found}, None
         try:
             res = await asyncio.wait_for(self.directory.lookup(hashes, with_slots=True), self.lookup_timeout_s)
         except TimeoutError:

@@ -154,7 +154,8 @@ def test_a_stalled_source_is_detected_within_the_bound_and_the_mirror_recovers(m
                     os.kill(pid, signal.SIGCONT)
             await client.publish("n1", epoch, [(5, 1), (6, 2)])
             await _until(lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 2, "recovery")
-            holders = mirror.lookup([5, 6])
+            holders = await mirror.lookup([5, 6])
+            assert holders is not None
             assert [(h.node_id, h.matched_blocks, h.slots) for h in holders] == [("n1", 2, [1, 2])]
         finally:
             await client.aclose()
