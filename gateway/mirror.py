@@ -59,6 +59,7 @@ class Mirror:
         self.failovers = 0
         self.refused: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         # Batches are applied on a thread, under this lock, so that an index merge never stalls the event loop
         # (the gateway's requests); a lookup that finds the lock taken waits for it on a thread (`lookup`).
         self._lock = threading.Lock()
@@ -103,15 +104,19 @@ class Mirror:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # Python 3.11's wait_for can swallow a cancellation that arrives as its inner await completes
+            # (gh-86296): cancel until the task has ended (`_run` also checks `_stopping`).
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
         await self._http.aclose()
 
     async def _run(self) -> None:
         delay = RETRY_S[0]
         i = 0
-        while True:
+        while not self._stopping:
             url = self.urls[i % len(self.urls)]
             applied_before = self.position
             try:
@@ -160,7 +165,7 @@ class Mirror:
         live_s = max(self.max_lag_s, MIN_WAIT_S)
         wait_s = SNAPSHOT_WAIT_S if snapshot else live_s
         settled = time.monotonic()  # since when the source has had time to prove it is fresh
-        while True:
+        while not self._stopping:
             try:
                 chunk = await asyncio.wait_for(anext(chunks), wait_s)
             except StopAsyncIteration:
