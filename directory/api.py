@@ -36,11 +36,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from directory import binary, watch
+from directory import binary, watch, watch_codec
 from directory import state as st
 from directory.addresses import is_loopback, parse_hostport
 from directory.auth import PRINCIPAL, BearerAuth, Principal
 from directory.binary import LookupBatch, PublishBatch, RemoveBatch
+from directory.changefeed import Compacted
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.hashing import block_hashes
@@ -89,7 +90,7 @@ _ERRORS = {
     422: "invalid_request",
 }
 _RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503, 507)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 410, 413, 415, 422, 429, 503, 507)
 }
 
 
@@ -463,6 +464,29 @@ async def lookup(
     return JSONResponse(answer)
 
 
+@router.get(
+    "/v1/watch",
+    response_class=Response,
+    responses={200: {"content": {watch_codec.MEDIA_TYPE: {}}, "description": "a stream of frames (docs/protocol.md §3.2)"}},
+)
+async def watch_changes(
+    request: Request, from_: int | None = Query(None, alias="from", ge=0), replica: Replica = Depends(_replica)
+) -> Response:
+    """A snapshot and every committed change after it (or the changes after position `from`): directory.watch."""
+    principal: Principal | None = request.scope.get(PRINCIPAL)
+    if principal is not None and principal.tenant is not None:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"a token confined to tenant {principal.tenant!r} may not follow the watch stream, which carries "
+            "every tenant's entries: use POST /v1/lookup",
+        )
+    try:
+        return await watch.open_stream(replica, from_)
+    except Compacted as exc:
+        raise ApiError(410, "compacted", f"{exc}: watch again without `from` for a snapshot") from exc
+
+
 @router.get("/v1/cluster")
 async def cluster(replica: Replica = Depends(_replica)) -> Any:
     status = replica.status()
@@ -512,7 +536,6 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
 
     app = FastAPI(title="kvdir directory", version="1", lifespan=lifespan)
     app.include_router(router)
-    app.include_router(watch.router)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

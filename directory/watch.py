@@ -1,4 +1,5 @@
-"""`GET /v1/watch`: the directory's state and then every committed change, for consumers that keep a mirror.
+"""The stream of `GET /v1/watch` (routed in directory.api): the directory's state and then every committed
+change, for consumers that keep a mirror.
 
 Without `from`, the stream starts with a snapshot of the state at some position P, then sends every
 batch committed after P, in commit order; with `from=N` it sends the batches after N (a consumer
@@ -21,10 +22,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio.to_thread
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from directory.auth import PRINCIPAL, Principal
 from directory.changefeed import Compacted
 from directory.replica import Replica
 from directory.state import Command, DirectoryState
@@ -34,41 +33,19 @@ log = logging.getLogger("kvdir.directory")
 
 TICK_S = 0.1  # how often an idle stream says where it stands (a consumer's lag resolution)
 
-router = APIRouter()
 
-
-def _refuse(status: int, error: str, detail: str) -> JSONResponse:
-    return JSONResponse({"error": error, "detail": detail}, status_code=status)
-
-
-@router.get(
-    "/v1/watch",
-    response_class=Response,
-    responses={200: {"content": {MEDIA_TYPE: {}}, "description": "a stream of frames (directory.watch_codec)"}},
-)
-async def watch(request: Request, from_: int | None = Query(None, alias="from", ge=0)) -> Response:
-    """A snapshot and every committed change after it (or the changes after position `from`)."""
-    principal: Principal | None = request.scope.get(PRINCIPAL)
-    if principal is not None and principal.tenant is not None:
-        return _refuse(
-            403,
-            "forbidden",
-            f"a token confined to tenant {principal.tenant!r} may not follow the watch stream, which carries "
-            "every tenant's entries: use POST /v1/lookup",
-        )
-    replica: Replica = request.app.state.replica
+async def open_stream(replica: Replica, from_: int | None) -> StreamingResponse:
+    """The stream from a snapshot (`from_` None) or from position `from_`; Compacted if the changes after
+    `from_` are no longer kept. The route (directory.api) checks who may watch."""
     feed = replica.sm.feed
 
     def start(s: DirectoryState) -> tuple[dict[str, Any] | None, int]:
         if from_ is None:
-            return snapshot_of(s), s.applied  # copies, under the lock; encoded below, off it
+            return snapshot_of(s), s.applied  # copies, under the lock; encoded in the stream, off it
         feed.after(from_)  # raises Compacted if the changes after `from` are gone
         return None, from_
 
-    try:
-        snap, position = await replica.read(start)
-    except Compacted as exc:
-        return _refuse(410, "compacted", f"{exc}: watch again without `from` for a snapshot")
+    snap, position = await replica.read(start)
     return StreamingResponse(_stream(replica, snap, position), media_type=MEDIA_TYPE)
 
 

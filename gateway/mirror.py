@@ -46,6 +46,7 @@ class Mirror:
     def __init__(self, urls: list[str], token: SecretStr | None, max_lag_s: float, connect_timeout_s: float = 2.0) -> None:
         self.urls = urls
         self.max_lag_s = max_lag_s
+        self._silence_s = max(max_lag_s, MIN_WAIT_S)  # a source silent this long is lost
         headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
         # How long reads may wait is decided per chunk (`_follow`); this only bounds the connection.
         self._http = httpx.AsyncClient(
@@ -53,11 +54,9 @@ class Mirror:
         )
         self.state: DirectoryState | None = None
         self.position = -1
-        self.source: str | None = None
         self.fresh_at = float("-inf")  # monotonic time of the last fresh tick, everything before it applied
         self.snapshots = 0
         self.failovers = 0
-        self.refused: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Batches are applied on a thread, under this lock, so that an index merge never stalls the event loop
@@ -122,12 +121,10 @@ class Mirror:
             try:
                 await self._follow(url)
             except MirrorRefused as exc:
-                self.refused = str(exc)
                 log.warning("directory mirror off (lookups go to the directory over REST): %s", exc)
                 return
             except (httpx.HTTPError, WireError, OSError) as exc:
                 log.info("mirror: stream from %s ended (%s: %s); trying the next replica", url, type(exc).__name__, exc)
-            self.source = None
             self.failovers += 1
             i += 1
             delay = RETRY_S[0] if self.position != applied_before else min(delay * 2, RETRY_S[1])
@@ -139,9 +136,9 @@ class Mirror:
         # The headers come at once from a live replica (a snapshot is encoded after them): a replica that
         # accepts the connection but does not answer (stalled, half-partitioned) is given up within the bound.
         try:
-            r = await asyncio.wait_for(self._http.send(request, stream=True), max(self.max_lag_s, MIN_WAIT_S))
+            r = await asyncio.wait_for(self._http.send(request, stream=True), self._silence_s)
         except TimeoutError:
-            raise WireError(f"{url} did not answer within {max(self.max_lag_s, MIN_WAIT_S):g} s") from None
+            raise WireError(f"{url} did not answer within {self._silence_s:g} s") from None
         try:
             await self._read(url, r, snapshot=not params)
         finally:
@@ -156,14 +153,12 @@ class Mirror:
             detail = (await r.aread()).decode(errors="replace")[:300]
             raise MirrorRefused(f"{url} answered {r.status_code}: {detail}")
         r.raise_for_status()
-        self.source = url
         reader = FrameReader()
         chunks = r.aiter_raw()
         # A replica sends a tick at least every 0.1 s once its first frame is out: a source silent for
         # longer than the lag bound is lost (stalled, partitioned). A first frame that is a snapshot of
         # millions of entries takes the replica a while to encode: that wait is longer.
-        live_s = max(self.max_lag_s, MIN_WAIT_S)
-        wait_s = SNAPSHOT_WAIT_S if snapshot else live_s
+        wait_s = SNAPSHOT_WAIT_S if snapshot else self._silence_s
         settled = time.monotonic()  # since when the source has had time to prove it is fresh
         while not self._stopping:
             try:
@@ -179,7 +174,7 @@ class Mirror:
                     await asyncio.to_thread(self._apply_locked, f)
                     if f["k"] == "snapshot":
                         settled = time.monotonic()
-                wait_s = live_s
+                wait_s = self._silence_s
             if self.lag_s() > self.max_lag_s and time.monotonic() - settled > self.max_lag_s:
                 raise WireError(f"{url} has not been caught up with a leader for {self.lag_s():.2f} s")
 
@@ -192,7 +187,7 @@ class Mirror:
     def _apply(self, f: dict[str, Any]) -> None:
         kind = f["k"]
         if kind == "snapshot":
-            state = f["state"] if isinstance(f["state"], DirectoryState) else state_from(f["state"])
+            state: DirectoryState = f["state"]  # built by `_apply_locked`, off the lock
             if state.applied != f["position"]:
                 raise WireError(f"a snapshot at position {f['position']} of a state at {state.applied}")
             if self.state is None:
