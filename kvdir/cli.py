@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
     b.add_argument(
         "target",
-        choices=["directory", "worker", "gateway", "mirror", "events", "elections", "soak", "attacks"],
-        help="what to measure (mirror: the gateway's mirror of the directory, its lag under writes and leader kills; elections: needless Raft elections after starts, stalls and restarts; "
+        choices=["directory", "worker", "gateway", "mirror", "events", "elections", "soak", "attacks", "vllm"],
+        help="what to measure (vllm: TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with "
+        "the kvdir connector, needs `make vllm-install`; mirror: the gateway's mirror of the directory, its lag under writes and leader kills; elections: needless Raft elections after starts, stalls and restarts; "
         "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost)",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         for e in exc.errors():
             loc = ".".join(str(x) for x in e["loc"])
-            print(f"kvdir {args.command}: invalid setting --{loc.replace('_', '-')}: {e['msg']}", file=sys.stderr)
+            got = f" (got {e['input']!r})" if e["type"] == "literal_error" else ""  # only a choice: inputs may be secrets
+            print(f"kvdir {args.command}: invalid setting --{loc.replace('_', '-')}{got}: {e['msg']}", file=sys.stderr)
         return 2
     return 2

@@ -33,11 +33,11 @@ from directory.client import DirectoryClient
 from directory.http_limits import BodyLimit
 from directory.schemas import PullPlan
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
+from kvtransfer.engines import create_engine
 from worker_stub.config import WorkerSettings
 from worker_stub.engine import Engine, QueueFull, RequestStats
 from worker_stub.pool import KVPool
 from worker_stub.publisher import Publisher
-from worker_stub.transfer import create_engine
 
 log = logging.getLogger("kvdir.worker")
 

@@ -17,12 +17,12 @@ from directory.addresses import HostPort, is_wildcard
 from directory.client_settings import DirectoryClientSettings
 from directory.logs import LogLevel
 from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
-from worker_stub.transfer import ENGINES
+from kvtransfer.engines import ENGINES
 
-# The KV transfer engines by name: the keys of worker_stub.transfer.ENGINES, spelt out for type checkers.
+# The KV transfer engines by name: the keys of kvtransfer.engines.ENGINES, spelt out for type checkers.
 TransferName = Literal["mooncake", "tcp"]
 if set(get_args(TransferName)) != set(ENGINES):
-    raise RuntimeError(f"TransferName {get_args(TransferName)} differs from worker_stub.transfer.ENGINES {tuple(ENGINES)}")
+    raise RuntimeError(f"TransferName {get_args(TransferName)} differs from kvtransfer.engines.ENGINES {tuple(ENGINES)}")
 
 
 class WorkerSettings(DirectoryClientSettings):

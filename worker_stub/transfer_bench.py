@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from worker_stub.transfer import TransferEngine, create_engine
+from kvtransfer.engines import TransferEngine, create_engine
 
 __all__ = ["PeerProcess", "measure_read_bandwidth", "pattern"]
 

@@ -24,6 +24,10 @@ def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
         from kvdir.bench.gateway import main as gateway_main
 
         return gateway_main(as_json=as_json, quick=quick)
+    if target == "vllm":
+        from kvdir.bench.vllm import main as vllm_main
+
+        return vllm_main(as_json=as_json, quick=quick)
     if target == "worker":
         from kvdir.bench.worker import main as worker_main
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from worker_stub.transfer import (
+from kvtransfer.engines import (
     ENGINES,
     MooncakeEngine,
     TcpEngine,

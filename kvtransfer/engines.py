@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from worker_stub.socket_filter import EarlyConnectionError, confine_listeners, own_tcp_listeners
+from kvtransfer.socket_filter import EarlyConnectionError, confine_listeners, own_tcp_listeners
 
 __all__ = [
     "ENGINES",

@@ -1,0 +1,563 @@
+"""`KvdirConnector`: a vLLM (v1) KV connector that publishes block slots to kvdir and pulls prefixes from peers.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvdirConnector", "kv_connector_module_path":
+"engines.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {"node_id": ..., "api_url": ..., "directory": ...}}'`` (keys: `ConnectorSettings`;
+docs/engines.md). Only this module imports vLLM. vLLM runs the *scheduler* half in the EngineCore process and
+the *worker* half in the worker process; they share only what vLLM passes between them:
+
+* worker -> scheduler, once: `get_handshake_metadata` carries the transfer session and the KV layout, which
+  the scheduler half registers with the directory (`set_xfer_handshake_metadata`). That is vLLM's own channel
+  for exactly this, so no file or directory round trip is needed and the scheduler registers only once the
+  memory it describes is registered with the transfer engine.
+* scheduler -> worker, per step: `KvdirMeta` (blocks written this step, blocks complete after it, loads).
+* worker -> scheduler, per step: `KvdirWorkerMeta` (blocks whose KV is now complete, load failures).
+
+**Holder.** The worker registers the KV allocation with the transfer engine (kvtransfer.engines) plus a tag
+array of 16 bytes per block, `(kvdir hash, generation)`. One registration per engine: the scheduler half
+registers the node (a fresh incarnation per start, so a restart gets a new epoch), heartbeats it and
+publishes `(kvdir chained XXH3 hash, vLLM block id)` for each block the worker reports complete, from a
+background thread (`NodeSession`), never from the scheduler step. Removals come from the connector too: the
+background thread compares the published blocks with the block pool's hashes (an evicted or reset block
+loses its hash), since KV events carry no block ids and a second registrant (`kvdir events`) would fight
+over the node id. Do not run `kvdir events` for an engine with this connector.
+
+**Puller.** The gateway's plan arrives in `kv_transfer_params["kvdir_pull"]` (`directory.schemas.PullPlan`).
+`get_num_new_matched_tokens` claims the planned blocks past the local hit, never the prompt's last token;
+`update_state_after_alloc` pairs them with their destination blocks; `start_load_kv` reads every layer's
+pages of them in one batched transfer (runs of consecutive blocks as one piece per layer) into a staging
+buffer and copies them into those blocks, before the forward pass. A failed or stale read reports its blocks
+in `get_block_ids_with_load_errors`; with `kv_load_failure_policy="recompute"` vLLM discards that step's
+output for the request and recomputes from the first bad block.
+
+**Stale slots: validation after the read** (a seqlock), not holder-side pinning. Before a step writes into
+a block (new allocation, recompute, a load), the holder's worker zeroes the block's tag hash and bumps its
+generation; after the forward pass it sets the hash of each block that is now complete. A reader reads the
+tags, then the pages, then the tags again, and keeps a block only if both tag reads are equal and hold the
+block's expected kvdir hash. A block reused between plan and read fails that check whatever the directory
+still says, and the check costs the holder no scheduler work: pinning would need the holder's scheduler
+thread (`touch`/`free_blocks` are not thread-safe), a side channel to reach it, and keeping an idle engine
+stepping, and a reader that dies would leave blocks pinned until a lease ran out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from directory.client import DirectoryClient
+from directory.errors import DirectoryError
+from directory.hashing import chain_hashes, local_hashes, seed_for
+from directory.schemas import NodeInfo
+from directory.session import NodeSession
+from engines.config import ConnectorSettings
+from engines.vllm_plan import (
+    TAG_BYTES,
+    KvLayout,
+    LayerRegion,
+    PlanError,
+    blocks_to_pull,
+    check_tags,
+    coalesce,
+    page_pieces,
+    plan_from_params,
+)
+from kvtransfer.engines import TransferEngine, TransferError, create_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvdir.vllm")
+
+
+@dataclass(slots=True)
+class KvdirHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
+    """The worker's transfer session and KV layout, for the scheduler half to register."""
+
+    session: str
+    layout: KvLayout
+
+
+@dataclass(slots=True)
+class Load:
+    """One request's pull: destination blocks here, the source's slots, the blocks' kvdir hashes."""
+
+    req_id: str
+    source_node: str
+    source_epoch: int
+    dst_blocks: list[int]
+    src_slots: list[int]
+    hashes: list[int]
+
+
+@dataclass(slots=True)
+class KvdirMeta(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
+    """Scheduler -> worker, one step: blocks written, blocks complete after it (req id, block, hash), loads."""
+
+    written: list[int] = field(default_factory=list)
+    complete: list[tuple[str, int, int]] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KvdirWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
+    """Worker -> scheduler, one step: blocks now complete (block, hash), pulled and failed block counts, and
+    the page bytes and seconds of the reads that completed (tags, pages, tags: the pull bandwidth)."""
+
+    complete: list[tuple[int, int]] = field(default_factory=list)
+    pulled_blocks: int = 0
+    failed_blocks: int = 0
+    failed_pulls: int = 0
+    read_bytes: int = 0
+    read_s: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvdirWorkerMeta)
+        return KvdirWorkerMeta(
+            self.complete + other.complete,
+            self.pulled_blocks + other.pulled_blocks,
+            self.failed_blocks + other.failed_blocks,
+            self.failed_pulls + other.failed_pulls,
+            self.read_bytes + other.read_bytes,
+            self.read_s + other.read_s,
+        )
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Let the calling thread, and the threads it starts meanwhile, run on every CPU.
+
+    vLLM's CPU worker pins its main thread (and so every thread it starts) to its compute cores, the same
+    cores in every engine on a machine. Mooncake's service threads, started in `register_kv_caches`, and its
+    synchronous read, which busy-waits on the thread that calls it, then share one core with the peer's
+    service threads: reads were measured stalling for over 5 s (timed out: recomputed) on two busy cores,
+    and a few hundred ms when they completed. Off the compute cores the same reads take milliseconds.
+    """
+    try:
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError as exc:  # no such call here, or a cpuset that refuses: keep vLLM's binding
+        log.debug("cannot unpin the transfer threads: %s", exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+class _Loop:
+    """An asyncio loop on a daemon thread: the directory client runs there, off vLLM's threads."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name=name, daemon=True).start()
+
+    def run(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.s = ConnectorSettings(**extra)
+        self.block_size = vllm_config.cache_config.block_size
+        self.seed = seed_for(self.s.namespace)
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # ------------------------------------------------------------------ scheduler half
+
+    def _init_scheduler(self) -> None:
+        self._pool: Any = None
+        self._requests: dict[str, Request] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._pending_loads: dict[str, tuple[Any, int, int]] = {}  # req id -> (plan, first block, count)
+        self._loads: list[Load] = []
+        self._published: dict[int, tuple[int, Any]] = {}  # kvdir hash -> (block id, vLLM block hash)
+        self._lock = threading.Lock()
+        self._changes: queue.SimpleQueue[list[tuple[int, int]]] = queue.SimpleQueue()
+        self._session: NodeSession | None = None
+        r = self.registry = CollectorRegistry()
+        self.m_pulled = Counter("kvdir_connector_pulled_blocks_total", "Blocks pulled from peers and validated", registry=r)
+        self.m_failed = Counter(
+            "kvdir_connector_pull_failed_blocks_total", "Pulled blocks that failed (transfer or stale): recomputed", registry=r
+        )
+        self.m_failed_pulls = Counter("kvdir_connector_pull_failures_total", "Pulls with at least one failed block", registry=r)
+        self.m_read_bytes = Counter(
+            "kvdir_connector_pull_page_bytes_total", "KV page bytes read from peers (reads that completed)", registry=r
+        )
+        self.m_read_s = Counter(
+            "kvdir_connector_pull_read_seconds_total",
+            "Time in those reads: tags, pages, tags again (page bytes / this = the pull bandwidth)",
+            registry=r,
+        )
+        self.m_plans = Counter(
+            "kvdir_connector_plans_total", "Requests that carried a pull plan, by outcome", ["outcome"], registry=r
+        )
+        self.m_published = Counter("kvdir_connector_published_blocks_total", "Blocks published to the directory", registry=r)
+        self.m_removed = Counter("kvdir_connector_removed_blocks_total", "Published blocks found evicted", registry=r)
+        if self.s.metrics:
+            host, _, port = self.s.metrics.rpartition(":")
+            start_http_server(int(port), host.strip("[]"), registry=r)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._pool = gpu_block_pool
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Register the node once the worker's KV memory is registered with its transfer engine (tensor-parallel 1)."""
+        hs = metadata.get(0)
+        if not isinstance(hs, KvdirHandshake):
+            raise RuntimeError(f"KvdirConnector: no handshake from worker rank 0 (got {sorted(metadata)})")
+        if len(metadata) != 1:
+            raise RuntimeError("KvdirConnector supports tensor-parallel size 1 only")
+        loop = _Loop("kvdir-publisher")
+        client = DirectoryClient(self.s.directory_urls, deadline=5.0, token=self.s.directory_token, tenant=self.s.tenant)
+        self._session = NodeSession(
+            client,
+            self.s.node_id,
+            self.s.api_url,
+            holdings=self._holdings,
+            transfer_url=hs.session,
+            regions=hs.layout.regions(),
+            capacity_blocks=hs.layout.num_blocks,
+            block_size=self.block_size,
+            load=lambda: {"running": float(len(self._requests)), "waiting": 0.0},
+            collect=self._collect,
+            on_published=lambda n, _lag: self.m_published.inc(n),
+            logger=log,
+        )
+        asyncio.run_coroutine_threadsafe(self._session.run(self.s.publish_interval_s, self.s.heartbeat_interval_s), loop.loop)
+        log.info("kvdir connector: node %s, transfer %s, %d blocks", self.s.node_id, hs.session, hs.layout.num_blocks)
+
+    def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
+        with self._lock:
+            return iter([(h, b, None) for h, (b, _) in self._published.items()])
+
+    def _collect(self) -> None:
+        """Publisher thread: queue the newly complete blocks; drop the published ones the pool no longer holds."""
+        assert self._session is not None
+        stored: list[tuple[int, int]] = []
+        while True:
+            try:
+                stored += self._changes.get_nowait()
+            except queue.Empty:
+                break
+        if stored:
+            self._session.stored(stored)
+        blocks = self._pool.blocks
+        with self._lock:
+            gone = [h for h, (b, vh) in self._published.items() if blocks[b].block_hash != vh]
+            for h in gone:
+                del self._published[h]
+        if gone:
+            self._session.removed(gone)
+            self.m_removed.inc(len(gone))
+
+    def _request_hashes(self, req: Request, n_blocks: int) -> list[int]:
+        """The request's first `n_blocks` kvdir hashes, extended incrementally."""
+        have = self._hashes.setdefault(req.request_id, [])
+        if len(have) < n_blocks:
+            tokens = req.all_token_ids[len(have) * self.block_size : n_blocks * self.block_size]
+            have += chain_hashes(
+                local_hashes(list(tokens), self.block_size, self.s.namespace), self.seed, have[-1] if have else None
+            )
+        return have[:n_blocks]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        try:
+            plan = plan_from_params(request.kv_transfer_params)
+        except PlanError as exc:
+            log.warning("request %s: %s; computing it", request.request_id, exc)
+            self.m_plans.labels("invalid").inc()
+            return 0, False
+        if plan is None:
+            return 0, False
+        if plan.source_node == self.s.node_id:
+            self.m_plans.labels("own").inc()
+            return 0, False
+        first, count = blocks_to_pull(request.num_prompt_tokens, num_computed_tokens, len(plan.slots), self.block_size)
+        if count <= 0:
+            self.m_plans.labels("cached").inc()
+            return 0, False
+        self._pending_loads[request.request_id] = (plan, first, count)
+        return count * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        pending = self._pending_loads.pop(request.request_id, None)
+        if pending is None or num_external_tokens == 0:
+            return
+        plan, first, count = pending
+        block_ids = blocks.get_block_ids()[0]
+        hashes = self._request_hashes(request, first + count)
+        self._loads.append(
+            Load(
+                request.request_id,
+                plan.source_node,
+                plan.source_epoch,
+                block_ids[first : first + count],
+                list(plan.slots[first : first + count]),
+                hashes[first : first + count],
+            )
+        )
+        self.m_plans.labels("pull").inc()
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvdirMeta(loads=self._loads)
+        self._loads = []
+        bs = self.block_size
+        steps: list[tuple[str, int, list[int]]] = [
+            (r.req_id, r.num_computed_tokens, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        assert self._kv_cache_manager is not None
+        steps += [
+            (rid, cached.num_computed_tokens[i], self._kv_cache_manager.get_block_ids(rid)[0])
+            for i, rid in enumerate(cached.req_ids)
+        ]
+        for rid, start, block_ids in steps:
+            req = self._requests.get(rid)
+            end = start + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if req is None or end <= start:
+                continue
+            meta.written += block_ids[start // bs : -(-end // bs)]
+            done = min(end, len(req.all_token_ids)) // bs
+            hashes = self._request_hashes(req, done)
+            meta.complete += [(rid, block_ids[k], hashes[k]) for k in range(start // bs, done)]
+        for load in meta.loads:
+            meta.written += load.dst_blocks
+            meta.complete += [(load.req_id, b, h) for b, h in zip(load.dst_blocks, load.hashes)]
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        wm = connector_output.kv_connector_worker_meta
+        if not isinstance(wm, KvdirWorkerMeta):
+            return
+        self.m_pulled.inc(wm.pulled_blocks)
+        self.m_failed.inc(wm.failed_blocks)
+        self.m_failed_pulls.inc(wm.failed_pulls)
+        self.m_read_bytes.inc(wm.read_bytes)
+        self.m_read_s.inc(wm.read_s)
+        if not wm.complete or self._pool is None:
+            return
+        blocks = self._pool.blocks
+        fresh = []
+        with self._lock:
+            for b, h in wm.complete:
+                vh = blocks[b].block_hash
+                if vh is not None:  # not in the prefix cache (caching off): nothing a peer could be sent for
+                    self._published[h] = (b, vh)
+                    fresh.append((h, b))
+        self._changes.put(fresh)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker half
+
+    def _init_worker(self) -> None:
+        self._transfer: TransferEngine | None = None
+        self._layout: KvLayout | None = None
+        self._tags = np.zeros((0, 2), dtype="<u8")
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self._report = KvdirWorkerMeta()
+        self._peers: dict[tuple[str, int], tuple[str, KvLayout]] = {}  # (node, epoch) -> (transfer session, layout)
+        self._wloop: _Loop | None = None
+        self._client: DirectoryClient | None = None
+        self._orphans: list[np.ndarray] = []  # destinations of abandoned reads (see `_pull`)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the KV memory and the tag array with the transfer engine; describe them as regions."""
+        layers = []
+        spans = []
+        for name, t in kv_caches.items():
+            page = t[0].numel() * t.element_size()
+            stride = t.stride(0) * t.element_size()
+            if stride != page or not t[0].is_contiguous():
+                raise RuntimeError(f"KvdirConnector: layer {name}'s blocks are not contiguous pages ({stride} vs {page} B)")
+            layers.append(LayerRegion(t.data_ptr(), page, t.shape[0]))
+            spans.append((t.data_ptr(), t.data_ptr() + page * t.shape[0]))
+        self._tags = np.zeros((min(r.num_blocks for r in layers), 2), dtype="<u8")
+        self._layout = KvLayout(tuple(layers), self._tags.ctypes.data)
+        with _unpinned():  # the transfer engine's threads inherit this thread's CPUs
+            self._transfer = create_engine(self.s.transfer, self.s.transfer_host, timeout_s=self.s.transfer_timeout_s)
+        spans.sort()
+        merged = [list(spans[0])]
+        for lo, hi in spans[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        for lo, hi in merged:
+            self._transfer.register(lo, hi - lo)
+        self._transfer.register(self._tags.ctypes.data, self._tags.nbytes)
+        log.info(
+            "kvdir connector: %d layers, %d blocks registered at %s", len(layers), self._tags.shape[0], self._transfer.session
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._transfer is None or self._layout is None:
+            return None
+        return KvdirHandshake(self._transfer.session, self._layout)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: blocks about to be written lose their hash and get a new generation."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KvdirMeta)
+        if connector_metadata.written:
+            idx = np.asarray(connector_metadata.written, dtype=np.int64)
+            self._tags[idx, 0] = 0
+            self._tags[idx, 1] += 1
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdirMeta)
+        for load in meta.loads:
+            bad = self._pull(load)
+            if bad:
+                self._load_errors.update(bad)
+                self._failed_reqs.add(load.req_id)
+                self._report.failed_blocks += len(bad)
+                self._report.failed_pulls += 1
+            self._report.pulled_blocks += len(load.dst_blocks) - len(bad)
+
+    def _peer(self, node_id: str, epoch: int) -> tuple[str, KvLayout] | None:
+        """The source's transfer session and layout if it still has `epoch` (cached per epoch)."""
+        key = (node_id, epoch)
+        if key not in self._peers:
+            if self._wloop is None:
+                self._wloop = _Loop("kvdir-peers")
+                self._client = DirectoryClient(
+                    self.s.directory_urls, deadline=3.0, token=self.s.directory_token, tenant=self.s.tenant
+                )
+            assert self._client is not None
+            nodes: list[NodeInfo] = self._wloop.run(self._client.nodes(), timeout=5.0)
+            peer = next((n for n in nodes if n.node_id == node_id and n.epoch == epoch and n.transfer_url), None)
+            if peer is None:
+                return None  # not cached: the node may register that epoch soon
+            self._peers[key] = (peer.transfer_url or "", KvLayout.from_regions(peer.regions))
+        return self._peers[key]
+
+    def _pull(self, load: Load) -> list[int]:
+        """Read the load's pages (tags, pages, tags) into a staging buffer, copy them into the destination
+        blocks; the destination blocks that are not known good.
+
+        Staged, because a read the transfer engine's watchdog abandoned may still write into its destination
+        until Mooncake gives up (kvtransfer.engines.MooncakeEngine): written into the KV blocks, it could land
+        after vLLM recomputed them. The buffers of an abandoned read are kept alive until none is in flight.
+        """
+        assert self._transfer is not None and self._layout is not None
+        if self._orphans and not getattr(self._transfer, "abandoned_in_flight", 0):
+            self._orphans.clear()
+        n = len(load.src_slots)
+        tags = np.zeros((2, n, 2), dtype="<u8")
+        staging = np.empty(0, dtype=np.uint8)
+        try:
+            peer = self._peer(load.source_node, load.source_epoch)
+            if peer is None:
+                raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered")
+            session, theirs = peer
+            why = self._layout.compatible(theirs)
+            if why:
+                raise PlanError(f"{load.source_node} has {why}")
+            if max(load.src_slots) >= theirs.num_blocks:
+                raise PlanError(f"slot {max(load.src_slots)} is outside {load.source_node}'s {theirs.num_blocks} blocks")
+            t_remote = [theirs.tags_base + TAG_BYTES * s for s in load.src_slots]
+            first, again = (
+                coalesce([tags[k].ctypes.data + TAG_BYTES * i for i in range(n)], t_remote, [TAG_BYTES] * n) for k in (0, 1)
+            )
+            dst, src, lengths = page_pieces(self._layout, theirs, load.dst_blocks, load.src_slots)
+            staging = np.empty(sum(lengths), dtype=np.uint8)
+            staged = [staging.ctypes.data + off for off in itertools.accumulate(lengths, initial=0)][:-1]
+            t0 = time.perf_counter()
+            with _unpinned():  # each read runs (and busy-waits) on a thread started from this one
+                self._transfer.read(session, *first)
+                self._transfer.read(session, staged, src, lengths)
+                self._transfer.read(session, *again)
+            self._report.read_s += time.perf_counter() - t0
+            self._report.read_bytes += sum(lengths)
+        except (TransferError, PlanError, DirectoryError, TimeoutError) as exc:
+            if getattr(self._transfer, "abandoned_in_flight", 0):
+                self._orphans += [tags, staging]
+            log.warning("pull of %d blocks from %s failed: %s; recomputing", len(load.dst_blocks), load.source_node, exc)
+            return list(load.dst_blocks)
+        for to, frm, size in zip(dst, staged, lengths):
+            ctypes.memmove(to, frm, size)
+        before = [tuple(int(x) for x in row) for row in tags[0]]
+        after = [tuple(int(x) for x in row) for row in tags[1]]
+        bad = check_tags(load.hashes, before, after)  # type: ignore[arg-type]
+        if bad:
+            log.info("pull from %s: %d of %d blocks stale; recomputing them", load.source_node, len(bad), n)
+        return [load.dst_blocks[i] for i in bad]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: the blocks complete now get their hash (not those of a request whose pull failed)."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdirMeta)
+        done = [(b, h) for rid, b, h in meta.complete if rid not in self._failed_reqs]
+        for b, h in done:
+            self._tags[b, 0] = h
+        self._report.complete += done
+        self._failed_reqs.clear()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report, self._report = self._report, KvdirWorkerMeta()
+        if not (report.complete or report.pulled_blocks or report.failed_blocks):
+            return None
+        return report
+
+    def shutdown(self) -> None:
+        if getattr(self, "_transfer", None) is not None:
+            assert self._transfer is not None
+            self._transfer.close()

@@ -1,0 +1,140 @@
+"""The vLLM connector's pure logic (engines/vllm_connector.py), importable and testable without vLLM.
+
+* **Which blocks to pull** (`blocks_to_pull`): only those the engine lacks locally, never the block
+  holding the prompt's last token (vLLM always computes that token to sample from it).
+* **Pull plans** (`plan_from_params`): the gateway's `PullPlan` inside a request's `kv_transfer_params`.
+* **Regions** (`KvLayout`): how an engine's KV memory is described to the directory: one region per
+  layer (`layer` set, block `b` of layer `l` at `base_addr + b * block_bytes`) and one *tag* region
+  (`rkey` `TAG_RKEY`): 16 bytes per block, `(kvdir hash, generation)` little-endian u64.
+* **Stale-slot validation** (`check_tags`): a reader compares the tags it read before and after the
+  pages; see the connector's docstring for why that makes a stale read impossible to miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from directory.schemas import PULL_PLAN_FIELD, PullPlan, Region
+
+TAG_RKEY = "kvdir-tags"
+"""The `rkey` of the region holding the per-block tags (the KV regions have rkey 0)."""
+TAG_BYTES = 16  # (hash u64, generation u64)
+
+
+class PlanError(ValueError):
+    """A `kv_transfer_params` pull plan that is malformed (the request is then served without a pull)."""
+
+
+def plan_from_params(params: Mapping[str, Any] | None) -> PullPlan | None:
+    """The pull plan in a request's `kv_transfer_params` (under `PULL_PLAN_FIELD`), None if there is none."""
+    if not params or PULL_PLAN_FIELD not in params:
+        return None
+    try:
+        return msgspec.convert(params[PULL_PLAN_FIELD], PullPlan)
+    except msgspec.ValidationError as exc:
+        raise PlanError(f"{PULL_PLAN_FIELD}: {exc}") from exc
+
+
+def blocks_to_pull(num_prompt_tokens: int, num_local_tokens: int, planned_blocks: int, block_size: int) -> tuple[int, int]:
+    """(first block, count) to pull: the planned blocks past the local hit, short of the prompt's last token.
+
+    `num_local_tokens` is the engine's local prefix-cache hit (whole blocks).
+    """
+    first = num_local_tokens // block_size
+    last = min(planned_blocks, max(0, num_prompt_tokens - 1) // block_size)
+    return first, max(0, last - first)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRegion:
+    """One layer's KV pages: block `b` at `base + b * page_bytes`."""
+
+    base: int
+    page_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """An engine's KV memory as the directory holds it: per-layer regions plus the tag region."""
+
+    layers: tuple[LayerRegion, ...]
+    tags_base: int
+
+    @property
+    def num_blocks(self) -> int:
+        return min(r.num_blocks for r in self.layers)
+
+    def regions(self) -> list[Region]:
+        out = [
+            Region(rank=0, base_addr=r.base, length=r.page_bytes * r.num_blocks, block_bytes=r.page_bytes, layer=i)
+            for i, r in enumerate(self.layers)
+        ]
+        out.append(
+            Region(rank=0, base_addr=self.tags_base, length=TAG_BYTES * self.num_blocks, block_bytes=TAG_BYTES, rkey=TAG_RKEY)
+        )
+        return out
+
+    @classmethod
+    def from_regions(cls, regions: Sequence[Any]) -> KvLayout:
+        """The layout a peer registered (`Region`s or the directory's `RegionInfo`s); PlanError if it has none."""
+        layers = sorted((r for r in regions if r.layer is not None and r.rkey == 0), key=lambda r: r.layer)
+        tags = [r for r in regions if r.rkey == TAG_RKEY]
+        if not layers or len(tags) != 1 or [r.layer for r in layers] != list(range(len(layers))):
+            raise PlanError("the source registered no kvdir connector layout (per-layer regions and a tag region)")
+        return cls(tuple(LayerRegion(r.base_addr, r.block_bytes, r.length // r.block_bytes) for r in layers), tags[0].base_addr)
+
+    def compatible(self, other: KvLayout) -> str | None:
+        """Why pages cannot be copied between the two layouts (layer count or page size differ), None if they can."""
+        if len(self.layers) != len(other.layers):
+            return f"{len(other.layers)} layers, not {len(self.layers)}"
+        for i, (a, b) in enumerate(zip(self.layers, other.layers)):
+            if a.page_bytes != b.page_bytes:
+                return f"layer {i} pages of {b.page_bytes} B, not {a.page_bytes}"
+        return None
+
+
+def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """The same bytes in fewer pieces: a piece that continues the previous one on both sides joins it.
+
+    A transfer engine's cost is mostly per piece (Mooncake over TCP: tens of microseconds each, measured),
+    and an engine allocates runs of consecutive blocks, so a prefix's pages are often a few long runs.
+    """
+    out_l: list[int] = []
+    out_r: list[int] = []
+    out_n: list[int] = []
+    for lo, re, n in zip(local, remote, lengths):
+        if out_n and out_l[-1] + out_n[-1] == lo and out_r[-1] + out_n[-1] == re:
+            out_n[-1] += n
+        else:
+            out_l.append(lo)
+            out_r.append(re)
+            out_n.append(n)
+    return out_l, out_r, out_n
+
+
+def page_pieces(
+    mine: KvLayout, theirs: KvLayout, dst_blocks: Sequence[int], src_slots: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """(local, remote, lengths) of every layer's page of every block, coalesced: one batched read."""
+    local, remote, lengths = [], [], []
+    for a, b in zip(mine.layers, theirs.layers):
+        for dst, src in zip(dst_blocks, src_slots):
+            local.append(a.base + dst * a.page_bytes)
+            remote.append(b.base + src * b.page_bytes)
+            lengths.append(a.page_bytes)
+    return coalesce(local, remote, lengths)
+
+
+def check_tags(expected: Sequence[int], before: Sequence[tuple[int, int]], after: Sequence[tuple[int, int]]) -> list[int]:
+    """Indices of the blocks whose pages are not known good: tag hash not the expected one, or the tag changed.
+
+    A holder zeroes a block's hash and bumps its generation before it writes the block, and sets the hash
+    once the block's KV is complete; so equal tags before and after the read, holding the expected hash,
+    mean the pages read were that block's complete KV throughout.
+    """
+    return [i for i, (h, b, a) in enumerate(zip(expected, before, after)) if b[0] != h or a != b]

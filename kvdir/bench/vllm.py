@@ -1,0 +1,227 @@
+"""`kvdir bench vllm`: TTFT of a prefix pulled from a peer vs recomputed vs served from the local cache, on two
+real `vllm serve` engines with the kvdir connector (vLLM's CPU build, tiny model), and the pull bandwidth vs
+raw Mooncake reads of the same pages.
+
+Per prefix size (256, 1024, 1792 tokens; 8, 32, 56 blocks of 32) engine A serves the prefix once, so the
+directory holds its slots; then, per round, engine B serves the same request (the prefix plus an 8-token tail
+new each round) three ways, each timed to its first streamed token: **pulled** (B's cache reset, the plan of
+A's slots in `kv_transfer_params`), **local** (at once again: B now holds the prefix), **recomputed** (B's
+cache reset, no plan). Every pulled request must load every block of the prefix with no failure (the
+connector's counters) and report the prefix as cached; otherwise the bench stops.
+The connector times its reads (tags, pages, tags); the raw figure is one batched Mooncake read of the same
+pages of A by this process. Engines and the directory are started and stopped here; the vLLM venv is
+`$KVDIR_VLLM_VENV` or the checkout's `.venv-vllm` (`make vllm-install`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from directory.hashing import block_hashes
+from directory.schemas import RegionInfo
+from engines.vllm_plan import KvLayout, LayerRegion, page_pieces
+from kvdir.bench.report import emit, header, say
+from kvdir.launcher import Cluster, free_ports
+from kvdir.vllm_engines import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
+from kvtransfer.engines import create_engine
+
+SIZES = (256, 1024, 1792)
+TAIL = 8
+PULLED = "kvdir_connector_pulled_blocks_total"
+FAILED = "kvdir_connector_pull_failed_blocks_total"
+READ_BYTES = "kvdir_connector_pull_page_bytes_total"
+READ_S = "kvdir_connector_pull_read_seconds_total"
+
+
+def ttft(engine: VllmEngine, prompt: list[int], **extra: Any) -> tuple[float, int]:
+    """(seconds to the first streamed token, cached prompt tokens the engine reported) of a 1-token completion."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=180) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    if first is None or not usage:
+        raise RuntimeError(f"{engine.name} streamed no token or no usage")
+    return first, int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _holder(directory: str, hashes: list[int], node_id: str) -> dict[str, Any] | None:
+    r = httpx.post(directory + "/v1/lookup", json={"hashes": hashes, "with_slots": True}, timeout=5)
+    r.raise_for_status()
+    return next((h for h in r.json()["holders"] if h["node_id"] == node_id), None)
+
+
+def _held(directory: str, engine: VllmEngine, prefix: list[int]) -> dict[str, Any]:
+    """Serve the prefix (plus a tail) on `engine`; its holder entry once the directory lists every block."""
+    engine.complete([*prefix, 1, 1], max_tokens=1)
+    hashes = block_hashes(prefix, BLOCK)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        h = _holder(directory, hashes, engine.name)
+        if h is not None and h["matched_blocks"] == len(hashes):
+            return h
+        time.sleep(0.05)
+    raise RuntimeError(f"{engine.name}'s {len(hashes)} blocks never all reached the directory")
+
+
+def _counters(engine: VllmEngine) -> dict[str, float]:
+    return {k: engine.metric(k) for k in (PULLED, FAILED, READ_BYTES, READ_S)}
+
+
+def _pages_of(directory: str, holder: dict[str, Any]) -> tuple[str, KvLayout]:
+    """The holder's transfer session and KV layout, as registered."""
+    nodes = httpx.get(directory + "/v1/nodes", timeout=5).json()["nodes"]
+    node = next(n for n in nodes if n["node_id"] == holder["node_id"])
+    return node["transfer_url"], KvLayout.from_regions([RegionInfo(**r) for r in node["regions"]])
+
+
+def raw_reads(session: str, layout: KvLayout, slots: list[int], repeats: int) -> tuple[list[float], int]:
+    """Seconds of `repeats` batched Mooncake reads of every layer's page of `slots`, in the connector's pieces
+    (runs of consecutive slots coalesced), and the number of pieces."""
+    te = create_engine("mooncake", "127.0.0.1")
+    try:
+        n = len(slots)
+        buf = np.zeros(sum(r.page_bytes for r in layout.layers) * n, dtype=np.uint8)
+        te.register(buf.ctypes.data, buf.nbytes)
+        base, layers = buf.ctypes.data, []
+        for r in layout.layers:  # here, blocks 0..n-1 of each layer, one layer after the other
+            layers.append(LayerRegion(base, r.page_bytes, n))
+            base += r.page_bytes * n
+        pieces = page_pieces(KvLayout(tuple(layers), 0), layout, list(range(n)), slots)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            te.read(session, *pieces)
+            times.append(time.perf_counter() - t0)
+        return times, len(pieces[0])
+    finally:
+        te.close()
+
+
+def bench_size(
+    directory: str, a: VllmEngine, b: VllmEngine, n: int, rounds: int, rng: np.random.Generator, vocab: tuple[int, int]
+) -> dict[str, Any]:
+    """Medians over `rounds` of the three TTFTs for an `n`-token prefix, the pull and the raw read bandwidth."""
+    prefix = [int(x) for x in rng.integers(*vocab, n)]
+    blocks = n // BLOCK
+    holder = _held(directory, a, prefix)
+    plan = {"kvdir_pull": {"source_node": a.name, "source_epoch": holder["epoch"], "slots": holder["slots"]}}
+    pulled, local, recomputed, bandwidth, read_s = [], [], [], [], []
+    for _ in range(rounds):
+        prompt = [*prefix, *(int(x) for x in rng.integers(*vocab, TAIL))]
+        b.reset_cache()
+        before = _counters(b)
+        t, cached = ttft(b, prompt, kv_transfer_params=plan)
+        after = _counters(b)
+        got, bad = after[PULLED] - before[PULLED], after[FAILED] - before[FAILED]
+        if got != blocks or bad or cached < n:
+            why = "; ".join(b.log_lines("pull of")[-3:])
+            raise RuntimeError(f"{n}-token pull: {got:.0f} of {blocks} blocks loaded, {bad:.0f} failed, {cached} cached ({why})")
+        pulled.append(t)
+        read_s.append(after[READ_S] - before[READ_S])
+        bandwidth.append((after[READ_BYTES] - before[READ_BYTES]) / read_s[-1])
+        t, cached = ttft(b, prompt)
+        if cached < n:
+            raise RuntimeError(f"{n}-token local hit: only {cached} tokens cached")
+        local.append(t)
+        b.reset_cache()
+        t, cached = ttft(b, prompt)
+        if cached:
+            raise RuntimeError(f"{n}-token recompute: {cached} tokens cached after a reset")
+        recomputed.append(t)
+    session, layout = _pages_of(directory, holder)
+    raw, pieces = raw_reads(session, layout, holder["slots"], max(5, rounds * 4))
+    page_bytes = sum(r.page_bytes for r in layout.layers) * blocks
+    med = statistics.median
+    out = {
+        f"p{n}_pulled_ttft_ms": med(pulled) * 1e3,
+        f"p{n}_recomputed_ttft_ms": med(recomputed) * 1e3,
+        f"p{n}_local_ttft_ms": med(local) * 1e3,
+        f"p{n}_pulled_vs_recomputed": med(pulled) / med(recomputed),
+        f"p{n}_pulled_vs_local": med(pulled) / med(local),
+        f"p{n}_pull_bytes": page_bytes,
+        f"p{n}_raw_read_pieces": pieces,
+        f"p{n}_pull_read_ms": med(read_s) * 1e3,
+        f"p{n}_raw_read_ms": med(raw) * 1e3,
+        f"p{n}_pull_gbps": med(bandwidth) / 1e9,
+        f"p{n}_raw_read_gbps": page_bytes / med(raw) / 1e9,
+    }
+    out[f"p{n}_pull_vs_raw"] = out[f"p{n}_pull_gbps"] / out[f"p{n}_raw_read_gbps"]
+    return out
+
+
+def main(*, as_json: bool, quick: bool) -> int:
+    results: dict[str, Any] = header(quick)
+    try:
+        venv = vllm_venv()
+    except FileNotFoundError as exc:
+        say(f"kvdir bench vllm: {exc}")
+        return 2
+    rounds = 2 if quick else 5
+    results.update(model="tiny random Llama (2 layers, 1 KV head, head_dim 64, bf16)", block_size=BLOCK, rounds=rounds)
+    tmp = tempfile.mkdtemp(prefix="kvdir-bench-vllm-")
+    ok = False
+    try:
+        say("making the tiny model...")
+        model = make_tiny_model(venv, Path(tmp) / MODEL)
+        vocab = (3, json.loads((model / "config.json").read_text())["vocab_size"])  # 0-2 are special tokens
+        ports = free_ports(6)
+        cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        engines: list[VllmEngine] = []
+        try:
+            cluster.start()
+            cluster.wait_ready(60)
+            for name in ("bench-a", "bench-b"):
+                engines.append(VllmEngine(name, venv, model, cluster.replica_urls, Path(tmp)))
+                engines[-1].start()
+            say("starting two vllm engines (about 30 s each on two cores)...")
+            for e in engines:
+                e.wait_ready()
+            a, b = engines
+            directory = cluster.replica_urls[0]
+            rng = np.random.default_rng(14)
+            # Both engines' first requests, and B's first pull (its directory lookup, the transfer handshake), are
+            # set-up costs, not what is measured.
+            for e in engines:
+                e.complete([int(x) for x in rng.integers(*vocab, 40)], max_tokens=1)
+            bench_size(directory, a, b, 64, 1, rng, vocab)
+            for n in SIZES:
+                say(f"{n}-token prefix: pulled, local and recomputed TTFT, {rounds} rounds...")
+                results.update(bench_size(directory, a, b, n, rounds, rng, vocab))
+        finally:
+            for e in engines:
+                e.stop()
+            cluster.stop()
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            say(f"kvdir bench vllm: the engines' and replicas' logs are kept in {tmp}")
+    emit(results, as_json)
+    return 0

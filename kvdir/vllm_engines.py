@@ -1,0 +1,194 @@
+"""Real `vllm serve` processes with the kvdir connector, for tests/vllm and `kvdir bench vllm`.
+
+vLLM's CPU build lives in its own venv (`make vllm-install`: `.venv-vllm`, or `$KVDIR_VLLM_VENV`); this module
+only starts processes there and talks HTTP to them, so kvdir itself never imports vLLM. Engines run the tiny
+random Llama of tests/compose/make_tiny_model.py (no hub access), block size 32 (the CPU attention needs a
+multiple of 32), one engine core and one worker per engine, each engine in its own process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvdir.launcher import free_ports
+
+__all__ = ["BLOCK", "MODEL", "VllmEngine", "make_tiny_model", "vllm_venv"]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+BLOCK = 32
+START_TIMEOUT_S = 300.0  # ~25 s on two idle cores; tests and benches share them
+
+
+def vllm_venv() -> Path:
+    """The venv with vLLM's CPU build: `$KVDIR_VLLM_VENV`, else the checkout's `.venv-vllm`."""
+    venv = Path(os.environ.get("KVDIR_VLLM_VENV") or ROOT / ".venv-vllm")
+    if not (venv / "bin" / "vllm").exists():
+        raise FileNotFoundError(f"no vLLM at {venv}/bin/vllm: `make vllm-install` builds it (or set KVDIR_VLLM_VENV)")
+    return venv
+
+
+def make_tiny_model(venv: Path, out: Path) -> Path:
+    """Write the tiny random model and its tokenizer into `out` (a few seconds), with the venv's transformers."""
+    subprocess.run(
+        [str(venv / "bin" / "python"), str(ROOT / "tests/compose/make_tiny_model.py"), str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
+class VllmEngine:
+    """One `vllm serve` with the kvdir connector; `stop` signals its whole process group (API server, engine
+    core, worker)."""
+
+    def __init__(
+        self,
+        name: str,
+        venv: Path,
+        model: Path,
+        directory: list[str],
+        log_dir: Path,
+        *,
+        num_blocks: int = 256,
+        connector: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.venv = venv
+        self.model = model
+        self.directory = directory
+        self.num_blocks = num_blocks
+        self.connector = connector or {}  # extra kv_connector_extra_config keys
+        self.port, self.metrics_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.log = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        extra: dict[str, Any] = {
+            "node_id": self.name,
+            "api_url": self.url,
+            "directory": ",".join(self.directory),
+            "heartbeat_interval_s": 0.3,
+            "metrics": f"127.0.0.1:{self.metrics_port}",
+            **self.connector,
+        }
+        config = {
+            "kv_connector": "KvdirConnector",
+            "kv_connector_module_path": "engines.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+        env = {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
+            "PYTHONPATH": str(ROOT),
+        }
+        cmd = [
+            str(self.venv / "bin" / "vllm"),
+            "serve",
+            str(self.model),
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--block-size",
+            str(BLOCK),
+            "--max-model-len",
+            "4096",
+            "--num-gpu-blocks-override",
+            str(self.num_blocks),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config",
+            json.dumps(config),
+        ]
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Poll /health until it answers 200; RuntimeError if the process exits, TimeoutError after `timeout`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm {self.name} exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm {self.name} did not answer /health within {timeout} s; see {self.log}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the whole process group; SIGKILL whatever is left after a grace period."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and worker, if the API server left them
+        except ProcessLookupError:
+            pass
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+        """A greedy completion; AssertionError with the body unless 200."""
+        r = httpx.post(
+            self.url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+            timeout=180,
+        )
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+    def tokenize(self, prompt: str) -> list[int]:
+        r = httpx.post(self.url + "/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=30)
+        r.raise_for_status()
+        tokens: list[int] = r.json()["tokens"]
+        return tokens
+
+    def reset_cache(self) -> None:
+        r = httpx.post(self.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, r.text
+
+    def metric(self, name: str) -> float:
+        """One of the connector's Prometheus counters (0 if it has no sample yet)."""
+        for line in httpx.get(self.metrics_url, timeout=5).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def log_lines(self, needle: str) -> list[str]:
+        """Lines of the engine's log that contain `needle` (the connector logs its pull failures there)."""
+        try:
+            return [ln for ln in self.log.read_text(errors="replace").splitlines() if needle in ln]
+        except OSError:
+            return []

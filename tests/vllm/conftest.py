@@ -1,0 +1,97 @@
+"""Real `vllm serve` processes (vLLM's CPU build, $KVDIR_VLLM_VENV) with the kvdir connector, a directory and a gateway.
+
+`make test-vllm` sets KVDIR_VLLM_VENV; without it these tests fail (they are not in the default suite).
+Engines (kvdir.vllm_engines, shared with `kvdir bench vllm`) run a tiny random Llama made here, block size
+32 (the CPU attention needs a multiple of 32) for engines, connector and gateway alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvdir.launcher import Cluster, Gateway, free_ports
+from kvdir.vllm_engines import BLOCK, MODEL, VllmEngine, make_tiny_model
+
+__all__ = ["BLOCK", "MODEL", "PROMPT", "Engine"]
+
+Engine = VllmEngine
+PROMPT = "the quick brown fox jumps over the lazy dog while a support assistant answers briefly " * 20
+
+
+def _venv() -> Path:
+    venv = os.environ.get("KVDIR_VLLM_VENV")
+    if not venv or not (Path(venv) / "bin" / "vllm").exists():
+        pytest.fail("KVDIR_VLLM_VENV must name the vLLM venv (`make test-vllm` builds it and sets it)")
+    return Path(venv)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(_venv(), tmp_path_factory.mktemp("model") / MODEL)
+
+
+@pytest.fixture(scope="session")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    data = tmp_path_factory.mktemp("directory")
+    ports = free_ports(6)
+    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
+    try:
+        cluster.start()
+        cluster.wait_ready(60)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def engines(model: Path, directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
+    logs = tmp_path_factory.mktemp("engines")
+    started = {name: Engine(name, _venv(), model, directory.replica_urls, logs) for name in ("vllm-a", "vllm-b")}
+    try:
+        for e in started.values():
+            e.start()
+        for e in started.values():
+            e.wait_ready()
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(directory: Cluster, engines: dict[str, Engine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    data = tmp_path_factory.mktemp("gateway")
+    # The TTFT model's inputs make a busy holder lose to a pull (test_the_gateway_plans_a_pull_from_a_busy_holder):
+    # one request per engine and 1 s per request ahead (8 tokens at 8 tokens/s); a slow prefill estimate, so pulling
+    # beats recomputing. Lookups may take long on two shared cores (past the timeout: routed by load, no plan).
+    g = Gateway(
+        data,
+        free_ports(1)[0],
+        directory.replica_urls,
+        log_level="info",
+        extra_args=(
+            "--tokenizer",
+            "engine",
+            "--block-size",
+            str(BLOCK),
+            "--max-running",
+            "1",
+            "--prefill-tokens-per-s",
+            "500",
+            "--decode-tokens-per-s",
+            "8",
+            "--lookup-timeout-s",
+            "5",
+            "--refresh-s",
+            "0.2",
+        ),
+    )
+    try:
+        g.wait_ready(60, engines=2)
+        yield g
+    finally:
+        g.stop()
