@@ -69,7 +69,7 @@ def unpack(packed: bytes, dtype: np.dtype) -> np.ndarray:
     """The values of `packed` (whose length `count` checked) as a new, writable array in native byte order.
 
     A copy, not a view of the body: the index's numba kernels are compiled for writable arrays, and a
-    read-only one would have them compile anew on the Raft thread (README, "Keeping a healthy leader").
+    read-only one would have them compile anew on the Raft thread (docs/guarantees.md, "Keeping a healthy leader").
     """
     return np.frombuffer(packed, dtype=dtype).astype(dtype.newbyteorder("="))
 

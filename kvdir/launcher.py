@@ -9,6 +9,13 @@ stdout, optionally drives a demo, and keeps the cluster up until SIGINT or
 SIGTERM, restarting any process that dies (with backoff, its log's tail on
 stderr); then it stops every process it started, whatever happened.
 
+Before it starts anything it checks every port it will bind, and refuses with the holder of a taken
+one; while it starts it says its progress on stderr (kvdir.progress), and counts only answers from
+the processes it started (kvdir.listeners): another cluster on the same ports once passed for this
+one. A process that dies while starting ends the launch with its log's tail on stderr; a temporary
+DATA_DIR that holds the log of a process that died is kept, and its path said. Ctrl-C while
+starting stops what was started and exits 130.
+
 It always writes a fresh Raft password into DATA_DIR/secrets (mode 0600): without
 one pysyncobj unpickles whatever reaches a Raft port. With `auth` it also writes
 fresh random tokens there and hands every process the path of its own: the
@@ -37,7 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import cast
+from typing import TextIO, cast
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import Field, field_validator
@@ -46,6 +54,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from directory.addresses import is_wildcard
 from directory.logs import LogLevel
 from gateway.config import PolicyName
+from kvdir.listeners import listens, taken_ports
+from kvdir.progress import Progress, StartState
 from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")
@@ -199,6 +209,39 @@ class AuthFiles:
         return self.admin.read_text().strip()
 
 
+class ChildExited(RuntimeError):
+    """A started process exited while the launcher waited for it to become ready."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.name, self.pid, self.code, self.log = name, proc.pid, cast(int, proc.returncode), log
+        super().__init__(f"{name} (pid {proc.pid}) {_exit_reason(self.code)} during start-up; see {log}")
+
+
+class NotReady(TimeoutError):
+    """Start-up timed out; `logs` are those of the processes that were not ready, (name, path) each."""
+
+    def __init__(self, reason: str, logs: Sequence[tuple[str, Path]], see: str) -> None:
+        super().__init__(f"{reason}; see {see}")
+        self.reason = reason  # without the pointer to the logs, which `kvdir up` may not keep
+        self.logs = list(logs)
+
+
+def _answered_by(proc: subprocess.Popen[bytes] | None, url: str, verified: set[int]) -> bool:
+    """Whether what answered at `url` was `proc`, the process started to serve it (as far as /proc can tell).
+
+    Another cluster on the same ports answers as well as this one would: its answers must not count.
+    A pid found listening (or one /proc cannot tell about) goes into `verified`, so each is looked up once.
+    """
+    if proc is None or proc.poll() is not None:
+        return False
+    if proc.pid in verified:
+        return True
+    if listens(proc.pid, cast(int, urlsplit(url).port)) is False:
+        return False
+    verified.add(proc.pid)
+    return True
+
+
 class Cluster:
     """Directory replica processes on one host; `stop()` ends them all (SIGTERM, then SIGKILL)."""
 
@@ -234,6 +277,7 @@ class Cluster:
         self._prefix = prefix
         self._peers = peers
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
+        self._verified: set[int] = set()  # pids seen listening on their replica's HTTP port
 
     @classmethod
     def from_settings(cls, s: UpSettings, data_dir: Path, raft_password_file: Path, auth: AuthFiles | None = None) -> Cluster:
@@ -295,25 +339,41 @@ class Cluster:
     def alive(self) -> list[int]:
         return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
 
-    def wait_ready(self, timeout: float, among: Sequence[int] | None = None) -> str:
-        """Poll until the running replicas (or `among`) agree on a leader whose URL they know; returns it."""
+    def wait_ready(
+        self, timeout: float, among: Sequence[int] | None = None, progress: Callable[[int, str | None], None] | None = None
+    ) -> str:
+        """Poll until the running replicas (or `among`) agree on a leader whose URL they know; returns it.
+
+        Only answers from the processes started here count. `progress(up, leader)` is called on every
+        poll with how many replicas answered and the leader they agree on, if any.
+        """
         end = time.monotonic() + timeout
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         with httpx.Client(timeout=1.0, headers=headers) as http:
             while time.monotonic() < end:
-                for p in self.procs:
+                for i, p in enumerate(self.procs):
                     if p is not None and p.poll() not in (None, -signal.SIGKILL):
-                        raise RuntimeError(f"a replica exited with code {p.returncode}; see {self.data_dir}/replica*.log")
+                        raise ChildExited(f"replica {i + 1}", p, self.log_path(i))
                 leaders: set[str | None] = set()
+                up = 0  # replicas that answered, as the processes started here
                 for i in self.alive() if among is None else among:
                     try:
-                        leaders.add(http.get(self.replica_urls[i] + "/v1/cluster").json().get("leader_url"))
+                        view = http.get(self.replica_urls[i] + "/v1/cluster").json()
                     except (httpx.HTTPError, ValueError):
+                        view = None
+                    if view is None or not _answered_by(self.procs[i], self.replica_urls[i], self._verified):
                         leaders.add(None)
-                if len(leaders) == 1 and None not in leaders:
-                    return cast(str, leaders.pop())  # the one element is not None
+                    else:
+                        leaders.add(view.get("leader_url"))
+                        up += 1
+                agreed = next(iter(leaders)) if len(leaders) == 1 else None
+                if progress is not None:
+                    progress(up, agreed)
+                if agreed is not None:
+                    return agreed
                 time.sleep(0.05)
-        raise TimeoutError(f"no leader elected within {timeout}s; see {self.data_dir}/replica*.log")
+        logs = [(f"replica {i + 1}", self.log_path(i)) for i in range(len(self.procs))]
+        raise NotReady(f"no leader elected within {timeout}s", logs, f"{self.data_dir}/replica*.log")
 
     def wait_caught_up(self, i: int, timeout: float) -> None:
         """Poll until replica i follows a leader and has applied what that leader had committed when asked."""
@@ -357,6 +417,7 @@ class Workers:
         self.extra_args = list(extra_args)
         self.token_files = dict(token_files or {})  # node id -> file of its directory token
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
+        self._verified: set[int] = set()  # pids seen listening on their worker's HTTP port
 
     def start(self) -> None:
         for i in range(len(self.procs)):
@@ -393,24 +454,36 @@ class Workers:
             proc.send_signal(sig)
             proc.wait()
 
-    def wait_ready(self, timeout: float) -> list[int]:
-        """Poll until every worker answers /health with a directory epoch; returns the epochs."""
+    def wait_ready(self, timeout: float, progress: Callable[[int], None] | None = None) -> list[int]:
+        """Poll until every worker answers /health with its node id and a directory epoch; returns the epochs.
+
+        Only answers from the processes started here count; `progress(registered)` is called on every poll.
+        """
         end = time.monotonic() + timeout
+        epochs: list[int | None] = []
         with httpx.Client(timeout=1.0) as http:
             while time.monotonic() < end:
-                for p in self.procs:
+                for i, p in enumerate(self.procs):
                     if p is not None and p.poll() not in (None, -signal.SIGKILL):
-                        raise RuntimeError(f"a worker exited with code {p.returncode}; see {self.data_dir}/worker-*.log")
-                epochs = []
-                for url in self.urls:
-                    try:
-                        epochs.append(http.get(url + "/health").json().get("epoch"))
-                    except (httpx.HTTPError, ValueError):
-                        epochs.append(None)
+                        raise ChildExited(self.node_ids[i], p, self.log_path(i))
+                epochs = [self._epoch(http, i) for i in range(len(self.urls))]
+                if progress is not None:
+                    progress(sum(e is not None for e in epochs))
                 if None not in epochs:
-                    return epochs
+                    return cast(list[int], epochs)
                 time.sleep(0.05)
-        raise TimeoutError(f"workers not registered within {timeout}s; see {self.data_dir}/worker-*.log")
+        logs = [(node, self.log_path(i)) for i, node in enumerate(self.node_ids) if epochs and epochs[i] is None]
+        raise NotReady(f"workers not registered within {timeout}s", logs, f"{self.data_dir}/worker-*.log")
+
+    def _epoch(self, http: httpx.Client, i: int) -> int | None:
+        """Worker i's directory epoch if it registered, and answered as the process started here; else None."""
+        try:
+            health = http.get(self.urls[i] + "/health").json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        if health.get("node_id") != self.node_ids[i] or not _answered_by(self.procs[i], self.urls[i], self._verified):
+            return None
+        return cast(int | None, health.get("epoch"))
 
     def stop(self, grace: float = 5.0) -> None:
         _stop_all([p for p in self.procs if p is not None], grace)
@@ -448,6 +521,7 @@ class Gateway:
         self.data_dir = data_dir
         self.log_path = data_dir / "gateway.log"
         self.proc: subprocess.Popen[bytes]
+        self._verified: set[int] = set()  # pids seen listening on the gateway's port
         self.start()
 
     def start(self) -> None:
@@ -455,20 +529,23 @@ class Gateway:
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(self._cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-    def wait_ready(self, timeout: float, engines: int) -> None:
-        """Poll until the gateway answers and knows `engines` engines."""
+    def wait_ready(self, timeout: float, engines: int, progress: Callable[[], None] | None = None) -> None:
+        """Poll until the gateway started here answers and knows `engines` engines; `progress()` on every poll."""
         end = time.monotonic() + timeout
         with httpx.Client(timeout=1.0) as http:
             while time.monotonic() < end:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"the gateway exited with code {self.proc.returncode}; see {self.data_dir}/gateway.log")
+                    raise ChildExited("gateway", self.proc, self.log_path)
                 try:
-                    if http.get(self.url + "/health").json().get("engines", -1) >= engines:
-                        return
+                    known = http.get(self.url + "/health").json().get("engines", -1)
                 except (httpx.HTTPError, ValueError):
-                    pass
+                    known = -1
+                if known >= engines and _answered_by(self.proc, self.url, self._verified):
+                    return
+                if progress is not None:
+                    progress()
                 time.sleep(0.05)
-        raise TimeoutError(f"the gateway was not ready within {timeout}s; see {self.data_dir}/gateway.log")
+        raise NotReady(f"the gateway was not ready within {timeout}s", [("gateway", self.log_path)], str(self.log_path))
 
     def stop(self, grace: float = 5.0) -> None:
         _stop_all([self.proc], grace)
@@ -493,9 +570,10 @@ def log_tail(path: Path, lines: int = 20) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-            return "\n".join("  | " + line.decode(errors="replace") for line in f.read().splitlines()[-lines:])
+            tail = f.read().splitlines()[-lines:]
     except OSError as exc:
-        return f"(cannot read {path}: {exc})"
+        return f"  (cannot read {path}: {exc})"
+    return "\n".join("  | " + line.decode(errors="replace") for line in tail) if tail else "  (the log is empty)"
 
 
 def _exit_reason(code: int) -> str:
@@ -531,6 +609,7 @@ class Supervisor:
     def __init__(self, children: Sequence[Supervised], min_s: float = 0.5, max_s: float = 30.0, stable_s: float = 60.0) -> None:
         self.children = list(children)
         self.min_s, self.max_s, self.stable_s = min_s, max_s, stable_s
+        self.died: set[str] = set()  # names of the processes that died: their logs are worth keeping
         for c in self.children:
             c.delay_s = min_s
 
@@ -546,6 +625,7 @@ class Supervisor:
                     c.delay_s = self.min_s
             elif c.due is None:
                 c.due = now + c.delay_s
+                self.died.add(c.name)
                 log.error(
                     "%s (pid %d) %s; restarting it in %.1fs. Last lines of %s:\n%s",
                     c.name,
@@ -589,20 +669,125 @@ def _supervisor(cluster: Cluster, workers: Workers, gateway: Gateway | None) -> 
     return Supervisor(children)
 
 
+def up_ports(s: UpSettings) -> list[tuple[int, str]]:
+    """Every port `kvdir up` binds, with what for (the workers' transfer engines pick theirs when they start)."""
+    ports = [(s.base_port, "gateway")] if s.gateway else []
+    ports += [(s.base_port + i, f"replica {i} HTTP") for i in range(1, s.replicas + 1)]
+    ports += [(s.base_port + 100 + i, f"replica {i} Raft") for i in range(1, s.replicas + 1)]
+    ports += [(s.base_port + 10 + i, f"worker-{i} HTTP") for i in range(1, s.workers + 1)]
+    return ports
+
+
+def _free_base_port(s: UpSettings) -> int | None:
+    """A base port whose every port `kvdir up` would bind is free now (a suggestion for the clash message)."""
+    offsets = [port - s.base_port for port, _ in up_ports(s)]
+    for base in free_ports(20, s.host):
+        base -= 110  # free_ports' picks lie in 10000..the ephemeral range; the offsets go up to +107
+        if base >= 1024 and not taken_ports(s.host, [(base + d, "") for d in offsets], who=False):
+            return base
+    return None
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while `kvdir up` was starting."""
+
+
+@dataclass
+class _Launch:
+    """The processes of one `kvdir up`, as far as it got."""
+
+    cluster: Cluster
+    workers: Workers
+    gateway: Gateway | None = None
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        procs = [p for p in [*self.cluster.procs, *self.workers.procs] if p is not None]
+        return procs + ([self.gateway.proc] if self.gateway else [])
+
+    def stop(self) -> None:
+        """Stop everything started, the gateway first: it would only log errors while its engines went."""
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.workers.stop()
+        self.cluster.stop()
+
+
+def _start(settings: UpSettings, up: _Launch, auth: AuthFiles | None, progress: Progress, stop: threading.Event) -> str:
+    """Start replicas, workers and gateway in turn, each waited for with progress; returns the leader's URL."""
+
+    def poll(**changes: object) -> None:
+        if stop.is_set():
+            raise Interrupted
+        progress.update(**changes)
+
+    def on_replicas(n: int, url: str | None) -> None:
+        urls = up.cluster.replica_urls
+        poll(replicas_up=n, leader=url and (f"replica {urls.index(url) + 1}" if url in urls else url), leader_url=url)
+
+    timeout = settings.ready_timeout_s
+    n = settings.replicas
+    progress.note(f"starting {n} directory replica{'s' * (n != 1)}; logs in {up.cluster.data_dir}")
+    up.cluster.start()
+    leader = up.cluster.wait_ready(timeout, progress=on_replicas)
+    if settings.workers:
+        progress.note(f"starting {settings.workers} worker stub{'s' * (settings.workers != 1)}")
+    up.workers.start()
+    up.workers.wait_ready(timeout, progress=lambda n: poll(workers_up=n))
+    if settings.gateway:
+        progress.note("starting the gateway")
+        up.gateway = Gateway(
+            up.cluster.data_dir,
+            settings.base_port,
+            up.cluster.replica_urls,
+            host=settings.host,
+            log_level=settings.log_level,
+            extra_args=["--policy", settings.policy, "--refresh-s", "0.2"],
+            token_file=auth.gateway if auth else None,
+        )
+        up.gateway.wait_ready(timeout, engines=settings.workers, progress=poll)
+        progress.update(gateway_ready=True)
+    return leader
+
+
+def _has_text(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _on_terminal(stream: TextIO) -> bool:
+    return stream.isatty() and os.environ.get("TERM") != "dumb"
+
+
 def run_up(settings: UpSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    taken = taken_ports(settings.host, up_ports(settings))
+    if taken:
+        free = _free_base_port(settings)
+        log.error(
+            "kvdir up: %d of the ports it would bind on %s %s taken; nothing was started.\n%s\n"
+            "Stop what holds %s, or choose another --base-port%s.",
+            len(taken),
+            settings.host,
+            "is" if len(taken) == 1 else "are",
+            "\n".join(f"  {t}" for t in taken),
+            "it" if len(taken) == 1 else "them",
+            f" (--base-port {free} is free now)" if free else "",
+        )
+        return 1
     temp = settings.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="kvdir-up-")) if temp else settings.data_dir
     assert data_dir is not None
     data_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
+    caught: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        caught.append(signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     auth = AuthFiles.generate(data_dir / "secrets", worker_node_ids(settings.workers)) if settings.auth else None
     raft_password = auth.raft_password if auth else write_raft_password(data_dir / "secrets")
     cluster = Cluster.from_settings(settings, data_dir, raft_password, auth)
@@ -624,23 +809,16 @@ def run_up(settings: UpSettings) -> int:
         ],
         token_files=auth.engines if auth else None,
     )
-    gateway: Gateway | None = None
+    up = _Launch(cluster, workers)
+    progress = Progress(
+        StartState(settings.replicas, settings.workers, settings.gateway), sys.stderr, live=_on_terminal(sys.stderr)
+    )
+    evidence: list[str] = []  # what died: then a temporary data dir holds the only copy of its log, and is kept
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        cluster.start()
-        leader = cluster.wait_ready(settings.ready_timeout_s)
-        workers.start()
-        workers.wait_ready(settings.ready_timeout_s)
-        if settings.gateway:
-            gateway = Gateway(
-                data_dir,
-                settings.base_port,
-                cluster.replica_urls,
-                host=settings.host,
-                log_level=settings.log_level,
-                extra_args=["--policy", settings.policy, "--refresh-s", "0.2"],
-                token_file=auth.gateway if auth else None,
-            )
-            gateway.wait_ready(settings.ready_timeout_s, engines=settings.workers)
+        leader = _start(settings, up, auth, progress, stop)
+        progress.close(f"cluster ready in {progress.elapsed:.1f}s")
+        gateway = up.gateway
         ready = {
             "ready": True,
             "gateway": gateway.url if gateway else None,
@@ -674,16 +852,42 @@ def run_up(settings: UpSettings) -> int:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")
         supervisor = _supervisor(cluster, workers, gateway)
-        while not stop.wait(0.2):
-            supervisor.tick(time.monotonic())
+        try:
+            while not stop.wait(0.2):
+                supervisor.tick(time.monotonic())
+        finally:
+            evidence = sorted(supervisor.died)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
-        log.error("kvdir up: %s", exc)
+    except (Interrupted, ChildExited) as exc:
+        progress.close()
+        if stop.is_set():  # a Ctrl-C reaches the children too: one of them dying of it is no failure
+            n = len(up.procs())
+            up.stop()
+            log.error("kvdir up: interrupted; stopped %d process%s", n, "" if n == 1 else "es")
+            return 128 + caught[0]
+        assert isinstance(exc, ChildExited)
+        said = f"kvdir up: {exc.name} (pid {exc.pid}) {_exit_reason(exc.code)} during start-up"
+        if _has_text(exc.log):
+            evidence = [exc.name]
+            log.error("%s. Last lines of %s:\n%s", said, exc.log, log_tail(exc.log))
+        else:
+            log.error("%s; its log is empty", said)
+        return 1
+    except NotReady as exc:
+        progress.close()
+        log.error("kvdir up: %s", exc.reason if temp else exc)
+        for name, path in exc.logs:
+            if _has_text(path):
+                evidence.append(name)
+                log.error("Last lines of %s (%s):\n%s", path, name, log_tail(path, 10))
+        if not evidence:
+            log.error("(their logs are empty: --log-level info says more)")
         return 1
     finally:
-        if gateway is not None:
-            gateway.stop()
-        workers.stop()
-        cluster.stop()
-        if temp:
+        up.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if temp and evidence:
+            log.error("kvdir up: kept %s: it holds the logs of %s (remove it when done)", data_dir, ", ".join(evidence))
+        elif temp:
             shutil.rmtree(data_dir, ignore_errors=True)

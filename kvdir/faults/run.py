@@ -62,7 +62,7 @@ crash is `restart_all`). It reproduces the gap pysyncobj leaves, for the checker
 LEADER_LOSS = frozenset({"kill_leader", "pause_leader", "partition_leader"})
 RAFT_MAX_TIMEOUT_S = 0.5  # the replicas' default --raft-max-timeout-s
 STALE_BOUND_S = 2 * RAFT_MAX_TIMEOUT_S + 0.6
-"""How far a local lookup may lag (README "Staleness"): a replica cut off from its leader stops
+"""How far a local lookup may lag (docs/guarantees.md, "Staleness bound"): a replica cut off from its leader stops
 serving local lookups within one election timeout; the rest is scheduling slack on a busy machine."""
 
 

@@ -26,13 +26,17 @@ arguments give the same requests on every platform.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import random
 import struct
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import xxhash
 
@@ -115,10 +119,25 @@ def _check_row(row: object, block_tokens: int) -> str | None:
     return None
 
 
+def _open_text(path: str | Path) -> IO[str]:
+    """The trace as text; a ``.gz`` path is decompressed first (the repository bundles its trace gzipped).
+
+    A corrupt or truncated gzip file is a ValueError naming the path, like any other bad input.
+    """
+    if not str(path).endswith(".gz"):
+        return open(path, encoding="utf-8")
+    try:
+        data = gzip.decompress(Path(path).read_bytes())
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ValueError(f"{path}: not a valid gzip file ({exc})") from exc
+    return io.StringIO(data.decode("utf-8"))
+
+
 def load_mooncake(
     path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS, strict: bool = False
 ) -> tuple[list[TraceRequest], list[str]]:
-    """Requests of a Mooncake JSONL trace, in file order, and one message per malformed line.
+    """Requests of a Mooncake JSONL trace (gzipped if the path ends in ``.gz``), in file order, and one
+    message per malformed line.
 
     A line is malformed when it is not JSON, not an object, lacks a field, has
     a field of the wrong type, a negative length, or more hash_ids than
@@ -131,7 +150,7 @@ def load_mooncake(
         raise ValueError("block_tokens must be >= 1")
     requests: list[TraceRequest] = []
     errors: list[str] = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

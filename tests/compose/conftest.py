@@ -1,4 +1,4 @@
-"""The shipped docker-compose clusters, each brought up once for its test module: docker-compose.yml as README
+"""The shipped docker-compose clusters, each brought up once for its test module: docker-compose.yml as docs/deployment.md
 runs it (test_cluster.py), and with deploy/docker-compose.vllm.yml on vLLM's CPU build (test_vllm.py); both
 plus tests/compose/expose.yml (each replica's REST port on an ephemeral loopback port, for inspection).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -75,6 +76,15 @@ def test_kvdir_up_demo_and_exit(tmp_path) -> None:
     assert any("its old entries are gone" in line for line in lines), out.stdout
     assert ready["workers"] == [f"http://127.0.0.1:{base + 11}", f"http://127.0.0.1:{base + 12}"]
     assert any("worker-2 pulled 336 tokens of KV from worker-1" in line for line in lines), out.stdout
+    # The gateway part: the chats' first turns, with nothing cached anywhere, land on different workers; every
+    # later turn reuses its chat's cached prefix, in place or pulled, as predicted. "demo done" ends the output.
+    pattern = r"conversation (\d) turn (\d): -> (\S+) \((\w+)\), predicted (\d+) cached, engine reports (\d+) of"
+    routed = {(conv, turn): (node, why, int(p), int(r)) for conv, turn, node, why, p, r in re.findall(pattern, out.stdout)}
+    assert len(routed) == 6 and routed["0", "1"][0] != routed["1", "1"][0], out.stdout
+    assert all(routed[c, "1"][1:] == ("balance", 0, 0) for c in "01"), out.stdout
+    later = [routed[c, t] for c in "01" for t in "23"]
+    assert all(why in ("affinity", "pull") and 0 < p == r for _, why, p, r in later), out.stdout
+    assert lines[-1].startswith("demo done"), out.stdout
     # Everything it started is gone: the ports are free again, and the data dir holds each replica's journal.
     assert all(port_free(base + d) for d in PORTS)
     assert all((tmp_path / f"replica{i}" / "raft.journal").exists() for i in (1, 2, 3))

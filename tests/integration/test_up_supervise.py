@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import time
@@ -89,6 +90,27 @@ def test_kvdir_up_without_auth_still_gives_raft_a_password(up: tuple[Up, Path, P
         assert secret.encode() not in blob
     # The replicas share it: they elected a leader that every one of them follows.
     assert {httpx.get(url + "/v1/cluster", timeout=5).json()["leader_url"] for url in ready["replicas"]} == {ready["leader"]}
+
+
+def test_kvdir_up_says_its_progress_while_it_starts(up: tuple[Up, Path, Path, dict]) -> None:
+    """Off a terminal, one line per step with the seconds since the launch, in start-up order."""
+    _, data_dir, stderr, ready = up
+    leader = ready["replicas"].index(ready["leader"]) + 1
+    steps = [
+        f"starting 3 directory replicas; logs in {data_dir}",
+        "replicas 3/3 up",
+        f"leader elected: replica {leader} ({ready['leader']})",
+        "starting 2 worker stubs",
+        "workers 2/2 registered",
+        "starting the gateway",
+        "gateway ready",
+        "cluster ready in ",
+    ]
+    said = [m.groups() for m in re.finditer(r"^\[ *(\d+\.\d)s\] (.*)$", stderr.read_text(), re.MULTILINE)]
+    at = [next(i for i, (_, text) in enumerate(said) if text.startswith(step)) for step in steps]
+    assert at == sorted(at), said
+    seconds = [float(t) for t, _ in said]
+    assert seconds == sorted(seconds) and seconds[-1] > 0, said
 
 
 def test_kvdir_up_restarts_a_killed_replica_worker_and_gateway(up: tuple[Up, Path, Path, dict]) -> None:

@@ -33,7 +33,8 @@ def descendants(pid: int) -> list[int]:
 class Up:
     """A `kvdir up` process whose stdout lines are collected by a thread."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, *, own_group: bool = False) -> None:
+        """`own_group`: in a process group of its own, so that `ctrl_c()` can signal it as a terminal would."""
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvdir", "up", *args],
@@ -41,6 +42,7 @@ class Up:
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 text=True,
+                start_new_session=own_group,
             )
         self.lines: list[str] = []
         self.started: set[int] = set()  # every descendant seen, to make sure none outlives the test
@@ -55,6 +57,12 @@ class Up:
         pids = descendants(self.proc.pid)
         self.started.update(pids)
         return pids
+
+    def ctrl_c(self) -> None:
+        """SIGINT to the launcher and every process of its group at once, as a terminal's Ctrl-C sends it."""
+        assert os.getpgid(self.proc.pid) == self.proc.pid, "start it with own_group=True"
+        self.children()
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def stop(self) -> int:
         """SIGTERM (the launcher stops what it started), then SIGKILL whatever is left."""
