@@ -46,6 +46,12 @@ class GatewaySettings(DirectoryClientSettings):
     link_gbps: float = Field(2.0, gt=0, description="measured pull bandwidth between engines in GB/s (kvdir bench worker)")
     pull_setup_ms: float = Field(2.0, ge=0, description="fixed cost of one pull (handshake, lookup)")
     max_running: int = Field(32, ge=1, description="engines' concurrency, for the queueing estimate")
+    displace_weight: float = Field(
+        8.0,
+        ge=0,
+        description="kvdir policy: weight of the recompute time of what a full engine evicts to store a request "
+        "(free space from the directory's node list; 0: ignore evictions)",
+    )
     refresh_s: float = Field(0.5, gt=0, le=60, description="how often the engine list and loads are read from the directory")
     lookup_timeout_s: float = Field(0.25, gt=0, description="a directory lookup slower than this is abandoned (route by load)")
     mirror: bool = Field(

@@ -24,6 +24,23 @@ The model, per healthy candidate ``c`` and request ``req``:
   ``pull_s < (P.cached_tokens - c.cached_tokens) / prefill_tokens_per_s``
   (strictly: at the break-even the node recomputes; no network, no dependency
   on the holder).
+- displacement (capacity-aware routing): whatever a candidate does not hold
+  locally it stores (pulled or computed), and a full cache makes room by
+  evicting: ``displace_s = displace_weight * max(0, (prompt_tokens -
+  c.cached_tokens) - c.free_tokens) / prefill_tokens_per_s``, the recompute
+  time of what it would push out, weighted by the chance that it is needed
+  again. Not part of the TTFT (``total_s``): it is a cost to later requests,
+  added to the score a policy minimises (``score_s``). A second copy of a
+  prefix on a full node is what it prices; ``free_tokens=None`` (unknown)
+  prices nothing.
+- in-flight prefixes: blocks another request sent to ``c`` is computing now
+  (``c.inflight_blocks``, from gateway.inflight) count as held: the engine
+  reuses them once computed, and the wait for them is already in ``queue_s``
+  (that request's uncached tokens are in ``pending_prefill_tokens``). A
+  follower of a hot prefix thus queues behind it where it is being computed,
+  unless another node is faster even after computing it again.
+- predicted cached tokens are in the engine's units: a match ending inside an
+  engine block counts up to the engine block's start (``engine_tokens``).
 
 `evaluate` is that model, written once: it returns the `TTFTBreakdown` of the
 option a candidate would take, which both decides (its `total_s`) and explains
@@ -45,8 +62,12 @@ __all__ = [
     "RouteRequest",
     "TTFTBreakdown",
     "blocks_held",
+    "blocks_ready",
+    "displace_seconds",
+    "engine_tokens",
     "estimate_ttft",
     "evaluate",
+    "pending_estimate",
     "pull_seconds",
     "queue_seconds",
     "queued_ahead",
@@ -54,7 +75,7 @@ __all__ = [
     "ttft_breakdown",
 ]
 
-REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback"})
+REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback", "inflight"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +90,11 @@ class Candidate:
     inflight: int = 0  # requests the gateway has sent there and not finished
     healthy: bool = True
     can_pull: bool = True  # the node can read a pull plan's blocks from a peer (else kvdir never plans a pull to it)
+    free_tokens: int | None = None  # tokens it can store without evicting (None: unknown, no displacement priced)
+    engine_block_size: int = 0  # the engine's KV block in tokens, from its registration (0: the gateway's block size)
+    # Leading blocks of this prompt that requests already sent there are computing now (gateway.inflight): the
+    # engine reuses them once computed, so they count as held; the wait for them is in pending_prefill_tokens.
+    inflight_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +115,8 @@ class CostModel:
     decode_tokens_per_s: float = 80.0  # per running request (the gateway's --decode-tokens-per-s)
     # Output length of a typical running request, for the queueing term; None: the request's max_tokens.
     mean_output_tokens: float | None = None
+    # Weight of the recompute time of what a full node evicts to store a request's uncached blocks (0: ignored).
+    displace_weight: float = 8.0
 
 
 DEFAULT_COST = CostModel()
@@ -112,16 +140,58 @@ class TTFTBreakdown(NamedTuple):
     compute_s: float
     cached_tokens: int  # prompt tokens not recomputed (held locally or pulled)
     pulled_blocks: int = 0  # blocks read from a peer first (0: the option recomputes what it lacks)
+    displace_s: float = 0.0  # weighted recompute time of what storing this request evicts (not in the TTFT)
 
     @property
     def total_s(self) -> float:
+        """The estimated TTFT."""
         return self.queue_s + self.pull_s + self.compute_s
+
+    @property
+    def score_s(self) -> float:
+        """What kvdir minimises: the TTFT plus the price of what the option displaces."""
+        return self.queue_s + self.pull_s + self.compute_s + self.displace_s
 
 
 def blocks_held(cand: Candidate, n_hashes: int) -> int:
     """The candidate's cached blocks that count for this prompt: clamped to [0, n_hashes]."""
     b = cand.cached_blocks
     return 0 if b < 0 else (n_hashes if b > n_hashes else b)
+
+
+def blocks_ready(cand: Candidate, n_hashes: int) -> int:
+    """Blocks the candidate will hold when this prompt's prefill starts: cached, or being computed there now."""
+    b = cand.cached_blocks if cand.cached_blocks > cand.inflight_blocks else cand.inflight_blocks
+    return 0 if b < 0 else (n_hashes if b > n_hashes else b)
+
+
+def engine_tokens(cached_tokens: int, cand: Candidate) -> int:
+    """`cached_tokens` rounded down to the candidate engine's block size: what the engine will report as cached.
+
+    An engine caches whole blocks of its own size; a gateway hashing smaller
+    blocks can match into the middle of one, which the engine recomputes.
+    """
+    ebs = cand.engine_block_size
+    if ebs <= 1:
+        return cached_tokens
+    return cached_tokens - cached_tokens % ebs
+
+
+def displace_seconds(stored_tokens: int, cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
+    """displace_weight * max(0, stored_tokens - free_tokens) / prefill rate (0 when free_tokens is unknown)."""
+    free = cand.free_tokens
+    if free is None or cost.displace_weight <= 0.0:
+        return 0.0
+    over = stored_tokens - free
+    return cost.displace_weight * over / cost.prefill_tokens_per_s if over > 0 else 0.0
+
+
+def pending_estimate(own: float, reported: float, own_at_report: float, age_s: float, prefill_tokens_per_s: float) -> float:
+    """An engine's prefill backlog as one of several gateways can know it: its own pending prefill now, plus the
+    others' part of what the engine last reported (``reported - own_at_report``) less what the engine can have
+    prefilled since (``age_s * prefill_tokens_per_s``). A gateway alone gets its own count (the rest is ~0)."""
+    others = reported - own_at_report - age_s * prefill_tokens_per_s
+    return own + others if others > 0 else own
 
 
 def slot_interval_seconds(req: RouteRequest, cost: CostModel = DEFAULT_COST) -> float:
@@ -164,9 +234,11 @@ def evaluate(
     strictly faster than computing them (the break-even rule); `force_pull`
     prices the pull regardless (a what-if: `ttft_breakdown`). Otherwise the
     candidate recomputes what it lacks. `pulled_blocks` says which option it is.
+    Either way the candidate stores what it does not hold: `displace_s` prices
+    the evictions that makes on a full node (the same for both options).
     """
     nh = len(req.hashes)
-    have = blocks_held(cand, nh)
+    have = blocks_ready(cand, nh)
     bs = req.block_size
     prompt = req.prompt_tokens
     rate = cost.prefill_tokens_per_s
@@ -174,6 +246,7 @@ def evaluate(
     cached = have * bs
     if cached > prompt:
         cached = prompt
+    displace_s = displace_seconds(prompt - cached, cand, cost)
     target = min(max(pull_to_blocks, 0), nh)
     if target > have and (force_pull or cand.can_pull):
         pull_s = pull_seconds(target - have, cost)
@@ -181,8 +254,8 @@ def evaluate(
         if pulled > prompt:
             pulled = prompt
         if force_pull or pull_s < (pulled - cached) / rate:
-            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have)
-    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached)
+            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have, displace_s)
+    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached, 0, displace_s)
 
 
 def ttft_breakdown(

@@ -101,6 +101,9 @@ class EngineState:
     registered: bool = True  # from the directory (False: a static --engine)
     can_pull: bool = False  # has a transfer endpoint, so it understands kvdir_pull plans
     block_bytes: int = 0  # KV bytes of one block over all ranks
+    block_size: int = 0  # tokens per KV block, as registered (0: unknown): predictions are rounded to it
+    capacity_blocks: int | None = None  # KV blocks it can hold, as registered (None: unknown)
+    blocks: int = 0  # blocks the directory lists for it: with capacity_blocks, its free space
     max_model_len: int | None = None  # from its /v1/models, once it answered
     running: float = 0.0
     waiting: float = 0.0
@@ -205,6 +208,9 @@ class EngineRegistry:
             e.epoch = n.epoch
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
             e.block_bytes = sum(r.block_bytes for r in n.regions)
+            e.block_size = n.block_size or 0
+            e.capacity_blocks = n.capacity_blocks
+            e.blocks = n.blocks
             e.running = n.load.get("running", 0.0)
             e.waiting = n.load.get("waiting", 0.0)
             e.last_seen = time.monotonic()

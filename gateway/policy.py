@@ -9,7 +9,9 @@ The same code drives the HTTP gateway (through gateway.router) and the offline
 trace-replay simulator, so nothing here does I/O, reads a clock or uses global
 randomness: every random choice goes through the `random.Random` passed to
 `choose`, and a policy with state (round robin's position, the SGLang-modeled
-tree) changes it only in `choose` (round robin) or `on_routed` (SGLang-modeled).
+tree, kvdir's recent work per node, the Dynamo-modeled in-flight sequences)
+changes it only in `choose` (round robin; Dynamo-modeled trimming), `on_routed`
+or `on_finished` (called when a routed request has ended).
 Given the same seed and the same inputs every policy makes the same decisions.
 
 Policies
@@ -18,7 +20,9 @@ Policies
     Estimated time to first token (TTFT) per healthy candidate (the model in
     gateway.cost, computed by `gateway.cost.evaluate`), with the option of
     pulling the missing part of the longest cached prefix from its holder
-    instead of recomputing it; minimum wins.
+    instead of recomputing it, plus the price of what storing the request
+    would evict on a full node; minimum wins, near-ties go to the node with
+    the least recent work.
     The holder's own load does not enter the pull cost: a pull is a one-sided
     read of the holder's registered memory, it takes no engine place there.
     A pull needs the holder's slots: H can serve blocks
@@ -34,7 +38,8 @@ Policies
     Its own approximate tree of what it routed, not the directory.
 
 ``dynamo`` (modeled after Dynamo's KV router)
-    ``cost = overlap_weight * prefill_blocks_needed + active_blocks``.
+    ``cost = overlap_weight * prefill_blocks + decode_blocks`` over its own
+    count of the distinct blocks it has in flight per node.
 
 Every policy fills ``estimated_ttft_s`` with kvdir's model of the chosen
 option, so decisions of all policies can be compared on the same scale.
@@ -56,6 +61,7 @@ from gateway.cost import (
     Decision,
     RouteRequest,
     TTFTBreakdown,
+    engine_tokens,
     estimate_ttft,
     evaluate,
     pull_seconds,
@@ -65,6 +71,7 @@ from gateway.cost import (
     ttft_breakdown,
 )
 from gateway.cost import blocks_held as _blocks
+from gateway.cost import blocks_ready as _ready
 
 __all__ = [
     "POLICIES",
@@ -103,6 +110,8 @@ class Policy(Protocol):
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None: ...
 
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None: ...
+
 
 # ---------------------------------------------------------------------------
 # Helpers shared by the policies
@@ -132,8 +141,9 @@ def _cache_reason(blocks: int, longest: int) -> str:
     return "affinity" if blocks >= longest else "recompute"
 
 
-def _tokens(blocks: int, req: RouteRequest) -> int:
-    return min(blocks * req.block_size, req.prompt_tokens)
+def _tokens(blocks: int, req: RouteRequest, cand: Candidate) -> int:
+    """Prompt tokens in `blocks` leading blocks, in the engine's block units (what it will report as cached)."""
+    return engine_tokens(min(blocks * req.block_size, req.prompt_tokens), cand)
 
 
 def _plain(
@@ -145,7 +155,7 @@ def _plain(
     if reason is None:
         reason = _cache_reason(blocks, _longest(healthy, nh)[1])
     return Decision(
-        chosen.node_id, reason, _tokens(blocks, req), estimated_ttft_s=estimate_ttft(req, chosen, cost), detail=detail
+        chosen.node_id, reason, _tokens(blocks, req, chosen), estimated_ttft_s=estimate_ttft(req, chosen, cost), detail=detail
     )
 
 
@@ -158,20 +168,47 @@ def _load(c: Candidate) -> int:
 
 
 class KvdirPolicy:
-    """Minimum estimated TTFT over (candidate, recompute | pull from the longest holder).
+    """Minimum score over (candidate, recompute | pull from the longest holder): the estimated TTFT plus
+    the price of what storing the request would evict on a full node (`TTFTBreakdown.score_s`).
 
     Each candidate's option and its estimate come from `gateway.cost.evaluate`;
     the same breakdown explains the decision (`detail`).
-    Ties (within TIE_EPSILON seconds): more cached tokens (local or pulled),
-    then fewer inflight, then rng among the rest (ordered by node_id).
-    `allow_pull=False` gives the same policy without pulls (an ablation).
+    Near-ties: options within `balance_slack_s` of the best score, and within
+    `balance_slack_ratio` of it (short prompts: 7.7 ms is not "about" 5.4 ms), are equally
+    good for this request, so the choice among them is made for the cluster:
+    the nodes with the least recent work (uncached prompt tokens this policy
+    routed there, decaying by ``1 - 1/balance_window`` per routed request: no
+    clock), and among those the best score. Ties (within TIE_EPSILON): more
+    cached tokens, then fewer inflight, then rng (ordered by node_id). Without it a light load gathers
+    whole sessions where a shared system prompt lives, every queue being empty
+    when each one arrives. `allow_pull=False` gives the same policy without
+    pulls (an ablation).
     """
 
     name = "kvdir"
 
-    def __init__(self, cost: CostModel | None = None, *, allow_pull: bool = True) -> None:
+    def __init__(
+        self,
+        cost: CostModel | None = None,
+        *,
+        allow_pull: bool = True,
+        balance_slack_s: float = 0.02,
+        balance_slack_ratio: float = 0.25,
+        balance_window: int = 64,
+    ) -> None:
+        if balance_slack_s < 0 or balance_slack_ratio < 0 or balance_window < 1:
+            raise ValueError("balance_slack_s and balance_slack_ratio must be >= 0 and balance_window >= 1")
         self.cost = cost or DEFAULT_COST
         self.allow_pull = allow_pull
+        self.balance_slack_s = balance_slack_s
+        self.balance_slack_ratio = balance_slack_ratio
+        self.balance_window = balance_window
+        self._work: dict[str, float] = {}  # node -> decayed uncached prompt tokens routed there
+        self._scale = 1.0  # _work values are stored divided by this (lazy decay: one multiply per request)
+
+    def recent_work(self, node_id: str) -> float:
+        """Decayed uncached prompt tokens this policy routed to `node_id`."""
+        return self._work.get(node_id, 0.0) * self._scale
 
     def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
         healthy = _healthy(candidates)
@@ -179,24 +216,34 @@ class KvdirPolicy:
         holder, longest = _longest(healthy, len(req.hashes))
         pull_to = min(longest, len(holder.slots)) if self.allow_pull else 0
 
-        best_t = math.inf
+        best = math.inf
         options: list[tuple[float, int, int, Candidate, TTFTBreakdown]] = []
         for c in healthy:
             br = evaluate(req, c, cost, pull_to_blocks=pull_to)
-            t = br.total_s
-            options.append((t, br.cached_tokens, c.inflight, c, br))
-            if t < best_t:
-                best_t = t
+            score = br.score_s
+            options.append((score, br.cached_tokens, c.inflight, c, br))
+            if score < best:
+                best = score
 
-        limit = best_t + TIE_EPSILON
-        tied = [o for o in options if o[0] <= limit]
+        slack = min(self.balance_slack_s, self.balance_slack_ratio * best)
+        if slack > 0:
+            near = [o for o in options if o[0] <= best + slack]
+            if len(near) > 1:
+                work = self._work
+                low = min(work.get(o[3].node_id, 0.0) for o in near)
+                near = [o for o in near if work.get(o[3].node_id, 0.0) <= low * (1 + 1e-12)]
+                best = min(o[0] for o in near)
+            options = near
+        tied = [o for o in options if o[0] <= best + TIE_EPSILON]
         if len(tied) > 1:
             top = max(tied, key=lambda o: (o[1], -o[2]))
             tied = [o for o in tied if o[1] == top[1] and o[2] == top[2]]
             if len(tied) > 1:
                 tied.sort(key=lambda o: o[3].node_id)
                 tied = [rng.choice(tied)]
-        t, cached, _, chosen, br = tied[0]
+        _, _, _, chosen, br = tied[0]
+        t = br.total_s
+        cached = engine_tokens(br.cached_tokens, chosen)
         detail = self._explain(req, chosen, br, holder, longest)
 
         if br.pulled_blocks:
@@ -210,7 +257,10 @@ class KvdirPolicy:
                 estimated_ttft_s=t,
                 detail=detail,
             )
-        reason = _cache_reason(_blocks(chosen, len(req.hashes)), longest)
+        nh = len(req.hashes)
+        held = _blocks(chosen, nh)
+        # Reusing what another request is computing there: it queues behind that prefill.
+        reason = "inflight" if _ready(chosen, nh) > held else _cache_reason(held, longest)
         return Decision(chosen.node_id, reason, cached, estimated_ttft_s=t, detail=detail)
 
     def _explain(self, req: RouteRequest, c: Candidate, br: TTFTBreakdown, holder: Candidate, longest: int) -> str:
@@ -230,9 +280,23 @@ class KvdirPolicy:
             f" + compute {br.compute_s:.6f} [({req.prompt_tokens}-{br.cached_tokens})/{cost.prefill_tokens_per_s:g}]"
             f"; longest {holder.node_id}={longest} blocks"
         )
+        if c.inflight_blocks > c.cached_blocks:
+            s += f"; {c.inflight_blocks} blocks being computed there"
+        if br.displace_s:
+            s += f"; displaces {br.displace_s:.6f}s [weight {cost.displace_weight:g}, free {c.free_tokens} tokens]"
         return s
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        """Count the request's uncached tokens as recent work of its node; decay everyone's by 1 - 1/window."""
+        self._scale *= 1.0 - 1.0 / self.balance_window
+        if self._scale < 1e-100:  # renormalise before the stored values overflow
+            self._work = {k: v * self._scale for k, v in self._work.items()}
+            self._scale = 1.0
+        uncached = req.prompt_tokens - decision.predicted_cached_tokens
+        if uncached > 0:
+            self._work[decision.node_id] = self._work.get(decision.node_id, 0.0) + uncached / self._scale
+
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
         return None
 
 
@@ -264,6 +328,9 @@ class RoundRobinPolicy:
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
         return None
 
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
 
 class LeastLoadedPolicy:
     """Fewest inflight + running + waiting; ties by node_id."""
@@ -279,6 +346,9 @@ class LeastLoadedPolicy:
         return _plain(req, chosen, healthy, self.cost, "balance", f"load {_load(chosen)}")
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
         return None
 
 
@@ -297,6 +367,9 @@ class LocalOnlyPolicy:
         return _plain(req, chosen, healthy, self.cost, reason, "random")
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
         return None
 
 
@@ -428,7 +501,11 @@ class SGLangPolicy:
                 reason = "balance"
                 detail = f"best match {match}/{nh}={ratio:.3f} <= {self.cache_threshold}: smallest tree ({self._sizes.get(chosen.node_id, 0)})"
         return Decision(
-            chosen.node_id, reason, _tokens(match, req), estimated_ttft_s=estimate_ttft(req, chosen, self.cost), detail=detail
+            chosen.node_id,
+            reason,
+            _tokens(match, req, chosen),
+            estimated_ttft_s=estimate_ttft(req, chosen, self.cost),
+            detail=detail,
         )
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
@@ -454,24 +531,31 @@ class SGLangPolicy:
         while len(lru) > self.max_tree_size:
             self._remove(next(iter(lru)))
 
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
+        return None
+
 
 # ---------------------------------------------------------------------------
 # Modeled after Dynamo's KV router
 
 
 class DynamoPolicy:
-    """Modeled after Dynamo's KV router (not Dynamo itself).
+    """Modeled after Dynamo's KV router (not Dynamo itself); its cost function as in ai-dynamo/dynamo
+    lib/llm/src/kv_router/scheduler.rs (`DefaultWorkerSelector::select_worker`) and the active-sequence
+    tracking of lib/llm/src/kv_router/sequence.rs (docs/replay.md quotes both):
 
-    cost(c) = overlap_weight * prefill_blocks_needed + active_blocks, with
-      prefill_blocks_needed = len(hashes) - cached_blocks (the directory's view,
-          as Dynamo's is from engine events),
-      active_blocks = pending_prefill_tokens / block_size
-          + (running + inflight) * blocks_per_active_request,
-      blocks_per_active_request = the `blocks_per_active_request` option, else
-          (prompt_tokens + max_tokens) / block_size: each active sequence is
-          assumed as long as this one. Dynamo counts the distinct blocks of its
-          active sequences; counts of requests cannot see shared prefixes, so
-          this overstates the load of a node that runs many requests sharing one.
+    cost(c) = overlap_weight * prefill_blocks + decode_blocks, with
+      prefill_blocks = (prompt_tokens - cached_blocks * block_size + pending_prefill_tokens) / block_size:
+          this request's uncached tokens plus those of requests sent there whose prefill has not ended
+          (Dynamo's ``new_tokens + active_tokens``; ``cached_blocks`` is the directory's view, as
+          Dynamo's overlap is from engine events);
+      decode_blocks = new_blocks + active_blocks: the distinct blocks of the sequences this router has
+          in flight on the node (each shared prefix counted once), plus this request's blocks that
+          are not among them.
+    The router tracks its in-flight sequences itself, as Dynamo's does: `on_routed` adds one,
+    `on_finished` removes it (``track_finished=True``: the caller reports every end, and router
+    replicas may share their decisions); without it a node's oldest sequences are trimmed down
+    to the candidate's ``inflight`` count at each choice.
     temperature 0: the minimum cost, random ties (rng); temperature T > 0: sample
     p(c) ∝ exp(-((cost(c) - min) / (max - min)) / T) with rng (uniform when all
     costs are equal). Candidates are ordered by node_id first, so the draw does
@@ -486,23 +570,52 @@ class DynamoPolicy:
         *,
         overlap_weight: float = 1.0,
         temperature: float = 0.0,
-        blocks_per_active_request: float | None = None,
+        track_finished: bool = False,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         self.cost = cost or DEFAULT_COST
         self.overlap_weight = overlap_weight
         self.temperature = temperature
-        self.blocks_per_active_request = blocks_per_active_request
+        self.track_finished = track_finished
+        self._seqs: dict[str, OrderedDict[int, RouteRequest]] = {}  # node -> in-flight requests (by id), oldest first
+        self._active: dict[str, dict[int, int]] = {}  # node -> block hash -> in-flight sequences holding it
+
+    def active_blocks(self, node_id: str) -> int:
+        """Distinct blocks of the sequences in flight on `node_id`, as this router counts them."""
+        return len(self._active.get(node_id, ()))
+
+    def _drop(self, node_id: str, key: int) -> None:
+        seqs = self._seqs.get(node_id)
+        if seqs is None or key not in seqs:
+            return
+        r = seqs.pop(key)
+        active = self._active[node_id]
+        for h in set(r.hashes):
+            left = active[h] - 1
+            if left:
+                active[h] = left
+            else:
+                del active[h]
+
+    def _trim(self, c: Candidate) -> None:
+        seqs = self._seqs.get(c.node_id)
+        while seqs and len(seqs) > c.inflight:
+            self._drop(c.node_id, next(iter(seqs)))
 
     def costs(self, req: RouteRequest, healthy: Sequence[Candidate]) -> list[float]:
         nh = len(req.hashes)
         bs = req.block_size
-        per_req = self.blocks_per_active_request
-        if per_req is None:
-            per_req = (req.prompt_tokens + req.max_tokens) / bs
         w = self.overlap_weight
-        return [w * (nh - _blocks(c, nh)) + c.pending_prefill_tokens / bs + (c.running + c.inflight) * per_req for c in healthy]
+        out = []
+        for c in healthy:
+            if not self.track_finished:
+                self._trim(c)
+            active = self._active.get(c.node_id, {})
+            new_blocks = sum(1 for h in req.hashes if h not in active)
+            uncached = max(0, req.prompt_tokens - _blocks(c, nh) * bs)
+            out.append(w * (uncached + c.pending_prefill_tokens) / bs + new_blocks + len(active))
+        return out
 
     def choose(self, req: RouteRequest, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
         healthy = sorted(_healthy(candidates), key=lambda c: c.node_id)
@@ -526,15 +639,27 @@ class DynamoPolicy:
                     break
             how = f"softmax T={t:g}"
         chosen = healthy[i]
-        nh = len(req.hashes)
         detail = (
-            f"{how}: cost {costs[i]:.3f} = {self.overlap_weight:g}*{nh - _blocks(chosen, nh)}"
-            f" + active {costs[i] - self.overlap_weight * (nh - _blocks(chosen, nh)):.3f}; min {lo:.3f} max {hi:.3f}"
+            f"{how}: cost {costs[i]:.3f} = {self.overlap_weight:g}*prefill_blocks + decode_blocks "
+            f"(active {self.active_blocks(chosen.node_id)}); min {lo:.3f} max {hi:.3f}"
         )
         return _plain(req, chosen, healthy, self.cost, None, detail)
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
-        return None
+        """The request's sequence is in flight on its node: its blocks count as active there."""
+        node = decision.node_id
+        seqs = self._seqs.setdefault(node, OrderedDict())
+        key = id(req)
+        if key in seqs:
+            return
+        seqs[key] = req
+        active = self._active.setdefault(node, {})
+        for h in set(req.hashes):
+            active[h] = active.get(h, 0) + 1
+
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
+        """The request ended (Dynamo's ``free``): its blocks no longer count as active."""
+        self._drop(decision.node_id, id(req))
 
 
 # ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -49,32 +49,36 @@ class InflightTicket:
 
     Taking the ticket adds 1 to `engine.inflight` and the request's uncached
     prompt tokens to `engine.pending_prefill_tokens`; `first_byte` removes the
-    tokens (the prefill is over once the engine answers), `close` removes
-    both what is left and the request. Both are idempotent, so every exit path
-    may call them. `with ticket:` hands the ticket to a block that closes it
+    tokens (the prefill is over once the engine answers) and tells
+    `on_prefilled` whether it ended well (`ok`), `close` removes both what is
+    left and the request (a prefill still open then failed). Both are
+    idempotent, so every exit path may call them. `with ticket:` hands the ticket to a block that closes it
     however the block ends; a streamed response's ticket is closed by its relay
     when the stream ends. Event loop only (not thread-safe).
     """
 
-    __slots__ = ("_closed", "_prefilling", "engine", "uncached")
+    __slots__ = ("_closed", "_prefilling", "engine", "on_prefilled", "uncached")
 
-    def __init__(self, engine: EngineState, uncached: int) -> None:
+    def __init__(self, engine: EngineState, uncached: int, on_prefilled: Callable[[bool], None] | None = None) -> None:
         self.engine = engine
         self.uncached = uncached
+        self.on_prefilled = on_prefilled
         engine.inflight += 1
         engine.pending_prefill_tokens += uncached
         self._prefilling = True
         self._closed = False
 
-    def first_byte(self) -> None:
-        """The engine started answering: the prompt is no longer waiting to be prefilled."""
+    def first_byte(self, ok: bool = True) -> None:
+        """The engine started answering (`ok`; else it failed): the prompt is no longer waiting to be prefilled."""
         if self._prefilling:
             self._prefilling = False
             self.engine.pending_prefill_tokens -= self.uncached
+            if self.on_prefilled is not None:
+                self.on_prefilled(ok)
 
     def close(self) -> None:
         """The request is over (answered, failed or abandoned)."""
-        self.first_byte()
+        self.first_byte(ok=False)
         if not self._closed:
             self._closed = True
             self.engine.inflight -= 1
@@ -188,6 +192,7 @@ class Proxy:
         }
         if upstream.status_code >= 400:
             self.metrics.upstream_errors.labels(str(upstream.status_code)).inc()
+            ticket.first_byte(ok=False)  # no prompt was computed: followers must not wait for it
         if not stream or upstream.status_code >= 400:
             return await self._buffered(upstream, engine, decision, ticket, headers)
         return StreamingResponse(
@@ -211,13 +216,23 @@ class Proxy:
         while True:
             try:
                 route = self.router.route(
-                    req, self.registry.engines.values(), holders, lookup_failure=lookup_failure, exclude=exclude
+                    req,
+                    self.registry.engines.values(),
+                    holders,
+                    lookup_failure=lookup_failure,
+                    exclude=exclude,
+                    now=time.monotonic(),
                 )
             except NoEngineAvailable as exc:
                 raise GatewayError(503, str(exc), "service_unavailable", "no_engine") from exc
             engine = self.registry.engines[route.decision.node_id]
             body = route.upstream_body(raw)
-            ticket = InflightTicket(engine, route.uncached_tokens)
+            key = self.router.prefilling(req, engine.node_id, engine.epoch, time.monotonic())
+
+            def prefilled(ok: bool, key: int = key) -> None:
+                self.router.prefilled(key, time.monotonic(), ok=ok)
+
+            ticket = InflightTicket(engine, route.uncached_tokens, prefilled)
             self.metrics.route_seconds.observe(time.perf_counter() - timing.start)
             self.metrics.added_seconds.observe(time.perf_counter() - timing.arrival - timing.tokenize_s - timing.hash_s)
             try:

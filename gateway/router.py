@@ -23,9 +23,10 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from directory.schemas import PULL_PLAN_FIELD, PullPlan
+from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD, PullPlan
 from gateway.config import GatewaySettings
 from gateway.cost import Candidate, CostModel, Decision, RouteRequest
+from gateway.inflight import InflightPrefixes
 from gateway.policy import Policy
 from gateway.prefix_hasher import PrefixHasher
 
@@ -66,6 +67,12 @@ class EngineView(Protocol):
     def can_pull(self) -> bool: ...
     @property
     def block_bytes(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...  # the engine's KV block in tokens, as registered (0: unknown)
+    @property
+    def capacity_blocks(self) -> int | None: ...  # KV blocks it can hold, as registered (None: unknown)
+    @property
+    def blocks(self) -> int: ...  # blocks the directory lists for it
 
 
 class HolderView(Protocol):
@@ -91,6 +98,7 @@ def cost_model(settings: GatewaySettings) -> CostModel:
         pull_setup_s=settings.pull_setup_ms / 1000,
         max_running=settings.max_running,
         decode_tokens_per_s=settings.decode_tokens_per_s,
+        displace_weight=settings.displace_weight,
     )
 
 
@@ -106,6 +114,9 @@ def make_candidate(
     slots: Sequence[int] = (),
     healthy: bool = True,
     can_pull: bool = True,
+    free_tokens: int | None = None,
+    engine_block_size: int = 0,
+    inflight_blocks: int = 0,
 ) -> Candidate:
     """A candidate from an engine's reported load and the gateway's own count of requests in flight there.
 
@@ -123,17 +134,38 @@ def make_candidate(
         inflight=inflight,
         healthy=healthy,
         can_pull=can_pull,
+        free_tokens=free_tokens,
+        engine_block_size=engine_block_size,
+        inflight_blocks=inflight_blocks,
     )
 
 
+def free_tokens(e: EngineView, block_size: int) -> int | None:
+    """Tokens the engine can store without evicting: (capacity - blocks listed) in its block size, or
+    `block_size` when it registered none; None when it registered no capacity (no displacement priced)."""
+    cap = e.capacity_blocks
+    if cap is None:
+        return None
+    return max(0, cap - e.blocks) * (e.block_size or block_size)
+
+
 def build_candidates(
-    engines: Iterable[EngineView], holders: Mapping[str, HolderView], exclude: Container[str] = frozenset()
+    engines: Iterable[EngineView],
+    holders: Mapping[str, HolderView],
+    exclude: Container[str] = frozenset(),
+    *,
+    inflight: Mapping[tuple[str, int], int] | None = None,
+    block_size: int = 16,
 ) -> list[Candidate]:
     """One candidate per engine not in `exclude`, in the engines' order, healthy or not.
 
     An engine holds cached blocks only if the holder's epoch is the engine's
-    current one: blocks of an earlier incarnation are gone.
+    current one: blocks of an earlier incarnation are gone. `inflight` is
+    `InflightPrefixes.match` for this prompt: blocks being computed per (node,
+    epoch). `block_size` (the gateway's) sizes free space of engines that
+    registered no block size.
     """
+    inflight = inflight or {}
     out = []
     for e in engines:
         if e.node_id in exclude:
@@ -152,6 +184,9 @@ def build_candidates(
                 slots=(h.slots or ()) if h is not None and held else (),
                 healthy=e.healthy,
                 can_pull=e.can_pull,
+                free_tokens=free_tokens(e, block_size),
+                engine_block_size=e.block_size,
+                inflight_blocks=inflight.get((e.node_id, e.epoch), 0),
             )
         )
     return out
@@ -166,10 +201,17 @@ class Route:
     uncached_tokens: int  # prompt tokens the engine computes: its pending prefill until the first token
 
     def upstream_body(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """The client's body as forwarded: unchanged, plus the pull plan if there is one."""
+        """The client's body as forwarded: unchanged, plus the pull plan if there is one.
+
+        The plan goes in twice: top-level for the worker stub, and inside `kv_transfer_params` (merged with
+        the client's) for the vLLM connector, the one field vLLM passes to connectors.
+        """
         if self.pull_plan is None:
             return raw
-        return {**raw, PULL_PLAN_FIELD: self.pull_plan.to_json()}
+        plan = self.pull_plan.to_json()
+        params = raw.get(KV_TRANSFER_PARAMS_FIELD)
+        params = {**params, PULL_PLAN_FIELD: plan} if isinstance(params, dict) else {PULL_PLAN_FIELD: plan}
+        return {**raw, PULL_PLAN_FIELD: plan, KV_TRANSFER_PARAMS_FIELD: params}
 
 
 class Router:
@@ -179,10 +221,13 @@ class Router:
     from its event loop only.
     """
 
-    def __init__(self, policy: Policy, rng: random.Random, hasher: PrefixHasher) -> None:
+    def __init__(
+        self, policy: Policy, rng: random.Random, hasher: PrefixHasher, inflight: InflightPrefixes | None = None
+    ) -> None:
         self.policy = policy
         self.rng = rng
         self.hasher = hasher
+        self.inflight = inflight if inflight is not None else InflightPrefixes()
 
     def hashes(self, tokens: list[int]) -> list[int]:
         """The prompt's full-block sequence hashes, as the engines compute them."""
@@ -214,18 +259,30 @@ class Router:
         *,
         lookup_failure: str | None = None,
         exclude: Container[str] = frozenset(),
+        now: float = 0.0,
     ) -> Route:
         """The policy's choice among the healthy engines not excluded; NoEngineAvailable when there is none.
 
         With `lookup_failure` (why the directory did not answer) the holders are
         unknown: the choice is by load and is reported as `fallback`, predicting
-        no cached tokens.
+        no cached tokens, unless it follows a prefix the gateway itself sent there (`inflight`). `now` (monotonic seconds) ages the in-flight prefixes.
         """
-        cands = [c for c in build_candidates(engines, holders, exclude) if c.healthy]
+        inflight = self.inflight.match(req.hashes, now)
+        cands = [
+            c
+            for c in build_candidates(
+                engines,
+                holders,
+                exclude,
+                inflight=inflight,
+                block_size=self.hasher.block_size,
+            )
+            if c.healthy
+        ]
         if not cands:
             raise NoEngineAvailable("no engine is available")
         decision = self.policy.choose(req, cands, self.rng)
-        if lookup_failure is not None:
+        if lookup_failure is not None and decision.reason != "inflight":  # "inflight": the gateway's own knowledge
             decision = replace(
                 decision,
                 reason="fallback",
@@ -236,6 +293,14 @@ class Router:
         if decision.pull_from is not None and decision.pull_epoch is not None:
             plan = PullPlan(source_node=decision.pull_from, source_epoch=decision.pull_epoch, slots=list(decision.pull_slots))
         return Route(decision, plan, max(0, req.prompt_tokens - decision.predicted_cached_tokens))
+
+    def prefilling(self, req: RouteRequest, node_id: str, epoch: int, now: float) -> int:
+        """The request is being sent to `node_id`@`epoch`: its prompt is computed there from now on; a key for `prefilled`."""
+        return self.inflight.begin(req.hashes, node_id, epoch, now)
+
+    def prefilled(self, key: int, now: float, *, ok: bool) -> None:
+        """The request's prefill is over: `ok` (first token back: the node holds its prompt) or not (it failed)."""
+        self.inflight.end(key, now, ok=ok)
 
     def routed(self, req: RouteRequest, decision: Decision) -> None:
         """The request was sent where `decision` says (a policy with memory of its routing learns it here)."""

@@ -22,9 +22,9 @@ from directory.client import DirectoryClient
 from directory.errors import DirectoryError
 from directory.hashing import block_hashes
 from directory.schemas import NodeInfo, PullPlan
+from kvtransfer.engines import TransferEngine, TransferError
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool, Lease, PoolFull
-from worker_stub.transfer import TransferEngine, TransferError
 
 log = logging.getLogger("kvdir.worker")
 
@@ -68,6 +68,7 @@ class Engine:
         self.waiting = 0
         self._slots = asyncio.Semaphore(settings.max_running)
         self._peers: dict[tuple[str, int], NodeInfo] = {}
+        self._computing: dict[int, asyncio.Event] = {}  # block hash -> set when the request computing it is done
         self.counters = {"requests": 0, "pulled_blocks": 0, "pull_failed_blocks": 0, "pull_errors": 0, "pool_full": 0}
 
     def load(self) -> dict[str, float]:
@@ -102,9 +103,12 @@ class Engine:
         stats.queue_s = time.perf_counter() - t0
         try:
             hashes = block_hashes(tokens, self.s.block_size, self.s.namespace)
+            await self._reuse_computing(hashes)
             lease = self._acquire(hashes)
+            claim = self._claim(lease)
             try:
                 await self._prefill(hashes, lease, len(tokens), pull, stats)
+                self._unclaim(lease, claim)
                 t1 = time.perf_counter()
                 per_token = 1.0 / self.s.decode_tokens_per_s
                 for i in range(max_tokens):
@@ -113,11 +117,44 @@ class Engine:
                     yield _WORDS[i % len(_WORDS) : i % len(_WORDS) + 1]
                 stats.decode_s = time.perf_counter() - t1
             finally:
+                self._unclaim(lease, claim)
                 if lease is not None:
                     self.pool.release(lease)
         finally:
             self.running -= 1
             self._slots.release()
+
+    async def _reuse_computing(self, hashes: list[int]) -> None:
+        """Wait while the first block of this prompt not cached here is being computed by another request here.
+
+        As vLLM reuses a block another running request computes, rather than
+        computing it twice: a burst sharing an uncached prefix computes it once
+        per node (the gateway routes followers here for that: gateway.inflight).
+        """
+        while True:
+            n = self.pool.lookup_prefix(hashes)
+            done = self._computing.get(hashes[n]) if n < len(hashes) else None
+            if done is None:
+                return
+            await done.wait()
+
+    def _claim(self, lease: Lease | None) -> asyncio.Event | None:
+        """Mark the lease's new blocks as being computed here (`_reuse_computing`); None if it has none."""
+        if lease is None or not lease.new_slots:
+            return None
+        done = asyncio.Event()
+        for h, _ in lease.new_slots:
+            self._computing.setdefault(h, done)
+        return done
+
+    def _unclaim(self, lease: Lease | None, done: asyncio.Event | None) -> None:
+        """The lease's new blocks are committed (or failed): wake whoever waits for them (idempotent)."""
+        if lease is None or done is None or done.is_set():
+            return
+        for h, _ in lease.new_slots:
+            if self._computing.get(h) is done:
+                del self._computing[h]
+        done.set()
 
     def _acquire(self, hashes: list[int]) -> Lease | None:
         try:

@@ -23,6 +23,14 @@ Lifecycle of a request's blocks::
     ...                                   # decode
     pool.release(lease)                   # unpin; the blocks stay cached, evictable (LRU)
 
+Eviction prefers copies: a block a peer has read (`pin`/`unpin` around an
+outgoing transfer) is known to have a second copy on that peer, the one place
+the pool learns of other nodes' caches without asking anyone. When a slot is
+needed, the coldest such block among the `copy_scan` coldest evictable ones
+goes first; only the reading side marks its block, so the two copies are never
+both preferred victims. The mark is a hint (the peer may have evicted its copy
+since): it reorders eviction within that window and nothing else.
+
 Not thread-safe: the worker drives it from one asyncio loop, and no method awaits.
 """
 
@@ -37,6 +45,7 @@ import numpy as np
 import xxhash
 
 DEFAULT_BLOCK_BYTES = 16384
+DEFAULT_COPY_SCAN = 64  # eviction looks this far from the cold end for a block a peer has read
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _hash_rank = struct.Struct("<QQ")
@@ -100,7 +109,11 @@ class KVPool:
     cached blocks with refcount 0 are, least recently used first.
     """
 
-    def __init__(self, capacity_blocks: int, block_bytes: int = DEFAULT_BLOCK_BYTES, tp: int = 1) -> None:
+    def __init__(
+        self, capacity_blocks: int, block_bytes: int = DEFAULT_BLOCK_BYTES, tp: int = 1, copy_scan: int = DEFAULT_COPY_SCAN
+    ) -> None:
+        if copy_scan < 0:
+            raise ValueError(f"copy_scan must be >= 0, got {copy_scan}")
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         if block_bytes < 1:
@@ -110,6 +123,7 @@ class KVPool:
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
         self.tp = tp
+        self.copy_scan = copy_scan
         # Touch every page now, as an engine's preallocated KV memory is: np.zeros alone maps
         # pages lazily, and a pull into untouched memory would pay a page fault per 4 KiB.
         self._bufs = [np.empty(capacity_blocks * block_bytes, dtype=np.uint8) for _ in range(tp)]
@@ -125,6 +139,7 @@ class KVPool:
         self._pins: dict[int, int] = {}  # slot -> pins by outgoing transfers (a subset of _ref)
         self._lru: OrderedDict[int, int] = OrderedDict()  # evictable (cached, refcount 0): hash -> slot, LRU first
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() hands out low slots first
+        self._copied: set[int] = set()  # cached hashes a peer has read: a copy exists elsewhere
         # hash -> slot it was published at (None: absent) when first touched since the last drain
         self._dirty: OrderedDict[int, int | None] = OrderedDict()
         self.stats: dict[str, int] = {
@@ -135,6 +150,7 @@ class KVPool:
             "stored": 0,  # blocks committed into the cache
             "dropped": 0,  # reserved slots freed without being committed, or that lost a race
             "evictions": 0,
+            "copy_evictions": 0,  # evictions of a block a peer had read, ahead of colder ones
             "pool_full": 0,
         }
 
@@ -224,8 +240,12 @@ class KVPool:
         return len(self._slot_of)
 
     def evictable(self) -> list[int]:
-        """Cached hashes with no holds, next victim first: the LRU order eviction follows."""
+        """Cached hashes with no holds, coldest first: the LRU order eviction follows, copies aside (`copied`)."""
         return list(self._lru)
+
+    def copied(self, hash: int) -> bool:
+        """Whether a peer has read this cached block (so eviction takes it ahead of colder ones)."""
+        return hash in self._copied
 
     def refcount(self, slot: int) -> int:
         """Holds on `slot`: leases using it plus pins; evictable only at 0."""
@@ -359,6 +379,9 @@ class KVPool:
                 self._pins[s] = n
             else:
                 del self._pins[s]
+            h = self._hash_at[s]
+            if h is not None:
+                self._copied.add(h)
             self._decref(s)
 
     # -- events --------------------------------------------------------------------
@@ -425,7 +448,20 @@ class KVPool:
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
-        h, s = self._lru.popitem(last=False)
+        victim: int | None = None
+        if self._copied and self.copy_scan:
+            for i, x in enumerate(self._lru):
+                if i == self.copy_scan:
+                    break
+                if x in self._copied:
+                    victim = x
+                    break
+        if victim is None:
+            h, s = self._lru.popitem(last=False)
+        else:
+            h, s = victim, self._lru.pop(victim)
+            self.stats["copy_evictions"] += 1
+        self._copied.discard(h)
         self._touch_event(h)
         del self._slot_of[h]
         self._hash_at[s] = None

@@ -19,6 +19,13 @@ live in `NodeCache` alone: a block is either *pinned* (in use, with a count of
 its users) or in the LRU list (held, unused, cold end first); only LRU blocks
 are evicted, so a node whose blocks are all pinned briefly holds more than its
 capacity, and `NodeCache.settle` brings it back down once blocks are released.
+
+Eviction prefers copies: with ``scan`` > 0, `settle` looks through the
+``scan`` coldest unused blocks for one that another node also holds (per
+``holders``: an exact global view, as the directory's is) and evicts that
+first, the coldest such; only when none of them has another copy does it
+evict the coldest block. Losing a copy costs a pull later, losing the last one
+a recompute.
 """
 
 from __future__ import annotations
@@ -52,12 +59,13 @@ class NodeCache:
     free-block queue does).
     """
 
-    __slots__ = ("_keep", "bit", "capacity", "evictions", "holders", "lru", "pins")
+    __slots__ = ("_keep", "bit", "capacity", "evictions", "holders", "lru", "pins", "scan")
 
-    def __init__(self, node: int, capacity: int, holders: dict[int, int]) -> None:
+    def __init__(self, node: int, capacity: int, holders: dict[int, int], scan: int = 0) -> None:
         self.bit = 1 << node
         self._keep = ~self.bit
         self.capacity = capacity
+        self.scan = scan
         self.holders = holders
         self.lru: OrderedDict[int, None] = OrderedDict()  # held, not in use (cold first)
         self.pins: dict[int, int] = {}  # held, in use: block -> users
@@ -120,15 +128,29 @@ class NodeCache:
                 lru[b] = None
 
     def settle(self) -> list[int]:
-        """Evict the coldest unused blocks down to capacity (as far as unused ones allow); returns them, coldest first."""
+        """Evict unused blocks down to capacity (as far as unused ones allow), copies first within the ``scan``
+        coldest, else the coldest; returns them in eviction order."""
         lru = self.lru
         over = len(lru) + len(self.pins) - self.capacity
         removes: list[int] = []
         if over > 0:
             holders = self.holders
             keep = self._keep
+            scan = self.scan
             while over > 0 and lru:
-                b = lru.popitem(last=False)[0]
+                copy: int | None = None
+                if scan:
+                    for i, x in enumerate(lru):
+                        if i == scan:
+                            break
+                        if holders[x] & keep:
+                            copy = x
+                            break
+                if copy is None:
+                    b = lru.popitem(last=False)[0]
+                else:
+                    b = copy
+                    del lru[b]
                 m = holders[b] & keep
                 if m:
                     holders[b] = m

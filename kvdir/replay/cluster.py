@@ -31,17 +31,19 @@ from typing import Any
 
 import numpy as np
 
+from gateway.cost import pending_estimate
+from gateway.inflight import InflightPrefixes
 from gateway.policy import Decision, RouteRequest, make_policy
 from gateway.router import make_candidate
 from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
-from kvdir.replay.figures import Tally, load_timeline
+from kvdir.replay.figures import Tally, load_timeline, tokens_of_blocks
 from kvdir.replay.params import SimParams
 from kvdir.replay.trace import TraceRequest
 
 __all__ = ["ClusterSim"]
 
 # Event kinds, the indices of ClusterSim._handlers.
-_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH = 0, 1, 2, 3
+_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(slots=True, eq=False)
@@ -52,12 +54,21 @@ class _Flight:
     req: TraceRequest
     node: int
     local: int  # leading blocks found on the node (pinned at arrival)
+    shared: int = 0  # leading blocks after `local` that other requests were computing there at arrival (reused)
+    after: _Flight | None = None  # the request computing the last of those: this prefill starts after its end
+    followers: list[_Flight] = field(default_factory=list)  # requests waiting for this one's prefill to be scheduled
+    prefill_end: float = -1.0  # when its prefill ends, once scheduled
+    computed_from: int = 0  # blocks [computed_from, n) are computed (or pulled) by this request
+    inflight_key: int = -1  # its gateway's gateway.inflight entry
     uncached: int = 0  # prompt tokens to prefill
     pred_uncached: int = 0  # what the gateway counts in the node's pending prefill tokens
     pull_src: int = -1
     pull_n: int = 0  # blocks pulled (pinned on the source until the pull is done)
     pull_pending: bool = False
     admitted: bool = False
+    gw: int = 0  # the gateway that routed it
+    rreq: RouteRequest | None = None  # what its gateway's policy saw (handed back to it when the request ends)
+    decision: Decision | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -66,9 +77,15 @@ class _Node:
 
     cache: NodeCache
     running: int = 0  # admitted (prefill or decode)
-    inflight: int = 0  # sent by the gateway, not finished
-    pending: float = 0.0  # the gateway's predicted uncached prompt tokens without a first token yet
+    inflight: list[int] = field(default_factory=list)  # per gateway: requests it sent here, not finished
+    pending: list[float] = field(
+        default_factory=list
+    )  # per gateway: its predicted uncached prompt tokens without a first token yet
     waitq: deque[_Flight] = field(default_factory=deque)  # waiting for a running place, FIFO
+    computing: dict[int, _Flight] = field(default_factory=dict)  # block -> the request computing it here now
+    backlog: float = 0.0  # uncached prompt tokens of the requests here without a first token (all gateways')
+    reported: float = 0.0  # `backlog` at its last heartbeat (what the directory's node list says)
+    own_reported: list[float] = field(default_factory=list)  # per gateway: its `pending` at that heartbeat
     prefill_free: float = 0.0  # when the prefill server is next free
     link_in_free: float = 0.0
     link_out_free: float = 0.0
@@ -87,20 +104,44 @@ class ClusterSim:
         self.reqs = reqs
         self.params = p
         self.policy_name = policy_name
-        self.policy = make_policy(policy_name, p.cost_model(), **p.policy_options.get(policy_name, {}))
-        self.rng = random.Random(p.seed)
+        # One policy object and rng per gateway: each keeps its own state (SGLang-modeled tree, kvdir's recent
+        # work, Dynamo-modeled in-flight sequences); the directory they read is the one shared view.
+        options = dict(p.policy_options.get(policy_name, {}))
+        if policy_name == "dynamo":
+            options.setdefault("track_finished", True)  # this simulation reports every request's end
+        self.policies = [make_policy(policy_name, p.cost_model(), **options) for g in range(p.gateways)]
+        self.rngs = [random.Random(p.seed if g == 0 else f"{p.seed}/{g}") for g in range(p.gateways)]
+        # What each gateway sent to be computed and is not published yet (gateway.inflight), in simulated seconds.
+        self.inflight = [InflightPrefixes() for _ in range(p.gateways)]
+        # Dynamo's router replicas share their routing decisions and request ends (--router-replica-sync, NATS core
+        # messages: the others apply them `replica_sync_s` later); the other policies see only their own.
+        self.sync = policy_name == "dynamo" and p.gateways > 1
         n = p.nodes
         width = len(str(n - 1))
         self.ids = [f"n{j:0{width}d}" for j in range(n)]  # zero padded: they sort in order
         self.index = {nid: j for j, nid in enumerate(self.ids)}
         self.full = (1 << n) - 1
         self.holders: dict[int, int] = {}  # block -> bitmask of the nodes really holding it
-        self.nodes = [_Node(NodeCache(j, p.capacity_blocks, self.holders)) for j in range(n)]
+        k = p.gateways
+        self.nodes = [
+            _Node(
+                NodeCache(j, p.capacity_blocks, self.holders, p.evict_scan),
+                inflight=[0] * k,
+                pending=[0.0] * k,
+                own_reported=[0.0] * k,
+            )
+            for j in range(n)
+        ]
         self.directory = DirectoryView()
         self.per_block_s = p.block_bytes / p.link_bytes_per_s
         self.tally = Tally()
         self.ttft = np.zeros(len(reqs))
         self.last_end = 0.0  # the latest decode end
+        self.copies_sum = 0.0  # sum over arrivals of (blocks held on all nodes / distinct blocks held)
+        self.copies_n = 0  # arrivals that found anything held
+        self.dup_tokens = 0  # prompt tokens computed while another node was computing the same block
+        self.report_time = 0.0  # the engines' last heartbeat
+        self._hb_next: float | None = None  # the next heartbeat not yet scheduled
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._slot_cache: list[tuple[int, ...]] = [()]
@@ -109,6 +150,8 @@ class ClusterSim:
             self._on_prefill_done,
             self._on_decode_done,
             self._on_publish,
+            self._on_heartbeat,
+            self._on_sync,
         )
 
     # -- the loop
@@ -120,8 +163,15 @@ class ClusterSim:
         handlers = self._handlers
         total = len(self.reqs)
         step = max(1, total // 100)
+        hb = self.params.heartbeat_s
         for i, r in enumerate(self.reqs):
             t = r.arrival_s
+            if hb > 0:  # the engines' heartbeats up to this arrival (none after the last: nobody reads them)
+                nxt = t if self._hb_next is None else self._hb_next
+                while nxt <= t:
+                    self._push(nxt, _HEARTBEAT, None)
+                    nxt += hb
+                self._hb_next = nxt
             while heap and heap[0][0] <= t:
                 et, _, kind, x = pop(heap)
                 handlers[kind](et, x)
@@ -150,6 +200,7 @@ class ClusterSim:
 
     def _arrive(self, i: int, r: TraceRequest) -> None:
         t = r.arrival_s
+        gw = i % len(self.policies)  # a round-robin load balancer in front of the gateways
         blocks = r.blocks
         prompt = r.input_tokens
         nodes = self.nodes
@@ -157,23 +208,40 @@ class ClusterSim:
         ids = self.ids
         slots_of = self._slots_of
         view, _ = leading_runs(blocks, self.directory.masks, self.full, n_nodes)
-        # The gateway's rule for a candidate (gateway.router.make_candidate), on the simulated engines' state.
+        bt = self.params.block_tokens
+        cap = self.params.capacity_blocks
+        held = 0
+        for nd in nodes:
+            held += len(nd.cache)
+        if self.holders:
+            self.copies_sum += held / len(self.holders)
+            self.copies_n += 1
+        inflight = self.inflight[gw]
+        computing = inflight.match(blocks, t)
+        # The gateway's rule for a candidate (gateway.router.make_candidate), on the simulated engines' state;
+        # the pending prefill is its own plus the rest of what the engine last reported (gateway.cost.pending_estimate).
+        rate = self.params.prefill_tokens_per_s
+        age = t - self.report_time
         cands = [
             make_candidate(
                 ids[j],
                 1,
                 reported_running=nd.running,
                 waiting=len(nd.waitq),
-                inflight=nd.inflight,
-                pending_prefill_tokens=nd.pending,
+                inflight=nd.inflight[gw],
+                pending_prefill_tokens=pending_estimate(nd.pending[gw], nd.reported, nd.own_reported[gw], age, rate),
                 cached_blocks=view[j],
                 slots=slots_of(view[j]),
+                free_tokens=(cap - len(nd.cache)) * bt if len(nd.cache) < cap else 0,
+                inflight_blocks=computing.get((ids[j], 1), 0),
             )
             for j, nd in enumerate(nodes)
         ]
         rreq = RouteRequest(prompt, blocks, self.params.block_tokens, r.output_tokens)
-        d = self.policy.choose(rreq, cands, self.rng)
-        self.policy.on_routed(rreq, d)
+        d = self.policies[gw].choose(rreq, cands, self.rngs[gw])
+        self.policies[gw].on_routed(rreq, d)
+        if self.sync:
+            self._share(t, gw, True, rreq, d)
         reasons = self.tally.reasons
         reasons[d.reason] = reasons.get(d.reason, 0) + 1
         n = self.index[d.node_id]
@@ -183,15 +251,35 @@ class ClusterSim:
         local = have[n]
         if local:
             node.cache.pin(blocks[:local])
-        f = _Flight(i, r, n, local)
+        f = _Flight(i, r, n, local, gw=gw, rreq=rreq, decision=d)
+        # The engine reuses blocks another request is computing there (vLLM, the worker stub): it waits for them.
+        comp = node.computing
+        nb = len(blocks)
+        k = local
+        while k < nb and blocks[k] in comp:
+            k += 1
+        if k > local:
+            f.shared = k - local
+            f.after = comp[blocks[k - 1]]
         got = self._maybe_pull(f, d, have, t)
-        cached = self.tally.count(prompt, len(blocks), local, got, longest, d.predicted_cached_tokens, self.params.block_tokens)
+        f.computed_from = k
+        for b in blocks[k:]:
+            comp.setdefault(b, f)
+        f.inflight_key = inflight.begin(blocks, d.node_id, 1, t)
+        # Blocks this request computes that another node is computing at the same time: a hot prefix recomputed.
+        dup = got
+        while dup < nb and any(blocks[dup] in nd.computing for j, nd in enumerate(nodes) if j != n):
+            dup += 1
+        if dup > got:
+            self.dup_tokens += tokens_of_blocks(dup, prompt, bt) - tokens_of_blocks(got, prompt, bt)
+        cached = self.tally.count(prompt, nb, k, got, longest, d.predicted_cached_tokens, self.params.block_tokens)
 
         f.uncached = prompt - cached
+        node.backlog += f.uncached
         unc = prompt - d.predicted_cached_tokens
         f.pred_uncached = unc if unc > 0 else 0
-        node.pending += f.pred_uncached
-        node.inflight += 1
+        node.pending[gw] += f.pred_uncached
+        node.inflight[gw] += 1
         if node.running < self.params.max_running:
             self._admit(f, t)
         else:
@@ -203,7 +291,7 @@ class ClusterSim:
         The source's blocks are pinned until the pull is done; the pull waits
         for the destination's inbound and the source's outbound link.
         """
-        local = f.local
+        local = f.local + f.shared
         if d.pull_from is None or d.pull_from == d.node_id:
             return local
         src = self.index[d.pull_from]
@@ -241,17 +329,37 @@ class ClusterSim:
             self._start_prefill(f, now)
 
     def _start_prefill(self, f: _Flight, now: float) -> None:
-        """Queue `f`'s prefill on its node's single FIFO prefill server."""
+        """Queue `f`'s prefill on its node's single FIFO prefill server, behind the request computing what it reuses."""
+        a = f.after
+        if a is not None and a.prefill_end < 0:
+            a.followers.append(f)  # scheduled when `a` is
+            return
         node = self.nodes[f.node]
         s = node.prefill_free
         if s < now:
             s = now
+        if a is not None and s < a.prefill_end:
+            s = a.prefill_end
         e = s + f.uncached / self.params.prefill_tokens_per_s
         node.prefill_free = e
+        f.prefill_end = e
         if e > s:
             node.busy += e - s
             node.spans.append((s, e))
         self._push(e, _PREFILL_DONE, f)
+        if f.followers:
+            waiting, f.followers = f.followers, []
+            for x in waiting:
+                self._start_prefill(x, now)
+
+    def _share(self, now: float, gw: int, routed: bool, rreq: RouteRequest, d: Decision) -> None:
+        """Gateway `gw`'s decision (`routed`) or request end reaches the other replicas after the sync delay."""
+        lag = self.params.replica_sync_s
+        change = (gw, routed, rreq, d)
+        if lag > 0:
+            self._push(now + lag, _SYNC, change)
+        else:
+            self._on_sync(now, change)
 
     def _settle(self, n: int, now: float, adds: list[int]) -> None:
         """Evict node `n` down to capacity; publish its stores `adds` and evictions (after the lag, if any)."""
@@ -268,7 +376,7 @@ class ClusterSim:
 
     def _on_pull_done(self, t: float, f: _Flight) -> None:
         """The source releases the pulled blocks (deepest first); the prefill may start."""
-        b0 = f.local
+        b0 = f.local + f.shared
         self.nodes[f.pull_src].cache.unpin(reversed(f.req.blocks[b0 : b0 + f.pull_n]))
         self._settle(f.pull_src, t, [])
         f.pull_pending = False
@@ -280,7 +388,13 @@ class ClusterSim:
         node = self.nodes[f.node]
         r = f.req
         self.ttft[f.index] = t - r.arrival_s
-        node.pending -= f.pred_uncached
+        node.pending[f.gw] -= f.pred_uncached
+        node.backlog -= f.uncached
+        comp = node.computing
+        for b in r.blocks[f.computed_from :]:
+            if comp.get(b) is f:
+                del comp[b]
+        self.inflight[f.gw].end(f.inflight_key, t, ok=True)
         self._settle(f.node, t, node.cache.store(r.blocks[f.local :]))
         self._push(t + r.output_tokens / self.params.decode_tokens_per_s, _DECODE_DONE, f)
 
@@ -290,7 +404,11 @@ class ClusterSim:
         node.cache.unpin(reversed(f.req.blocks))
         self._settle(f.node, t, [])
         node.running -= 1
-        node.inflight -= 1
+        node.inflight[f.gw] -= 1
+        assert f.rreq is not None and f.decision is not None
+        self.policies[f.gw].on_finished(f.rreq, f.decision)
+        if self.sync:
+            self._share(t, f.gw, False, f.rreq, f.decision)
         self.last_end = t
         q = node.waitq
         if q and node.running < self.params.max_running:
@@ -300,6 +418,23 @@ class ClusterSim:
         """The directory learns of a node's stores and evictions."""
         self.directory.publish(change)
 
+    def _on_sync(self, t: float, change: tuple[int, bool, RouteRequest, Decision]) -> None:
+        """The other router replicas apply a shared decision or request end."""
+        gw, routed, rreq, d = change
+        for g, pol in enumerate(self.policies):
+            if g != gw:
+                if routed:
+                    pol.on_routed(rreq, d)
+                else:
+                    pol.on_finished(rreq, d)
+
+    def _on_heartbeat(self, t: float, _: None) -> None:
+        """Every engine reports its backlog; each gateway notes its own pending prefill at the same moment."""
+        self.report_time = t
+        for nd in self.nodes:
+            nd.reported = nd.backlog
+            nd.own_reported[:] = nd.pending
+
     # -- the end
 
     def _check(self) -> None:
@@ -308,9 +443,10 @@ class ClusterSim:
         if (
             any(nd.cache.pins for nd in nodes)
             or any(nd.running for nd in nodes)
-            or any(nd.inflight for nd in nodes)
+            or any(any(nd.inflight) for nd in nodes)
             or any(nd.waitq for nd in nodes)
-            or any(abs(nd.pending) > 1e-6 for nd in nodes)
+            or any(nd.computing for nd in nodes)
+            or any(abs(x) > 1e-6 for nd in nodes for x in nd.pending)
         ):
             raise AssertionError("replay bookkeeping leak: requests or pins left at the end")
         if self.directory.masks != self.holders or sum(len(nd.cache.lru) for nd in nodes) != sum(
@@ -345,6 +481,7 @@ class ClusterSim:
             "pulled_hit_rate": tally.pulled_tokens / prompt_total if prompt_total else 0.0,
             "block_hit_rate": tally.hit_blocks / tally.blocks if tally.blocks else 0.0,
             "redundant_prefill": tally.redundant / prompt_total if prompt_total else 0.0,
+            "inflight_dup_prefill": self.dup_tokens / prompt_total if prompt_total else 0.0,
             "ttft_p50_s": p50,
             "ttft_p90_s": p90,
             "ttft_p99_s": p99,
@@ -358,6 +495,7 @@ class ClusterSim:
             "pull_blocks": tally.pull_blocks,
             "bytes_moved": tally.pull_blocks * self.params.block_bytes,
             "evictions": sum(nd.cache.evictions for nd in self.nodes),
+            "copies_per_block": self.copies_sum / self.copies_n if self.copies_n else 0.0,
             "prediction_error": tally.pred_err / prompt_total if prompt_total else 0.0,
             "prediction_exact": tally.pred_exact / total if total else 1.0,
             "reasons": dict(sorted(tally.reasons.items())),

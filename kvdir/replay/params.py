@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gateway.policy import CostModel
+from gateway.cost import DEFAULT_COST, CostModel
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "SimParams", "describe_params"]
 
@@ -37,17 +37,26 @@ class SimParams:
     link_bytes_per_s: float = 12.5e9  # one pull's bandwidth (100 Gb/s)
     pull_setup_s: float = 0.002
     publish_lag_s: float = 0.05  # node stores/evicts -> the router sees it
+    evict_scan: int = 64  # eviction looks this far from the cold end for a block another node also holds (0: plain LRU)
+    displace_weight: float = DEFAULT_COST.displace_weight  # kvdir's price of what storing a request evicts (gateway.cost)
+    gateways: int = 1  # gateway replicas, each routing every gateways-th request with its own policy state
+    heartbeat_s: float = 0.0  # engines report their prefill backlog this often, gateways add the others' (0: off)
+    # Modeled Dynamo's replica sync (NATS core, fire-and-forget): another replica applies a decision this much later
+    # (0: at once, the most generous model; a few ms of delay is a sensitivity, docs/replay.md).
+    replica_sync_s: float = 0.0
     seed: int = 0
     timeline_buckets: int = 200
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # keyword options per policy name, for make_policy
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.capacity_blocks < 1 or self.block_tokens < 1 or self.max_running < 1:
-            raise ValueError("nodes, capacity_blocks, block_tokens and max_running must be >= 1")
+        if min(self.nodes, self.capacity_blocks, self.block_tokens, self.max_running, self.gateways) < 1:
+            raise ValueError("nodes, capacity_blocks, block_tokens, max_running and gateways must be >= 1")
         if min(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.link_bytes_per_s) <= 0:
             raise ValueError("rates must be > 0")
-        if self.block_bytes < 0 or self.pull_setup_s < 0 or self.publish_lag_s < 0:
-            raise ValueError("block_bytes, pull_setup_s and publish_lag_s must be >= 0")
+        if min(self.block_bytes, self.pull_setup_s, self.publish_lag_s, self.heartbeat_s, self.replica_sync_s) < 0:
+            raise ValueError("block_bytes, pull_setup_s, publish_lag_s, heartbeat_s and replica_sync_s must be >= 0")
+        if self.evict_scan < 0 or self.displace_weight < 0:
+            raise ValueError("evict_scan and displace_weight must be >= 0")
         if self.timeline_buckets < 1:
             raise ValueError("timeline_buckets must be >= 1")
 
@@ -60,6 +69,7 @@ class SimParams:
             pull_setup_s=self.pull_setup_s,
             max_running=self.max_running,
             decode_tokens_per_s=self.decode_tokens_per_s,
+            displace_weight=self.displace_weight,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -73,5 +83,5 @@ def describe_params(p: SimParams) -> str:
         f"{p.nodes} nodes x {p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
         f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
         f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
-        f"publish lag {p.publish_lag_s * 1e3:g} ms"
+        f"publish lag {p.publish_lag_s * 1e3:g} ms, eviction scan {p.evict_scan}, displace weight {p.displace_weight:g}, {p.gateways} gateway(s), heartbeat {p.heartbeat_s:g} s, replica sync {p.replica_sync_s * 1e3:g} ms"
     )

@@ -17,6 +17,7 @@ Plots need matplotlib (imported only when ``--plot`` is given).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -39,6 +40,8 @@ SYNTHETIC: dict[str, Callable[..., list[tr.TraceRequest]]] = {
     "multi_turn": tr.multi_turn,
     "shared_prefix": tr.shared_prefix,
     "hot_prefix": tr.hot_prefix_burst,
+    # The live burst of issue 16 (gateway.inflight): 48 requests on one uncached 6,144-token prefix within ~50 ms.
+    "burst": functools.partial(tr.hot_prefix_burst, 48, 6144, 1000.0, suffix_tokens=64, output_tokens=16),
 }
 _D = SimParams()
 
@@ -46,7 +49,9 @@ _D = SimParams()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The replay flags (see the module docstring of kvdir.replay.sim for the model)."""
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", metavar="PATH", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
+    src.add_argument(
+        "--trace", metavar="PATH", help="Mooncake JSONL trace, plain or .gz (timestamp ms, input_length, output_length, hash_ids)"
+    )
     src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="a synthetic workload with its default parameters")
     parser.add_argument("--nodes", type=int, default=_D.nodes, help=f"engines (default {_D.nodes})")
     parser.add_argument(
@@ -108,6 +113,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_D.max_running,
         help=f"requests an engine runs at once; the rest wait (default {_D.max_running})",
     )
+    parser.add_argument(
+        "--evict-scan",
+        type=int,
+        default=_D.evict_scan,
+        help="eviction looks this many blocks from the cold end for one another node also holds, and evicts it first "
+        f"(0: plain LRU; default {_D.evict_scan})",
+    )
+    parser.add_argument(
+        "--displace-weight",
+        type=float,
+        default=_D.displace_weight,
+        help="kvdir's price of what storing a request evicts on a full node, as a fraction of its recompute time "
+        f"(gateway.cost; 0: ignored; default {_D.displace_weight:g})",
+    )
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=_D.gateways,
+        help="gateway replicas behind a round-robin balancer: kvdir's share the directory, the modeled peers each "
+        f"keep their own index (Dynamo's replicas share their decisions) (default {_D.gateways})",
+    )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=_D.heartbeat_s,
+        help="engines report their prefill backlog this often; gateways add the others' share of it to their own "
+        f"count (0: each knows only its own) (default {_D.heartbeat_s:g})",
+    )
+    parser.add_argument(
+        "--replica-sync-ms",
+        type=float,
+        default=_D.replica_sync_s * 1e3,
+        help="with --gateways > 1: delay before a modeled Dynamo router replica learns another's routing decision or "
+        f"request end (its --router-replica-sync over NATS core messaging) (default {_D.replica_sync_s * 1e3:g})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
     parser.add_argument(
         "--mode",
@@ -150,6 +190,11 @@ def _params(args: argparse.Namespace) -> SimParams:
         link_bytes_per_s=args.link_gbps * 1e9,
         pull_setup_s=args.pull_setup_ms / 1e3,
         publish_lag_s=args.publish_lag_ms / 1e3,
+        evict_scan=args.evict_scan,
+        displace_weight=args.displace_weight,
+        gateways=args.gateways,
+        heartbeat_s=args.heartbeat_s,
+        replica_sync_s=args.replica_sync_ms / 1e3,
         seed=args.seed,
     )
 
@@ -185,6 +230,8 @@ def format_table(results: dict[str, dict[str, Any]], oracle_tokens: float) -> st
         "imbal",
         "pulls",
         "GB moved",
+        "evictions",
+        "copies",
         "pred err%",
         "exact%",
         "req/s",
@@ -206,6 +253,8 @@ def format_table(results: dict[str, dict[str, Any]], oracle_tokens: float) -> st
                 f"{r['imbalance']:.3f}",
                 str(r["pulls"]),
                 f"{r['bytes_moved'] / 1e9:.1f}",
+                str(r["evictions"]),
+                f"{r['copies_per_block']:.3f}",
                 f"{100 * r['prediction_error']:.2f}",
                 f"{100 * r['prediction_exact']:.1f}",
                 f"{r['throughput_rps']:.3f}",

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -280,3 +282,30 @@ def test_engine_tokenizer_gives_the_same_routing(make_cluster, make_workers, mak
         == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         > 0
     )
+
+
+def test_burst_on_an_uncached_prefix_computes_it_once_per_node(make_cluster, make_workers, make_gateway) -> None:
+    """24 requests sharing a 3,000-token prefix nobody holds, all at once: the gateway knows where it sent the
+    prefix to be computed (gateway.inflight), so followers queue behind that prefill (decision `inflight`) instead
+    of computing it again, and each node computes it at most once."""
+    c = make_cluster(1)
+    make_workers(c, 2, ("--time-scale", "1", "--transfer", "tcp"))  # 3,000 tokens at 10,000 tokens/s: 0.3 s of prefill
+    g = make_gateway(c, 2)
+    prefix = ("kv cache routing prefix burst " * 200)[:3000]
+
+    def user(i: int) -> tuple[str, str, int, int]:
+        r = httpx.post(
+            g.url + "/v1/completions", json={"model": MODEL, "prompt": prefix + f" user {i}", "max_tokens": 2}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        h = r.headers
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return h["x-kvdir-node"], h["x-kvdir-decision"], int(h["x-kvdir-predicted-cached-tokens"]), cached
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(user, range(24)))
+    computed = Counter(node for node, _, _, cached in results if cached < len(prefix) - 16)
+    decisions = Counter(d for _, d, _, _ in results)
+    assert max(computed.values()) == 1, (computed, results)  # at most once per node (and at least once somewhere)
+    assert decisions["inflight"] >= 24 - 2 - decisions["affinity"] - decisions["pull"], decisions
+    assert all(pred == cached for _, d, pred, cached in results if d == "inflight"), results

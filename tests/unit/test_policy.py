@@ -21,10 +21,13 @@ from gateway.policy import (
     Candidate,
     CostModel,
     Decision,
+    DynamoPolicy,
+    KvdirPolicy,
     Policy,
     RouteRequest,
     SGLangPolicy,
     estimate_ttft,
+    evaluate,
     make_policy,
     pull_seconds,
     queue_seconds,
@@ -455,29 +458,115 @@ def test_sglang_options_validated():
 
 
 # ---------------------------------------------------------------------------
+# Capacity, balance and engine units (kvdir)
+
+
+def test_a_pull_that_would_evict_more_than_it_saves_is_refused():
+    r = req_of(100)  # 1600 tokens
+    a = cand("a", cached=100, pending_prefill_tokens=1000.0)  # holder, 0.1 s of queue
+    full = cand("b", free_tokens=0)  # idle, cache full: storing 1600 tokens evicts as many
+    roomy = cand("b", free_tokens=1600)  # idle, room for all of it
+    priced = CostModel(displace_weight=8.0)
+    # without a price for displacement, or with room, the idle node pulls (2.8 ms instead of 0.1 s of queue)
+    assert make_policy("kvdir", CostModel(displace_weight=0.0)).choose(r, [a, full], rng()).reason == "pull"
+    assert make_policy("kvdir", priced).choose(r, [a, roomy], rng()).reason == "pull"
+    # full: the copy would push out 8 * 0.16 s of others' recompute, more than the 0.097 s it saves
+    d = make_policy("kvdir", priced).choose(r, [a, full], rng())
+    assert (d.node_id, d.reason, d.pull_from) == ("a", "affinity", None)
+    assert d.estimated_ttft_s == pytest.approx(0.1)  # the estimate stays a TTFT: the price is not in it
+    br = evaluate(r, full, priced, pull_to_blocks=100)
+    assert br.displace_s == pytest.approx(8 * 1600 / 10_000) and br.score_s == pytest.approx(br.total_s + br.displace_s)
+    assert evaluate(r, a, priced).displace_s == 0.0  # the holder stores nothing
+    assert evaluate(r, cand("b", free_tokens=1000), priced).displace_s == pytest.approx(8 * 600 / 10_000)
+    assert evaluate(r, cand("b"), priced).displace_s == 0.0  # free space unknown: not priced
+
+
+def test_near_ties_go_to_the_node_with_the_least_recent_work():
+    pol = make_policy("kvdir", balance_slack_s=0.02)
+    assert isinstance(pol, KvdirPolicy)
+    cs = [cand("a"), cand("b"), cand("c")]
+    seen = []
+    for k in range(3):
+        r = req_of(10, base=1000 * (k + 1))
+        d = pol.choose(r, cs, rng(k))
+        pol.on_routed(r, d)
+        seen.append(d.node_id)
+    assert sorted(seen) == ["a", "b", "c"]  # three new prompts, three nodes
+    assert pol.recent_work("a") > 0
+    # a holds 1 block (1.6 ms less to compute) but has more recent work: within the slack, balance wins
+    pol2 = make_policy("kvdir", balance_slack_s=0.02)
+    busy = req_of(50, base=9000)
+    pol2.on_routed(busy, Decision("a", "balance", 0))
+    r = req_of(20)
+    d = pol2.choose(r, [cand("a", cached=1), cand("b", can_pull=False)], rng())
+    assert d.node_id == "b"
+    # a holds 15 of 20 blocks (24 ms less): beyond the slack, the cache wins
+    d = pol2.choose(r, [cand("a", cached=15), cand("b", can_pull=False)], rng())
+    assert (d.node_id, d.reason) == ("a", "affinity")
+    with pytest.raises(ValueError):
+        make_policy("kvdir", balance_window=0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_predicted_cached_tokens_are_in_the_engines_block_units(name):
+    """Gateway blocks of 16, engine blocks of 32: a match of 29 blocks (464 tokens) ends mid engine block."""
+    r = req_of(40)
+    c = cand("a", cached=29, engine_block_size=32)
+    pol = make_policy(name)
+    if isinstance(pol, SGLangPolicy):  # its own tree: teach it the 29 blocks
+        pol.on_routed(RouteRequest(29 * 16, r.hashes[:29], 16), Decision("a", "balance", 0))
+    d = pol.choose(r, [c], rng())
+    assert d.predicted_cached_tokens == 448  # not 464
+    same = make_policy(name)
+    if isinstance(same, SGLangPolicy):
+        same.on_routed(RouteRequest(29 * 16, r.hashes[:29], 16), Decision("a", "balance", 0))
+    assert same.choose(r, [cand("a", cached=29)], rng()).predicted_cached_tokens == 464  # unknown engine block: as hashed
+
+
+# ---------------------------------------------------------------------------
 # Modeled after Dynamo's KV router
 
 
-def test_dynamo_argmin_cost():
-    r = req_of(20, max_tokens=12)  # 320 prompt tokens, 20 blocks; per active request (320+12)/16 = 20.75 blocks
+def test_dynamo_cost_counts_prefill_blocks_and_distinct_active_blocks():
+    r = req_of(20, max_tokens=12)  # 320 prompt tokens, 20 blocks of 16
     cs = [
-        cand("a", cached=20, running=1),  # 0 + 20.75
-        cand("b", cached=5),  # 15 + 0
-        cand("c", cached=10, pending_prefill_tokens=32.0),  # 10 + 2
+        cand("a", cached=20, inflight=2),  # prefill 0
+        cand("b", cached=5),  # prefill (320 - 80) / 16 = 15
+        cand("c", cached=10, pending_prefill_tokens=32.0, inflight=1),  # (160 + 32) / 16 = 12
     ]
-    pol = make_policy("dynamo")
-    assert pol.costs(r, cs) == pytest.approx([20.75, 15.0, 12.0])
+    pol = make_policy("dynamo", track_finished=True)
+    assert isinstance(pol, DynamoPolicy)
+    # decode blocks: this request's 20 blocks, none in flight anywhere yet
+    assert pol.costs(r, cs) == pytest.approx([20.0, 35.0, 32.0])
+    other, big = req_of(10, base=5000), req_of(30, base=6000)
+    pol.on_routed(other, Decision("a", "balance", 0))
+    pol.on_routed(big, Decision("a", "balance", 0))
+    assert pol.active_blocks("a") == 40
+    assert pol.costs(r, cs)[0] == pytest.approx(60.0)
     d = pol.choose(r, cs, rng())
     assert (d.node_id, d.reason, d.predicted_cached_tokens) == ("c", "recompute", 160)
     assert "argmin" in d.detail
-    # cache-only weight: the full holder wins
-    d = make_policy("dynamo", overlap_weight=100.0).choose(r, cs, rng())
-    assert (d.node_id, d.reason) == ("a", "affinity")
-    # weight 0: pure load balance
-    d = make_policy("dynamo", overlap_weight=0.0).choose(r, cs, rng())
-    assert d.node_id == "b"
-    # an explicit per-request block estimate
-    assert make_policy("dynamo", blocks_per_active_request=1.0).costs(r, cs) == pytest.approx([1.0, 15.0, 12.0])
+    # a sequence sharing this request's blocks counts them once: c's decode blocks stay 20
+    pol.on_routed(req_of(20), Decision("c", "affinity", 160))
+    assert pol.costs(r, cs)[2] == pytest.approx(32.0)
+    pol.on_finished(big, Decision("a", "balance", 0))  # Dynamo's free
+    assert pol.active_blocks("a") == 10 and pol.costs(r, cs)[0] == pytest.approx(30.0)
+    # cache-only weight: the full holder wins; weight 0: load only
+    assert make_policy("dynamo", overlap_weight=100.0).choose(r, cs, rng()).node_id == "a"
+    assert make_policy("dynamo", overlap_weight=0.0).costs(r, cs) == pytest.approx([20.0, 20.0, 20.0])
+
+
+def test_dynamo_without_completions_trims_to_the_inflight_count():
+    """A caller that never reports a request's end (a plain gateway): a node keeps at most `inflight` sequences."""
+    pol = make_policy("dynamo")
+    assert isinstance(pol, DynamoPolicy)
+    for base in (5000, 6000, 7000):
+        pol.on_routed(req_of(10, base=base), Decision("a", "balance", 0))
+    assert pol.active_blocks("a") == 30
+    pol.costs(req_of(4), [cand("a", inflight=1)])
+    assert pol.active_blocks("a") == 10  # the newest one is left
+    pol.costs(req_of(4), [cand("a", inflight=0)])
+    assert pol.active_blocks("a") == 0
 
 
 def test_dynamo_random_ties_are_seeded():

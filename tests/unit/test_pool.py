@@ -270,6 +270,36 @@ def test_lru_evicts_least_recently_released_first():
     assert pool.stats["evictions"] == 1
 
 
+def test_eviction_takes_a_block_a_peer_has_read_ahead_of_colder_ones():
+    pool = KVPool(3, copy_scan=2)
+    for h in [1, 2, 3]:
+        stored_in(pool, [h])
+    s2 = pool.slot_of(2)
+    pool.pin([s2])  # a peer reads block 2: it now has a copy
+    pool.unpin([s2])
+    assert pool.copied(2) and not pool.copied(1)
+    assert pool.evictable() == [1, 3, 2]  # the read made 2 the most recent ...
+    stored_in(pool, [4])
+    assert 1 not in pool and 2 in pool  # ... and outside the 2 coldest, so 1 goes
+    s3 = pool.slot_of(3)
+    pool.pin([s3])
+    pool.unpin([s3])
+    assert pool.evictable() == [2, 4, 3]
+    stored_in(pool, [5])
+    assert 2 not in pool and 4 in pool  # 2 is among the 2 coldest and has a copy: it goes before 4
+    assert pool.stats["copy_evictions"] == 1 and not pool.copied(2)
+    plain = KVPool(2, copy_scan=0)  # the hint off: plain LRU
+    stored_in(plain, [1])
+    stored_in(plain, [2])
+    s1 = plain.slot_of(1)
+    plain.pin([s1])
+    plain.unpin([s1])
+    stored_in(plain, [3])
+    assert 2 not in plain and 1 in plain
+    with pytest.raises(ValueError):
+        KVPool(2, copy_scan=-1)
+
+
 def test_release_queues_a_prefix_tail_first():
     pool = KVPool(4)
     stored_in(pool, [1, 2, 3, 4])
@@ -365,8 +395,9 @@ class MLease:
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = KVPool(CAPACITY, block_bytes=24, tp=2)
+        self.pool = KVPool(CAPACITY, block_bytes=24, tp=2, copy_scan=2)
         self.ref: dict[int, int] = {}  # cached hash -> holds
+        self.copied: set[int] = set()  # cached hashes a peer has read (unpinned after a pin)
         self.lru: list[int] = []  # cached, no holds, LRU first
         self.reserved = 0  # slots reserved by leases, not in the index
         self.leases: list[MLease] = []
@@ -405,7 +436,10 @@ class PoolMachine(RuleBasedStateMachine):
                 self._hold(h)
         for _ in missing:
             if self._free() == 0:
-                victim = self.lru.pop(0)
+                # a block a peer has read goes first among the 2 coldest (copy_scan), else the coldest
+                victim = next((h for h in self.lru[:2] if h in self.copied), self.lru[0])
+                self.lru.remove(victim)
+                self.copied.discard(victim)
                 del self.ref[victim]
             self.reserved += 1
         m = MLease(lease, distinct, missing)
@@ -494,6 +528,7 @@ class PoolMachine(RuleBasedStateMachine):
         h = self.pool.hash_at(s)
         self.pool.unpin([s])
         self.pins.remove(s)
+        self.copied.add(h)
         self._drop(h)
 
     @rule()
@@ -514,6 +549,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.used_slots == len(self.ref) + self.reserved <= CAPACITY
         assert pool.free_slots == CAPACITY - pool.used_slots
         assert pool.evictable() == self.lru
+        assert {h for h in self.ref if pool.copied(h)} == self.copied
         blocks = dict(pool.blocks())
         assert set(blocks) == set(self.ref)
         assert len(set(blocks.values())) == len(blocks)  # one slot per block

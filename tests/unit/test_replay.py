@@ -179,6 +179,23 @@ def test_node_cache_settle_evicts_the_coldest_unused_blocks_only():
     assert a.settle() == [] and a.evictions == 2
 
 
+def test_node_cache_eviction_prefers_a_block_another_node_holds():
+    for scan, evicted in ((2, [1]), (0, [2])):
+        holders: dict[int, int] = {}
+        a, b = NodeCache(0, capacity=2, holders=holders, scan=scan), NodeCache(1, capacity=2, holders=holders)
+        b.store([1])
+        a.store([1, 2, 3])
+        a.unpin([2, 1, 3])  # LRU order 2, 1, 3: 2 is the coldest, 1 has a copy on node 1
+        assert a.settle() == evicted, scan
+    # within the scan window only: 3 has a copy but is the warmest of three
+    holders = {}
+    a, b = NodeCache(0, capacity=2, holders=holders, scan=2), NodeCache(1, capacity=2, holders=holders)
+    b.store([3])
+    a.store([1, 2, 3])
+    a.unpin([1, 2, 3])
+    assert a.settle() == [1] and holders[3] == 0b11
+
+
 def test_directory_view_publish_and_leading_runs():
     d = DirectoryView()
     d.publish(Publish(0, [1, 2, 3], []))
@@ -352,6 +369,20 @@ def test_same_seed_same_results():
     assert strip(a) != strip(b)
 
 
+def test_k_gateways_replay_is_deterministic_and_splits_the_peers_views():
+    trs = multi_turn(sessions=6, rounds=3, think_s=2.0, session_rate=4.0)
+    p4 = SimParams(nodes=4, capacity_blocks=40, gateways=4, seed=3)
+    for policy in ALL:
+        a = simulate(trs, policy, p4)
+        assert strip(a) == strip(simulate(trs, policy, p4)), policy
+        assert a["copies_per_block"] >= 1.0 and a["evictions"] >= 0
+    # each modeled SGLang router sees only its share of the traffic: it finds less than one router seeing all of it
+    one = simulate(trs, "sglang", SimParams(nodes=4, capacity_blocks=40, seed=3))
+    assert simulate(trs, "sglang", p4)["hit_rate"] < one["hit_rate"]
+    with pytest.raises(ValueError):
+        SimParams(gateways=0)
+
+
 def test_report_writes_json_and_table(tmp_path, capsys):
     p = tmp_path / "t.jsonl"
     rows = [
@@ -392,7 +423,17 @@ def test_report_writes_json_and_table(tmp_path, capsys):
     assert set(doc["policies"]) == {"kvdir", "round_robin"}
     assert doc["params"]["nodes"] == 3 and doc["workload"]["requests"] == 30 and doc["workload"]["malformed_lines"] == 1
     for r in doc["policies"].values():
-        for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "imbalance", "redundant_prefill", "pulls"):
+        for key in (
+            "hit_rate",
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "ttft_p99_s",
+            "imbalance",
+            "redundant_prefill",
+            "pulls",
+            "evictions",
+            "copies_per_block",
+        ):
             assert key in r
         assert r["hit_rate"] <= doc["oracle_hit_rate"] + 1e-12
     assert replay_main(["--trace", str(p), "--strict"]) == 2
@@ -409,3 +450,18 @@ def test_report_plots(tmp_path, capsys):
     names = sorted(f.name for f in (tmp_path / "plots").iterdir())
     assert names == ["hit_rate.png", "load_kvdir.png", "load_sglang.png", "ttft.png"]
     assert all((tmp_path / "plots" / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+
+
+def test_burst_on_an_uncached_prefix_is_computed_once_per_node_and_followers_queue_behind() -> None:
+    """48 requests on one uncached prefix within ~50 ms over 3 nodes (`--synthetic burst`): engines reuse a
+    prefix another request is computing, kvdir's gateway knows where it sent it (gateway.inflight) and predicts
+    that reuse; with 4 gateways each knows only its own, and runs are deterministic."""
+    reqs = hot_prefix_burst(48, 6144, 1000.0, suffix_tokens=64, output_tokens=16)
+    once_per_node = (48 - 3) * 6144 / (48 * (6144 + 64))
+    one = simulate(reqs, "kvdir", SimParams(nodes=3))
+    assert one["reasons"] == {"balance": 3, "inflight": 45}
+    assert one["prediction_exact"] == 1.0 and one["hit_rate"] == pytest.approx(once_per_node)
+    four = [simulate(reqs, "kvdir", SimParams(nodes=3, gateways=4)) for _ in range(2)]
+    assert four[0]["hit_rate"] == pytest.approx(once_per_node)  # the engines' reuse bounds it at once per node
+    assert four[0]["reasons"]["inflight"] >= 24
+    assert {k: v for k, v in four[0].items() if k != "wall_s"} == {k: v for k, v in four[1].items() if k != "wall_s"}

@@ -14,8 +14,8 @@ from kvdir import launcher
 from kvdir.check_config import check
 from kvdir.cli import _parser, main
 from kvdir.roles import ENV_PREFIX, ROLES, build_settings, choices
+from kvtransfer.engines import ENGINES
 from worker_stub import config as worker_config
-from worker_stub.transfer import ENGINES
 
 
 def test_choices_are_the_registries() -> None:

@@ -35,6 +35,9 @@ class Engine:
     healthy: bool = True
     can_pull: bool = True
     block_bytes: int = 0
+    block_size: int = 0
+    capacity_blocks: int | None = None
+    blocks: int = 0
 
 
 def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
@@ -93,6 +96,13 @@ def test_affinity_to_the_holder_without_a_plan() -> None:
     assert route.upstream_body(body) is body
 
 
+def test_prediction_is_rounded_to_the_engines_registered_block_size() -> None:
+    """Gateway blocks of 16, an engine registered with blocks of 32: 29 matched blocks are 448 tokens, not 464."""
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=29, slots=list(range(29)))}
+    route = router().route(req(40), [Engine("b", block_size=32)], holders)
+    assert route.decision.predicted_cached_tokens == 448 and route.uncached_tokens == 40 * 16 - 448
+
+
 def test_a_pull_becomes_the_wire_plan_in_the_body() -> None:
     # the holder is saturated: the idle peer pulls the prefix instead of queueing behind it
     holders = {"b": Holder(node_id="b", epoch=7, matched_blocks=50, slots=list(range(100, 150)))}
@@ -101,13 +111,15 @@ def test_a_pull_becomes_the_wire_plan_in_the_body() -> None:
     d = route.decision
     assert (d.node_id, d.reason, d.pull_from, d.pull_epoch) == ("a", "pull", "b", 7)
     assert route.pull_plan == PullPlan(source_node="b", source_epoch=7, slots=list(range(100, 150)))
-    body = route.upstream_body({"model": "m", "prompt": "x"})
+    body = route.upstream_body({"model": "m", "prompt": "x", "kv_transfer_params": {"other": 1}})
+    wire = {"source_node": "b", "source_epoch": 7, "slots": list(range(100, 150))}
     assert body == {
         "model": "m",
         "prompt": "x",
-        PULL_PLAN_FIELD: {"source_node": "b", "source_epoch": 7, "slots": list(range(100, 150))},
+        PULL_PLAN_FIELD: wire,
+        "kv_transfer_params": {"other": 1, PULL_PLAN_FIELD: wire},  # the vLLM connector's copy, beside the client's
     }
-    assert list(body) == ["model", "prompt", "kvdir_pull"]
+    assert list(body) == ["model", "prompt", "kv_transfer_params", "kvdir_pull"]
     assert route.uncached_tokens == 0
 
 
@@ -236,3 +248,28 @@ def test_pull_plan_round_trips_and_is_bounded() -> None:
     ):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=PullPlan)
+
+
+def test_candidates_get_free_space_from_the_node_list_and_the_weight_from_settings() -> None:
+    engines = [
+        Engine("a", capacity_blocks=100, blocks=90, block_size=32),
+        Engine("b", capacity_blocks=100, blocks=120),
+        Engine("c"),
+    ]
+    free = {c.node_id: c.free_tokens for c in build_candidates(engines, {}, block_size=16)}
+    assert free == {"a": 10 * 32, "b": 0, "c": None}  # unknown capacity: no displacement priced
+    assert cost_model(GatewaySettings(displace_weight=2.5)).displace_weight == 2.5
+
+
+def test_route_reports_a_follower_of_a_prefix_being_computed_as_inflight() -> None:
+    r = router()
+    first = r.route(req(8), [Engine("a"), Engine("b")], {})
+    key = r.prefilling(req(8), first.decision.node_id, 1, now=0.0)
+    n = first.decision.node_id
+    engines = [Engine(x, inflight=int(x == n), pending_prefill_tokens=128.0 if x == n else 0.0) for x in "ab"]
+    follower = r.route(req(8, extra=3), engines, {}, now=0.1)
+    assert (follower.decision.node_id, follower.decision.reason) == (n, "inflight")
+    assert follower.uncached_tokens == 3
+    r.prefilled(key, now=0.2, ok=False)  # failed: nothing is being computed any more
+    again = r.route(req(8, extra=3), [Engine("a"), Engine("b")], {}, now=0.3)
+    assert again.decision.reason == "balance"
