@@ -13,6 +13,7 @@ COPY directory /src/directory
 COPY gateway /src/gateway
 COPY worker_stub /src/worker_stub
 COPY engines /src/engines
+COPY kvtransfer /src/kvtransfer
 COPY kvdir /src/kvdir
 # Installed, then the sources removed: a copy of a package beside the installed one would be imported
 # instead of it from that directory (numba's cache is keyed by the source's path: the warm-up below once

@@ -32,6 +32,8 @@ TRANSFER_URL_MAX_LEN = 2048
 RKEY_MAX_LEN = 256
 LABEL_MAX_LEN = 64
 MAX_LOAD_LABELS = 64
+PULL_GBPS_LABEL = "pull_gbps"
+"""The load label of a pulling engine's measured pull bandwidth in GB/s: the gateway prices pulls to it with it."""
 
 # msgspec bounds integers only within int64: the u64 maximum is documented here and checked after decoding
 # (`check_u64`, or numpy's conversion of bulk arrays).

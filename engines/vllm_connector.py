@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
 from directory.hashing import chain_hashes, local_hashes, seed_for
-from directory.schemas import NodeInfo
+from directory.schemas import PULL_GBPS_LABEL, NodeInfo
 from directory.session import NodeSession
 from engines.config import ConnectorSettings
 from engines.vllm_plan import (
@@ -83,6 +83,7 @@ from engines.vllm_plan import (
     page_pieces,
     plan_from_params,
 )
+from kvtransfer.bandwidth import PullBandwidth
 from kvtransfer.engines import TransferEngine, TransferError, create_engine
 
 if TYPE_CHECKING:
@@ -211,6 +212,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._lock = threading.Lock()
         self._changes: queue.SimpleQueue[list[tuple[int, int]]] = queue.SimpleQueue()
         self._session: NodeSession | None = None
+        self._bandwidth = PullBandwidth()  # of the worker's completed reads (KvdirWorkerMeta): heartbeats report it
         r = self.registry = CollectorRegistry()
         self.m_pulled = Counter("kvdir_connector_pulled_blocks_total", "Blocks pulled from peers and validated", registry=r)
         self.m_failed = Counter(
@@ -255,7 +257,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             regions=hs.layout.regions(),
             capacity_blocks=hs.layout.num_blocks,
             block_size=self.block_size,
-            load=lambda: {"running": float(len(self._requests)), "waiting": 0.0},
+            load=lambda: {"running": float(len(self._requests)), "waiting": 0.0, **self._bandwidth.labels(PULL_GBPS_LABEL)},
             collect=self._collect,
             on_published=lambda n, _lag: self.m_published.inc(n),
             logger=log,
@@ -372,6 +374,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self.m_failed_pulls.inc(wm.failed_pulls)
         self.m_read_bytes.inc(wm.read_bytes)
         self.m_read_s.inc(wm.read_s)
+        self._bandwidth.add(wm.read_bytes, wm.read_s)
         if not wm.complete or self._pool is None:
             return
         blocks = self._pool.blocks

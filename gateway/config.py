@@ -43,7 +43,12 @@ class GatewaySettings(DirectoryClientSettings):
     decode_tokens_per_s: float = Field(
         80.0, gt=0, description="engines' decode rate per running request in tokens/s, for the queueing estimate"
     )
-    link_gbps: float = Field(2.0, gt=0, description="measured pull bandwidth between engines in GB/s (kvdir bench worker)")
+    link_gbps: float = Field(
+        2.0,
+        gt=0,
+        description="pull bandwidth between engines in GB/s (kvdir bench worker), for pulls to an engine that "
+        "reports no measured pull_gbps of its own",
+    )
     pull_setup_ms: float = Field(2.0, ge=0, description="fixed cost of one pull (handshake, lookup)")
     max_running: int = Field(32, ge=1, description="engines' concurrency, for the queueing estimate")
     displace_weight: float = Field(

@@ -17,7 +17,8 @@ The model, per healthy candidate ``c`` and request ``req``:
   + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval_s``
 - ``cached_tokens = min(min(cached_blocks, len(hashes)) * block_size, prompt_tokens)``
 - ``compute_s = (prompt_tokens - cached_tokens) / prefill_tokens_per_s``
-- ``pull_s(n) = pull_setup_s + n * (block_bytes / link_bytes_per_s)``
+- ``pull_s(n) = pull_setup_s + n * (block_bytes / link)``, ``link`` being the pull bandwidth the candidate
+  reported (``c.link_bytes_per_s``: what its reads measured) or else the configured ``link_bytes_per_s``
 - recompute: ``ttft = queue_s + compute_s``; pull up to block ``P`` (the longest
   holder's servable prefix): ``ttft = queue_s + pull_s(P - c.blocks) +
   (prompt_tokens - P.cached_tokens) / prefill_tokens_per_s``, taken only when
@@ -67,6 +68,7 @@ __all__ = [
     "engine_tokens",
     "estimate_ttft",
     "evaluate",
+    "link_rate",
     "pending_estimate",
     "pull_seconds",
     "queue_seconds",
@@ -95,6 +97,9 @@ class Candidate:
     # Leading blocks of this prompt that requests already sent there are computing now (gateway.inflight): the
     # engine reuses them once computed, so they count as held; the wait for them is in pending_prefill_tokens.
     inflight_blocks: int = 0
+    # Pull bandwidth the node measured on its own reads (its pull_gbps load label), in bytes/s; 0: unknown, pulls
+    # to it are priced with CostModel.link_bytes_per_s.
+    link_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +114,7 @@ class RouteRequest:
 class CostModel:
     prefill_tokens_per_s: float = 10_000.0
     block_bytes: int = 16_384 * 1  # KV bytes of one block summed over a node's TP ranks
-    link_bytes_per_s: float = 2e9  # measured pull bandwidth between nodes
+    link_bytes_per_s: float = 2e9  # pull bandwidth between nodes, for a candidate that reported none
     pull_setup_s: float = 0.002  # per pull (handshake/lookup)
     max_running: int = 32  # engine concurrency; above it requests queue
     decode_tokens_per_s: float = 80.0  # per running request (the gateway's --decode-tokens-per-s)
@@ -216,11 +221,18 @@ def queue_seconds(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_
     return cand.pending_prefill_tokens / cost.prefill_tokens_per_s + ahead * slot_interval_seconds(req, cost)
 
 
-def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST) -> float:
-    """pull_setup_s + n_blocks * (block_bytes / link_bytes_per_s) (0 for no blocks)."""
+def link_rate(cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
+    """The bandwidth pulls to `cand` are priced with: what it reported measuring, else the configured one."""
+    return cand.link_bytes_per_s if cand.link_bytes_per_s > 0 else cost.link_bytes_per_s
+
+
+def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST, link_bytes_per_s: float = 0.0) -> float:
+    """pull_setup_s + n_blocks * (block_bytes / link) (0 for no blocks); link: `link_bytes_per_s` if > 0, else
+    the cost model's."""
     if n_blocks <= 0:
         return 0.0
-    return cost.pull_setup_s + n_blocks * (cost.block_bytes / cost.link_bytes_per_s)
+    link = link_bytes_per_s if link_bytes_per_s > 0 else cost.link_bytes_per_s
+    return cost.pull_setup_s + n_blocks * (cost.block_bytes / link)
 
 
 def evaluate(
@@ -249,7 +261,7 @@ def evaluate(
     displace_s = displace_seconds(prompt - cached, cand, cost)
     target = min(max(pull_to_blocks, 0), nh)
     if target > have and (force_pull or cand.can_pull):
-        pull_s = pull_seconds(target - have, cost)
+        pull_s = pull_seconds(target - have, cost, cand.link_bytes_per_s)
         pulled = target * bs
         if pulled > prompt:
             pulled = prompt

@@ -32,7 +32,7 @@ import httpx
 from directory import schemas
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.schemas import NodeInfo, Origin
+from directory.schemas import PULL_GBPS_LABEL, NodeInfo, Origin
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -107,6 +107,7 @@ class EngineState:
     max_model_len: int | None = None  # from its /v1/models, once it answered
     running: float = 0.0
     waiting: float = 0.0
+    pull_gbps: float = 0.0  # pull bandwidth it measured (PULL_GBPS_LABEL; 0: none reported)
     inflight: int = 0
     pending_prefill_tokens: float = 0.0
     unhealthy_until: float = 0.0
@@ -213,6 +214,7 @@ class EngineRegistry:
             e.blocks = n.blocks
             e.running = n.load.get("running", 0.0)
             e.waiting = n.load.get("waiting", 0.0)
+            e.pull_gbps = n.load.get(PULL_GBPS_LABEL, 0.0)
             e.last_seen = time.monotonic()
         keep = {n.node_id for n in nodes} | {f"static-{i + 1}" for i in range(len(self.static))}
         for node_id in [k for k in self._refused if k not in keep]:

@@ -64,6 +64,7 @@ from gateway.cost import (
     engine_tokens,
     estimate_ttft,
     evaluate,
+    link_rate,
     pull_seconds,
     queue_seconds,
     queued_ahead,
@@ -272,9 +273,10 @@ class KvdirPolicy:
             f"*{slot_interval_seconds(req, cost):.6f}]"
         )
         if br.pull_s:
+            measured = " (measured by it)" if c.link_bytes_per_s > 0 else ""
             s += (
-                f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {br.pulled_blocks}*{cost.block_bytes}/{cost.link_bytes_per_s:g}]"
-                f" from {holder.node_id}@{holder.epoch}"
+                f" + pull {br.pull_s:.6f} [{cost.pull_setup_s:g} + {br.pulled_blocks}*{cost.block_bytes}/{link_rate(c, cost):g}"
+                f"{measured}] from {holder.node_id}@{holder.epoch}"
             )
         s += (
             f" + compute {br.compute_s:.6f} [({req.prompt_tokens}-{br.cached_tokens})/{cost.prefill_tokens_per_s:g}]"

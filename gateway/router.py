@@ -39,11 +39,16 @@ __all__ = [
     "build_candidates",
     "cost_model",
     "make_candidate",
+    "reported_link",
 ]
 
 log = logging.getLogger("kvdir.gateway")
 
 DEFAULT_MAX_TOKENS = 16  # a request without max_tokens is assumed this long (OpenAI's default for completions)
+# A reported pull bandwidth is clamped to this range (GB/s): a figure outside it says more about the measurement
+# (a read timed around a stall, a copy that never left the host) than about the link.
+REPORTED_GBPS_MIN = 0.001
+REPORTED_GBPS_MAX = 1000.0
 
 
 class EngineView(Protocol):
@@ -73,6 +78,8 @@ class EngineView(Protocol):
     def capacity_blocks(self) -> int | None: ...  # KV blocks it can hold, as registered (None: unknown)
     @property
     def blocks(self) -> int: ...  # blocks the directory lists for it
+    @property
+    def pull_gbps(self) -> float: ...  # pull bandwidth it measured, GB/s (its PULL_GBPS_LABEL load label; 0: none)
 
 
 class HolderView(Protocol):
@@ -102,6 +109,14 @@ def cost_model(settings: GatewaySettings) -> CostModel:
     )
 
 
+def reported_link(pull_gbps: float) -> float:
+    """Bytes/s to price pulls to an engine that reported `pull_gbps`, clamped to the sane range; 0 (use the
+    configured --link-gbps) when it reported none, or nothing positive."""
+    if not pull_gbps > 0:  # also NaN
+        return 0.0
+    return min(max(pull_gbps, REPORTED_GBPS_MIN), REPORTED_GBPS_MAX) * 1e9
+
+
 def make_candidate(
     node_id: str,
     epoch: int,
@@ -117,6 +132,7 @@ def make_candidate(
     free_tokens: int | None = None,
     engine_block_size: int = 0,
     inflight_blocks: int = 0,
+    link_bytes_per_s: float = 0.0,
 ) -> Candidate:
     """A candidate from an engine's reported load and the gateway's own count of requests in flight there.
 
@@ -137,6 +153,7 @@ def make_candidate(
         free_tokens=free_tokens,
         engine_block_size=engine_block_size,
         inflight_blocks=inflight_blocks,
+        link_bytes_per_s=link_bytes_per_s,
     )
 
 
@@ -163,7 +180,7 @@ def build_candidates(
     current one: blocks of an earlier incarnation are gone. `inflight` is
     `InflightPrefixes.match` for this prompt: blocks being computed per (node,
     epoch). `block_size` (the gateway's) sizes free space of engines that
-    registered no block size.
+    registered no block size. A pull to an engine is priced with the bandwidth it reported (`reported_link`).
     """
     inflight = inflight or {}
     out = []
@@ -187,6 +204,7 @@ def build_candidates(
                 free_tokens=free_tokens(e, block_size),
                 engine_block_size=e.block_size,
                 inflight_blocks=inflight.get((e.node_id, e.epoch), 0),
+                link_bytes_per_s=reported_link(e.pull_gbps),
             )
         )
     return out

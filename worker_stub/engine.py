@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
 from directory.hashing import block_hashes
-from directory.schemas import NodeInfo, PullPlan
+from directory.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
+from kvtransfer.bandwidth import PullBandwidth
 from kvtransfer.engines import TransferEngine, TransferError
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool, Lease, PoolFull
@@ -70,6 +71,7 @@ class Engine:
         self._peers: dict[tuple[str, int], NodeInfo] = {}
         self._computing: dict[int, asyncio.Event] = {}  # block hash -> set when the request computing it is done
         self.counters = {"requests": 0, "pulled_blocks": 0, "pull_failed_blocks": 0, "pull_errors": 0, "pool_full": 0}
+        self.pull_bandwidth = PullBandwidth()  # of completed reads; heartbeats report it (PULL_GBPS_LABEL)
 
     def load(self) -> dict[str, float]:
         return {
@@ -77,6 +79,7 @@ class Engine:
             "waiting": self.waiting,
             "free_slots": self.pool.free_slots,
             "capacity_slots": self.pool.capacity_blocks,
+            **self.pull_bandwidth.labels(PULL_GBPS_LABEL),
         }
 
     async def _sleep(self, seconds: float) -> float:
@@ -238,6 +241,7 @@ class Engine:
             await asyncio.to_thread(self.transfer.read, peer.transfer_url, local, remote, lengths)
             stats.pull_transfer_s = time.perf_counter() - t
             stats.pull_bytes = sum(lengths)
+            self.pull_bandwidth.add(stats.pull_bytes, stats.pull_transfer_s)
         except TransferError as exc:
             self.counters["pull_errors"] += 1
             self.counters["pull_failed_blocks"] += len(wanted)

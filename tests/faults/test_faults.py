@@ -39,8 +39,10 @@ def test_kills_pauses_and_full_restart_lose_nothing(tmp_path: Path) -> None:
 
 
 # Partitions in network namespaces where they can be made (root), else (and in the last case always)
-# through the loopback link proxies: both cut real Raft links between real processes.
-@pytest.mark.parametrize(("replicas", "use_netns"), [(3, True), (5, True), (3, False)], ids=["3-netns", "5-netns", "3-proxies"])
+# through the loopback link proxies: both cut real Raft links between real processes. Each way of cutting
+# and each group size is covered once (3 replicas in namespaces repeated both and cost 23 s of make test's
+# 10 minutes; `kvdir bench soak --replicas 3` partitions 3 replicas in namespaces among its faults).
+@pytest.mark.parametrize(("replicas", "use_netns"), [(5, True), (3, False)], ids=["5-netns", "3-proxies"])
 def test_partitions_minority_commits_nothing_and_nothing_is_lost(tmp_path: Path, replicas: int, use_netns: bool) -> None:
     planned = ["partition_leader", "partition_follower", "kill_leader"]
     report = run(Plan(replicas=replicas, faults=planned, steady_s=1.5, data_dir=tmp_path, use_netns=use_netns))

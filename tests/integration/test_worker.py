@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from directory.hashing import block_hashes
+from directory.schemas import PULL_GBPS_LABEL
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"
@@ -24,6 +25,10 @@ def _complete(url: str, prompt: str | list[int], **extra) -> dict:
 def _holders(dir_url: str, prompt: str, **extra) -> dict[str, int]:
     r = httpx.post(dir_url + "/v1/lookup", json={"tokens": list(prompt.encode()), **extra}).json()
     return {h["node_id"]: h["matched_blocks"] for h in r["holders"]}
+
+
+def _load(dir_url: str, node_id: str) -> dict[str, float]:
+    return httpx.get(f"{dir_url}/v1/nodes/{node_id}").json()["load"]
 
 
 def test_second_request_reuses_the_prefix(make_cluster, make_workers) -> None:
@@ -56,6 +61,11 @@ def test_peer_pulls_a_prefix_as_verified_bytes(make_cluster, make_workers, trans
     wait_for(lambda: _holders(c.replica_urls[2], PROMPT) == {"worker-1": 25, "worker-2": 25}, what="both holders listed")
     metrics = httpx.get(w.urls[1] + "/metrics").text
     assert "kvdir_worker_pulled_blocks_total 25.0" in metrics
+    # The puller's heartbeats report the bandwidth of that read (its only one) for the gateway to price pulls with.
+    measured = pulled["kvdir"]["pull_bytes"] / pulled["kvdir"]["pull_transfer_s"] / 1e9
+    wait_for(lambda: PULL_GBPS_LABEL in _load(c.replica_urls[0], "worker-2"), what="worker-2's pull_gbps")
+    assert _load(c.replica_urls[0], "worker-2")[PULL_GBPS_LABEL] == pytest.approx(measured)
+    assert PULL_GBPS_LABEL not in _load(c.replica_urls[0], "worker-1")  # it never pulled
 
 
 def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers) -> None:

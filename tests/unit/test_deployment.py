@@ -8,6 +8,7 @@ processes read), and the topology must be consistent and match `kvdir up`.
 
 from __future__ import annotations
 
+import tomllib
 from urllib.parse import urlsplit
 
 import pytest
@@ -137,6 +138,11 @@ def test_dockerfile_essentials() -> None:
     assert 'ENTRYPOINT ["kvdir"]' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+    # Every package the project installs is copied into the image (kvtransfer/ once was not: every worker
+    # crashed at import, and only make test-compose noticed).
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(p.rstrip("*") for p in include)
+    assert [p for p in packages if f"\nCOPY {p} /src/{p}\n" not in text] == []
 
 
 def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:

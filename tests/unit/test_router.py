@@ -6,20 +6,33 @@ No sockets, no processes: engines and holders are plain objects.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 import pytest
 
-from directory.schemas import PULL_PLAN_FIELD, Holder, Origin, PullPlan
+from directory.client import DirectoryClient
+from directory.schemas import PULL_GBPS_LABEL, PULL_PLAN_FIELD, Holder, NodeInfo, Origin, PullPlan
 from gateway.config import GatewaySettings
 from gateway.cost import CostModel, RouteRequest, evaluate, slot_interval_seconds, ttft_breakdown
-from gateway.engines import EngineState
+from gateway.engines import EngineRegistry, EngineState
 from gateway.policy import SGLangPolicy, make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import InflightTicket, cached_tokens
-from gateway.router import NoEngineAvailable, Router, build_candidates, cost_model, make_candidate
+from gateway.router import (
+    REPORTED_GBPS_MAX,
+    REPORTED_GBPS_MIN,
+    NoEngineAvailable,
+    Router,
+    build_candidates,
+    cost_model,
+    make_candidate,
+    reported_link,
+)
 
 
 @dataclass
@@ -38,6 +51,7 @@ class Engine:
     block_size: int = 0
     capacity_blocks: int | None = None
     blocks: int = 0
+    pull_gbps: float = 0.0
 
 
 def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
@@ -192,7 +206,62 @@ def test_the_explanation_shows_the_evaluated_option() -> None:
     d = router().route(req(50), [Engine("a"), Engine("b", running=64.0)], holders).decision
     assert d.reason == "pull"
     assert d.detail.startswith(f"ttft={d.estimated_ttft_s:.6f}s = queue ")
-    assert " + pull " in d.detail and "50*16384/2e+09" in d.detail and "from b@1" in d.detail
+    assert " + pull " in d.detail and "50*16384/2e+09]" in d.detail and "from b@1" in d.detail
+
+
+# ---------------------------------------------------------------------------
+# The pull bandwidth an engine measured prices pulls to it
+
+
+def test_a_reported_bandwidth_is_used_clamped_and_absent_means_configured() -> None:
+    assert [reported_link(g) for g in (0.0, -3.0, math.nan)] == [0.0, 0.0, 0.0]  # none: --link-gbps
+    assert reported_link(4.0) == 4e9
+    assert reported_link(1e-9) == REPORTED_GBPS_MIN * 1e9
+    assert reported_link(1e9) == REPORTED_GBPS_MAX * 1e9
+    cands = build_candidates([Engine("a", pull_gbps=0.5), Engine("b")], {})
+    assert [c.link_bytes_per_s for c in cands] == [5e8, 0.0]
+
+
+def test_a_slow_reported_link_turns_the_pull_into_recompute() -> None:
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=50, slots=list(range(50)))}
+    busy_b = Engine("b", running=64.0)
+    # Configured 2 GB/s: pulling to a wins (the holder is saturated).
+    assert router().route(req(50), [Engine("a"), busy_b], holders).decision.reason == "pull"
+    # a measured 0.01 GB/s: 16384 B/block take 1.64 ms > the 1.6 ms to compute a block, so a recomputes.
+    d = router().route(req(50), [Engine("a", pull_gbps=0.01), busy_b], holders).decision
+    assert (d.node_id, d.reason, d.pull_from) == ("a", "recompute", None)
+    # A holder that queues 7 requests ahead (44 ms): worth a pull at 2 GB/s (6 ms), not an 80 ms recompute,
+    # so a slow puller sends the request to its prefix instead.
+    queued_b = Engine("b", running=38.0)
+    assert router().route(req(50), [Engine("a"), queued_b], holders).decision.reason == "pull"
+    d = router().route(req(50), [Engine("a", pull_gbps=0.01), queued_b], holders).decision
+    assert (d.node_id, d.reason) == ("b", "affinity")
+
+
+def test_a_fast_reported_link_allows_the_pull_a_slow_configured_one_forbids() -> None:
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=50, slots=list(range(50)))}
+    slow = CostModel(link_bytes_per_s=1e7)  # the configured link: too slow to pull
+    engines = [Engine("a"), Engine("b", running=64.0)]
+    assert router(cost=slow).route(req(50), engines, holders).decision.reason == "recompute"
+    d = router(cost=slow).route(req(50), [Engine("a", pull_gbps=4.0), Engine("b", running=64.0)], holders).decision
+    assert (d.node_id, d.reason, d.pull_from) == ("a", "pull", "b")
+    assert "50*16384/4e+09 (measured by it)]" in d.detail  # the explanation names the figure used
+    # The estimate is the model's with the measured link: setup + 50 blocks at 4 GB/s, nothing computed.
+    assert d.estimated_ttft_s == pytest.approx(0.002 + 50 * 16384 / 4e9)
+
+
+def test_the_registry_reads_the_reported_bandwidth_from_the_node_list() -> None:
+    async def update() -> dict[str, float]:
+        async with httpx.AsyncClient() as http:
+            reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], refresh_s=1.0, unhealthy_s=1.0)
+            nodes = [
+                NodeInfo(node_id=n, epoch=1, alive=True, api_url=f"http://127.0.0.1:{9000 + i}", blocks=0, load=load)
+                for i, (n, load) in enumerate([("a", {"running": 1.0, PULL_GBPS_LABEL: 3.5}), ("b", {"running": 1.0})])
+            ]
+            await reg._update(nodes)  # no I/O: engines by IP, no networks to resolve against
+            return {k: e.pull_gbps for k, e in reg.engines.items()}
+
+    assert asyncio.run(update()) == {"a": 3.5, "b": 0.0}
 
 
 # ---------------------------------------------------------------------------
