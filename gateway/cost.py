@@ -69,7 +69,6 @@ __all__ = [
     "estimate_ttft",
     "evaluate",
     "link_rate",
-    "pending_estimate",
     "pull_seconds",
     "queue_seconds",
     "queued_ahead",
@@ -191,14 +190,6 @@ def displace_seconds(stored_tokens: int, cand: Candidate, cost: CostModel = DEFA
     return cost.displace_weight * over / cost.prefill_tokens_per_s if over > 0 else 0.0
 
 
-def pending_estimate(own: float, reported: float, own_at_report: float, age_s: float, prefill_tokens_per_s: float) -> float:
-    """An engine's prefill backlog as one of several gateways can know it: its own pending prefill now, plus the
-    others' part of what the engine last reported (``reported - own_at_report``) less what the engine can have
-    prefilled since (``age_s * prefill_tokens_per_s``). A gateway alone gets its own count (the rest is ~0)."""
-    others = reported - own_at_report - age_s * prefill_tokens_per_s
-    return own + others if others > 0 else own
-
-
 def slot_interval_seconds(req: RouteRequest, cost: CostModel = DEFAULT_COST) -> float:
     """Mean wait added by each request ahead in an engine's queue: T_req / max_running.
 
@@ -226,12 +217,12 @@ def link_rate(cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
     return cand.link_bytes_per_s if cand.link_bytes_per_s > 0 else cost.link_bytes_per_s
 
 
-def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST, link_bytes_per_s: float = 0.0) -> float:
-    """pull_setup_s + n_blocks * (block_bytes / link) (0 for no blocks); link: `link_bytes_per_s` if > 0, else
-    the cost model's."""
+def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST, link_bytes_per_s: float | None = None) -> float:
+    """pull_setup_s + n_blocks * (block_bytes / link) (0 for no blocks); link: `link_bytes_per_s` (a
+    candidate's `link_rate`), or the cost model's."""
     if n_blocks <= 0:
         return 0.0
-    link = link_bytes_per_s if link_bytes_per_s > 0 else cost.link_bytes_per_s
+    link = cost.link_bytes_per_s if link_bytes_per_s is None else link_bytes_per_s
     return cost.pull_setup_s + n_blocks * (cost.block_bytes / link)
 
 
@@ -261,7 +252,7 @@ def evaluate(
     displace_s = displace_seconds(prompt - cached, cand, cost)
     target = min(max(pull_to_blocks, 0), nh)
     if target > have and (force_pull or cand.can_pull):
-        pull_s = pull_seconds(target - have, cost, cand.link_bytes_per_s)
+        pull_s = pull_seconds(target - have, cost, link_rate(cand, cost))
         pulled = target * bs
         if pulled > prompt:
             pulled = prompt

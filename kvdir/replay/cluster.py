@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from gateway.cost import pending_estimate
 from gateway.inflight import InflightPrefixes
 from gateway.policy import Decision, RouteRequest, make_policy
 from gateway.router import make_candidate
@@ -44,6 +43,15 @@ __all__ = ["ClusterSim"]
 
 # Event kinds, the indices of ClusterSim._handlers.
 _PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC = 0, 1, 2, 3, 4, 5
+
+
+def pending_estimate(own: float, reported: float, own_at_report: float, age_s: float, prefill_tokens_per_s: float) -> float:
+    """An engine's prefill backlog as one of several gateways can know it: its own pending prefill now, plus the
+    others' part of what the engine last reported (``reported - own_at_report``) less what the engine can have
+    prefilled since (``age_s * prefill_tokens_per_s``). A gateway alone gets its own count (the rest is ~0).
+    The simulation's `--heartbeat-s` model only: the live gateway counts its own pending prefill (docs/replay.md)."""
+    others = reported - own_at_report - age_s * prefill_tokens_per_s
+    return own + others if others > 0 else own
 
 
 @dataclass(slots=True, eq=False)
@@ -219,7 +227,7 @@ class ClusterSim:
         inflight = self.inflight[gw]
         computing = inflight.match(blocks, t)
         # The gateway's rule for a candidate (gateway.router.make_candidate), on the simulated engines' state;
-        # the pending prefill is its own plus the rest of what the engine last reported (gateway.cost.pending_estimate).
+        # the pending prefill is its own plus the rest of what the engine last reported (`pending_estimate`).
         rate = self.params.prefill_tokens_per_s
         age = t - self.report_time
         cands = [

@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from gateway.cost import Candidate, RouteRequest, pending_estimate
+from gateway.cost import Candidate, RouteRequest
 from gateway.inflight import InflightPrefixes
 from gateway.policy import KvdirPolicy
+from kvdir.replay.cluster import pending_estimate
 
 
 def test_match_is_the_leading_run_per_node_and_epoch() -> None:
