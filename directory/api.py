@@ -19,6 +19,7 @@ Those three also take binary batches (directory.binary), chosen by Content-Type.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -36,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from directory import binary, watch, watch_codec
+from directory import binary, shardmap, watch, watch_codec
 from directory import state as st
 from directory.addresses import is_loopback, parse_hostport
 from directory.auth import PRINCIPAL, BearerAuth, Principal
@@ -77,6 +78,7 @@ _STATUS = {
     st.NODE_LIMIT: 429,
     st.INDEX_FULL: 507,
     st.INVALID: 422,
+    st.WRONG_SHARD: 409,
 }
 _ERRORS = {
     400: "bad_request",
@@ -264,6 +266,7 @@ async def register(request: Request, replica: Replica = Depends(_replica)) -> An
     body = await _decode(request, RegisterRequest, Counted("regions", Counted.OBJECTS, limit, "regions_per_node"))
     _check_count(len(body.regions), limit, "regions_per_node")
     _may_write(request, body.node_id)
+    shard_index = await _shard_index(replica)
     if not await replica.has_room_for(body.node_id):
         # Refused here, before Raft: a flood of registrations over the limit must not fill the Raft log.
         # The state machine still enforces the limit on every replica (this replica's view may lag).
@@ -276,11 +279,23 @@ async def register(request: Request, replica: Replica = Depends(_replica)) -> An
         regions=tuple(msgspec.structs.asdict(r) for r in body.regions),
         capacity_blocks=body.capacity_blocks,
         block_size=body.block_size,
-        epoch_base=st.new_epoch_base(secrets.randbits(st.EPOCH_BASE_BITS)),
+        epoch_base=st.new_epoch_base(secrets.randbits(st.EPOCH_BASE_BITS), shard_index),
     )
     res = await _commit(replica, cmd)
     log.info("node %s registered with epoch %d", body.node_id, res.value)
     return JSONResponse({"node_id": body.node_id, "epoch": res.value, "lease_ttl_s": replica.settings.lease_ttl_s})
+
+
+async def _shard_index(replica: Replica) -> int:
+    """This group's index in its shard map (0 unsharded); 503 while a sharded group has not committed its map:
+    it must not admit a node that the map homes elsewhere."""
+    if replica.settings.shard_map is None:
+        return 0
+    committed = await replica.read(lambda s: s.shard_map)
+    if committed is None:
+        raise ApiError(503, "not_ready", "this shard has not committed its shard map yet: retry")
+    names = committed.names
+    return names.index(committed.shard) if committed.shard in names else 0
 
 
 @router.post("/v1/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse, openapi_extra=_body_doc(HeartbeatRequest))
@@ -485,6 +500,42 @@ async def watch_changes(
         return await watch.open_stream(replica, from_)
     except Compacted as exc:
         raise ApiError(410, "compacted", f"{exc}: watch again without `from` for a snapshot") from exc
+
+
+@router.get("/v1/shards")
+async def shards(replica: Replica = Depends(_replica)) -> Any:
+    """The shard map this group has committed and which shard it is; version 0 for a directory that is not sharded."""
+    committed = await replica.read(lambda s: s.shard_map)
+    if committed is None:
+        if replica.settings.shard_map is not None:
+            raise ApiError(503, "not_ready", "this shard has not committed its shard map yet: retry")
+        return JSONResponse({"version": 0, "shard": None, "shards": {}, "nodes": {}})
+    return JSONResponse({**json.loads(committed.document), "shard": committed.shard})
+
+
+@router.put("/v1/shards")
+async def change_shards(request: Request, replica: Replica = Depends(_replica)) -> Any:
+    """Commit a newer shard map in this group (admin only): it drops the nodes the map homes elsewhere.
+
+    Commit a change to the shards in `shardmap.apply_order` (`kvdir shards apply` does): shards that
+    give nodes away before those that take them.
+    """
+    principal: Principal | None = request.scope.get(PRINCIPAL)
+    if request.app.state.auth and (principal is None or principal.role != "admin"):
+        raise ApiError(403, "forbidden", "only an admin token may change the shard map")
+    committed = await replica.read(lambda s: s.shard_map)
+    shard = committed.shard if committed is not None else replica.settings.shard
+    if shard is None:
+        raise ApiError(422, "not_sharded", "this directory is not sharded: start its replicas with --shard-map-file and --shard")
+    try:
+        new = shardmap.parse(await request.body())
+    except shardmap.ShardMapError as exc:
+        raise ApiError(422, "invalid_request", str(exc)) from exc
+    if committed is not None and new.version <= committed.version:
+        raise ApiError(409, "stale_map", f"shard map version {new.version} is not newer than this shard's ({committed.version})")
+    res = await _commit(replica, st.AssignShards.of(new, shard))
+    log.info("shard %s: shard map version %d committed, %d nodes dropped", shard, new.version, res.value)
+    return JSONResponse({"shard": shard, "version": new.version, "dropped": res.value})
 
 
 @router.get("/v1/cluster")

@@ -16,16 +16,23 @@ arrays, directory.binary: no JSON number per hash for either side to parse);
 `binary=False` sends JSON as humans and older replicas read it. A value out
 of range is refused before sending, as the directory would refuse it in JSON
 (InvalidRequestError 422).
+
+Sharded directories (docs/scale-out.md) need nothing from the caller: the client reads the
+shard map (`GET /v1/shards`) from the replicas it was given before its first node write or
+lookup. A node's writes then go to the node's home shard, and lookups and node listings go to
+every shard and are merged (the shards' holders are disjoint). A `wrong_shard` answer makes it
+reread the map and try the new home once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -34,10 +41,13 @@ from pydantic import SecretStr
 
 from directory import binary
 from directory.binary import LookupBatch, PublishBatch, RemoveBatch
-from directory.errors import DirectoryUnavailable, InvalidRequestError, rejection
+from directory.errors import DirectoryError, DirectoryUnavailable, InvalidRequestError, NotFoundError, WrongShardError, rejection
 from directory.schemas import Consistency, LookupResponse, NodeInfo, Region, RegisterResponse
+from directory.shardmap import ShardMap
 
 _RETRY_STATUS = {502, 503, 504}
+T = TypeVar("T")
+log = logging.getLogger("kvdir.client")
 
 
 class DirectoryClient:
@@ -53,7 +63,9 @@ class DirectoryClient:
         token: str | SecretStr | None = None,
         tenant: str = "",
         binary: bool = True,
+        sharded: bool = True,
     ) -> None:
+        """`sharded=False`: talk to these replicas only, as one group, without reading a shard map."""
         if isinstance(urls, str):
             urls = [u for u in urls.split(",") if u.strip()]
         if not urls:
@@ -72,9 +84,92 @@ class DirectoryClient:
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=8),
             transport=transport,
         )
+        self._options: dict[str, Any] = dict(
+            timeout=timeout, deadline=deadline, transport=transport, token=token, tenant=tenant, binary=binary, sharded=False
+        )
+        self._sharded = sharded
+        self._map: ShardMap | None = None
+        self._map_read = False
+        self._map_lock: asyncio.Lock | None = None
+        self._shards: dict[str, DirectoryClient] = {}
 
     async def aclose(self) -> None:
+        for c in self._shards.values():
+            await c.aclose()
         await self._http.aclose()
+
+    # -- shards -------------------------------------------------------------------
+
+    async def shard_map(self, *, refresh: bool = False) -> ShardMap | None:
+        """The directory's shard map, or None if it is not sharded (read once, again with `refresh`)."""
+        if not self._sharded:
+            return None
+        if self._map_read and not refresh:
+            return self._map
+        if self._map_lock is None:
+            self._map_lock = asyncio.Lock()
+        async with self._map_lock:
+            if not self._map_read or refresh:
+                try:
+                    doc = await self.request("GET", "/v1/shards")
+                except NotFoundError:
+                    doc = {"version": 0}  # a replica from before sharding: one group
+                m = None if not doc.get("version") else ShardMap.model_validate({k: v for k, v in doc.items() if k != "shard"})
+                if m is not None and (self._map is None or m.version != self._map.version):
+                    log.info("shard map version %d: %d shards", m.version, len(m.shards))
+                self._map, self._map_read = m, True
+        return self._map
+
+    def _shard(self, name: str) -> DirectoryClient:
+        assert self._map is not None
+        client = self._shards.get(name)
+        if client is None or client.urls != self._map.urls(name):
+            client = self._shards[name] = DirectoryClient(self._map.urls(name), **self._options)
+        return client
+
+    def _home(self, node_id: str) -> DirectoryClient:
+        """The client of `node_id`'s home shard under the map last read (sharded directories only)."""
+        assert self._map is not None
+        return self._shard(self._map.home(node_id))
+
+    async def _node_request(
+        self,
+        node_id: str,
+        method: str,
+        path: str,
+        json: Any = None,
+        *,
+        msgpack: bytes | None = None,
+        deadline: float | None = None,
+    ) -> Any:
+        """`request` to the node's home shard (these replicas if not sharded); after a wrong_shard answer,
+        reread the map and try the node's new home once."""
+        if await self.shard_map() is None:
+            return await self.request(method, path, json, msgpack=msgpack, deadline=deadline)
+        try:
+            return await self._home(node_id).request(method, path, json, msgpack=msgpack, deadline=deadline)
+        except WrongShardError:
+            await self.shard_map(refresh=True)
+            return await self._home(node_id).request(method, path, json, msgpack=msgpack, deadline=deadline)
+
+    async def _every_shard(self, call: Callable[[DirectoryClient], Awaitable[T]], *, all_needed: bool) -> list[T]:
+        """`call` on every shard at once. Shards that fail are left out unless `all_needed` (or every shard failed)."""
+        assert self._map is not None
+        names = self._map.names
+        results = await asyncio.gather(*(call(self._shard(n)) for n in names), return_exceptions=True)
+        out: list[T] = []
+        failed: list[BaseException] = []
+        for name, r in zip(names, results):
+            if isinstance(r, BaseException):
+                if not isinstance(r, DirectoryError):
+                    raise r
+                log.debug("shard %s: %s", name, r)
+                failed.append(r)
+            else:
+                out.append(r)
+        if failed and (all_needed or not out):
+            raise failed[0]
+        return out
 
     async def __aenter__(self) -> DirectoryClient:
         return self
@@ -132,28 +227,33 @@ class DirectoryClient:
         deadline: float | None = None,
     ) -> RegisterResponse:
         """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch."""
+        incarnation = incarnation or uuid.uuid4().hex
         body = {
             "node_id": node_id,
             "api_url": api_url,
-            "incarnation": incarnation or uuid.uuid4().hex,
+            "incarnation": incarnation,
             "transfer_url": transfer_url,
             "regions": [msgspec.to_builtins(r) if isinstance(r, Region) else dict(r) for r in regions],
             "capacity_blocks": capacity_blocks,
             "block_size": block_size,
         }
-        return RegisterResponse.model_validate(await self.request("POST", "/v1/nodes", body, deadline=deadline))
+        return RegisterResponse.model_validate(await self._node_request(node_id, "POST", "/v1/nodes", body, deadline=deadline))
 
     async def heartbeat(
         self, node_id: str, epoch: int, load: Mapping[str, float] | None = None, *, deadline: float | None = None
     ) -> None:
         body = {"epoch": epoch, "load": dict(load) if load else None}
-        await self.request("POST", f"/v1/nodes/{node_id}/heartbeat", body, deadline=deadline)
+        await self._node_request(node_id, "POST", f"/v1/nodes/{node_id}/heartbeat", body, deadline=deadline)
 
     async def deregister(self, node_id: str, *, deadline: float | None = None) -> int:
-        removed: int = (await self.request("DELETE", f"/v1/nodes/{node_id}", deadline=deadline))["removed"]
+        removed: int = (await self._node_request(node_id, "DELETE", f"/v1/nodes/{node_id}", deadline=deadline))["removed"]
         return removed
 
     async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:
+        """Every registered node (of every shard)."""
+        if await self.shard_map() is not None:
+            parts = await self._every_shard(lambda c: c.nodes(deadline=deadline), all_needed=True)
+            return [n for part in parts for n in part]
         return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes", deadline=deadline))["nodes"]]
 
     async def cluster(self, *, deadline: float | None = None) -> dict[str, Any]:
@@ -182,7 +282,9 @@ class DirectoryClient:
                 medium=medium,
                 tenant=self._tenant.get("tenant"),
             )
-            answer = await self.request("POST", "/v1/blocks", msgpack=msgspec.msgpack.encode(batch), deadline=deadline)
+            answer = await self._node_request(
+                node_id, "POST", "/v1/blocks", msgpack=msgspec.msgpack.encode(batch), deadline=deadline
+            )
         else:
             body = {
                 "node_id": node_id,
@@ -191,7 +293,7 @@ class DirectoryClient:
                 "medium": medium,
                 **self._tenant,
             }
-            answer = await self.request("POST", "/v1/blocks", body, deadline=deadline)
+            answer = await self._node_request(node_id, "POST", "/v1/blocks", body, deadline=deadline)
         stored: int = answer["stored"]
         return stored
 
@@ -200,16 +302,18 @@ class DirectoryClient:
             batch = RemoveBatch(
                 node_id=node_id, epoch=epoch, hashes=_pack(hashes, binary.U64, "hashes"), tenant=self._tenant.get("tenant")
             )
-            answer = await self.request("POST", "/v1/blocks/remove", msgpack=msgspec.msgpack.encode(batch), deadline=deadline)
+            answer = await self._node_request(
+                node_id, "POST", "/v1/blocks/remove", msgpack=msgspec.msgpack.encode(batch), deadline=deadline
+            )
         else:
             body = {"node_id": node_id, "epoch": epoch, "hashes": list(hashes), **self._tenant}
-            answer = await self.request("POST", "/v1/blocks/remove", body, deadline=deadline)
+            answer = await self._node_request(node_id, "POST", "/v1/blocks/remove", body, deadline=deadline)
         removed: int = answer["removed"]
         return removed
 
     async def clear(self, node_id: str, epoch: int, *, deadline: float | None = None) -> int:
         body = {"node_id": node_id, "epoch": epoch}
-        removed: int = (await self.request("POST", "/v1/blocks/clear", body, deadline=deadline))["removed"]
+        removed: int = (await self._node_request(node_id, "POST", "/v1/blocks/clear", body, deadline=deadline))["removed"]
         return removed
 
     async def lookup(
@@ -223,8 +327,14 @@ class DirectoryClient:
         linearizable: bool = False,
         deadline: float | None = None,
     ) -> LookupResponse:
-        """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica)."""
+        """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica).
+
+        Sharded: every shard is asked at once and the holders merged, longest first. A shard that does
+        not answer is left out of a local lookup (its holders are missed, the rest still route) and
+        fails a linearizable one."""
         consistency: Consistency = "linearizable" if linearizable else "local"
+        body: dict[str, Any] | None = None
+        packed: bytes | None = None
         if self.binary:
             batch = LookupBatch(
                 hashes=_pack(hashes or (), binary.U64, "hashes") if tokens is None else None,
@@ -235,15 +345,23 @@ class DirectoryClient:
                 consistency=consistency,
                 tenant=self._tenant.get("tenant"),
             )
-            answer = await self.request("POST", "/v1/lookup", msgpack=msgspec.msgpack.encode(batch), deadline=deadline)
+            packed = msgspec.msgpack.encode(batch)
         else:
-            body: dict[str, Any] = {"with_slots": with_slots, "consistency": consistency, **self._tenant}
+            body = {"with_slots": with_slots, "consistency": consistency, **self._tenant}
             if tokens is not None:
                 body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
             else:
                 body["hashes"] = list(hashes or [])
-            answer = await self.request("POST", "/v1/lookup", body, deadline=deadline)
-        return LookupResponse.model_validate(answer)
+        if await self.shard_map() is None:
+            return LookupResponse.model_validate(
+                await self.request("POST", "/v1/lookup", body, msgpack=packed, deadline=deadline)
+            )
+        answers = await self._every_shard(
+            lambda c: c.request("POST", "/v1/lookup", body, msgpack=packed, deadline=deadline), all_needed=linearizable
+        )
+        parts = [LookupResponse.model_validate(a) for a in answers]
+        holders = sorted((h for p in parts for h in p.holders), key=lambda h: -h.matched_blocks)
+        return LookupResponse(num_blocks=parts[0].num_blocks, holders=holders)
 
 
 def _pack(values: Iterable[int], dtype: np.dtype, field: str) -> bytes:

@@ -11,6 +11,8 @@ from directory.addresses import HostPort, is_loopback, parse_hostport
 from directory.auth import TokenTable, load_tokens
 from directory.client_settings import read_secret_file
 from directory.logs import LogLevel
+from directory.shardmap import ShardMap, ShardMapError
+from directory.shardmap import load as load_shard_map
 from directory.tenancy import Tenancy
 
 
@@ -87,8 +89,15 @@ class DirectorySettings(BaseSettings):
         description="a Raft link silent this long is dropped and redialled; a replica stalled for less "
         "(GC, slow disk, starved CPU) rejoins without an election",
     )
+    shard_map_file: Path | None = Field(
+        None,
+        description="JSON shard map (docs/scale-out.md): this replica's group is shard --shard of it; committed "
+        "into the group when the group has no map yet (later changes: `kvdir shards apply`)",
+    )
+    shard: str | None = Field(None, description="the name of this replica's shard in --shard-map-file")
     log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
 
+    _shard_map: ShardMap | None = PrivateAttr(None)
     _auth_tokens: TokenTable | None = PrivateAttr(None)
     _tenancy: Tenancy = PrivateAttr(default_factory=Tenancy)
 
@@ -140,6 +149,26 @@ class DirectorySettings(BaseSettings):
             # With public tenant keys a confined token could compute another tenant's keys (directory.tenancy).
             raise ValueError("tokens confined to a tenant need a tenant secret (tenant_secret_file, the same on every replica)")
         return self
+
+    @model_validator(mode="after")
+    def _shard_map_from_file(self) -> DirectorySettings:
+        if (self.shard_map_file is None) != (self.shard is None):
+            raise ValueError("give both --shard-map-file and --shard (a sharded directory), or neither")
+        if self.shard_map_file is not None:
+            try:
+                self._shard_map = load_shard_map(self.shard_map_file)
+            except ShardMapError as exc:
+                raise ValueError(str(exc)) from exc
+            if self.shard not in self._shard_map.shards:
+                raise ValueError(
+                    f"shard {self.shard!r} is not in the shard map {self.shard_map_file} ({list(self._shard_map.names)})"
+                )
+        return self
+
+    @property
+    def shard_map(self) -> ShardMap | None:
+        """The map read from `shard_map_file` at start: what a group without a map commits first."""
+        return self._shard_map
 
     @property
     def auth_tokens(self) -> TokenTable | None:

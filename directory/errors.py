@@ -5,6 +5,7 @@ DirectoryError
 ├── CommitTimeout             a write was not committed before its deadline; retry it (idempotent)
 └── RequestRejected           a replica answered 4xx; `status`, `error`, `detail` say why
     ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
+    │   └── WrongShardError   409: the node belongs to another shard (the client rereads the shard map)
     ├── NotFoundError         404
     ├── InvalidRequestError   400, 413, 415, 422
     ├── AuthError             401 (no or unknown bearer token), 403 (the token may not do this)
@@ -38,6 +39,11 @@ class StaleEpochError(RequestRejected):
     pass
 
 
+class WrongShardError(StaleEpochError):
+    """The node's home is another shard: a 409 like an expiry (the session registers again), and a sign
+    that the client's shard map is out of date."""
+
+
 class NotFoundError(RequestRejected):
     pass
 
@@ -55,7 +61,11 @@ class AuthError(RequestRejected):
 
 
 def rejection(status: int, error: str, detail: object = None) -> RequestRejected:
-    """The RequestRejected subclass for an HTTP status."""
+    """The RequestRejected subclass for an HTTP status (and error code, where one status has several meanings)."""
+    if error == "wrong_shard":
+        return WrongShardError(status, error, detail)
+    if error == "stale_map":
+        return RequestRejected(status, error, detail)
     cls = {409: StaleEpochError, 404: NotFoundError, 429: LimitError, 507: LimitError, 401: AuthError, 403: AuthError}.get(status)
     if cls is None:
         cls = InvalidRequestError if status in (400, 413, 415, 422) else RequestRejected

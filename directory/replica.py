@@ -42,6 +42,7 @@ from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
 from directory.state import (
     AnnounceReplica,
+    AssignShards,
     Command,
     DirectoryState,
     Expire,
@@ -471,6 +472,7 @@ class Replica:
         self.committer: GroupCommitter | None = None
         self.leases: LeaseKeeper | None = None
         self._announce: asyncio.Task[None] | None = None
+        self._bootstrap: asyncio.Task[None] | None = None
         self._readers: anyio.CapacityLimiter | None = None
 
     def _log_role_change(self, old: int, new: int) -> None:
@@ -494,10 +496,12 @@ class Replica:
         self._readers = anyio.CapacityLimiter(READ_THREADS)
         self.leases = LeaseKeeper(self, self.settings.lease_ttl_s)
         self._announce = asyncio.create_task(self._announce_self())
+        self._bootstrap = asyncio.create_task(self._commit_first_shard_map())
 
     async def stop(self) -> None:
-        if self._announce is not None:
-            self._announce.cancel()
+        for task in (self._announce, self._bootstrap):
+            if task is not None:
+                task.cancel()
         if self.leases is not None:
             self.leases.close()
         if self.committer is not None:
@@ -515,6 +519,32 @@ class Replica:
             try:
                 await self.submit(cmd, timeout=5.0)
                 return
+            except CommitTimeout:
+                await asyncio.sleep(0.5)
+
+    async def _commit_first_shard_map(self) -> None:
+        """Commit the map of --shard-map-file if the group has none yet: until then the group admits no node.
+
+        Every replica of the group tries; the state machine keeps the first and ignores the rest (same
+        version). A group that already has a map keeps it: changes go through PUT /v1/shards, in the order
+        that keeps fencing exact (directory.shardmap.apply_order), never through a restart with a new file.
+        """
+        wanted, shard = self.settings.shard_map, self.settings.shard
+        if wanted is None or shard is None:
+            return
+        while True:
+            committed = await self.read(lambda s: s.shard_map)
+            if committed is not None:
+                if committed.version != wanted.version:
+                    log.info(
+                        "shard %s: keeping the committed shard map version %d (the file has %d)",
+                        committed.shard,
+                        committed.version,
+                        wanted.version,
+                    )
+                return
+            try:
+                await self.submit(AssignShards.of(wanted, shard), timeout=5.0)
             except CommitTimeout:
                 await asyncio.sleep(0.5)
 

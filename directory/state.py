@@ -26,12 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from directory.index import BlockIndex
+from directory.shardmap import SHARD_BITS, home_of
+
+if TYPE_CHECKING:
+    from directory.shardmap import ShardMap
 
 # -- commands -------------------------------------------------------------------
 
@@ -54,9 +58,15 @@ EPOCH_BASE_BITS = 31
 probability about 1 - 2**-30 each, and still exact as an int64."""
 
 
-def new_epoch_base(random_bits: int) -> int:
-    """The epoch base for `EPOCH_BASE_BITS` random bits (drawn outside the state machine)."""
-    return (random_bits & ((1 << EPOCH_BASE_BITS) - 1)) << EPOCH_BASE_BITS
+def new_epoch_base(random_bits: int, shard_index: int = 0) -> int:
+    """The epoch base for `EPOCH_BASE_BITS` random bits (drawn outside the state machine).
+
+    The low SHARD_BITS of the base's high part are the shard's index in the shard map, the random
+    bits above them, so two shards of one map never hand out the same epoch (docs/scale-out.md §4):
+    a writer fenced by a node's move to another shard cannot match the epoch the node gets there.
+    """
+    mask = (1 << EPOCH_BASE_BITS) - 1
+    return (((random_bits << SHARD_BITS) | shard_index) & mask) << EPOCH_BASE_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +117,32 @@ class AnnounceReplica:
 
 
 @dataclass(frozen=True, slots=True)
+class AssignShards:
+    """Commit a shard map (directory.shardmap) in this group, which is shard `shard` of it.
+
+    Applied only if `version` is newer than the group's map. The group then drops every node the map
+    homes elsewhere, exactly as an expiry does, and refuses to register such nodes (WRONG_SHARD).
+    """
+
+    version: int
+    shard: str
+    names: tuple[str, ...]
+    pins: tuple[tuple[str, str], ...]
+    document: str
+    """The map's canonical JSON (directory.shardmap.ShardMap.document), served on GET /v1/shards."""
+
+    @classmethod
+    def of(cls, m: ShardMap, shard: str) -> AssignShards:
+        """The command that commits map `m` in the group that is shard `shard`."""
+        return cls(m.version, shard, m.names, tuple(sorted(m.nodes.items())), m.document())
+
+
+@dataclass(frozen=True, slots=True)
 class Noop:
     """A barrier: once applied locally, every write committed before the read is visible."""
 
 
-Command = Register | Heartbeat | Deregister | Publish | Remove | Clear | Expire | AnnounceReplica | Noop
+Command = Register | Heartbeat | Deregister | Publish | Remove | Clear | Expire | AnnounceReplica | AssignShards | Noop
 
 
 def command_size(cmd: Command) -> int:
@@ -121,6 +152,8 @@ def command_size(cmd: Command) -> int:
         return 128 + cmd.hashes.nbytes + cmd.slots.nbytes
     if isinstance(cmd, Remove):
         return 128 + cmd.hashes.nbytes
+    if isinstance(cmd, AssignShards):
+        return 256 + len(cmd.document)
     if isinstance(cmd, Register):
         return (
             256
@@ -139,6 +172,7 @@ UNKNOWN_NODE = "unknown_node"
 NODE_LIMIT = "node_limit"
 INDEX_FULL = "index_full"
 INVALID = "invalid"
+WRONG_SHARD = "wrong_shard"
 
 
 class Result(NamedTuple):
@@ -190,6 +224,7 @@ class DirectoryState:
         self.replicas: dict[str, str] = {}
         self.epoch_counter = 0
         self.applied = 0
+        self.shard_map: AssignShards | None = None
         self._free_idx: list[int] = []
         self._next_idx = 0
 
@@ -203,7 +238,21 @@ class DirectoryState:
             return Result(INVALID, detail=f"unknown command {type(cmd).__name__}")
         return handler(self, cmd)
 
+    def home(self, node_id: str) -> str | None:
+        """The shard `node_id` belongs to under this group's map, or None if this directory is not sharded."""
+        m = self.shard_map
+        return None if m is None else home_of(node_id, m.names, dict(m.pins))
+
     def _register(self, cmd: Register) -> Result:
+        home = self.home(cmd.node_id)
+        if home is not None and self.shard_map is not None and home != self.shard_map.shard:
+            m = self.shard_map
+            return Result(
+                WRONG_SHARD,
+                {"version": m.version, "home": home},
+                f"node {cmd.node_id!r} belongs to shard {home!r} under shard map version {m.version}, "
+                f"not to this shard ({m.shard!r}): register there (GET /v1/shards)",
+            )
         node = self.nodes.get(cmd.node_id)
         if node is not None and node.incarnation == cmd.incarnation:
             node.seen += 1
@@ -308,6 +357,16 @@ class DirectoryState:
         self.replicas[cmd.raft_addr] = cmd.http_url
         return Result(OK)
 
+    def _assign_shards(self, cmd: AssignShards) -> Result:
+        if self.shard_map is not None and cmd.version <= self.shard_map.version:
+            return Result(OK, 0)  # an older or repeated map: idempotent
+        self.shard_map = cmd
+        pins = dict(cmd.pins)
+        gone = [n for n in self.nodes.values() if home_of(n.node_id, cmd.names, pins) != cmd.shard]
+        for node in gone:
+            self._drop(node)
+        return Result(OK, len(gone))
+
     def _noop(self, cmd: Noop) -> Result:
         return Result(OK)
 
@@ -327,6 +386,8 @@ class DirectoryState:
     def digest(self) -> str:
         """Equal on replicas that hold the same nodes (ids, epochs) and entries."""
         h = xxhash.xxh3_128()
+        if self.shard_map is not None:
+            h.update(f"map\0{self.shard_map.version}\0{self.shard_map.shard}\0".encode())
         for node_id in sorted(self.nodes):
             h.update(f"{node_id}\0{self.nodes[node_id].epoch}\0".encode())
         h.update(self.index.digest({n.idx: n.node_id for n in self.nodes.values()}).encode())
@@ -342,5 +403,6 @@ _HANDLERS: dict[type[Command], Callable[[DirectoryState, Any], Result]] = {
     Clear: DirectoryState._clear,
     Expire: DirectoryState._expire,
     AnnounceReplica: DirectoryState._announce,
+    AssignShards: DirectoryState._assign_shards,
     Noop: DirectoryState._noop,
 }

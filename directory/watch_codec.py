@@ -27,6 +27,7 @@ import numpy as np
 
 from directory.state import (
     AnnounceReplica,
+    AssignShards,
     Clear,
     Command,
     Deregister,
@@ -100,6 +101,8 @@ def encode_command(c: Command) -> list[Any]:
         return ["E", c.node_id, c.epoch, c.seen]
     if isinstance(c, AnnounceReplica):
         return ["A", c.raft_addr, c.http_url]
+    if isinstance(c, AssignShards):
+        return ["S", c.version, c.shard, list(c.names), [list(p) for p in c.pins], c.document]
     if isinstance(c, Noop):
         return ["N"]
     raise TypeError(f"not a directory command: {type(c).__name__}")
@@ -128,11 +131,17 @@ def decode_command(v: Any) -> Command:
             return Expire(str(f[0]), int(f[1]), int(f[2]))
         if tag == "A":
             return AnnounceReplica(str(f[0]), str(f[1]))
+        if tag == "S":
+            return _assign_shards(f)
         if tag == "N":
             return Noop()
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise WireError(f"a malformed command: {exc}") from exc
     raise WireError(f"an unknown command tag {tag!r}")
+
+
+def _assign_shards(f: list[Any]) -> AssignShards:
+    return AssignShards(int(f[0]), str(f[1]), tuple(str(n) for n in f[2]), tuple((str(a), str(b)) for a, b in f[3]), str(f[4]))
 
 
 # -- snapshots ---------------------------------------------------------------------------------
@@ -149,6 +158,7 @@ def snapshot_of(s: DirectoryState) -> dict[str, Any]:
         "free_idx": list(s._free_idx),
         "next_idx": s._next_idx,
         "replicas": dict(s.replicas),
+        "shard_map": None if s.shard_map is None else encode_command(s.shard_map)[1:],
         "nodes": [
             [
                 n.node_id,
@@ -180,6 +190,8 @@ def state_from(snap: dict[str, Any], merge_threshold: int = 16384) -> DirectoryS
         s._free_idx = [int(i) for i in snap["free_idx"]]
         s._next_idx = int(snap["next_idx"])
         s.replicas = {str(k): str(v) for k, v in snap["replicas"].items()}
+        if snap.get("shard_map") is not None:
+            s.shard_map = _assign_shards(snap["shard_map"])
         for f in snap["nodes"]:
             n = Node(
                 str(f[0]),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports, write_raft_password
+from kvdir.sharded import ShardedCluster
 
 
 @pytest.fixture
@@ -35,6 +36,33 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
             extra_args=extra_args,
             token=token,
             raft_password_file=write_raft_password(data_dir / "secrets") if raft_password else None,
+        )
+        started.append(cluster)
+        cluster.start()
+        cluster.wait_ready(60)
+        return cluster
+
+    yield make
+    for c in started:
+        c.stop()
+
+
+@pytest.fixture
+def make_sharded(tmp_path: Path) -> Iterator[Callable[..., ShardedCluster]]:
+    """Start sharded directories (docs/scale-out.md) with a Raft password; all stopped at teardown."""
+    started: list[ShardedCluster] = []
+
+    def make(shards: int = 2, replicas: int = 1, lease_ttl_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> ShardedCluster:
+        data_dir = tmp_path / f"sharded{len(started)}"
+        data_dir.mkdir()
+        cluster = ShardedCluster(
+            data_dir,
+            shards,
+            replicas,
+            lease_ttl_s=lease_ttl_s,
+            log_level="info",
+            extra_args=extra_args,
+            raft_password_file=write_raft_password(data_dir / "secrets"),
         )
         started.append(cluster)
         cluster.start()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from directory.config import DirectorySettings
 from directory.replica import Digest
 from directory.state import Command, DirectoryState, Holder, Register, Result
+
+T = TypeVar("T")
 
 
 class MemoryReplica:
@@ -46,6 +49,9 @@ class MemoryReplica:
         if self._on_commit is not None:
             self._on_commit([cmd], [res], 0.0)
         return res
+
+    async def read(self, fn: Callable[[DirectoryState], T]) -> T:
+        return fn(self.state)
 
     async def has_room_for(self, node_id: str) -> bool:
         return node_id in self.state.nodes or len(self.state.nodes) < self.state.max_nodes

@@ -300,6 +300,7 @@ def test_the_client_sends_binary_batches_unless_told_otherwise() -> None:
                     digests[binary] = (await d.request("GET", "/v1/digest"))["digest"]
                 body_type = "application/msgpack" if binary else "application/json"
                 assert transport.seen == [
+                    ("/v1/shards", None),  # once, before the first node write: an unsharded directory
                     ("/v1/nodes", "application/json"),
                     ("/v1/blocks", body_type),
                     ("/v1/blocks/remove", body_type),
