@@ -144,7 +144,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.metrics = metrics = GatewayMetrics(registry)
         mirror = None
         if settings.mirror and not settings.tenant:
-            mirror = Mirror(settings.directory_urls, settings.directory_token, settings.mirror_max_lag_s)
+            # One feed per shard of a sharded directory (the map is read with `directory`), else one on these URLs.
+            mirror = Mirror(settings.directory_urls, settings.directory_token, settings.mirror_max_lag_s, directory=directory)
             mirror.start()
         elif settings.mirror:
             log.info("directory mirror off: keys of tenant %r are known to the replicas only (REST lookups)", settings.tenant)

@@ -6,7 +6,11 @@ Names follow `kvdir_gateway_<what>_<unit>`. The routing and forwarding code
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from gateway.engines import EngineRegistry
 from gateway.mirror import Mirror
@@ -65,13 +69,39 @@ class GatewayMetrics:
         r = self.registry
         Gauge(
             "kvdir_gateway_mirror_lag_seconds",
-            "Seconds since the mirror was last caught up with a fresh replica (above --mirror-max-lag-s: REST lookups)",
+            "Seconds since the mirror was last caught up with a fresh replica, its most stale shard's "
+            "(above --mirror-max-lag-s: REST lookups)",
             registry=r,
         ).set_function(lambda: min(mirror.lag_s(), 1e9))
-        Gauge("kvdir_gateway_mirror_position", "The mirror's log position (commands applied)", registry=r).set_function(
-            lambda: mirror.position
-        )
+        Gauge(
+            "kvdir_gateway_mirror_position", "The mirror's log position (commands applied, over every shard)", registry=r
+        ).set_function(lambda: mirror.position)
         Gauge("kvdir_gateway_mirror_snapshots", "Snapshots the mirror loaded", registry=r).set_function(lambda: mirror.snapshots)
         Gauge("kvdir_gateway_mirror_failovers", "Streams the mirror lost and resumed elsewhere", registry=r).set_function(
             lambda: mirror.failovers
         )
+        Gauge(
+            "kvdir_gateway_mirror_shard_map_version",
+            "The shard map the mirror follows (0: the directory is not sharded)",
+            registry=r,
+        ).set_function(lambda: mirror.map_version)
+        r.register(_ShardGauges(mirror))
+
+
+class _ShardGauges(Collector):
+    """Lag and position per shard of a sharded directory: which shard holds the mirror back."""
+
+    def __init__(self, mirror: Mirror) -> None:
+        self.mirror = mirror
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        lag = GaugeMetricFamily(
+            "kvdir_gateway_mirror_shard_lag_seconds", "Seconds since the shard's feed was last caught up", labels=["shard"]
+        )
+        position = GaugeMetricFamily("kvdir_gateway_mirror_shard_position", "The shard's log position", labels=["shard"])
+        for name, feed in self.mirror.feeds.items():
+            if name:  # an unsharded directory's one feed is the mirror itself: no label
+                lag.add_metric([name], min(feed.lag_s(), 1e9))
+                position.add_metric([name], feed.position)
+        yield lag
+        yield position

@@ -2,15 +2,21 @@
 
 A lookup is the gateway's hottest path: an HTTP round trip to a replica per request cost more than
 the rest of routing together and, under a loaded cluster, timed out into load-only routing. The
-mirror holds a `DirectoryState` (the same code the replicas run, read-only here: only the stream's
-commands change it) and answers lookups in-process. It follows one replica at a time and fails
-over to the next on any error, resuming from its log position (positions are the same on every
-replica); a position no longer kept (410) or a stream it cannot apply makes it re-snapshot.
+mirror holds a `DirectoryState` per Raft group (the same code the replicas run, read-only here: only
+the stream's commands change it) and answers lookups in-process.
 
-Freshness: the stream's ticks say whether the sending replica is caught up with a leader. The
-mirror is fresh while its last such tick, received after everything before it was applied, is at
-most `max_lag_s` old; otherwise the gateway asks a replica over REST (gateway.proxy), and a source
-silent or stale for that long is dropped for the next replica.
+A `Feed` follows one group: one replica at a time, failing over to the next of that group on any
+error and resuming from its log position (positions are the same on every replica of a group); a
+position no longer kept (410) or a stream it cannot apply makes it re-snapshot. A `Mirror` keeps one
+feed for an unsharded directory and one per shard for a sharded one (docs/scale-out.md §6): it reads
+the shard map with the gateway's `DirectoryClient`, runs a lookup on every shard's state and merges
+the holders (a node lives in one shard, its home), and follows the map when a shard commits a newer one.
+
+Freshness: the stream's ticks say whether the sending replica is caught up with a leader. A feed is
+fresh while its last such tick, received after everything before it was applied, is at most
+`max_lag_s` old; a source silent or stale for that long is dropped for the group's next replica. The
+mirror is fresh only while every feed is (a stale shard would hide its holders); otherwise the gateway
+asks a replica over REST (gateway.proxy).
 """
 
 from __future__ import annotations
@@ -19,13 +25,17 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 import numpy as np
 from pydantic import SecretStr
 
+from directory.client import DirectoryClient
+from directory.errors import AuthError, DirectoryError
 from directory.schemas import Holder
+from directory.shardmap import ShardMap
 from directory.state import DirectoryState
 from directory.watch_codec import FrameReader, WireError, decode_command, state_from
 
@@ -34,17 +44,18 @@ log = logging.getLogger("kvdir.gateway")
 RETRY_S = (0.05, 2.0)  # wait before trying the next replica: first, and at most (doubling while all fail)
 SNAPSHOT_WAIT_S = 60.0  # longest wait for a stream's first frame (a snapshot of a big state takes a while)
 MIN_WAIT_S = 0.3  # shortest silence taken for a lost source: 3 ticks
+MAP_CHECK_S = 0.5  # how often the mirror looks for a shard map newer than the one its feeds follow
 
 
 class MirrorRefused(RuntimeError):
     """The directory will not stream to this gateway's token (403): lookups stay on REST."""
 
 
-class Mirror:
-    """A read-only copy of the directory's state, and how fresh it is."""
+class Feed:
+    """A read-only copy of one Raft group's state (a whole unsharded directory, or one shard), and how fresh it is."""
 
-    def __init__(self, urls: list[str], token: SecretStr | None, max_lag_s: float, connect_timeout_s: float = 2.0) -> None:
-        self.urls = urls
+    def __init__(self, urls: Sequence[str], token: SecretStr | None, max_lag_s: float, connect_timeout_s: float = 2.0) -> None:
+        self.urls = list(urls)
         self.max_lag_s = max_lag_s
         self._silence_s = max(max_lag_s, MIN_WAIT_S)  # a source silent this long is lost
         headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
@@ -66,15 +77,20 @@ class Mirror:
     # -- reads ---------------------------------------------------------------------------------
 
     def lag_s(self) -> float:
-        """Seconds since the mirror was last known caught up with a fresh replica (inf: never)."""
+        """Seconds since the feed was last known caught up with a fresh replica (inf: never)."""
         return time.monotonic() - self.fresh_at
 
     def fresh(self) -> bool:
         return self.state is not None and self.lag_s() <= self.max_lag_s
 
-    async def lookup(self, hashes: list[int]) -> list[Holder] | None:
-        """Holders of the longest prefixes of `hashes`, with slots (what `POST /v1/lookup` answers); None if
-        the mirror holds no state (it is re-snapshotting).
+    def map_version(self) -> int:
+        """The version of the shard map this group has committed (0: none, an unsharded directory)."""
+        state = self.state
+        return 0 if state is None or state.shard_map is None else state.shard_map.version
+
+    async def lookup(self, keys: np.ndarray) -> list[Holder] | None:
+        """Holders of the longest prefixes of `keys` (uint64), with slots (what `POST /v1/lookup` answers); None
+        if the feed holds no state (it is re-snapshotting).
 
         As a replica's reads do: right here while no batch is being applied (nearly always), else on a
         thread that waits for the batch (an index merge takes up to seconds at millions of entries), so
@@ -82,23 +98,22 @@ class Mirror:
         """
         if self._lock.acquire(blocking=False):
             try:
-                return self._lookup(hashes)
+                return self._lookup(keys)
             finally:
                 self._lock.release()
-        return await asyncio.to_thread(self._lookup_waiting, hashes)
+        return await asyncio.to_thread(self._lookup_waiting, keys)
 
-    def _lookup_waiting(self, hashes: list[int]) -> list[Holder] | None:
+    def _lookup_waiting(self, keys: np.ndarray) -> list[Holder] | None:
         with self._lock:
-            return self._lookup(hashes)
+            return self._lookup(keys)
 
-    def _lookup(self, hashes: list[int]) -> list[Holder] | None:
+    def _lookup(self, keys: np.ndarray) -> list[Holder] | None:
         if self.state is None:
             return None
-        found = self.state.lookup(np.asarray(hashes, dtype=np.uint64), with_slots=True)
+        found = self.state.lookup(keys, with_slots=True)
         return [Holder.model_construct(node_id=h.node_id, epoch=h.epoch, matched_blocks=h.matched, slots=h.slots) for h in found]
 
     # -- following -----------------------------------------------------------------------------
-
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
@@ -209,3 +224,171 @@ class Mirror:
         elif kind == "tick":
             if f["fresh"] and f["position"] == self.position:
                 self.fresh_at = time.monotonic()
+
+
+class Mirror:
+    """The directory as the gateway sees it: one `Feed` per shard (one in all for an unsharded directory).
+
+    Given `directory`, the mirror reads the shard map with it when started, retrying while the directory
+    does not answer (lookups go over REST meanwhile), and follows `urls` as one group if the directory is
+    not sharded. Without it, `urls` is followed as one group at once.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: SecretStr | None,
+        max_lag_s: float,
+        connect_timeout_s: float = 2.0,
+        *,
+        directory: DirectoryClient | None = None,
+    ) -> None:
+        self.urls = list(urls)
+        self.max_lag_s = max_lag_s
+        self._token, self._connect_timeout_s = token, connect_timeout_s
+        self._directory = directory
+        self.map_version = 0  # the shard map the feeds follow (0: the directory is not sharded)
+        # Replaced, never changed in place: a lookup iterating over the feeds is not disturbed by a map change.
+        self.feeds: Mapping[str, Feed] = {} if directory is not None else {"": self._feed(self.urls)}
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def _feed(self, urls: Sequence[str]) -> Feed:
+        return Feed(urls, self._token, self.max_lag_s, self._connect_timeout_s)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def lag_s(self) -> float:
+        """The most stale feed's lag (inf: some feed never was fresh, or a shard committed a map the mirror does not follow yet)."""
+        feeds = self.feeds.values()
+        if not feeds or self.newer_map() > self.map_version:
+            return float("inf")
+        return max(f.lag_s() for f in feeds)
+
+    def fresh(self) -> bool:
+        """Every shard's feed holds a state that is fresh: a stale one would hide its shard's holders."""
+        return bool(self.feeds) and self.newer_map() <= self.map_version and all(f.fresh() for f in self.feeds.values())
+
+    def newer_map(self) -> int:
+        """The newest shard map version any feed's group has committed (0 for an unsharded directory)."""
+        return max((f.map_version() for f in self.feeds.values()), default=0)
+
+    @property
+    def position(self) -> int:
+        """Commands applied, over every shard (each shard numbers its own log); -1 before any feed exists."""
+        feeds = self.feeds.values()
+        return sum(f.position for f in feeds) if feeds else -1
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._only().position = value
+
+    @property
+    def state(self) -> DirectoryState | None:
+        """The state of an unsharded mirror's one group (a sharded mirror has one per feed)."""
+        return self._only().state if self.feeds else None
+
+    @state.setter
+    def state(self, value: DirectoryState | None) -> None:
+        self._only().state = value
+
+    def _only(self) -> Feed:
+        if len(self.feeds) != 1:
+            raise TypeError(f"a mirror of {len(self.feeds)} shards has one state per shard: see `feeds`")
+        return next(iter(self.feeds.values()))
+
+    @property
+    def snapshots(self) -> int:
+        return sum(f.snapshots for f in self.feeds.values())
+
+    @property
+    def failovers(self) -> int:
+        return sum(f.failovers for f in self.feeds.values())
+
+    async def lookup(self, hashes: list[int]) -> list[Holder] | None:
+        """Holders of the longest prefixes of `hashes`, with slots, longest match first, over every shard;
+        None if some feed holds no state (it is re-snapshotting: the caller asks REST).
+
+        A node's entries live in its home shard only. While a node moves, a lagging feed may still show it
+        at its old home: the holder from the shard with the newer map wins.
+        """
+        feeds = list(self.feeds.values())
+        if not feeds:
+            return None
+        keys = np.asarray(hashes, dtype=np.uint64)
+        if len(feeds) == 1:
+            return await feeds[0].lookup(keys)
+        best: dict[str, tuple[int, Holder]] = {}
+        for feed in feeds:
+            found = await feed.lookup(keys)
+            if found is None:
+                return None
+            version = feed.map_version()
+            for h in found:
+                seen = best.get(h.node_id)
+                if seen is None or version > seen[0]:
+                    best[h.node_id] = (version, h)
+        return sorted((h for _, h in best.values()), key=lambda h: -h.matched_blocks)
+
+    # -- following -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._directory is None:
+            for f in self.feeds.values():
+                f.start()
+        else:
+            self._task = asyncio.create_task(self._run(self._directory))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            while not self._task.done():  # as Feed.stop: a cancellation can be swallowed (gh-86296)
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.1)
+        for f in self.feeds.values():
+            await f.stop()
+
+    async def _run(self, directory: DirectoryClient) -> None:
+        """Read the shard map and follow it; read it again whenever a shard has committed a newer one."""
+        delay = RETRY_S[0]
+        refresh = False
+        while not self._stopping:
+            if refresh or not self.feeds:
+                try:
+                    m = await directory.shard_map(refresh=refresh)
+                except AuthError as exc:
+                    log.warning("directory mirror off (lookups go to the directory over REST): %s", exc)
+                    return
+                except (DirectoryError, ValueError) as exc:
+                    log.info("mirror: cannot read the shard map (%s: %s); retrying", type(exc).__name__, exc)
+                    delay = min(delay * 2, RETRY_S[1])
+                    await asyncio.sleep(delay)
+                    continue
+                delay = RETRY_S[0]
+                await self._follow_map(m)
+            await asyncio.sleep(MAP_CHECK_S)
+            refresh = self.newer_map() > self.map_version
+
+    async def _follow_map(self, m: ShardMap | None) -> None:
+        """One feed per shard of `m` (one on `urls` for None); feeds of shards that keep their name carry on."""
+        if self.feeds and (m is None or m.version <= self.map_version):
+            return  # not newer: a replica that has not committed the new map yet answered; asked again later
+        if m is None:
+            feeds = {"": self.feeds.get("") or self._feed(self.urls)}
+        else:
+            feeds = {}
+            for name in m.names:
+                feed = self.feeds.get(name)
+                if feed is None:
+                    feed = self._feed(m.urls(name))
+                else:
+                    feed.urls = m.urls(name)  # read by the feed on its next failover
+                feeds[name] = feed
+            log.info("mirror: following shard map version %d: %s", m.version, ", ".join(m.names))
+        gone = [f for name, f in self.feeds.items() if name not in feeds]
+        started = [f for name, f in feeds.items() if name not in self.feeds]
+        self.feeds, self.map_version = feeds, 0 if m is None else m.version
+        for f in started:
+            f.start()
+        for f in gone:
+            await f.stop()

@@ -1,7 +1,7 @@
 """`kvdir bench mirror`: how far the gateway's mirror of the directory trails the replicas.
 
 Three replicas in their own processes; this process publishes 20,000 blocks/s (batches of 256)
-and follows the watch stream with the gateway's `Mirror`. Lag is the time from a publish's
+and follows the watch stream with the gateway's mirror (`Feed`: one group). Lag is the time from a publish's
 acknowledgement to the moment the mirror has applied it (negative when the stream delivered it
 before the acknowledgement arrived). A minute runs without faults; then `--minutes` (10 by default)
 during which, halfway through each third, the leader is killed and restarted. The mirror's
@@ -22,14 +22,14 @@ import numpy as np
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from gateway.mirror import Mirror
+from gateway.mirror import Feed
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
 
 BATCH = 256
 
 
-class _TimedMirror(Mirror):
+class _TimedMirror(Feed):
     """A mirror that notes when it applied each publish (keyed by its first hash)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

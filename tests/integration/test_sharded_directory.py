@@ -37,7 +37,7 @@ def test_nodes_live_on_their_home_shard_and_lookups_merge_both(make_sharded) -> 
                 await d.publish(n, epochs[n], [(100, 0), (200 + i, 1)])
             found = await d.lookup([100, 200])
             assert sorted(h.node_id for h in found.holders) == ids
-            assert [h.matched_blocks for h in found.holders][0] == 2  # w0 holds both blocks: longest first
+            assert found.holders[0].matched_blocks == 2  # w0 holds both blocks: longest first
             assert {n.node_id for n in await d.nodes()} == set(ids)
 
     asyncio.run(go())

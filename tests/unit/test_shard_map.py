@@ -28,9 +28,7 @@ node_ids = hs.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1,
 
 
 def smap(names: list[str], version: int = 1, pins: dict[str, str] | None = None) -> ShardMap:
-    return ShardMap(
-        version=version, shards={n: [f"http://127.0.0.1:{9000 + i}"] for i, n in enumerate(names)}, nodes=pins or {}
-    )
+    return ShardMap(version=version, shards={n: [f"http://127.0.0.1:{9000 + i}"] for i, n in enumerate(names)}, nodes=pins or {})
 
 
 @settings(max_examples=200, deadline=None)

@@ -178,3 +178,409 @@ def test_epoch_base_stays_below_2_to_the_62():
     assert new_epoch_base((1 << 64) - 1) < 1 << 62
     assert new_epoch_base(0) == 0 and new_epoch_base(1) == 1 << (EPOCH_BASE_BITS + SHARD_BITS)
 
+
+# -- fencing ---------------------------------------------------------------------------
+
+
+def test_stale_epoch_writes_change_nothing(st):
+    e1 = reg(st, "a", "i1")
+    pub(st, "a", e1, [1, 2, 3], [5, 6, 7])
+    e2 = reg(st, "a", "i2")
+    pub(st, "a", e2, [1, 2], [8, 9])
+    before = st.digest()
+    seen = st.nodes["a"].seen
+    load = dict(st.nodes["a"].load)
+    for cmd in (
+        Publish("a", e1, H(3, 4), S(0, 0)),
+        Remove("a", e1, H(1, 2)),
+        Clear("a", e1),
+        Heartbeat("a", e1, {"gpu": 0.9}),
+        Publish("a", e2 + 1, H(3), S(0)),  # a future epoch is not current either
+        Heartbeat("a", e1 - 1),
+    ):
+        r = st.apply(cmd)
+        assert r.status == STALE_EPOCH, cmd
+        assert r.value == e2
+        assert not r.ok and r.detail
+    assert st.digest() == before
+    assert view(st, [1, 2, 3], True) == [("a", e2, 2, [8, 9])]
+    assert st.nodes["a"].seen == seen  # a stale write does not count as being heard from
+    assert st.nodes["a"].load == load
+
+
+def test_unknown_node(st):
+    e = reg(st, "a")
+    for cmd in (
+        Publish("zz", e, H(1), S(0)),
+        Remove("zz", e, H(1)),
+        Clear("zz", e),
+        Heartbeat("zz", e),
+        Deregister("zz"),
+    ):
+        r = st.apply(cmd)
+        assert r.status == UNKNOWN_NODE and r.detail, cmd
+    assert len(st.index) == 0 and set(st.nodes) == {"a"}
+
+
+def test_writes_after_deregister_are_unknown(st):
+    e = reg(st, "a")
+    pub(st, "a", e, [1])
+    assert st.apply(Deregister("a")).ok
+    assert st.apply(Publish("a", e, H(2), S(0))).status == UNKNOWN_NODE
+    assert st.apply(Heartbeat("a", e)).status == UNKNOWN_NODE
+    assert len(st.index) == 0
+
+
+# -- Publish / Remove / Clear ------------------------------------------------------------
+
+
+def test_publish_and_lookup(st):
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    r = pub(st, "a", ea, [10, 11, 12], [0, 1, 2])
+    assert r.ok and r.value == 3
+    assert pub(st, "b", eb, [10, 12], [4, 5]).value == 2
+    assert pub(st, "a", ea, [10, 13], [7, 3]).value == 1  # 10 re-published: slot update
+    assert view(st, [10, 11, 12, 13], True) == [("a", ea, 4, [7, 1, 2, 3]), ("b", eb, 1, [4])]
+    assert view(st, [10, 11]) == [("a", ea, 2), ("b", eb, 1)]
+    got = st.lookup(H(10))
+    assert all(isinstance(h, Holder) and h.slots is None for h in got)
+    assert st.blocks_held(st.nodes["a"]) == 4 and st.blocks_held(st.nodes["b"]) == 2
+    assert len(st.index) == 6
+    assert view(st, [99, 10]) == []
+
+
+def test_publish_is_idempotent(st):
+    e = reg(st, "a")
+    cmd = Publish("a", e, H(1, 2, 3), S(0, 1, 2))
+    assert st.apply(cmd).value == 3
+    d = st.digest()
+    assert st.apply(cmd).value == 0
+    assert st.digest() == d and len(st.index) == 3
+
+
+def test_publish_empty(st):
+    e = reg(st, "a")
+    r = st.apply(Publish("a", e, H(), S()))
+    assert r.ok and r.value == 0
+    assert len(st.index) == 0
+
+
+def test_publish_medium_accepted(st):
+    e = reg(st, "a")
+    assert pub(st, "a", e, [1], medium="cpu").ok
+
+
+def test_remove(st):
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    pub(st, "a", ea, [1, 2, 3])
+    pub(st, "b", eb, [1, 2, 3])
+    r = st.apply(Remove("a", ea, H(2, 42)))
+    assert r.ok and r.value == 1
+    assert view(st, [1, 2, 3]) == [("b", eb, 3), ("a", ea, 1)]
+    d = st.digest()
+    assert st.apply(Remove("a", ea, H(2))).value == 0  # idempotent
+    assert st.digest() == d
+    assert st.blocks_held(st.nodes["a"]) == 2 and len(st.index) == 5
+
+
+def test_clear(st):
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    pub(st, "a", ea, [1, 2, 3])
+    pub(st, "b", eb, [1])
+    r = st.apply(Clear("a", ea))
+    assert r.ok and r.value == 3
+    assert view(st, [1, 2, 3]) == [("b", eb, 1)]
+    assert st.nodes["a"].epoch == ea  # still registered, same epoch
+    assert pub(st, "a", ea, [1]).ok
+    assert st.apply(Clear("a", ea)).value == 1
+    assert st.apply(Clear("a", ea)).value == 0
+    assert len(st.index) == 1
+
+
+def test_slot_beyond_capacity_is_invalid(st):
+    e = reg(st, "a", capacity_blocks=4)
+    pub(st, "a", e, [1], [0])
+    d = st.digest()
+    r = pub(st, "a", e, [2, 3], [3, 4])
+    assert r.status == INVALID and not r.ok and r.detail
+    assert st.digest() == d  # nothing of the batch applied
+    assert view(st, [1, 2]) == [("a", e, 1)]
+    r = pub(st, "a", e, [2, 3], [0, 3])  # slot capacity-1 is fine
+    assert r.ok and r.value == 2
+    # without a capacity, any u32 slot goes
+    e2 = reg(st, "b")
+    assert pub(st, "b", e2, [1], [2**32 - 1]).ok
+
+
+def test_node_limit():
+    st = DirectoryState(max_nodes=2)
+    ea = reg(st, "a")
+    reg(st, "b")
+    r = st.apply(Register("c", "i1", "http://c"))
+    assert r.status == NODE_LIMIT and r.detail
+    assert "c" not in st.nodes and len(st.nodes) == 2
+    # a known node may still re-register (same or new incarnation) at the limit
+    assert st.apply(Register("a", "i1", "http://a")).value == ea
+    assert st.apply(Register("a", "i2", "http://a")).ok
+    # a freed place can be taken
+    assert st.apply(Deregister("b")).ok
+    assert st.apply(Register("c", "i1", "http://c")).ok
+    assert st.apply(Register("d", "i1", "http://d")).status == NODE_LIMIT
+
+
+def test_node_limit_does_not_consume_epoch():
+    st = DirectoryState(max_nodes=1)
+    e = reg(st, "a")
+    assert st.apply(Register("b", "i", "http://b")).status == NODE_LIMIT
+    st.apply(Deregister("a"))
+    assert reg(st, "b") == e + 1
+
+
+def test_index_full():
+    st = DirectoryState(max_entries=5, merge_threshold=2)
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    assert pub(st, "a", ea, [1, 2, 3]).ok
+    d = st.digest()
+    r = pub(st, "b", eb, [1, 2, 3])
+    assert r.status == INDEX_FULL and r.detail
+    assert st.digest() == d and len(st.index) == 3
+    assert view(st, [1]) == [("a", ea, 1)]
+    assert pub(st, "b", eb, [1, 2]).ok  # exactly at the limit
+    assert len(st.index) == 5
+    assert pub(st, "b", eb, [9]).status == INDEX_FULL
+    # A full index still takes a retried publish or a slot update: they add no entry.
+    assert pub(st, "b", eb, [1, 2]).ok and pub(st, "a", ea, [1, 2, 3]).ok
+    assert pub(st, "b", eb, [1, 9]).status == INDEX_FULL
+    # room comes back after a removal
+    st.apply(Remove("a", ea, H(3)))
+    assert pub(st, "b", eb, [9]).ok
+    assert len(st.index) == 5
+
+
+# -- Heartbeat / Expire ---------------------------------------------------------------------
+
+
+def test_heartbeat(st):
+    e = reg(st, "a")
+    r = st.apply(Heartbeat("a", e, {"gpu": 0.5}))
+    assert r.ok and r.value == e
+    assert st.nodes["a"].load == {"gpu": 0.5}
+    assert st.apply(Heartbeat("a", e)).ok
+    assert st.nodes["a"].load == {"gpu": 0.5}  # no load given: unchanged
+
+
+def test_expire_drops_node_when_epoch_and_seen_match(st):
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    pub(st, "a", ea, [1, 2])
+    pub(st, "b", eb, [1])
+    seen = st.nodes["a"].seen
+    r = st.apply(Expire("a", ea, seen))
+    assert r.ok and r.value is True
+    assert "a" not in st.nodes
+    assert view(st, [1, 2]) == [("b", eb, 1)]
+    assert len(st.index) == 1
+    assert st.apply(Heartbeat("a", ea)).status == UNKNOWN_NODE
+    # expiring again is harmless
+    r = st.apply(Expire("a", ea, seen))
+    assert r.ok and r.value is False
+
+
+def test_expire_voided_by_heartbeat(st):
+    e = reg(st, "a")
+    pub(st, "a", e, [1, 2])
+    seen = st.nodes["a"].seen  # what the leader saw when it decided to expire
+    assert st.apply(Heartbeat("a", e)).ok  # the node is heard from before Expire commits
+    r = st.apply(Expire("a", e, seen))
+    assert r.ok and r.value is False
+    assert "a" in st.nodes and view(st, [1, 2]) == [("a", e, 2)]
+    # an Expire with the current count works
+    assert st.apply(Expire("a", e, st.nodes["a"].seen)).value is True
+    assert "a" not in st.nodes and len(st.index) == 0
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        lambda e: Publish("a", e, H(5), S(0)),
+        lambda e: Remove("a", e, H(5)),
+        lambda e: Clear("a", e),
+        lambda e: Register("a", "i1", "http://a"),  # same incarnation re-register
+    ],
+)
+def test_expire_voided_by_any_accepted_command(st, between):
+    e = reg(st, "a", "i1")
+    pub(st, "a", e, [1])
+    seen = st.nodes["a"].seen
+    assert st.apply(between(e)).ok
+    assert st.apply(Expire("a", e, seen)).value is False
+    assert "a" in st.nodes
+
+
+def test_expire_wrong_epoch_is_void(st):
+    e1 = reg(st, "a", "i1")
+    e2 = reg(st, "a", "i2")
+    pub(st, "a", e2, [1])
+    seen = st.nodes["a"].seen
+    r = st.apply(Expire("a", e1, seen))  # seen matches, the epoch does not
+    assert r.ok and r.value is False
+    assert view(st, [1]) == [("a", e2, 1)]
+    assert st.apply(Expire("zz", 1, 0)).value is False  # unknown node
+
+
+def test_stale_write_does_not_void_expire(st):
+    e1 = reg(st, "a", "i1")
+    e2 = reg(st, "a", "i2")
+    seen = st.nodes["a"].seen
+    assert st.apply(Heartbeat("a", e1)).status == STALE_EPOCH
+    assert st.apply(Expire("a", e2, seen)).value is True
+
+
+# -- Deregister and index reuse -----------------------------------------------------
+
+
+def test_deregister(st):
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    pub(st, "a", ea, [1, 2, 3])
+    pub(st, "b", eb, [1, 2])
+    r = st.apply(Deregister("a"))
+    assert r.ok and r.value == 3
+    assert "a" not in st.nodes
+    assert view(st, [1, 2, 3]) == [("b", eb, 2)]
+    assert st.apply(Deregister("a")).status == UNKNOWN_NODE
+
+
+def test_deregistered_index_reused_without_leaking(st):
+    ea = reg(st, "a")
+    eb = reg(st, "b")
+    pub(st, "a", ea, [1, 2, 3], [7, 8, 9])
+    pub(st, "b", eb, [1], [0])
+    idx_a = st.nodes["a"].idx
+    st.apply(Deregister("a"))
+    ec = reg(st, "c")
+    assert st.nodes["c"].idx == idx_a  # the freed index is reused
+    assert ec > eb
+    assert view(st, [1, 2, 3]) == [("b", eb, 1)]
+    assert st.blocks_held(st.nodes["c"]) == 0
+    assert len(st.index) == 1
+    pub(st, "c", ec, [1, 2], [4, 5])
+    assert view(st, [1, 2, 3], True) == [("c", ec, 2, [4, 5]), ("b", eb, 1, [0])]
+    # coming back, "a" gets a fresh index and epoch and nothing of its old entries
+    ea2 = reg(st, "a")
+    assert ea2 > ec and st.nodes["a"].idx not in (st.nodes["b"].idx, st.nodes["c"].idx)
+    assert view(st, [1, 2, 3]) == [("c", ec, 2), ("b", eb, 1)]
+
+
+def test_expired_index_reused_without_leaking(st):
+    ea = reg(st, "a")
+    pub(st, "a", ea, [1, 2])
+    st.apply(Expire("a", ea, st.nodes["a"].seen))
+    eb = reg(st, "b")
+    assert view(st, [1, 2]) == []
+    pub(st, "b", eb, [1])
+    assert view(st, [1, 2]) == [("b", eb, 1)]
+
+
+# -- other commands ------------------------------------------------------------------
+
+
+def test_announce_replica(st):
+    d = st.digest()
+    r = st.apply(AnnounceReplica("10.0.0.1:7000", "http://10.0.0.1:8000"))
+    assert r.ok
+    assert st.replicas == {"10.0.0.1:7000": "http://10.0.0.1:8000"}
+    st.apply(AnnounceReplica("10.0.0.1:7000", "http://10.0.0.1:9000"))
+    st.apply(AnnounceReplica("10.0.0.2:7000", "http://10.0.0.2:8000"))
+    assert st.replicas == {"10.0.0.1:7000": "http://10.0.0.1:9000", "10.0.0.2:7000": "http://10.0.0.2:8000"}
+    assert st.digest() == d
+
+
+def test_noop(st):
+    reg(st, "a")
+    d = st.digest()
+    applied = st.applied
+    r = st.apply(Noop())
+    assert r.ok and r.status == OK
+    assert st.digest() == d and st.applied == applied + 1
+
+
+def test_unknown_command_type_is_invalid(st):
+    @dataclass(frozen=True)
+    class Bogus:
+        node_id: str
+
+    reg(st, "a")
+    d = st.digest()
+    for cmd in (Bogus("a"), "register", None, {"node_id": "a"}):
+        r = st.apply(cmd)
+        assert r.status == INVALID and not r.ok and r.detail
+    assert st.digest() == d
+
+
+def test_applied_counts_every_command(st):
+    e = reg(st, "a")
+    st.apply(Heartbeat("a", e + 5))  # rejected, still applied
+    st.apply(Noop())
+    st.apply("garbage")
+    assert st.applied == 4
+
+
+# -- digest and snapshots --------------------------------------------------------------
+
+
+def test_digest_tracks_nodes_and_entries():
+    s1, s2 = DirectoryState(), DirectoryState(merge_threshold=1)
+    for s in (s1, s2):
+        reg(s, "a")
+        reg(s, "b")
+    assert s1.digest() == s2.digest()
+    pub(s1, "a", 1, [1, 2])
+    assert s1.digest() != s2.digest()
+    pub(s2, "a", 1, [1, 2])
+    assert s1.digest() == s2.digest()
+    s1.apply(Register("b", "i2", "http://b"))  # new epoch, no entries: digest differs
+    assert s1.digest() != s2.digest()
+
+
+def test_digest_independent_of_index_assignment():
+    s1, s2 = DirectoryState(), DirectoryState(merge_threshold=1)
+    # s1: a gets idx 0, b idx 1; s2: b gets idx 0 (via a placeholder), a idx 1
+    reg(s1, "x")
+    reg(s1, "a")
+    reg(s1, "b")
+    reg(s2, "x")
+    reg(s2, "b")
+    reg(s2, "a")
+    # align epochs: re-register to give both the same epochs in the same order
+    for s in (s1, s2):
+        s.apply(Register("a", "i2", "http://a"))
+        s.apply(Register("b", "i2", "http://b"))
+        pub(s, "a", s.nodes["a"].epoch, [1, 2], [3, 4])
+        pub(s, "b", s.nodes["b"].epoch, [1], [5])
+    assert s1.nodes["a"].idx != s2.nodes["a"].idx
+    assert s1.digest() == s2.digest()
+
+
+def test_pickle_roundtrip_state(st):
+    ea = reg(st, "a", capacity_blocks=100)
+    eb = reg(st, "b")
+    pub(st, "a", ea, [1, 2, 3], [1, 2, 3])
+    pub(st, "b", eb, [1, 2], [9, 9])
+    st.apply(Remove("a", ea, H(3)))
+    st.apply(AnnounceReplica("r1", "http://r1"))
+    clone = pickle.loads(pickle.dumps(st))
+    assert clone.digest() == st.digest()
+    assert clone.replicas == st.replicas and clone.epoch_counter == st.epoch_counter
+    assert view(clone, [1, 2, 3], True) == view(st, [1, 2, 3], True)
+    for s in (st, clone):
+        s.apply(Deregister("a"))
+        reg(s, "c")
+        pub(s, "c", s.nodes["c"].epoch, [1], [0])
+        assert pub(s, "b", eb, [3], [1]).ok
+    assert clone.digest() == st.digest()
+    assert clone.nodes["c"].idx == st.nodes["c"].idx
