@@ -33,13 +33,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_replay_arguments(r)
 
+    from kvdir.shards_cli import add_arguments as add_shards_arguments
+
+    add_shards_arguments(
+        sub.add_parser("shards", help="show a sharded directory's shard map, or change it without downtime (docs/scale-out.md)")
+    )
+
     b = sub.add_parser("bench", help="run a benchmark and print its figures")
     b.add_argument(
         "target",
-        choices=["directory", "worker", "gateway", "mirror", "events", "elections", "soak", "attacks", "vllm"],
+        choices=["directory", "worker", "gateway", "mirror", "events", "elections", "soak", "attacks", "vllm", "shards"],
         help="what to measure (vllm: TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with "
         "the kvdir connector, needs `make vllm-install`; mirror: the gateway's mirror of the directory, its lag under writes and leader kills; elections: needless Raft elections after starts, stalls and restarts; "
-        "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost)",
+        "soak: the fault harness, cycling its schedule under load; attacks: hostile clients' cost; "
+        "shards: publish throughput, replica CPU per write and RSS per entry with 1, 2 and 4 directory shards)",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
@@ -49,7 +56,19 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="soak: how long to cycle the fault schedule; mirror: how long the leader-kill phase runs",
     )
-    b.add_argument("--replicas", type=int, choices=[3, 5], default=3, help="soak: directory replicas")
+    b.add_argument(
+        "--replicas",
+        type=int,
+        choices=[1, 3, 5],
+        default=3,
+        help="soak: directory replicas (3 or 5); shards: replicas per shard (1 fits a 2-core machine)",
+    )
+    b.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="soak: directory shards (Raft groups of --replicas each); every shard cycles the faults",
+    )
     return p
 
 
@@ -80,17 +99,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvdir.replay.report import run_replay
 
             return run_replay(args)
+        if args.command == "shards":
+            from kvdir.shards_cli import run_shards
+
+            return run_shards(args)
         if args.command == "bench":
             from kvdir.bench import run_bench
 
             if args.target == "soak":
                 from kvdir.faults.run import main as soak_main
 
-                return soak_main(minutes=args.minutes, replicas=args.replicas, as_json=args.json)
+                if args.replicas == 1:
+                    print("kvdir bench soak: --replicas 3 or 5 (the fault schedule kills replicas)", file=sys.stderr)
+                    return 2
+
+                return soak_main(minutes=args.minutes, replicas=args.replicas, as_json=args.json, shards=args.shards)
             if args.target == "mirror":
                 from kvdir.bench.mirror import main as mirror_main
 
                 return mirror_main(as_json=args.json, quick=args.quick, minutes=args.minutes)
+            if args.target == "shards":
+                from kvdir.bench.shards import main as shards_main
+
+                return shards_main(as_json=args.json, quick=args.quick, replicas=args.replicas)
             return run_bench(args.target, as_json=args.json, quick=args.quick)
     except ValidationError as exc:
         for e in exc.errors():

@@ -3,8 +3,10 @@
 Over 400 lines: `kvdir up`'s settings, the three kinds of child processes, their supervisor and the
 start-up sequence, which one command drives together.
 
-Replica i (1-based) serves HTTP on base_port+i and Raft on base_port+100+i.
-Once a leader is elected it prints one JSON line `{"ready": true, ...}` on
+Replica i (1-based) serves HTTP on base_port+i and Raft on base_port+100+i; with `--shards N`
+(docs/scale-out.md) replica i of shard k (0-based, named sk) serves on base_port+200k+i and
+base_port+200k+100+i, so shard s0 keeps the unsharded ports.
+Once every shard has a leader it prints one JSON line `{"ready": true, ...}` on
 stdout, optionally drives a demo, and keeps the cluster up until SIGINT or
 SIGTERM, restarting any process that dies (with backoff, its log's tail on
 stderr); then it stops every process it started, whatever happened.
@@ -48,7 +50,7 @@ from typing import TextIO, cast
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from directory.addresses import is_wildcard
@@ -60,6 +62,9 @@ from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")
 
+MAX_UP_SHARDS = 16
+SHARD_PORT_STRIDE = 200
+
 
 class UpSettings(BaseSettings):
     """The local cluster (`kvdir up`)."""
@@ -70,7 +75,14 @@ class UpSettings(BaseSettings):
     base_port: int = Field(
         8100, ge=1, le=65000, description="the gateway serves on BASE_PORT, replica i on BASE_PORT+i (Raft BASE_PORT+100+i)"
     )
-    replicas: int = Field(3, ge=1, le=7, description="directory replicas to start")
+    replicas: int = Field(3, ge=1, le=7, description="directory replicas to start (of each shard)")
+    shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_UP_SHARDS,
+        description="directory shards, Raft groups of --replicas replicas each (docs/scale-out.md); shard k's "
+        "replica i serves on BASE_PORT+200k+i (Raft +100); 1: one unsharded group",
+    )
     data_dir: Path | None = Field(
         None, description="where replicas keep state and logs (default: a temporary directory removed on exit)"
     )
@@ -98,6 +110,13 @@ class UpSettings(BaseSettings):
         if is_wildcard(v):
             raise ValueError(f"give one address to bind and advertise, not the wildcard {v!r} (e.g. 127.0.0.1)")
         return v
+
+    @model_validator(mode="after")
+    def _ports_exist(self) -> UpSettings:
+        top = max(port for port, _ in up_ports(self))
+        if top > 65535:
+            raise ValueError(f"--base-port {self.base_port} with {self.shards} shards needs port {top}: choose a lower one")
+        return self
 
 
 def _ephemeral_low() -> int:
@@ -643,16 +662,17 @@ class Supervisor:
                 log.warning("%s restarted (pid %s)", c.name, restarted.pid if restarted else "?")
 
 
-def _supervisor(cluster: Cluster, workers: Workers, gateway: Gateway | None) -> Supervisor:
+def _supervisor(clusters: Sequence[Cluster], workers: Workers, gateway: Gateway | None) -> Supervisor:
     # mypy cannot infer the type of a lambda with a default argument (i, bound per child) against a zero-argument
     # Callable, hence the ignores
     children = [
         Supervised(
-            f"replica {i + 1}",
-            lambda i=i: cluster.procs[i],  # type: ignore[misc]
-            lambda i=i: cluster.start_replica(i),  # type: ignore[misc]
+            replica_name(len(clusters), k, i),
+            lambda c=cluster, i=i: c.procs[i],  # type: ignore[misc]
+            lambda c=cluster, i=i: c.start_replica(i),  # type: ignore[misc]
             cluster.log_path(i),
         )
+        for k, cluster in enumerate(clusters)
         for i in range(len(cluster.procs))
     ]
     children += [
@@ -669,11 +689,25 @@ def _supervisor(cluster: Cluster, workers: Workers, gateway: Gateway | None) -> 
     return Supervisor(children)
 
 
+def replica_name(shards: int, shard: int, i: int) -> str:
+    """How `kvdir up` names replica i (0-based) of shard `shard` in its messages."""
+    return f"replica {i + 1}" if shards == 1 else f"shard s{shard} replica {i + 1}"
+
+
+def replica_ports(s: UpSettings) -> tuple[list[int], list[int]]:
+    """The replicas' HTTP and Raft ports, shard by shard (the order `kvdir.sharded.ShardedCluster` takes them in)."""
+    firsts = [s.base_port + SHARD_PORT_STRIDE * k for k in range(s.shards)]
+    http = [first + i for first in firsts for i in range(1, s.replicas + 1)]
+    return http, [port + 100 for port in http]
+
+
 def up_ports(s: UpSettings) -> list[tuple[int, str]]:
     """Every port `kvdir up` binds, with what for (the workers' transfer engines pick theirs when they start)."""
     ports = [(s.base_port, "gateway")] if s.gateway else []
-    ports += [(s.base_port + i, f"replica {i} HTTP") for i in range(1, s.replicas + 1)]
-    ports += [(s.base_port + 100 + i, f"replica {i} Raft") for i in range(1, s.replicas + 1)]
+    http, raft = replica_ports(s)
+    names = [replica_name(s.shards, k, i) for k in range(s.shards) for i in range(s.replicas)]
+    ports += [(p, f"{name} HTTP") for p, name in zip(http, names)]
+    ports += [(p, f"{name} Raft") for p, name in zip(raft, names)]
     ports += [(s.base_port + 10 + i, f"worker-{i} HTTP") for i in range(1, s.workers + 1)]
     return ports
 
@@ -682,7 +716,7 @@ def _free_base_port(s: UpSettings) -> int | None:
     """A base port whose every port `kvdir up` would bind is free now (a suggestion for the clash message)."""
     offsets = [port - s.base_port for port, _ in up_ports(s)]
     for base in free_ports(20, s.host):
-        base -= 110  # free_ports' picks lie in 10000..the ephemeral range; the offsets go up to +107
+        base -= 110  # free_ports' picks lie in 10000..the ephemeral range; the offsets go up to +107 (more with shards)
         if base >= 1024 and not taken_ports(s.host, [(base + d, "") for d in offsets], who=False):
             return base
     return None
@@ -696,12 +730,18 @@ class Interrupted(Exception):
 class _Launch:
     """The processes of one `kvdir up`, as far as it got."""
 
-    cluster: Cluster
+    clusters: list[Cluster]  # one per shard
     workers: Workers
     gateway: Gateway | None = None
 
+    @property
+    def replica_urls(self) -> list[str]:
+        """Every replica of every shard (a directory client given them reads the shard map from any one)."""
+        return [u for c in self.clusters for u in c.replica_urls]
+
     def procs(self) -> list[subprocess.Popen[bytes]]:
-        procs = [p for p in [*self.cluster.procs, *self.workers.procs] if p is not None]
+        procs = [p for c in self.clusters for p in c.procs if p is not None]
+        procs += [p for p in self.workers.procs if p is not None]
         return procs + ([self.gateway.proc] if self.gateway else [])
 
     def stop(self) -> None:
@@ -709,11 +749,34 @@ class _Launch:
         if self.gateway is not None:
             self.gateway.stop()
         self.workers.stop()
-        self.cluster.stop()
+        for c in self.clusters:
+            c.stop()
 
 
-def _start(settings: UpSettings, up: _Launch, auth: AuthFiles | None, progress: Progress, stop: threading.Event) -> str:
-    """Start replicas, workers and gateway in turn, each waited for with progress; returns the leader's URL."""
+def _directory(s: UpSettings, data_dir: Path, raft_password: Path, auth: AuthFiles | None) -> tuple[list[Cluster], Path | None]:
+    """The directory's groups, one per shard, and the shard map file (None unsharded: today's single group)."""
+    if s.shards == 1:
+        return [Cluster.from_settings(s, data_dir, raft_password, auth)], None
+    from kvdir.sharded import ShardedCluster  # it builds on this module's Cluster
+
+    http, raft = replica_ports(s)
+    sharded = ShardedCluster(
+        data_dir,
+        s.shards,
+        s.replicas,
+        ports=http + raft,
+        host=s.host,
+        lease_ttl_s=s.lease_ttl_s,
+        log_level=s.log_level,
+        extra_args=auth.replica_args if auth else (),
+        token=auth.admin_token() if auth else None,
+        raft_password_file=raft_password,
+    )
+    return sharded.clusters, sharded.map_file
+
+
+def _start(settings: UpSettings, up: _Launch, auth: AuthFiles | None, progress: Progress, stop: threading.Event) -> list[str]:
+    """Start replicas, workers and gateway in turn, each waited for with progress; returns each shard's leader URL."""
 
     def poll(**changes: object) -> None:
         if stop.is_set():
@@ -721,14 +784,28 @@ def _start(settings: UpSettings, up: _Launch, auth: AuthFiles | None, progress: 
         progress.update(**changes)
 
     def on_replicas(n: int, url: str | None) -> None:
-        urls = up.cluster.replica_urls
+        urls = up.clusters[0].replica_urls
         poll(replicas_up=n, leader=url and (f"replica {urls.index(url) + 1}" if url in urls else url), leader_url=url)
 
     timeout = settings.ready_timeout_s
-    n = settings.replicas
-    progress.note(f"starting {n} directory replica{'s' * (n != 1)}; logs in {up.cluster.data_dir}")
-    up.cluster.start()
-    leader = up.cluster.wait_ready(timeout, progress=on_replicas)
+    n = settings.replicas * settings.shards
+    shards = f" in {settings.shards} shards" if settings.shards > 1 else ""
+    progress.note(f"starting {n} directory replica{'s' * (n != 1)}{shards}; logs in {up.workers.data_dir}")
+    for c in up.clusters:
+        c.start()
+    if settings.shards == 1:
+        leaders = [up.clusters[0].wait_ready(timeout, progress=on_replicas)]
+    else:
+
+        def on_shard(done: int) -> Callable[[int, str | None], None]:
+            """Progress while a shard elects: its replicas up, after the `done` of the shards before it."""
+            return lambda n, _: poll(replicas_up=done + n)
+
+        leaders = []
+        for k, c in enumerate(up.clusters):  # every shard must have a leader: each homes some of the nodes
+            leaders.append(c.wait_ready(timeout, progress=on_shard(k * settings.replicas)))
+            progress.note(f"shard s{k}: leader {leaders[-1]}")
+        poll(leader=f"in each of the {settings.shards} shards")
     if settings.workers:
         progress.note(f"starting {settings.workers} worker stub{'s' * (settings.workers != 1)}")
     up.workers.start()
@@ -736,9 +813,9 @@ def _start(settings: UpSettings, up: _Launch, auth: AuthFiles | None, progress: 
     if settings.gateway:
         progress.note("starting the gateway")
         up.gateway = Gateway(
-            up.cluster.data_dir,
+            up.clusters[0].data_dir,
             settings.base_port,
-            up.cluster.replica_urls,
+            up.replica_urls,
             host=settings.host,
             log_level=settings.log_level,
             extra_args=["--policy", settings.policy, "--refresh-s", "0.2"],
@@ -746,7 +823,7 @@ def _start(settings: UpSettings, up: _Launch, auth: AuthFiles | None, progress: 
         )
         up.gateway.wait_ready(timeout, engines=settings.workers, progress=poll)
         progress.update(gateway_ready=True)
-    return leader
+    return leaders
 
 
 def _has_text(path: Path) -> bool:
@@ -763,6 +840,7 @@ def _on_terminal(stream: TextIO) -> bool:
 def run_up(settings: UpSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("kvdir.client").setLevel(logging.WARNING)  # the demo's clients would each say the shard map
     taken = taken_ports(settings.host, up_ports(settings))
     if taken:
         free = _free_base_port(settings)
@@ -790,11 +868,12 @@ def run_up(settings: UpSettings) -> int:
 
     auth = AuthFiles.generate(data_dir / "secrets", worker_node_ids(settings.workers)) if settings.auth else None
     raft_password = auth.raft_password if auth else write_raft_password(data_dir / "secrets")
-    cluster = Cluster.from_settings(settings, data_dir, raft_password, auth)
+    clusters, shard_map = _directory(settings, data_dir, raft_password, auth)
+    replica_urls = [u for c in clusters for u in c.replica_urls]
     workers = Workers(
         data_dir,
         [settings.base_port + 10 + i for i in range(1, settings.workers + 1)],
-        cluster.replica_urls,
+        replica_urls,
         host=settings.host,
         log_level=settings.log_level,
         extra_args=[
@@ -809,21 +888,23 @@ def run_up(settings: UpSettings) -> int:
         ],
         token_files=auth.engines if auth else None,
     )
-    up = _Launch(cluster, workers)
+    up = _Launch(clusters, workers)
     progress = Progress(
-        StartState(settings.replicas, settings.workers, settings.gateway), sys.stderr, live=_on_terminal(sys.stderr)
+        StartState(len(replica_urls), settings.workers, settings.gateway), sys.stderr, live=_on_terminal(sys.stderr)
     )
     evidence: list[str] = []  # what died: then a temporary data dir holds the only copy of its log, and is kept
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        leader = _start(settings, up, auth, progress, stop)
+        leaders = _start(settings, up, auth, progress, stop)
+        leader = leaders[0]
         progress.close(f"cluster ready in {progress.elapsed:.1f}s")
         gateway = up.gateway
         ready = {
             "ready": True,
             "gateway": gateway.url if gateway else None,
-            "replicas": cluster.replica_urls,
+            "replicas": replica_urls,
             "leader": leader,
+            **({"shard_map_file": str(shard_map), "leaders": leaders} if shard_map else {}),
             "workers": workers.urls,
             "data_dir": str(data_dir),
             "admin_token_file": str(auth.admin) if auth else None,
@@ -845,13 +926,11 @@ def run_up(settings: UpSettings) -> int:
         if settings.demo or settings.demo_and_exit:
             from kvdir.demo import run_demo
 
-            asyncio.run(
-                run_demo(cluster.replica_urls, workers.urls, gateway.url if gateway else None, print, token=cluster.token)
-            )
+            asyncio.run(run_demo(replica_urls, workers.urls, gateway.url if gateway else None, print, token=clusters[0].token))
         if settings.demo_and_exit:
             return 0
         log.info("kvdir cluster up; Ctrl-C to stop")
-        supervisor = _supervisor(cluster, workers, gateway)
+        supervisor = _supervisor(clusters, workers, gateway)
         try:
             while not stop.wait(0.2):
                 supervisor.tick(time.monotonic())
