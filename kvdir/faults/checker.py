@@ -10,7 +10,7 @@ The rules (each violation is one line of the report):
    unless a publish of it has an unknown outcome (it may land later).
 3. Stale entry at rest: every entry on a replica carries its node's current
    epoch there (a new epoch, expiry or deregistration dropped the old ones).
-4. Divergence: every replica ends with the same digest.
+4. Divergence: every replica of a shard ends with the same digest.
 5. Missed read: a linearizable lookup that starts after a publish was
    acknowledged returns it, unless a registration of the node or a remove
    of the sequence may have happened in between (an unknown write counts as
@@ -27,11 +27,18 @@ The rules (each violation is one line of the report):
 7. Epoch reuse: a registration of a new incarnation, started after an
    earlier one of the same node was acknowledged, gets a greater epoch (else
    a fenced process's writes would become valid again).
+8. Wrong shard (a sharded directory, docs/scale-out.md): no replica registers,
+   holds or returns on a lookup a node whose home is another shard. Rules 1-5
+   judge each node against its home shard's replicas only.
+
+A directory that is not sharded is one shard, index 0: `homes` (node -> its
+home shard's index) is then None, and `Observed.shard`, `Op.shard` are 0.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvdir.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, WRITES, Fault, Op
@@ -45,10 +52,18 @@ class Observed:
     nodes: dict[str, int]
     seqs: dict[int, dict[str, tuple[int, int, tuple[int, ...]]]]  # seq -> node -> (epoch, matched, slots)
     digest: str
+    shard: int = 0
 
 
-def check_final(ops: list[Op], observed: list[Observed]) -> tuple[list[str], dict[str, int]]:
-    """Rules 1-4."""
+def _home(homes: Mapping[str, int] | None, node: str) -> int | None:
+    """The node's home shard; None for a node the load never ran (at home nowhere)."""
+    return 0 if homes is None else homes.get(node)
+
+
+def check_final(
+    ops: list[Op], observed: list[Observed], homes: Mapping[str, int] | None = None
+) -> tuple[list[str], dict[str, int]]:
+    """Rules 1-4 and 8 on what the replicas hold."""
     violations: list[str] = []
     acked: dict[tuple[int, str], dict[int, Op]] = defaultdict(dict)  # (seq, node) -> epoch -> publish
     removes: dict[tuple[int, str], list[Op]] = defaultdict(list)
@@ -63,7 +78,14 @@ def check_final(ops: list[Op], observed: list[Observed]) -> tuple[list[str], dic
             removes[(o.seq, o.node)].append(o)
     checked = superseded = 0
     for obs in observed:
+        for node in obs.nodes:
+            if _home(homes, node) != obs.shard:
+                violations.append(
+                    f"replica {obs.replica} of shard {obs.shard} registers {node}, whose home is shard {_home(homes, node)}"
+                )
         for (seq, node), by_epoch in acked.items():
+            if _home(homes, node) != obs.shard:
+                continue  # rule 8 below: the seq must not be there at all
             rm = removes.get((seq, node), [])
             held = obs.seqs.get(seq, {}).get(node)
             if any(r.outcome == OK for r in rm):
@@ -84,14 +106,22 @@ def check_final(ops: list[Op], observed: list[Observed]) -> tuple[list[str], dic
                 )
         for seq, holders in obs.seqs.items():
             for node, (epoch, _, _) in holders.items():
-                if obs.nodes.get(node) != epoch:
+                if _home(homes, node) != obs.shard:
+                    violations.append(
+                        f"replica {obs.replica} of shard {obs.shard} serves seq {seq} of {node}, "
+                        f"whose home is shard {_home(homes, node)}"
+                    )
+                elif obs.nodes.get(node) != epoch:
                     violations.append(
                         f"replica {obs.replica}: seq {seq} held by {node} with epoch {epoch}, "
                         f"but the node's epoch there is {obs.nodes.get(node)}"
                     )
-    digests = {obs.digest for obs in observed}
-    if len(digests) > 1:
-        violations.append(f"replicas diverged: digests {sorted((o.replica, o.digest) for o in observed)}")
+    shards = sorted({obs.shard for obs in observed})
+    for shard in shards:
+        group = [o for o in observed if o.shard == shard]
+        if len({o.digest for o in group}) > 1:
+            where = f"shard {shard}: " if len(shards) > 1 else ""
+            violations.append(f"{where}replicas diverged: digests {sorted((o.replica, o.digest) for o in group)}")
     return violations, {"publishes_checked": checked, "publishes_superseded": superseded}
 
 
@@ -104,8 +134,8 @@ def _may_overlap(o: Op, start: float, end: float) -> bool:
     return o.outcome != FAIL and o.t0 < end and last > start
 
 
-def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[str, int]]:
-    """Rule 5."""
+def check_reads(ops: list[Op], stale_bound_s: float, homes: Mapping[str, int] | None = None) -> tuple[list[str], dict[str, int]]:
+    """Rules 5 and 8 on what the lookups returned."""
     violations: list[str] = []
     pubs: dict[tuple[int, str], list[Op]] = defaultdict(list)
     interfering: dict[str, list[Op]] = defaultdict(list)  # node -> its registrations and removes
@@ -125,11 +155,16 @@ def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[st
         elif o.kind == "publish" and o.outcome == UNKNOWN and o.seq is not None:
             unknown_publish.add((o.seq, o.node))
     stats = {"lookups_checked": 0, "local_stale_within_bound": 0, "lookups_must_find": 0}
+    if homes is not None:
+        stats["lookups_off_home"] = 0  # sent to a shard that is not the looked-up node's home: it must not answer it
     for o in ops:
         if o.kind != "lookup" or o.outcome != OK or o.holders is None:
             continue
         stats["lookups_checked"] += 1
-        if o.consistency == "linearizable":
+        at_home = _home(homes, o.node) == o.shard
+        if not at_home:
+            stats["lookups_off_home"] += 1
+        if o.consistency == "linearizable" and at_home:
             for p in pubs.get((o.seq, o.node), []):  # type: ignore[arg-type]
                 if p.t1 >= o.t0 or any(
                     _may_overlap(w, p.t0, o.t1) for w in interfering[o.node] if w.kind == "register" or w.seq == o.seq
@@ -144,6 +179,12 @@ def check_reads(ops: list[Op], stale_bound_s: float) -> tuple[list[str], dict[st
                     )
                 break
         for node, (epoch, _, _) in o.holders.items():
+            if _home(homes, node) != o.shard:
+                violations.append(
+                    f"wrong shard: {o.consistency} lookup of seq {o.seq} on replica {o.replica} (shard {o.shard}) "
+                    f"returned {node}, whose home is shard {_home(homes, node)}"
+                )
+                continue
             newer = [t for t, e in registered.get(node, []) if e > epoch and t < o.t0]
             gone = removed.get((o.seq, node)) if o.seq is not None and (o.seq, node) not in unknown_publish else None
             since = min([*newer, *([gone] if gone is not None and gone < o.t0 else [])], default=None)

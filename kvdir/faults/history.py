@@ -43,7 +43,7 @@ class Op:
 
     kind: str  # register | publish | remove | heartbeat | lookup
     node: str
-    replica: int
+    replica: int  # over all shards, shard by shard: shard 1's first replica follows shard 0's last
     t0: float
     t1: float = 0.0
     outcome: str = UNKNOWN
@@ -54,11 +54,12 @@ class Op:
     consistency: str | None = None  # lookups: local | linearizable
     holders: dict[str, tuple[int, int, tuple[int, ...]]] | None = None  # lookups: node -> (epoch, matched, slots)
     incarnation: str | None = None  # registrations: the process start it stands for
+    shard: int = 0  # the index of the shard (Raft group) that `replica` belongs to
 
 
 @dataclass(slots=True)
 class Fault:
-    """One injected fault: what, on which replicas, when, and what was measured around it."""
+    """One injected fault: what, on which replicas (of which shard), when, and what was measured around it."""
 
     kind: str
     replicas: list[int]
@@ -68,6 +69,7 @@ class Fault:
     minority: list[int] = field(default_factory=list)
     minority_commit: dict[int, tuple[int, int]] = field(default_factory=dict)  # replica -> (after settling, at heal)
     recovered_s: float | None = None
+    shard: int = 0  # the index of the shard whose replicas these are
 
 
 class History:
@@ -88,9 +90,10 @@ class History:
             self.faults.append(f)
         return f
 
-    def counts(self) -> dict[str, Any]:
+    def counts(self, shard: int | None = None) -> dict[str, Any]:
+        """Outcomes by kind, of every operation or of those sent to `shard`."""
         with self._lock:
-            ops = list(self.ops)
+            ops = [o for o in self.ops if shard is None or o.shard == shard]
         out: dict[str, Any] = {"ops": len(ops)}
         for kind in ("register", "publish", "remove", "heartbeat", "lookup"):
             mine = [o for o in ops if o.kind == kind]

@@ -3,11 +3,13 @@
 Each simulated node runs in its own thread as a worker would: register,
 then publish fresh sequences, remove some, heartbeat, and now and then
 restart (a new incarnation, so a new epoch that drops its old entries). It
-talks to one replica per request, picked at random, and records every
-attempt in the history; an attempt without a definite answer is retried on
-another replica (writes are idempotent), a 409 makes it register again.
-The reader looks up sequences the writers published, alternating local and
-linearizable lookups, so the checker can look for stale answers.
+talks to one replica of its home shard per request (a directory that is not
+sharded is one shard), picked at random, and records every attempt in the
+history; an attempt without a definite answer is retried on another replica
+(writes are idempotent), a 409 makes it register again. The reader looks up
+sequences the writers published on every shard, as a client merging the
+shards' answers does, alternating local and linearizable lookups, so the
+checker can look for stale answers and for shards serving nodes homed elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import httpx
 from kvdir.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, History, Op, seq_hashes
 
 CAPACITY = 4096
+
+
+def node_ids(n: int) -> list[str]:
+    """The simulated nodes' ids: what a sharded run places on its shards before the load starts."""
+    return [f"sim-{i}" for i in range(n)]
 
 
 class _Seqs:
@@ -50,19 +57,33 @@ class _Seqs:
 
 
 class Load:
-    """`nodes` writer threads and one reader thread against `urls`; `stop()` joins them."""
+    """`nodes` writer threads and one reader thread against the replica URLs of each shard; `stop()` joins them.
+
+    Replica indices in the history run over all shards, shard by shard; `home(node)` is a node's shard index.
+    """
 
     def __init__(
-        self, urls: Sequence[str], history: History, *, nodes: int = 4, seed: int = 0, timeout: float = 3.0, pace_s: float = 0.02
+        self,
+        shards: Sequence[Sequence[str]],
+        history: History,
+        *,
+        home: Callable[[str], int] = lambda node: 0,
+        nodes: int = 4,
+        seed: int = 0,
+        timeout: float = 3.0,
+        pace_s: float = 0.02,
     ) -> None:
-        self.urls = list(urls)
+        self.shards = [list(urls) for urls in shards]
+        self.first = [sum(len(urls) for urls in self.shards[:i]) for i in range(len(self.shards))]
+        self.home = home
         self.history = history
         self.timeout = timeout
         self.pace_s = pace_s
         self.seqs = _Seqs()
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._writer, args=(f"sim-{i}", seed * 1000 + i), daemon=True) for i in range(nodes)
+            threading.Thread(target=self._writer, args=(node, seed * 1000 + i), daemon=True)
+            for i, node in enumerate(node_ids(nodes))
         ]
         self._threads.append(threading.Thread(target=self._reader, args=(seed * 1000 + 999,), daemon=True))
 
@@ -80,10 +101,13 @@ class Load:
     def _call(
         self, http: httpx.Client, rng: random.Random, op: Op, method: str, path: str, body: dict[str, object]
     ) -> dict[str, object] | None:
-        op.replica = rng.randrange(len(self.urls))
+        """Send to a random replica of shard `op.shard`."""
+        urls = self.shards[op.shard]
+        local = rng.randrange(len(urls))
+        op.replica = self.first[op.shard] + local
         op.t0 = time.monotonic()
         try:
-            r = http.request(method, self.urls[op.replica] + path, json=body)
+            r = http.request(method, urls[local] + path, json=body)
         except httpx.HTTPError:
             r = None
         op.t1 = time.monotonic()
@@ -115,6 +139,7 @@ class Load:
 
     def _writer(self, node: str, seed: int) -> None:
         rng = random.Random(seed)
+        shard = self.home(node)
         with httpx.Client(timeout=self.timeout, trust_env=False) as http:
             epoch: int | None = None
             live: list[int] = []
@@ -123,7 +148,7 @@ class Load:
                     inc = uuid.uuid4().hex
                     body = {"node_id": node, "api_url": f"http://{node}.invalid", "incarnation": inc, "capacity_blocks": CAPACITY}
                     op, data = self._until_definite(
-                        http, rng, lambda: Op("register", node, 0, 0.0, incarnation=inc), "POST", "/v1/nodes", body
+                        http, rng, lambda: Op("register", node, 0, 0.0, incarnation=inc, shard=shard), "POST", "/v1/nodes", body
                     )
                     if data is not None:
                         epoch = op.epoch = int(cast(int, data["epoch"]))
@@ -141,7 +166,7 @@ class Load:
                     op, data = self._until_definite(
                         http,
                         rng,
-                        lambda: Op("publish", node, 0, 0.0, epoch=epoch, seq=seq, slots=slots),
+                        lambda: Op("publish", node, 0, 0.0, epoch=epoch, seq=seq, slots=slots, shard=shard),
                         "POST",
                         "/v1/blocks",
                         body,
@@ -153,7 +178,12 @@ class Load:
                     seq = live.pop(rng.randrange(len(live)))
                     body = {"node_id": node, "epoch": epoch, "hashes": seq_hashes(seq)}
                     op, _ = self._until_definite(
-                        http, rng, lambda: Op("remove", node, 0, 0.0, epoch=epoch, seq=seq), "POST", "/v1/blocks/remove", body
+                        http,
+                        rng,
+                        lambda: Op("remove", node, 0, 0.0, epoch=epoch, seq=seq, shard=shard),
+                        "POST",
+                        "/v1/blocks/remove",
+                        body,
                     )
                 elif x < 0.755:
                     epoch = None  # a restart: the next registration is a new incarnation
@@ -162,7 +192,7 @@ class Load:
                     op, _ = self._until_definite(
                         http,
                         rng,
-                        lambda: Op("heartbeat", node, 0, 0.0, epoch=epoch),
+                        lambda: Op("heartbeat", node, 0, 0.0, epoch=epoch, shard=shard),
                         "POST",
                         f"/v1/nodes/{node}/heartbeat",
                         {"epoch": epoch},
@@ -183,18 +213,19 @@ class Load:
                 seq, node = picked
                 n += 1
                 consistency = "linearizable" if n % 2 else "local"
-                op = Op("lookup", node, 0, 0.0, seq=seq, consistency=consistency)
-                data = self._call(
-                    http,
-                    rng,
-                    op,
-                    "POST",
-                    "/v1/lookup",
-                    {"hashes": seq_hashes(seq), "with_slots": True, "consistency": consistency},
-                )
-                if data is not None:
-                    op.holders = {
-                        h["node_id"]: (h["epoch"], h["matched_blocks"], tuple(h["slots"]))
-                        for h in cast("list[dict[str, Any]]", data["holders"])
-                    }
+                for shard in range(len(self.shards)):  # the node's home must hold it, every other shard must not
+                    op = Op("lookup", node, 0, 0.0, seq=seq, consistency=consistency, shard=shard)
+                    data = self._call(
+                        http,
+                        rng,
+                        op,
+                        "POST",
+                        "/v1/lookup",
+                        {"hashes": seq_hashes(seq), "with_slots": True, "consistency": consistency},
+                    )
+                    if data is not None:
+                        op.holders = {
+                            h["node_id"]: (h["epoch"], h["matched_blocks"], tuple(h["slots"]))
+                            for h in cast("list[dict[str, Any]]", data["holders"])
+                        }
                 self._stop.wait(self.pace_s)

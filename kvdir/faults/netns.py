@@ -15,7 +15,8 @@ import logging
 import os
 import re
 import subprocess
-from collections.abc import Sequence
+import threading
+from collections.abc import Collection, Sequence
 
 log = logging.getLogger("kvdir.faults")
 
@@ -63,6 +64,7 @@ class Network:
         self.subnet = f"10.{200 + pid % 50}.{(pid // 50) % 256}"
         self.hosts = [f"{self.subnet}.{i + 1}" for i in range(n)]
         self._cut: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
         self._up = False
 
     def __enter__(self) -> Network:
@@ -96,23 +98,31 @@ class Network:
         """The command prefix that runs a program on host i."""
         return ["ip", "netns", "exec", self.names[i]]
 
-    def partition(self, groups: Sequence[Sequence[int]]) -> None:
-        """Cut every link between hosts of different groups (hosts in no group are cut from all)."""
-        self.heal()
+    def partition(self, groups: Sequence[Sequence[int]], among: Collection[int] | None = None) -> None:
+        """Cut every link between hosts of different groups (hosts in no group are cut from all).
+
+        `among`: only the links between these hosts change, so one Raft group can be cut while
+        another is cut or healed at the same time (from another thread).
+        """
+        self.heal(among)
+        hosts = range(self.n) if among is None else sorted(among)
         group_of = {h: g for g, members in enumerate(groups) for h in members}
-        for a in range(self.n):
-            for b in range(self.n):
+        for a in hosts:
+            for b in hosts:
                 if a != b and group_of.get(a, -1 - a) != group_of.get(b, -1 - b):
                     _ip("-n", self.names[a], "route", "add", "blackhole", f"{self.hosts[b]}/32")
-                    self._cut.add((a, b))
+                    with self._lock:
+                        self._cut.add((a, b))
         log.info("network: partitioned into %s", [list(g) for g in groups])
 
-    def heal(self) -> None:
-        for a, b in sorted(self._cut):
+    def heal(self, among: Collection[int] | None = None) -> None:
+        with self._lock:
+            cut = sorted(p for p in self._cut if among is None or (p[0] in among and p[1] in among))
+            self._cut.difference_update(cut)
+        for a, b in cut:
             _ip("-n", self.names[a], "route", "del", "blackhole", f"{self.hosts[b]}/32", check=False)
-        if self._cut:
+        if cut:
             log.info("network: healed")
-        self._cut.clear()
 
     def close(self) -> None:
         if not self._up:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 log = logging.getLogger("kvdir.faults")
 
@@ -96,30 +96,50 @@ class LinkProxy:
 
 
 class ProxyNetwork:
-    """`n` replicas on their own loopback addresses, every Raft link through a `LinkProxy`."""
+    """`n` replicas on their own loopback addresses, every Raft link through a `LinkProxy`.
 
-    def __init__(self, n: int, raft_ports: Sequence[int]) -> None:
+    `groups` (a sharded directory: one Raft group per shard) lists the replicas of each group;
+    links exist only within a group. By default all `n` replicas form one group.
+    """
+
+    def __init__(self, n: int, raft_ports: Sequence[int], groups: Sequence[Sequence[int]] | None = None) -> None:
         self.n = n
         self.hosts = [f"127.0.0.{11 + i}" for i in range(n)]
         self._raft = [(self.hosts[i], raft_ports[i]) for i in range(n)]
+        self._group = {i: g for g, members in enumerate(groups or [range(n)]) for i in members}
         # Replica hi dials replica lo (lo < hi) through links[(hi, lo)], which listens on lo's IP.
-        self.links = {(hi, lo): LinkProxy(self.hosts[lo], self._raft[lo]) for hi in range(n) for lo in range(hi)}
+        self.links = {
+            (hi, lo): LinkProxy(self.hosts[lo], self._raft[lo])
+            for hi in range(n)
+            for lo in range(hi)
+            if self._group[hi] == self._group[lo]
+        }
 
     def peers(self, i: int) -> list[str]:
         """Replica i's --peers: the proxies of the replicas it dials, the real addresses of those that dial it."""
-        return [self.links[(i, j)].address if j < i else f"{self.hosts[j]}:{self._raft[j][1]}" for j in range(self.n) if j != i]
+        return [
+            self.links[(i, j)].address if j < i else f"{self.hosts[j]}:{self._raft[j][1]}"
+            for j in range(self.n)
+            if j != i and self._group[j] == self._group[i]
+        ]
 
-    def partition(self, groups: Sequence[Sequence[int]]) -> None:
-        self.heal()
+    def partition(self, groups: Sequence[Sequence[int]], among: Collection[int] | None = None) -> None:
+        """Cut every link between replicas of different groups (replicas in no group are cut from all).
+
+        `among`: only the links between these replicas change, so one Raft group can be cut while
+        another is cut or healed at the same time.
+        """
+        self.heal(among)
         group_of = {h: g for g, members in enumerate(groups) for h in members}
         for (hi, lo), link in self.links.items():
-            if group_of.get(hi, -1 - hi) != group_of.get(lo, -1 - lo):
+            if (among is None or (hi in among and lo in among)) and group_of.get(hi, -1 - hi) != group_of.get(lo, -1 - lo):
                 link.cut()
         log.info("network (proxies): partitioned into %s", [list(g) for g in groups])
 
-    def heal(self) -> None:
-        for link in self.links.values():
-            link.heal()
+    def heal(self, among: Collection[int] | None = None) -> None:
+        for (hi, lo), link in self.links.items():
+            if among is None or (hi in among and lo in among):
+                link.heal()
 
     def close(self) -> None:
         for link in self.links.values():
