@@ -53,6 +53,8 @@ from gateway.engines import EngineRegistry, EngineState
 from gateway.errors import GatewayError, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
+from gateway.peers import PeerNotes
+from gateway.peers import routes as peer_routes
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import Proxy
@@ -150,12 +152,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         elif settings.mirror:
             log.info("directory mirror off: keys of tenant %r are known to the replicas only (REST lookups)", settings.tenant)
         metrics.watch_mirror(mirror)
-        app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror)
+        app.state.peers = peers = PeerNotes(
+            registry,
+            settings.peer_urls,
+            token=settings.peer_token,
+            ttl_s=settings.peer_note_ttl_s,
+            queue_size=settings.peer_queue,
+            timeout_s=settings.peer_timeout_s,
+            metrics=metrics.registry,
+        )
+        peers.start()
+        app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror, peers)
         app.state.models_cache = (0.0, [])
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
         try:
             yield
         finally:
+            await peers.stop()
             if mirror is not None:
                 await mirror.stop()
             await registry.stop()
@@ -163,6 +176,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await directory.aclose()
 
     app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
+    app.include_router(peer_routes())
 
     def too_large(limit: int) -> JSONResponse:
         response = error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large")

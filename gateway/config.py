@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from directory.addresses import HostPort, url_list
-from directory.client_settings import DirectoryClientSettings
+from directory.client_settings import DirectoryClientSettings, read_secret_file
 from directory.logs import LogLevel
 from gateway.engines import Network, parse_networks, parse_origin
 from gateway.policy import POLICIES
@@ -83,6 +84,31 @@ class GatewaySettings(DirectoryClientSettings):
     )
     max_messages: int = Field(2048, ge=1, description="most messages in one chat completion (400 above)")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
+    peers: str = Field(
+        "",
+        description="comma-separated http(s)://HOST:PORT of the other gateways: each routing decision is sent to "
+        "them as a note (engine, tokens to prefill), and theirs count in this gateway's view of each engine's "
+        "pending prefill (gateway.peers)",
+    )
+    peer_token_file: Path | None = Field(
+        None,
+        description="file holding the bearer token peer gateways' notes must carry (and this gateway sends "
+        "them); none: the notes route is open (keep --http on loopback or a private network)",
+    )
+    peer_note_ttl_s: float = Field(
+        10.0, gt=0, le=600, description="a peer's note counts this long at most when its done message is lost"
+    )
+    peer_queue: int = Field(
+        1024, ge=1, description="notes waiting to be sent, per peer; more are dropped (kvdir_gateway_peer_dropped_total)"
+    )
+    peer_timeout_s: float = Field(1.0, gt=0, description="limit for one POST of notes to a peer")
+
+    _peer_token: SecretStr | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _peer_token_from_file(self) -> GatewaySettings:
+        self._peer_token = read_secret_file(self.peer_token_file, "peer token")
+        return self
 
     @field_validator("engine")
     @classmethod
@@ -96,6 +122,22 @@ class GatewaySettings(DirectoryClientSettings):
     def _networks_parse(cls, value: str) -> str:
         parse_networks(value)
         return value
+
+    @field_validator("peers")
+    @classmethod
+    def _peers_are_origins(cls, value: str) -> str:
+        for url in url_list(value):
+            parse_origin(url)
+        return value
+
+    @property
+    def peer_urls(self) -> list[str]:
+        return url_list(self.peers)
+
+    @property
+    def peer_token(self) -> SecretStr | None:
+        """The token read from `peer_token_file` when the settings were read."""
+        return self._peer_token
 
     @property
     def static_engines(self) -> list[str]:

@@ -10,12 +10,17 @@ checkpoint seen before and hashes only the blocks after it.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections import OrderedDict
 
 import numpy as np
 import xxhash
 
 from directory.hashing import chain_hashes, local_hashes, seed_for
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_PACKS_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"  # `array` can pack the protocol's tokens
 
 
 class PrefixHasher:
@@ -37,7 +42,7 @@ class PrefixHasher:
         n_blocks = len(tokens) // self.block_size
         if n_blocks < self.stride:
             self.hashed_blocks += n_blocks
-            return chain_hashes(local_hashes(tokens, self.block_size, self.namespace), self.seed)
+            return chain_hashes(self._local_hashes(tokens, n_blocks), self.seed)
         arr = np.asarray(tokens[: n_blocks * self.block_size], dtype="<u4")
         data = memoryview(arr).cast("B")  # type: ignore[arg-type]  # numpy stubs give ndarray __buffer__ only for Python >= 3.12
         step = self.stride * self.block_size * 4
@@ -65,3 +70,16 @@ class PrefixHasher:
         while len(self._checkpoints) > self.capacity:
             self._checkpoints.popitem(last=False)
         return out
+
+    def _local_hashes(self, tokens: list[int], n_blocks: int) -> list[int]:
+        """`directory.hashing.local_hashes` of a short prompt, packed by `array` rather than numpy: numpy's
+        fixed cost per call is most of the work for the few blocks of a typical prompt."""
+        try:
+            packed = array.array("I", tokens[: n_blocks * self.block_size]) if _PACKS_U32 else None
+        except (OverflowError, TypeError):  # not all u32: the reference raises its ValueError
+            packed = None
+        if packed is None:
+            return local_hashes(tokens, self.block_size, self.namespace)
+        data = memoryview(packed).cast("B")
+        step, seed = 4 * self.block_size, self.seed
+        return [_xxh3(data[i : i + step], seed) for i in range(0, n_blocks * step, step)]

@@ -7,7 +7,9 @@ request, `Proxy.complete`:
    (`fallback`): a request never fails because the directory is down;
 2. routes it and sends the body (with the pull plan, if any) upstream; a
    connection refused before any byte was received marks the engine unhealthy
-   and is retried on the next best, until no engine is left (503);
+   and is retried on the next best, until no engine is left (503); an engine
+   that fails after that is answered with a 502 (it may have run the request,
+   so it is not retried elsewhere);
 3. relays the response: read whole (not streamed, or an error status) or
    streamed chunk by chunk as it comes.
 
@@ -37,6 +39,7 @@ from gateway.engines import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
+from gateway.peers import PeerNotes
 from gateway.router import HolderView, NoEngineAvailable, Route, Router
 
 log = logging.getLogger("kvdir.gateway")
@@ -119,6 +122,18 @@ def _usage_in_tail(tail: bytes) -> int | None:
     return None
 
 
+_JSON = {"content-type": "application/json"}
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    """The body as sent upstream: compact UTF-8 JSON; a 400 for NaN or Infinity (Python's parser takes them,
+    JSON has no such numbers, and an engine would refuse the request)."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as exc:
+        raise GatewayError(400, f"the request body cannot be forwarded as JSON: {exc}", code="invalid_json") from exc
+
+
 class Proxy:
     """Sends routed requests upstream and relays the answers; one per app, built at startup."""
 
@@ -131,6 +146,7 @@ class Proxy:
         metrics: GatewayMetrics,
         lookup_timeout_s: float,
         mirror: Mirror | None = None,
+        peers: PeerNotes | None = None,
     ) -> None:
         self.router = router
         self.registry = registry
@@ -139,6 +155,7 @@ class Proxy:
         self.metrics = metrics
         self.lookup_timeout_s = lookup_timeout_s
         self.mirror = mirror
+        self.peers = peers
 
     async def lookup(self, hashes: list[int]) -> tuple[Mapping[str, HolderView], str | None]:
         """Holders by node id, and why the directory did not answer (None: it did).
@@ -226,17 +243,21 @@ class Proxy:
             except NoEngineAvailable as exc:
                 raise GatewayError(503, str(exc), "service_unavailable", "no_engine") from exc
             engine = self.registry.engines[route.decision.node_id]
-            body = route.upstream_body(raw)
+            body = _json(route.upstream_body(raw))
             key = self.router.prefilling(req, engine.node_id, engine.epoch, time.monotonic())
+            note = self.peers.routed(engine.node_id, engine.epoch, route.uncached_tokens) if self.peers else -1
 
-            def prefilled(ok: bool, key: int = key) -> None:
+            def prefilled(ok: bool, key: int = key, note: int = note) -> None:
                 self.router.prefilled(key, time.monotonic(), ok=ok)
+                if self.peers is not None:
+                    self.peers.prefilled(note)
 
             ticket = InflightTicket(engine, route.uncached_tokens, prefilled)
             self.metrics.route_seconds.observe(time.perf_counter() - timing.start)
             self.metrics.added_seconds.observe(time.perf_counter() - timing.arrival - timing.tokenize_s - timing.hash_s)
             try:
-                upstream = await self.http.send(self.http.build_request("POST", engine.origin.url(path), json=body), stream=True)
+                request = self.http.build_request("POST", engine.origin.url(path), content=body, headers=_JSON)
+                upstream = await self.http.send(request, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 ticket.close()
                 self.registry.mark_unhealthy(engine.node_id)
@@ -244,10 +265,19 @@ class Proxy:
                 exclude.add(engine.node_id)
                 log.warning("engine %s unreachable (%s): retrying on the next best", engine.node_id, exc)
                 continue
+            except httpx.HTTPError as exc:
+                ticket.close()
+                raise self._failed(engine, exc) from exc
             except BaseException:
                 ticket.close()
                 raise
             return route, engine, upstream, ticket
+
+    def _failed(self, engine: EngineState, exc: httpx.HTTPError) -> GatewayError:
+        """The 502 for an engine that failed after the request was sent (it may have run: not retried elsewhere)."""
+        self.metrics.upstream_errors.labels("error").inc()
+        log.warning("engine %s failed: %s", engine.node_id, exc)
+        return GatewayError(502, f"the engine failed: {exc}", "upstream_error", "engine_failed")
 
     def _record(self, engine: EngineState, decision: Decision, reported: int | None) -> None:
         """The cached tokens the engine reported, against the prediction."""
@@ -268,6 +298,8 @@ class Proxy:
         with ticket:
             try:
                 content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                raise self._failed(engine, exc) from exc
             finally:
                 ticket.first_byte()
                 await upstream.aclose()

@@ -42,7 +42,7 @@ from kvdir.replay.trace import TraceRequest
 __all__ = ["ClusterSim"]
 
 # Event kinds, the indices of ClusterSim._handlers.
-_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC = 0, 1, 2, 3, 4, 5
+_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC, _NOTE = 0, 1, 2, 3, 4, 5, 6
 
 
 def pending_estimate(own: float, reported: float, own_at_report: float, age_s: float, prefill_tokens_per_s: float) -> float:
@@ -93,7 +93,8 @@ class _Node:
     computing: dict[int, _Flight] = field(default_factory=dict)  # block -> the request computing it here now
     backlog: float = 0.0  # uncached prompt tokens of the requests here without a first token (all gateways')
     reported: float = 0.0  # `backlog` at its last heartbeat (what the directory's node list says)
-    own_reported: list[float] = field(default_factory=list)  # per gateway: its `pending` at that heartbeat
+    own_reported: list[float] = field(default_factory=list)  # per gateway: what it knew of `backlog` at that heartbeat
+    peer_pending: list[float] = field(default_factory=list)  # per gateway: the other gateways' notes it has received
     prefill_free: float = 0.0  # when the prefill server is next free
     link_in_free: float = 0.0
     link_out_free: float = 0.0
@@ -124,6 +125,9 @@ class ClusterSim:
         # Dynamo's router replicas share their routing decisions and request ends (--router-replica-sync, NATS core
         # messages: the others apply them `replica_sync_s` later); the other policies see only their own.
         self.sync = policy_name == "dynamo" and p.gateways > 1
+        # kvdir's gateways send each other a note per routing decision (engine, pending prefill tokens) and per
+        # prefill end (gateway.peers), with the same delay: each folds the others' into the engine's pending prefill.
+        self.notes = policy_name == "kvdir" and p.gateways > 1 and p.share_decisions
         n = p.nodes
         width = len(str(n - 1))
         self.ids = [f"n{j:0{width}d}" for j in range(n)]  # zero padded: they sort in order
@@ -137,6 +141,7 @@ class ClusterSim:
                 inflight=[0] * k,
                 pending=[0.0] * k,
                 own_reported=[0.0] * k,
+                peer_pending=[0.0] * k,
             )
             for j in range(n)
         ]
@@ -160,6 +165,7 @@ class ClusterSim:
             self._on_publish,
             self._on_heartbeat,
             self._on_sync,
+            self._on_note,
         )
 
     # -- the loop
@@ -227,7 +233,8 @@ class ClusterSim:
         inflight = self.inflight[gw]
         computing = inflight.match(blocks, t)
         # The gateway's rule for a candidate (gateway.router.make_candidate), on the simulated engines' state;
-        # the pending prefill is its own plus the rest of what the engine last reported (`pending_estimate`).
+        # the pending prefill is what it knows (its own and its peers' notes) plus the rest of what the engine last
+        # reported (`pending_estimate`).
         rate = self.params.prefill_tokens_per_s
         age = t - self.report_time
         cands = [
@@ -237,7 +244,9 @@ class ClusterSim:
                 reported_running=nd.running,
                 waiting=len(nd.waitq),
                 inflight=nd.inflight[gw],
-                pending_prefill_tokens=pending_estimate(nd.pending[gw], nd.reported, nd.own_reported[gw], age, rate),
+                pending_prefill_tokens=pending_estimate(
+                    nd.pending[gw] + nd.peer_pending[gw], nd.reported, nd.own_reported[gw], age, rate
+                ),
                 cached_blocks=view[j],
                 slots=slots_of(view[j]),
                 free_tokens=(cap - len(nd.cache)) * bt if len(nd.cache) < cap else 0,
@@ -288,6 +297,8 @@ class ClusterSim:
         f.pred_uncached = unc if unc > 0 else 0
         node.pending[gw] += f.pred_uncached
         node.inflight[gw] += 1
+        if self.notes:
+            self._note(t, gw, n, f.pred_uncached, 1)
         if node.running < self.params.max_running:
             self._admit(f, t)
         else:
@@ -369,6 +380,16 @@ class ClusterSim:
         else:
             self._on_sync(now, change)
 
+    def _note(self, now: float, gw: int, n: int, tokens: float, sign: int) -> None:
+        """Gateway `gw`'s note to its peers, after the sync delay: `sign` 1, it sent a request with `tokens` pending
+        prefill to node `n`; -1, that prefill is over."""
+        lag = self.params.replica_sync_s
+        note = (gw, n, tokens, sign)
+        if lag > 0:
+            self._push(now + lag, _NOTE, note)
+        else:
+            self._on_note(now, note)
+
     def _settle(self, n: int, now: float, adds: list[int]) -> None:
         """Evict node `n` down to capacity; publish its stores `adds` and evictions (after the lag, if any)."""
         removes = self.nodes[n].cache.settle()
@@ -398,6 +419,8 @@ class ClusterSim:
         self.ttft[f.index] = t - r.arrival_s
         node.pending[f.gw] -= f.pred_uncached
         node.backlog -= f.uncached
+        if self.notes:
+            self._note(t, f.gw, f.node, f.pred_uncached, -1)
         comp = node.computing
         for b in r.blocks[f.computed_from :]:
             if comp.get(b) is f:
@@ -436,12 +459,20 @@ class ClusterSim:
                 else:
                     pol.on_finished(rreq, d)
 
+    def _on_note(self, t: float, note: tuple[int, int, float, int]) -> None:
+        """The other gateways fold a peer's note into the node's pending prefill."""
+        gw, n, tokens, sign = note
+        pp = self.nodes[n].peer_pending
+        for g in range(len(pp)):
+            if g != gw:
+                pp[g] += sign * tokens
+
     def _on_heartbeat(self, t: float, _: None) -> None:
-        """Every engine reports its backlog; each gateway notes its own pending prefill at the same moment."""
+        """Every engine reports its backlog; each gateway notes what it knows of it (its own, its peers' notes)."""
         self.report_time = t
         for nd in self.nodes:
             nd.reported = nd.backlog
-            nd.own_reported[:] = nd.pending
+            nd.own_reported[:] = [a + b for a, b in zip(nd.pending, nd.peer_pending, strict=True)]
 
     # -- the end
 
@@ -455,6 +486,7 @@ class ClusterSim:
             or any(nd.waitq for nd in nodes)
             or any(nd.computing for nd in nodes)
             or any(abs(x) > 1e-6 for nd in nodes for x in nd.pending)
+            or any(abs(x) > 1e-6 for nd in nodes for x in nd.peer_pending)
         ):
             raise AssertionError("replay bookkeeping leak: requests or pins left at the end")
         if self.directory.masks != self.holders or sum(len(nd.cache.lru) for nd in nodes) != sum(

@@ -44,6 +44,9 @@ class SimParams:
     # Modeled Dynamo's replica sync (NATS core, fire-and-forget): another replica applies a decision this much later
     # (0: at once, the most generous model; a few ms of delay is a sensitivity, docs/replay.md).
     replica_sync_s: float = 0.0
+    # kvdir's gateways send each other a note per routing decision and prefill end (gateway.peers), delayed by
+    # `replica_sync_s` like Dynamo's sync (False: each knows only its own requests, the ablation).
+    share_decisions: bool = True
     seed: int = 0
     timeline_buckets: int = 200
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # keyword options per policy name, for make_policy
@@ -84,4 +87,5 @@ def describe_params(p: SimParams) -> str:
         f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
         f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
         f"publish lag {p.publish_lag_s * 1e3:g} ms, eviction scan {p.evict_scan}, displace weight {p.displace_weight:g}, {p.gateways} gateway(s), heartbeat {p.heartbeat_s:g} s, replica sync {p.replica_sync_s * 1e3:g} ms"
+        + ("" if p.share_decisions or p.gateways == 1 else ", kvdir gateways share no decisions")
     )

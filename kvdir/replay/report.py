@@ -146,7 +146,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=_D.replica_sync_s * 1e3,
         help="with --gateways > 1: delay before a modeled Dynamo router replica learns another's routing decision or "
-        f"request end (its --router-replica-sync over NATS core messaging) (default {_D.replica_sync_s * 1e3:g})",
+        "request end (its --router-replica-sync over NATS core messaging), and before a kvdir gateway learns another's "
+        f"note (gateway.peers) (default {_D.replica_sync_s * 1e3:g})",
+    )
+    parser.add_argument(
+        "--no-share-decisions",
+        dest="share_decisions",
+        action="store_false",
+        help="with --gateways > 1: kvdir's gateways do not send each other notes of their routing decisions "
+        "(each counts only its own pending prefill: the ablation)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
     parser.add_argument(
@@ -195,6 +203,7 @@ def _params(args: argparse.Namespace) -> SimParams:
         gateways=args.gateways,
         heartbeat_s=args.heartbeat_s,
         replica_sync_s=args.replica_sync_ms / 1e3,
+        share_decisions=args.share_decisions,
         seed=args.seed,
     )
 

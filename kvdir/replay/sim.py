@@ -52,7 +52,10 @@ node, ``slots`` = the block indices (dummies), ``inflight`` = requests the
 gateway sent there and not finished, ``running = max(0, engine running -
 inflight)`` and ``waiting`` = engine waiting (engine loads read without lag),
 ``pending_prefill_tokens`` = the gateway's sum of ``prompt -
-predicted_cached_tokens`` over requests sent there without a first token yet.
+predicted_cached_tokens`` over requests sent there without a first token yet,
+plus (kvdir, ``gateways > 1``) the same sum over the other gateways' requests
+as their notes (gateway.peers) told it, ``replica_sync_s`` after each decision
+and each first token.
 The request is ``RouteRequest(input_tokens, blocks, block_tokens,
 max_tokens=output_tokens)`` (the gateway knows max_tokens, not the real
 output length: here they are equal). The policy gets a `CostModel` made from

@@ -37,3 +37,12 @@ def test_a_changed_token_inside_the_reused_prefix_is_not_reused() -> None:
     b = list(a)
     b[5] = 999  # differs in the first block: nothing may be reused
     assert ph.hashes(b + [1] * 40) == block_hashes(b + [1] * 40)
+
+
+def test_short_prompts_hash_as_the_reference_and_refuse_what_it_refuses() -> None:
+    ph = PrefixHasher(block_size=16, namespace="t", stride_blocks=64)
+    for n in (0, 15, 16, 80, 1000):
+        tokens = [(i * 2654435761) % 2**32 for i in range(n)]
+        assert ph.hashes(tokens) == block_hashes(tokens, 16, "t")
+    with pytest.raises(ValueError):
+        ph.hashes([2**32] * 32)

@@ -465,3 +465,20 @@ def test_burst_on_an_uncached_prefix_is_computed_once_per_node_and_followers_que
     assert four[0]["hit_rate"] == pytest.approx(once_per_node)  # the engines' reuse bounds it at once per node
     assert four[0]["reasons"]["inflight"] >= 24
     assert {k: v for k, v in four[0].items() if k != "wall_s"} == {k: v for k, v in four[1].items() if k != "wall_s"}
+
+
+def test_k_gateways_share_decisions_so_same_instant_requests_spread() -> None:
+    """4 gateways route 4 uncached prompts of the same instant (as the Mooncake trace's whole-second timestamps do):
+    with kvdir's notes (gateway.peers) each sees the others' pending prefill and picks an idle node, so every
+    prompt is prefilled at once; without them, or with notes that arrive 1 ms late (`replica_sync_s`, the
+    delay model of Dynamo's replica sync), they see an idle cluster and some pile onto the same node."""
+    blocks = 20
+    trs = [req(10.0 * t, [1000 * (4 * t + j) + b for b in range(blocks)]) for t in range(10) for j in range(4)]
+    prefill_s = blocks * B / SimParams().prefill_tokens_per_s
+    shared = simulate(trs, "kvdir", SimParams(nodes=4, gateways=4))
+    alone = simulate(trs, "kvdir", SimParams(nodes=4, gateways=4, share_decisions=False))
+    late = simulate(trs, "kvdir", SimParams(nodes=4, gateways=4, replica_sync_s=0.001))
+    assert shared["ttft_p99_s"] == pytest.approx(prefill_s) and shared["imbalance"] == pytest.approx(1.0)
+    assert alone["ttft_p99_s"] >= 1.9 * prefill_s  # a collision: one prompt waited for another's prefill
+    assert late["ttft_p99_s"] >= 1.9 * prefill_s
+    assert strip(shared) == strip(simulate(trs, "kvdir", SimParams(nodes=4, gateways=4)))
