@@ -15,6 +15,15 @@ and keeps any number of connections that never identify themselves. kvdir closes
 - at most `raft_max_pending_connections` connections may be waiting to identify themselves (the
   oldest is dropped for a new one) and none for longer than the Raft connection timeout.
 
+It also makes the write path cheaper (issue #15): pysyncobj pickles with protocol 2, which writes
+bytes and numpy data as latin-1 text (~1.5x the size, and slow to encode), once for each log entry
+and again inside every message; and it zlib-compresses every message, which for random block
+hashes costs milliseconds a message and saves little. Here both pickle with `PICKLE_PROTOCOL` (raw
+bytes), and a message whose start does not compress is sent as a stored zlib stream (`_compress`),
+which any peer still inflates.
+The unpickler still resolves every global through the same allow list, whatever the protocol;
+protocol 2 data (journals and snapshots written before) still loads.
+
 `install` swaps the connection class that pysyncobj's server and transport construct by name and
 its pickle loaders; `GuardedTransport` is passed to SyncObj as its transport class. The private
 names used are pysyncobj 0.3.17's; the version is pinned.
@@ -31,6 +40,7 @@ import socket
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from typing import IO, Any
 
 import pysyncobj.pickle as _sopickle
@@ -52,6 +62,25 @@ READ_BUDGET_BYTES = 4 << 20
 """Most bytes read from one connection per poll event; the rest waits for the next tick."""
 RECV_BYTES = 64 << 10
 """Per recv(): a larger buffer is allocated with mmap, which costs ~12 µs a call for small frames."""
+PICKLE_PROTOCOL = 4
+"""For log entries, messages and snapshots: bytes stay raw (protocol 3 on), and numpy arrays still
+pickle through `_reconstruct` (protocol 5 would add `_frombuffer` to the allow list for nothing)."""
+COMPRESS_LEVEL = 1
+"""zlib level of outgoing messages that compress (`_compress`; pysyncobj used 3, which is slower for little gain)."""
+PROBE_BYTES, PROBE_RATIO = 1024, 0.9
+"""A message is compressed when its first PROBE_BYTES shrink to PROBE_RATIO or less at level 1."""
+
+
+def _compress(data: bytes) -> bytes:
+    """`data` as a zlib stream: compressed if its start compresses, else stored (level 0).
+
+    Block hashes are random: compressing a 1,024-block publish cost ~1 ms per peer and saved little.
+    Registrations (region lists, mostly text) still shrink several times, which keeps the leader's
+    send buffers small when a follower lags."""
+    probe = data[:PROBE_BYTES]
+    if len(zlib.compress(probe, 1)) <= PROBE_RATIO * len(probe):
+        return zlib.compress(data, COMPRESS_LEVEL)
+    return zlib.compress(data, 0)
 
 
 def _latin1(text: str, encoding: str = "latin1") -> bytes:
@@ -114,6 +143,16 @@ def safe_load(file: IO[bytes]) -> Any:
     return _RaftUnpickler(file).load()
 
 
+def dumps(obj: Any, protocol: int | None = None) -> bytes:
+    """pysyncobj's `dumps` (log entries, messages) with `PICKLE_PROTOCOL`, whatever it asks for."""
+    return pickle.dumps(obj, PICKLE_PROTOCOL)
+
+
+def dump(obj: Any, file: IO[bytes], protocol: int | None = None) -> None:
+    """pysyncobj's `dump` (snapshots) with `PICKLE_PROTOCOL`."""
+    pickle.dump(obj, file, PICKLE_PROTOCOL)
+
+
 def _inflate(data: bytes, limit: int) -> bytes:
     inflater = zlib.decompressobj()
     out = inflater.decompress(data, limit)
@@ -155,6 +194,7 @@ class GuardedTcpConnection(TcpConnection):  # type: ignore[misc]  # pysyncobj sh
         super().__init__(*args, **kwargs)
         self.trusted = False  # proved the Raft password, or (without one) named itself as a configured peer
         self._read_this_event = 0
+        self._held: list[Any] = []  # messages waiting for the journal's sync (`send`)
 
     def _buffer(self) -> bytearray:
         buf = self._TcpConnection__readBuffer
@@ -177,6 +217,40 @@ class GuardedTcpConnection(TcpConnection):  # type: ignore[misc]  # pysyncobj sh
         )
         self.disconnect()
         return False
+
+    def send(self, message: Any) -> None:
+        """Send `message` now, or once the journal is synced (`send_held`) if it may acknowledge entries.
+
+        Only a leader's `append_entries` promises nothing about this replica's own log; anything else
+        (an acknowledgement above all) waits while `unsynced()`, and so does whatever follows it on
+        this connection, to keep the order."""
+        if self._held or (unsynced() and not (isinstance(message, dict) and message.get("type") == "append_entries")):
+            self._held.append(message)
+            _holding.add(self)
+            return
+        self._send_now(message)
+
+    def send_held(self) -> None:
+        """Send the messages held back for the journal's sync, in order (after that sync)."""
+        held, self._held = self._held, []
+        for message in held:
+            if self.state == CONNECTION_STATE.DISCONNECTED:
+                break  # dropped with the link (`disconnect`)
+            self._send_now(message)
+
+    def disconnect(self) -> None:
+        self._held = []  # as pysyncobj drops its unsent buffer: a peer is brought up to date once reconnected
+        super().disconnect()
+
+    def _send_now(self, message: Any) -> None:
+        """pysyncobj's `send`, with `dumps` and `_compress`."""
+        if self.sendRandKey:
+            message = (self.sendRandKey, message)
+        data = _compress(dumps(message))
+        if self.encryptor:
+            data = self.encryptor.encrypt_at_time(data, int(time.monotonic()))
+        self._TcpConnection__writeBuffer += struct.pack("i", len(data)) + data
+        self._TcpConnection__trySendBuffer()
 
     def _TcpConnection__tryReadBuffer(self) -> None:
         self._read_this_event = 0
@@ -233,6 +307,24 @@ class GuardedTcpConnection(TcpConnection):  # type: ignore[misc]  # pysyncobj sh
         return message
 
 
+_holding: set[GuardedTcpConnection] = set()
+"""Connections with messages held back for the journal's sync."""
+
+
+def _never() -> bool:
+    return False
+
+
+unsynced: Callable[[], bool] = _never
+"""Whether this replica's journal holds entries not yet on disk (set by `install`)."""
+
+
+def send_held() -> None:
+    """Send what every connection held back; call right after the journal's sync (each Raft tick)."""
+    while _holding:
+        _holding.pop().send_held()
+
+
 class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj ships no type information
     """pysyncobj's TCP transport with a cap on, and a deadline for, connections not yet identified."""
 
@@ -280,11 +372,16 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj ships n
         conn.disconnect()
 
 
-def install(max_frame_bytes: int, max_pending: int) -> None:
-    """Make pysyncobj build guarded connections and decode with the restricted unpickler (process-wide)."""
+def install(max_frame_bytes: int, max_pending: int, journal_unsynced: Callable[[], bool] = _never) -> None:
+    """Make pysyncobj build guarded connections, encode with `PICKLE_PROTOCOL` and decode with the
+    restricted unpickler, holding messages while `journal_unsynced()` (process-wide)."""
+    global unsynced
+    unsynced = journal_unsynced
     GuardedTcpConnection.max_frame_bytes = max_frame_bytes
     GuardedTransport.max_pending = max_pending
     _tcp_server.TcpConnection = GuardedTcpConnection
     _transport.TcpConnection = GuardedTcpConnection
     _sopickle.loads = safe_loads
     _sopickle.load = safe_load
+    _sopickle.dumps = dumps
+    _sopickle.dump = dump

@@ -136,6 +136,10 @@ class GroupCommitter:
         self._on_commit = on_commit
         self._queue: deque[_Pending] = deque()
         self._inflight: dict[int, _InFlight] = {}
+        # Outcomes reported by the Raft thread, handed to the loop with one wakeup for all that
+        # arrive before it runs (a wakeup per command cost more than the rest of its callback).
+        self._outcomes: deque[tuple[int, Any, int]] = deque()
+        self._wake_pending = False
         self._next_token = 0
         self._wakeup = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -194,9 +198,17 @@ class GroupCommitter:
         self._inflight[token] = _InFlight(batch, time.monotonic())
 
         def done(result: Any, err: int) -> None:
-            self._loop.call_soon_threadsafe(self._done, token, result, err)
+            self._outcomes.append((token, result, err))
+            if not self._wake_pending:
+                self._wake_pending = True
+                self._loop.call_soon_threadsafe(self._take_outcomes)
 
         self._sm.apply_batch([p.cmd for p in batch], callback=done)
+
+    def _take_outcomes(self) -> None:
+        self._wake_pending = False  # first: an outcome appended from here on schedules another call
+        while self._outcomes:
+            self._done(*self._outcomes.popleft())
 
     def _done(self, token: int, result: Any, err: int) -> None:
         flight = self._inflight.pop(token, None)
@@ -344,6 +356,13 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
             self._compact_at = math.inf  # asked: not again until the log shrinks
             self.forceLogCompaction()
 
+    @staticmethod
+    def _sync_journal() -> None:
+        """One journal sync for all the entries appended since the last, then the messages held for it
+        (acknowledgements above all; see directory.journal)."""
+        journal.sync()
+        raft_transport.send_held()
+
     def _note_fresh(self) -> None:
         """Each tick, once committed entries are applied: note the time if this replica leads, or
         follows a leader and has applied all that the leader had committed when it last wrote."""
@@ -359,12 +378,14 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
         return time.monotonic() - self._fresh_at <= bound_s
 
     def _onTick(self, timeToWait: float = 0.0) -> None:
+        self._sync_journal()  # what the last tick appended, before pysyncobj counts it towards a commit
         leader = self._isLeader()
         for _ in range(1 if leader else self.MAX_DRAIN_PASSES):
             started = time.monotonic()
             self._poller.poll(0)
             if time.monotonic() - started < self._quick_pass_s:
                 break
+        self._sync_journal()  # what these reads appended: acknowledge it before the tick's final, waiting poll
         connected = any(self.isNodeConnected(n) for n in self.otherNodes)
         if connected and not self._was_connected and not leader:
             lo, hi = self._election_timeout
@@ -439,7 +460,7 @@ class Replica:
             conf.fullDumpFile = str(settings.data_dir / "raft.dump")
         journal.install(settings.fsync, conf.fullDumpFile)
         journal.isolate_dump_children()
-        raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections)
+        raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections, journal.unsynced)
         if settings.raft_password is None:
             log.warning(
                 "raft: no Raft password: whoever reaches %s can forge Raft messages (set KVDIR_RAFT_PASSWORD_FILE)", settings.raft

@@ -48,15 +48,26 @@ def test_term_and_vote_are_fsynced_before_the_rename_and_the_directory_after(tmp
     j._destroy()
 
 
-def test_every_change_to_the_log_is_flushed_before_returning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_appended_entries_are_synced_together_before_the_commit_index_and_truncations_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     j = journal.DurableJournal(str(tmp_path / "raft.journal"), None)
     flushes: list[int] = []
-    monkeypatch.setattr(j, "flush", lambda: flushes.append(len(j)))
+    real = j.flush
+    monkeypatch.setattr(j, "flush", lambda: (flushes.append(len(j)), real()))
     j.add(b"a", 1, 1)
     j.add(b"b", 2, 1)
+    assert flushes == [] and j.unsynced
+    j.sync()
+    j.sync()  # nothing new since: no second sync
+    assert flushes == [2] and not j.unsynced
+    j.add(b"c", 3, 1)
+    j.setRaftCommitIndex(3)
+    j.onOneSecondTimer()  # stores the commit index: only once the entries it covers are on disk
+    assert flushes == [2, 3]
     j.deleteEntriesFrom(1)
     j.clear()
-    assert flushes == [1, 2, 1, 0]
+    assert flushes == [2, 3, 1, 0]
     j._destroy()
 
 
