@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from directory.client import DirectoryClient
-from directory.errors import DirectoryError, RequestRejected, StaleEpochError
+from directory.errors import DirectoryError, RequestRejected, StaleEpochError, WrongShardError
 from directory.schemas import Region
 
 CHUNK = 4096  # entries per publish/remove request (the directory accepts 16384 by default)
@@ -291,6 +291,11 @@ class NodeSession:
                 self.collect()
             if self.has_pending:
                 await (flush or self.flush)()
+        except WrongShardError as exc:
+            # A shard map change half applied (the new home has not committed it yet): wait, do not spin.
+            self.log.warning("%s is between shards (%s): registering again after a back-off", self.node_id, exc)
+            self.lapse()
+            return self.retry.failed()
         except StaleEpochError:
             self.log.warning("directory answered 409 for %s epoch %s: registering again", self.node_id, self.epoch)
             self.lapse()

@@ -14,6 +14,7 @@ import pytest
 
 from directory.client import DirectoryClient
 from directory.errors import StaleEpochError
+from directory.session import NodeSession
 from directory.shardmap import ShardMap, apply_order
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,3 +134,39 @@ async def _until(cond, timeout: float = 30.0) -> None:
         if asyncio.get_running_loop().time() > end:
             raise TimeoutError("condition not met in time")
         await asyncio.sleep(0.02)
+
+
+def test_a_node_between_shards_backs_off_until_its_new_home_has_the_map(make_sharded) -> None:
+    # An apply interrupted after the first shard: the old home drops the node, the new home still
+    # sends it back. Its session must wait between tries (not spin), and land once the map is complete.
+    sc = make_sharded(shards=2, replicas=1)
+    m1 = sc.shard_map
+    node = next(f"b{i}" for i in range(100) if m1.home(f"b{i}") == "s0")
+    m2 = ShardMap(version=2, shards=m1.shards, nodes={node: "s1"})
+
+    async def go() -> None:
+        async with DirectoryClient(m1.urls("s1"), deadline=5) as d:
+            held: list[tuple[int, int, str | None]] = []
+            session = NodeSession(d, node, "http://127.0.0.1:1", holdings=lambda: held, retry_first_s=0.05, retry_max_s=0.4)
+            assert await session.sync() is None and session.stats.registrations == 1
+            async with httpx.AsyncClient(timeout=10) as http:
+                assert (await http.put(m1.urls("s0")[0] + "/v1/shards", content=m2.document())).status_code == 200
+                held.append((7, 0, None))
+                session.stored([(7, 0)])
+                waits = []
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 1.5
+                while loop.time() < end:
+                    wait = await session.sync()
+                    assert wait is not None, "the node cannot land while s1 has map version 1"
+                    waits.append(wait)
+                    await asyncio.sleep(wait)
+                assert len(waits) < 15 and max(waits) >= 0.2, waits  # backed off, not retried at once
+                assert (await http.put(m1.urls("s1")[0] + "/v1/shards", content=m2.document())).status_code == 200
+            while (wait := await session.sync()) is not None:
+                await asyncio.sleep(wait)
+            assert {n.node_id for n in await d.nodes() if n.node_id == node} == {node}
+            assert node in _nodes_on(m1.urls("s1")) and node not in _nodes_on(m1.urls("s0"))
+            assert any(h.node_id == node for h in (await d.lookup([7])).holders)
+
+    asyncio.run(go())
