@@ -55,7 +55,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
 from gateway.peers import routes as peer_routes
-from gateway.policy import make_policy
+from gateway.policy import KvdirPolicy, make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import Proxy
 from gateway.router import Router, cost_model
@@ -160,6 +160,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             queue_size=settings.peer_queue,
             timeout_s=settings.peer_timeout_s,
             metrics=metrics.registry,
+            # The kvdir policy counts peers' sends as recent work per engine (its near-tie balance).
+            on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
         )
         peers.start()
         app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror, peers)

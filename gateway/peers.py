@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -110,11 +110,14 @@ class PeerNotes(Collector):
         timeout_s: float = 1.0,
         max_notes: int = 65536,
         metrics: CollectorRegistry | None = None,
+        on_note: Callable[[str, float], None] | None = None,
     ) -> None:
+        """`on_note(node_id, tokens)` runs for each peer note folded in (the kvdir policy counts it as recent work)."""
         if not 0 < ttl_s <= MAX_TTL_S or queue_size < 1 or timeout_s <= 0 or max_notes < 1:
             raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:g}], queue_size and max_notes >= 1, timeout_s > 0")
         self.id = uuid.uuid4().hex[:16]  # a restarted gateway's note ids are new ones
         self.registry = registry
+        self.on_note = on_note
         self.peers: list[Origin] = [parse_origin(p) for p in peers]
         self.token = token
         self.ttl_s = ttl_s
@@ -210,6 +213,8 @@ class PeerNotes(Collector):
                 self.stats["unknown_engine"] += 1
                 continue
             e.pending_prefill_tokens += n.tokens
+            if self.on_note is not None:
+                self.on_note(n.node, n.tokens)
             h = _Held(e, n.node, n.tokens, now + n.ttl_s)
             held[key] = h
             heapq.heappush(self._expiry, (h.expires, key))

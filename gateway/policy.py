@@ -196,9 +196,11 @@ class KvdirPolicy:
         balance_slack_s: float = 0.02,
         balance_slack_ratio: float = 0.25,
         balance_window: int = 64,
+        dup_weight: float = 0.15,
     ) -> None:
-        if balance_slack_s < 0 or balance_slack_ratio < 0 or balance_window < 1:
-            raise ValueError("balance_slack_s and balance_slack_ratio must be >= 0 and balance_window >= 1")
+        if balance_slack_s < 0 or balance_slack_ratio < 0 or balance_window < 1 or dup_weight < 0:
+            raise ValueError("balance_slack_s, balance_slack_ratio and dup_weight must be >= 0 and balance_window >= 1")
+        self.dup_weight = dup_weight
         self.cost = cost or DEFAULT_COST
         self.allow_pull = allow_pull
         self.balance_slack_s = balance_slack_s
@@ -217,18 +219,29 @@ class KvdirPolicy:
         holder, longest = _longest(healthy, len(req.hashes))
         pull_to = min(longest, len(holder.slots)) if self.allow_pull else 0
 
+        # Blocks some node is computing now that no node holds yet: an option that computes them again
+        # duplicates that work (a second prefill and a second copy) to save a wait; priced at dup_weight times
+        # the duplicate compute, on top of the TTFT.
+        nh = len(req.hashes)
+        ahead = max(c.inflight_blocks for c in healthy)
+        dup_to = min(ahead * req.block_size, req.prompt_tokens) if ahead > longest and self.dup_weight > 0 else 0
         best = math.inf
-        options: list[tuple[float, int, int, Candidate, TTFTBreakdown]] = []
+        best_dup = False
+        options: list[tuple[float, int, int, Candidate, TTFTBreakdown, bool]] = []
         for c in healthy:
             br = evaluate(req, c, cost, pull_to_blocks=pull_to)
             score = br.score_s
-            options.append((score, br.cached_tokens, c.inflight, c, br))
+            dup = dup_to > br.cached_tokens
+            if dup:
+                score += self.dup_weight * (dup_to - br.cached_tokens) / cost.prefill_tokens_per_s
+            options.append((score, br.cached_tokens, c.inflight, c, br, dup))
             if score < best:
                 best = score
+                best_dup = dup
 
         slack = min(self.balance_slack_s, self.balance_slack_ratio * best)
         if slack > 0:
-            near = [o for o in options if o[0] <= best + slack]
+            near = [o for o in options if o[0] <= best + slack and (best_dup or not o[5])]
             if len(near) > 1:
                 work = self._work
                 low = min(work.get(o[3].node_id, 0.0) for o in near)
@@ -242,7 +255,7 @@ class KvdirPolicy:
             if len(tied) > 1:
                 tied.sort(key=lambda o: o[3].node_id)
                 tied = [rng.choice(tied)]
-        _, _, _, chosen, br = tied[0]
+        _, _, _, chosen, br, _ = tied[0]
         t = br.total_s
         cached = engine_tokens(br.cached_tokens, chosen)
         detail = self._explain(req, chosen, br, holder, longest)
@@ -258,7 +271,6 @@ class KvdirPolicy:
                 estimated_ttft_s=t,
                 detail=detail,
             )
-        nh = len(req.hashes)
         held = _blocks(chosen, nh)
         # Reusing what another request is computing there: it queues behind that prefill.
         reason = "inflight" if _ready(chosen, nh) > held else _cache_reason(held, longest)
@@ -290,13 +302,20 @@ class KvdirPolicy:
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:
         """Count the request's uncached tokens as recent work of its node; decay everyone's by 1 - 1/window."""
+        self._add_work(decision.node_id, req.prompt_tokens - decision.predicted_cached_tokens)
+
+    def on_peer_routed(self, node_id: str, tokens: float) -> None:
+        """Another gateway's note (gateway.peers): it sent `tokens` uncached prompt tokens to `node_id`. Counted
+        like one of ours, so that with several gateways the least recent work is the cluster's, as with one."""
+        self._add_work(node_id, tokens)
+
+    def _add_work(self, node_id: str, tokens: float) -> None:
         self._scale *= 1.0 - 1.0 / self.balance_window
         if self._scale < 1e-100:  # renormalise before the stored values overflow
             self._work = {k: v * self._scale for k, v in self._work.items()}
             self._scale = 1.0
-        uncached = req.prompt_tokens - decision.predicted_cached_tokens
-        if uncached > 0:
-            self._work[decision.node_id] = self._work.get(decision.node_id, 0.0) + uncached / self._scale
+        if tokens > 0:
+            self._work[node_id] = self._work.get(node_id, 0.0) + tokens / self._scale
 
     def on_finished(self, req: RouteRequest, decision: Decision) -> None:
         return None

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from gateway.inflight import InflightPrefixes
-from gateway.policy import Decision, RouteRequest, make_policy
+from gateway.policy import Decision, KvdirPolicy, RouteRequest, make_policy
 from gateway.router import make_candidate
 from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
 from kvdir.replay.figures import Tally, load_timeline, tokens_of_blocks
@@ -466,6 +466,9 @@ class ClusterSim:
         for g in range(len(pp)):
             if g != gw:
                 pp[g] += sign * tokens
+                pol = self.policies[g]
+                if sign > 0 and isinstance(pol, KvdirPolicy):  # a peer's routed work counts in its recent work
+                    pol.on_peer_routed(self.ids[n], tokens)
 
     def _on_heartbeat(self, t: float, _: None) -> None:
         """Every engine reports its backlog; each gateway notes what it knows of it (its own, its peers' notes)."""

@@ -42,7 +42,10 @@ SYNTHETIC: dict[str, Callable[..., list[tr.TraceRequest]]] = {
     "hot_prefix": tr.hot_prefix_burst,
     # The live burst of issue 16 (gateway.inflight): 48 requests on one uncached 6,144-token prefix within ~50 ms.
     "burst": functools.partial(tr.hot_prefix_burst, 48, 6144, 1000.0, suffix_tokens=64, output_tokens=16),
+    # Sessions on shared documents whose distinct blocks are 3x the aggregate cache (--nodes x --capacity-blocks).
+    "tight_cache": tr.tight_cache,
 }
+SIZED = frozenset({"tight_cache"})  # generators sized from the simulated cluster's nodes and capacity
 _D = SimParams()
 
 
@@ -371,7 +374,8 @@ def run_replay(args: argparse.Namespace) -> int:
         if errors:
             print(f"kvdir replay: skipped {len(errors)} malformed line(s); first: {errors[0]}", file=err)
     else:
-        requests = SYNTHETIC[args.synthetic](seed=args.seed, block_tokens=params.block_tokens)
+        sized = {"nodes": params.nodes, "capacity_blocks": params.capacity_blocks} if args.synthetic in SIZED else {}
+        requests = SYNTHETIC[args.synthetic](seed=args.seed, block_tokens=params.block_tokens, **sized)
         source = {"synthetic": args.synthetic}
     if args.limit is not None:
         requests = requests[: args.limit]

@@ -49,6 +49,7 @@ __all__ = [
     "multi_turn",
     "shared_prefix",
     "sort_by_arrival",
+    "tight_cache",
 ]
 
 DEFAULT_BLOCK_TOKENS = 512
@@ -300,6 +301,73 @@ def hot_prefix_burst(
     for i in range(n):
         t += rng.expovariate(burst_rate)
         out.append(TraceRequest(t, length, output_tokens, _stream_blocks(length, block_tokens, prefix_tokens, 0, i)))
+    return out
+
+
+def tight_cache(
+    nodes: int = 8,
+    capacity_blocks: int = 3000,
+    working_set_ratio: float = 3.0,
+    seed: int = 0,
+    *,
+    prefixes: int = 32,
+    prefix_tokens: int = 4096,
+    first_turn_tokens: int = 8192,
+    turn_tokens: int = 1536,
+    output_tokens: int = 512,
+    rounds: int = 4,
+    session_rate: float | None = None,
+    think_s: float | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[TraceRequest]:
+    """Multi-turn sessions on shared documents whose distinct blocks are `working_set_ratio` times the
+    aggregate cache (``nodes * capacity_blocks``): caches too small for the workload, where a second copy of
+    a prefix pushes out something else that will be needed again.
+
+    - `prefixes` shared prefixes of `prefix_tokens` (system prompt plus a document); each session picks
+      one with Zipf(1) popularity (prefix i with weight 1/(i+1)), so a few are hot and the rest lukewarm.
+    - Each session adds a private first message of `first_turn_tokens`, then per later round the previous
+      answer (`output_tokens`) and a new message of `turn_tokens`, resending the whole conversation
+      (as `multi_turn`): with the defaults 12,288 tokens in round 1 growing to 18,432 in round 4.
+    - Sessions are added until the workload's distinct blocks reach ``working_set_ratio * nodes *
+      capacity_blocks``; they start as a Poisson process of `session_rate` per second (default
+      ``nodes / 8``: the same load per node at any size), and round k+1 arrives ``think_s * U(0.5, 1.5)``
+      after round k (default: such that the sessions in progress hold about as many private blocks
+      as the aggregate cache, 364 s at 8 x 3,000 blocks; a session's history competes with its
+      contemporaries' for the space, and LRU keeps about half of the histories).
+    Returns the requests sorted by arrival.
+    """
+    if min(nodes, capacity_blocks, prefixes, rounds, block_tokens) < 1 or working_set_ratio <= 0:
+        raise ValueError("nodes, capacity_blocks, prefixes, rounds, block_tokens >= 1 and working_set_ratio > 0 required")
+    if min(prefix_tokens, first_turn_tokens, turn_tokens, output_tokens) < 0:
+        raise ValueError("token counts >= 0 required")
+    rate = nodes / 8 if session_rate is None else session_rate
+    if rate <= 0 or (think_s is not None and think_s < 0):
+        raise ValueError("session_rate > 0 and think_s >= 0 required")
+    first = prefix_tokens + first_turn_tokens
+    if think_s is None:  # sessions in progress (Little: rate * (rounds - 1) * think_s) x their mean private blocks
+        private = (first_turn_tokens + (rounds - 1) / 2 * (output_tokens + turn_tokens)) / block_tokens
+        think_s = nodes * capacity_blocks / (rate * max(rounds - 1, 1) * max(private, 1.0))
+    target = working_set_ratio * nodes * capacity_blocks
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) for i in range(prefixes)]
+    seen: set[int] = set()
+    out = []
+    start = 0.0
+    s = 0
+    while len(seen) < target:
+        start += rng.expovariate(rate)
+        doc = rng.choices(range(prefixes), weights)[0]
+        t = start
+        for k in range(rounds):
+            if k:
+                t += think_s * rng.uniform(0.5, 1.5)
+            length = first + k * (output_tokens + turn_tokens)
+            blocks = _stream_blocks(length, block_tokens, prefix_tokens, doc, s)
+            seen.update(blocks)
+            out.append(TraceRequest(t, length, output_tokens, blocks))
+        s += 1
+    out.sort(key=lambda r: r.arrival_s)
     return out
 
 

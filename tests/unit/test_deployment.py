@@ -138,6 +138,8 @@ def test_dockerfile_essentials() -> None:
     assert 'ENTRYPOINT ["kvdir"]' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+    # make test-vllm's environment (3.6 GB) once went to the Docker daemon with every service's build.
+    assert ".venv-*" in ignored and (ROOT / "Makefile").read_text().count(".venv-vllm") >= 1
     # Every package the project installs is copied into the image (kvtransfer/ once was not: every worker
     # crashed at import, and only make test-compose noticed).
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]

@@ -98,3 +98,15 @@ def test_bad_settings_are_refused() -> None:
             PeerNotes(registry(http), ["http://127.0.0.1:1/path"])
 
     run(body)
+
+
+def test_each_note_folded_in_reaches_the_policy_once() -> None:
+    async def body(http: httpx.AsyncClient) -> None:
+        reg = registry(http, "a")
+        seen: list[tuple[str, float]] = []
+        p = PeerNotes(reg, on_note=lambda node, tokens: seen.append((node, tokens)))
+        p.receive(NoteBatch("g1", [Note(0, "a", 1, 500, 10), Note(1, "zz", 1, 9, 10)]), 0.0)
+        p.receive(NoteBatch("g1", [Note(0, "a", 1, 500, 10)]), 0.1)  # repeated: counted once
+        assert seen == [("a", 500)]
+
+    run(body)

@@ -724,3 +724,28 @@ def test_kvdir_picks_the_minimum_estimate(sc, cost, seed):
         longest = min(holder.cached_blocks, nh)
         mine = min(chosen.cached_blocks, nh)
         assert d.reason == ("balance" if longest == 0 else "affinity" if mine == longest else "recompute")
+
+
+def test_follower_of_an_in_flight_prefix_queues_behind_it_rather_than_computing_it_again():
+    # shared_prefix's case: n6 is computing the 8-block group prefix (4,608 tokens pending); the next request of the
+    # group is 51 ms faster computing it all again on an idle node, which duplicates 0.41 s of prefill and the copy.
+    cost = CostModel(block_bytes=64 << 20, link_bytes_per_s=12.5e9)
+    req = RouteRequest(prompt_tokens=4608, hashes=tuple(range(9)), block_size=512, max_tokens=128)
+    cands = [cand(f"n{j}") for j in range(6)] + [cand("n6", inflight_blocks=8, pending_prefill_tokens=4608, inflight=1)]
+    d = KvdirPolicy(cost).choose(req, cands, rng())
+    assert (d.node_id, d.reason, d.predicted_cached_tokens) == ("n6", "inflight", 4096)
+    plain = KvdirPolicy(cost, dup_weight=0.0).choose(req, cands, rng())
+    assert plain.node_id != "n6" and plain.reason == "balance"
+    # A long queue there still sends the follower elsewhere: the price is a fraction of the duplicate compute.
+    busy = cands[:6] + [cand("n6", inflight_blocks=8, pending_prefill_tokens=20_000, inflight=1)]
+    assert KvdirPolicy(cost).choose(req, busy, rng()).node_id != "n6"
+
+
+def test_peer_notes_count_as_recent_work_of_their_node():
+    req = req_of(4)
+    cands = [cand("a"), cand("b")]
+    pol = KvdirPolicy()
+    pol.on_peer_routed("a", 5000)
+    assert pol.recent_work("a") > 0 and pol.recent_work("b") == 0
+    assert {pol.choose(req, cands, rng(s)).node_id for s in range(20)} == {"b"}
+    assert {KvdirPolicy().choose(req, cands, rng(s)).node_id for s in range(20)} == {"a", "b"}

@@ -25,6 +25,7 @@ from kvdir.replay.trace import (
     load_mooncake,
     multi_turn,
     shared_prefix,
+    tight_cache,
 )
 
 ALL = sorted(POLICIES)
@@ -346,6 +347,16 @@ def test_multi_turn_kvdir_hits_several_times_round_robin():
 def test_generators_are_deterministic(gen):
     assert gen(seed=4) == gen(seed=4)
     assert gen(seed=4) != gen(seed=5)
+
+
+@pytest.mark.parametrize(("nodes", "capacity"), [(2, 300), (4, 600), (8, 3000)])
+def test_tight_cache_working_set_is_three_times_the_aggregate_cache(nodes, capacity):
+    trs = tight_cache(nodes, capacity, seed=1)
+    distinct = len({b for r in trs for b in r.blocks})
+    assert 3.0 <= distinct / (nodes * capacity) < 3.1  # sessions are added whole (~28 blocks each)
+    assert trs == sorted(trs, key=lambda r: r.arrival_s) and trs == tight_cache(nodes, capacity, seed=1)
+    # Sessions share one of 32 documents: the first 8 blocks of every prompt are one of 32 runs.
+    assert len({r.blocks[:8] for r in trs}) <= 32 and len({r.blocks[8] for r in trs}) > 32
 
 
 def test_shared_prefix_and_hot_prefix_share_what_they_say():
