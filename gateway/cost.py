@@ -107,6 +107,9 @@ class RouteRequest:
     hashes: tuple[int, ...]  # the prompt's full-block sequence hashes (docs/protocol.md §1)
     block_size: int = 16
     max_tokens: int = 16
+    # Requests the gateway has in flight that compute or reuse this prompt's in-flight prefix (the leading blocks
+    # some node is computing: gateway.inflight.InflightPrefixes.sharing); 0 when none or unknown.
+    inflight_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)

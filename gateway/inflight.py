@@ -122,6 +122,18 @@ class InflightPrefixes:
                 out[node] = i + 1
         return out
 
+    def sharing(self, hashes: Sequence[int], blocks: int, now: float) -> int:
+        """Requests in the table (any node) whose prompts begin with the leading `blocks` of `hashes`.
+
+        Hashes are chained, so these are the entries holding hash ``blocks - 1``:
+        the requests computing that prefix or queued behind its computation.
+        """
+        self._expire(now)
+        if blocks <= 0 or blocks > len(hashes):
+            return 0
+        m = self._index.get(hashes[blocks - 1])
+        return sum(m.values()) if m else 0
+
     def _expire(self, now: float) -> None:
         heap = self._expiry
         while heap and heap[0][0] <= now:

@@ -174,6 +174,9 @@ class KvdirPolicy:
 
     Each candidate's option and its estimate come from `gateway.cost.evaluate`;
     the same breakdown explains the decision (`detail`).
+    An option that recomputes blocks another node is computing (and no node
+    holds) pays `dup_weight` times that compute, unless `dup_hot_requests`
+    requests are already in flight on that prefix (`RouteRequest.inflight_requests`).
     Near-ties: options within `balance_slack_s` of the best score, and within
     `balance_slack_ratio` of it (short prompts: 7.7 ms is not "about" 5.4 ms), are equally
     good for this request, so the choice among them is made for the cluster:
@@ -197,10 +200,14 @@ class KvdirPolicy:
         balance_slack_ratio: float = 0.25,
         balance_window: int = 64,
         dup_weight: float = 0.15,
+        dup_hot_requests: int = 2,
     ) -> None:
-        if balance_slack_s < 0 or balance_slack_ratio < 0 or balance_window < 1 or dup_weight < 0:
-            raise ValueError("balance_slack_s, balance_slack_ratio and dup_weight must be >= 0 and balance_window >= 1")
+        if balance_slack_s < 0 or balance_slack_ratio < 0 or balance_window < 1 or dup_weight < 0 or dup_hot_requests < 1:
+            raise ValueError(
+                "balance_slack_s, balance_slack_ratio and dup_weight must be >= 0, balance_window and dup_hot_requests >= 1"
+            )
         self.dup_weight = dup_weight
+        self.dup_hot_requests = dup_hot_requests
         self.cost = cost or DEFAULT_COST
         self.allow_pull = allow_pull
         self.balance_slack_s = balance_slack_s
@@ -221,10 +228,13 @@ class KvdirPolicy:
 
         # Blocks some node is computing now that no node holds yet: an option that computes them again
         # duplicates that work (a second prefill and a second copy) to save a wait; priced at dup_weight times
-        # the duplicate compute, on top of the TTFT.
+        # the duplicate compute, on top of the TTFT. Unless the prefix is hot: dup_hot_requests requests already
+        # in flight on it arrived faster than it is computed, so a second copy will serve later ones too, and
+        # holding it back only delays the start of a computation the load needs anyway (a burst).
         nh = len(req.hashes)
         ahead = max(c.inflight_blocks for c in healthy)
-        dup_to = min(ahead * req.block_size, req.prompt_tokens) if ahead > longest and self.dup_weight > 0 else 0
+        priced = ahead > longest and self.dup_weight > 0 and req.inflight_requests < self.dup_hot_requests
+        dup_to = min(ahead * req.block_size, req.prompt_tokens) if priced else 0
         best = math.inf
         best_dup = False
         options: list[tuple[float, int, int, Candidate, TTFTBreakdown, bool]] = []

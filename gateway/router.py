@@ -286,6 +286,8 @@ class Router:
         no cached tokens, unless it follows a prefix the gateway itself sent there (`inflight`). `now` (monotonic seconds) ages the in-flight prefixes.
         """
         inflight = self.inflight.match(req.hashes, now)
+        if inflight:
+            req = replace(req, inflight_requests=self.inflight.sharing(req.hashes, max(inflight.values()), now))
         cands = [
             c
             for c in build_candidates(

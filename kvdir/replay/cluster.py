@@ -254,7 +254,8 @@ class ClusterSim:
             )
             for j, nd in enumerate(nodes)
         ]
-        rreq = RouteRequest(prompt, blocks, self.params.block_tokens, r.output_tokens)
+        riding = inflight.sharing(blocks, max(computing.values()), t) if computing else 0
+        rreq = RouteRequest(prompt, blocks, self.params.block_tokens, r.output_tokens, riding)
         d = self.policies[gw].choose(rreq, cands, self.rngs[gw])
         self.policies[gw].on_routed(rreq, d)
         if self.sync:

@@ -20,6 +20,18 @@ def test_match_is_the_leading_run_per_node_and_epoch() -> None:
     assert t.match([5, 1, 2], now=0.0) == {}  # a chained hash names its prefix: no leading run, nothing
 
 
+def test_sharing_counts_the_requests_on_a_leading_prefix_over_all_nodes() -> None:
+    t = InflightPrefixes(linger_s=0.5)
+    t.begin([1, 2, 3, 4], "a", 1, now=0.0)
+    t.begin([1, 2, 3, 5], "a", 1, now=0.0)
+    last = t.begin([1, 2, 6], "b", 1, now=0.0)
+    assert t.sharing([1, 2, 3, 7], 3, now=0.0) == 2  # the two prompts that begin with blocks 1, 2, 3
+    assert t.sharing([1, 2, 3, 7], 2, now=0.0) == 3  # all three begin with 1, 2, wherever they went
+    assert t.sharing([1, 2, 3, 7], 0, now=0.0) == 0 and t.sharing([9], 1, now=0.0) == 0
+    t.end(last, now=1.0, ok=True)
+    assert t.sharing([1, 2], 2, now=1.6) == 2  # an ended entry stops counting once it has lingered
+
+
 def test_end_lingers_on_success_and_drops_on_failure() -> None:
     t = InflightPrefixes(linger_s=0.5)
     ok = t.begin([1, 2], "a", 1, now=0.0)

@@ -741,6 +741,24 @@ def test_follower_of_an_in_flight_prefix_queues_behind_it_rather_than_computing_
     assert KvdirPolicy(cost).choose(req, busy, rng()).node_id != "n6"
 
 
+def test_a_hot_in_flight_prefix_is_started_again_elsewhere_without_the_duplicate_price():
+    # The burst's case: n1 is computing a 12-block prefix and one follower already queues behind it. Two requests
+    # in flight on a prefix that takes 0.61 s to compute: it arrives faster than it is computed, so the third
+    # starts a second computation on an idle node now (the TTFT's choice) rather than after the queue has grown.
+    cost = CostModel(block_bytes=64 << 20, link_bytes_per_s=12.5e9)
+    cands = [cand("n0"), cand("n1", inflight_blocks=12, pending_prefill_tokens=6272, inflight=2), cand("n2")]
+
+    def follower(riding: int) -> RouteRequest:
+        return RouteRequest(6208, tuple(range(13)), block_size=512, max_tokens=16, inflight_requests=riding)
+
+    assert KvdirPolicy(cost).choose(follower(1), cands, rng()).node_id == "n1"  # one: no sign of more
+    hot = KvdirPolicy(cost).choose(follower(2), cands, rng())
+    assert hot.node_id in {"n0", "n2"} and hot.reason == "balance"
+    assert KvdirPolicy(cost, dup_hot_requests=3).choose(follower(2), cands, rng()).node_id == "n1"
+    with pytest.raises(ValueError):
+        KvdirPolicy(cost, dup_hot_requests=0)
+
+
 def test_peer_notes_count_as_recent_work_of_their_node():
     req = req_of(4)
     cands = [cand("a"), cand("b")]
