@@ -14,9 +14,15 @@ the holders (a node lives in one shard, its home), and follows the map when a sh
 
 Freshness: the stream's ticks say whether the sending replica is caught up with a leader. A feed is
 fresh while its last such tick, received after everything before it was applied, is at most
-`max_lag_s` old; a source silent or stale for that long is dropped for the group's next replica. The
-mirror is fresh only while every feed is (a stale shard would hide its holders); otherwise the gateway
-asks a replica over REST (gateway.proxy).
+`max_lag_s` old. The mirror is fresh only while every feed is (a stale shard would hide its holders);
+otherwise the gateway asks a replica over REST (gateway.proxy).
+
+Failover: a source silent for `max_lag_s` (stalled, partitioned) is dropped for the group's next
+replica. A source whose ticks have said "not caught up" for `max_lag_s` is dropped only for a replica
+shown to be fresher: the feed asks the others for their stream from its position, and switches to
+the first whose tick says it is caught up. Dropping it at once cost a failover per election (every
+replica is stale then) and per index merge (the mirror's own, which delays its reads: that is no
+fault of the source), ~100 in a 10-minute bench with 3 leader kills.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pydantic import SecretStr
 
 from directory.client import DirectoryClient
 from directory.errors import AuthError, DirectoryError
+from directory.index import warm_up
 from directory.schemas import Holder
 from directory.shardmap import ShardMap
 from directory.state import DirectoryState
@@ -45,6 +52,14 @@ RETRY_S = (0.05, 2.0)  # wait before trying the next replica: first, and at most
 SNAPSHOT_WAIT_S = 60.0  # longest wait for a stream's first frame (a snapshot of a big state takes a while)
 MIN_WAIT_S = 0.3  # shortest silence taken for a lost source: 3 ticks
 MAP_CHECK_S = 0.5  # how often the mirror looks for a shard map newer than the one its feeds follow
+
+
+class Fresher(WireError):
+    """Another replica is caught up with a leader while the source has not been for a while: follow it."""
+
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(why)
+        self.url = url
 
 
 class MirrorRefused(RuntimeError):
@@ -128,6 +143,9 @@ class Feed:
         await self._http.aclose()
 
     async def _run(self) -> None:
+        # Loading the index's compiled kernels takes ~0.3 s (seconds where they must be compiled): left to the
+        # first batches, it held their application, and the mirror's lag, as long.
+        await asyncio.to_thread(warm_up)
         delay = RETRY_S[0]
         i = 0
         while not self._stopping:
@@ -138,6 +156,12 @@ class Feed:
             except MirrorRefused as exc:
                 log.warning("directory mirror off (lookups go to the directory over REST): %s", exc)
                 return
+            except Fresher as exc:
+                log.info("mirror: leaving %s (%s) for %s", url, exc, exc.url)
+                self.failovers += 1
+                i = self.urls.index(exc.url) if exc.url in self.urls else i + 1
+                delay = RETRY_S[0]
+                continue  # it answered just now: no wait
             except (httpx.HTTPError, WireError, OSError) as exc:
                 log.info("mirror: stream from %s ended (%s: %s); trying the next replica", url, type(exc).__name__, exc)
             self.failovers += 1
@@ -174,24 +198,68 @@ class Feed:
         # longer than the lag bound is lost (stalled, partitioned). A first frame that is a snapshot of
         # millions of entries takes the replica a while to encode: that wait is longer.
         wait_s = SNAPSHOT_WAIT_S if snapshot else self._silence_s
-        settled = time.monotonic()  # since when the source has had time to prove it is fresh
-        while not self._stopping:
+        stale_since: float | None = None  # when the source's ticks began to say it is not caught up
+        probe: asyncio.Task[str | None] | None = None
+        try:
+            while not self._stopping:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), wait_s)
+                except StopAsyncIteration:
+                    raise WireError(f"{url} ended the stream") from None
+                except TimeoutError:
+                    raise WireError(f"{url} sent nothing for {wait_s:g} s") from None
+                for f in reader.feed(chunk):
+                    if f["k"] == "tick":
+                        self._apply(f)
+                        if f["fresh"]:
+                            stale_since = None
+                        elif stale_since is None:
+                            stale_since = time.monotonic()
+                    else:  # building or changing the index takes a while (a 5M-entry snapshot: 1.6 s): not on the loop
+                        await asyncio.to_thread(self._apply_locked, f)
+                    wait_s = self._silence_s
+                if stale_since is None or time.monotonic() - stale_since <= self.max_lag_s:
+                    continue
+                if probe is not None and probe.done():
+                    fresher = probe.result()
+                    if fresher is not None:
+                        raise Fresher(fresher, f"not caught up with a leader for {time.monotonic() - stale_since:.2f} s")
+                    probe = None
+                if probe is None:
+                    probe = asyncio.create_task(self._find_fresher(url))
+        finally:
+            if probe is not None:
+                probe.cancel()
+
+    async def _find_fresher(self, source: str) -> str | None:
+        """The first other replica whose stream, from this feed's position, ticks "caught up"; None if none
+        does within the silence bound (all stale, as in an election: the source is kept)."""
+        started = time.monotonic()
+        for url in self.urls:
+            if url == source:
+                continue
             try:
-                chunk = await asyncio.wait_for(anext(chunks), wait_s)
-            except StopAsyncIteration:
-                raise WireError(f"{url} ended the stream") from None
-            except TimeoutError:
-                raise WireError(f"{url} sent nothing for {wait_s:g} s") from None
-            for f in reader.feed(chunk):
-                if f["k"] == "tick":
-                    self._apply(f)
-                else:  # building or changing the index takes a while (a 5M-entry snapshot: 1.6 s): not on the loop
-                    await asyncio.to_thread(self._apply_locked, f)
-                    if f["k"] == "snapshot":
-                        settled = time.monotonic()
-                wait_s = self._silence_s
-            if self.lag_s() > self.max_lag_s and time.monotonic() - settled > self.max_lag_s:
-                raise WireError(f"{url} has not been caught up with a leader for {self.lag_s():.2f} s")
+                async with asyncio.timeout(self._silence_s):
+                    if await self._ticks_fresh(url):
+                        return url
+            except (httpx.HTTPError, WireError, OSError, TimeoutError) as exc:
+                log.debug("mirror: %s cannot stand in (%s: %s)", url, type(exc).__name__, exc)
+        # At most one round per silence bound, however fast the others answer.
+        await asyncio.sleep(max(0.0, self._silence_s - (time.monotonic() - started)))
+        return None
+
+    async def _ticks_fresh(self, url: str) -> bool:
+        """Whether `url`'s first tick after this feed's position says it is caught up (its batches are skipped:
+        the stream followed after a switch sends them again)."""
+        async with self._http.stream("GET", f"{url}/v1/watch", params={"from": str(self.position)}) as r:
+            if r.status_code != 200:
+                return False
+            reader = FrameReader()
+            async for chunk in r.aiter_raw():
+                for f in reader.feed(chunk):
+                    if f["k"] == "tick":
+                        return bool(f["fresh"])
+        return False
 
     def _apply_locked(self, f: dict[str, Any]) -> None:
         if f["k"] == "snapshot":

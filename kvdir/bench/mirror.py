@@ -6,7 +6,8 @@ acknowledgement to the moment the mirror has applied it (negative when the strea
 before the acknowledgement arrived). A minute runs without faults; then `--minutes` (10 by default)
 during which, halfway through each third, the leader is killed and restarted. The mirror's
 freshness is sampled every 10 ms: a stale sample is a lookup the gateway would have sent over REST
-instead of answering it in-process.
+instead of answering it in-process. Where the tail comes from: how long the mirror spent applying each
+frame (index merges included) and this process's CPU time (the publisher and the mirror share it).
 """
 
 from __future__ import annotations
@@ -30,11 +31,17 @@ BATCH = 256
 
 
 class _TimedMirror(Feed):
-    """A mirror that notes when it applied each publish (keyed by its first hash)."""
+    """A mirror that notes when it applied each publish (keyed by its first hash), and how long each frame took."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.applied_at: dict[int, float] = {}
+        self.apply_s: list[float] = []
+
+    def _apply_locked(self, f: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        super()._apply_locked(f)
+        self.apply_s.append(time.perf_counter() - started)
 
     def _apply(self, f: dict[str, Any]) -> None:
         super()._apply(f)
@@ -64,6 +71,7 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
                 await asyncio.sleep(0.01)
 
         sampler = asyncio.create_task(sample())
+        cpu = time.process_time()
         start = time.monotonic()
         kill_at = [start + seconds * (k + 0.5) / max(kills, 1) for k in range(kills)]
         period = BATCH / blocks_per_s
@@ -86,6 +94,7 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
             if delay > 0:
                 await asyncio.sleep(delay)
         elapsed = time.monotonic() - start
+        cpu = time.process_time() - cpu
         end = time.monotonic() + 5
         while time.monotonic() < end and not all(h in mirror.applied_at for h in acked):
             await asyncio.sleep(0.05)
@@ -107,6 +116,10 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
         "mirror_stale_fraction": samples["stale"] / max(1, samples["fresh"] + samples["stale"]),
         "mirror_snapshots": mirror.snapshots,
         "mirror_failovers": mirror.failovers,
+        "mirror_apply_p99_ms": pct(mirror.apply_s, 99) * 1e3,
+        "mirror_apply_max_ms": max(mirror.apply_s, default=float("nan")) * 1e3,
+        "mirror_applies_over_50ms": sum(1 for t in mirror.apply_s if t > 0.05),
+        "bench_process_cpu_s_per_s": cpu / elapsed,
     }
 
 

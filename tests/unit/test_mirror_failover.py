@@ -1,0 +1,106 @@
+"""When a `Feed` leaves its source (gateway.mirror): for a replica shown to be caught up, not merely because
+the source's ticks say "not caught up" (during an election every replica says so). The replicas here are
+small HTTP servers on 127.0.0.1 that speak the watch stream's wire format with a chosen freshness: a real
+cluster cannot be held in the "every replica stale" or "only one stale" state on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from directory.state import DirectoryState
+from directory.watch_codec import MEDIA_TYPE, frame, snapshot_message, snapshot_of, tick_frame
+from gateway.mirror import Feed
+
+TICK_S = 0.05
+
+
+class FakeReplica:
+    """Answers `GET /v1/watch`: a snapshot of an empty state (without `from`), then ticks saying `fresh`."""
+
+    def __init__(self, fresh: bool) -> None:
+        self.fresh = fresh
+        self.requests: list[str] = []
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> FakeReplica:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            target = (await reader.readline()).decode().split(" ")[1]
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass
+            self.requests.append(target)
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {MEDIA_TYPE}\r\nConnection: close\r\n\r\n".encode())
+            state = DirectoryState()
+            if "from=" not in target:
+                writer.write(frame(snapshot_message(snapshot_of(state))))
+            while self._server is not None and self._server.is_serving():
+                writer.write(tick_frame(state.applied, self.fresh, 0.5))
+                await writer.drain()
+                await asyncio.sleep(TICK_S)
+        except (ConnectionError, IndexError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _run(scenario: Callable[[FakeReplica, FakeReplica], Awaitable[None]], a_fresh: bool, b_fresh: bool) -> None:
+    async def main() -> None:
+        async with FakeReplica(a_fresh) as a, FakeReplica(b_fresh) as b:
+            await scenario(a, b)
+
+    asyncio.run(main())
+
+
+def test_a_source_stale_like_every_other_replica_is_kept() -> None:
+    async def scenario(a: FakeReplica, b: FakeReplica) -> None:
+        feed = Feed([a.url, b.url], None, max_lag_s=0.3)
+        feed.start()
+        try:
+            await _until(lambda: feed.state is not None, "the snapshot")
+            # Five lag bounds of "not caught up" from both: B was asked, said it is stale too, A is kept.
+            await _until(lambda: any("from=" in t for t in b.requests), "B to be asked whether it is fresher")
+            await asyncio.sleep(1.5)
+            assert feed.failovers == 0 and a.requests == ["/v1/watch"]
+            assert not feed.fresh()  # still stale: the gateway's lookups go over REST meanwhile
+        finally:
+            await feed.stop()
+
+    _run(scenario, a_fresh=False, b_fresh=False)
+
+
+def test_a_stale_source_is_left_for_a_replica_that_is_caught_up() -> None:
+    async def scenario(a: FakeReplica, b: FakeReplica) -> None:
+        feed = Feed([a.url, b.url], None, max_lag_s=0.3)
+        feed.start()
+        try:
+            await _until(feed.fresh, "a fresh feed, from B")
+            assert feed.failovers == 1 and feed.snapshots == 1  # resumed from its position on B, no new snapshot
+            assert b.requests[-1] == "/v1/watch?from=0"
+        finally:
+            await feed.stop()
+
+    _run(scenario, a_fresh=False, b_fresh=True)
