@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from directory.client import DirectoryClient
@@ -134,6 +134,13 @@ class NodeSession:
         for h, slot in blocks:
             self._remove.discard(h)
             self._store[h] = _Store(slot, medium, now)
+
+    def stored_in(self, slot: int, hashes: Sequence[int], medium: str | None = None) -> None:
+        """`stored()` for hashes that share one slot (an engine adapter's): bulk updates, no object per hash."""
+        entry = _Store(slot, medium, time.monotonic())
+        if self._remove:
+            self._remove.difference_update(hashes)
+        self._store.update(dict.fromkeys(hashes, entry))
 
     def removed(self, hashes: Iterable[int]) -> None:
         """The node no longer holds these hashes: cancels a pending store of each."""

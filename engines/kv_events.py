@@ -112,16 +112,18 @@ about reusable prefixes.
 
 from __future__ import annotations
 
+import array
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 import xxhash
 
-from directory.hashing import U32_MAX, chain_next, local_hashes, seed_for
+from directory.hashing import U32_MAX, chain_hashes, chain_next, local_hashes, seed_for
 
 EngineHash = int | bytes
 """An engine's block hash: opaque, compared for equality only."""
@@ -131,6 +133,11 @@ END_SEQ = -1
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _seq = struct.Struct(">q")
+# Token ids and engine hashes are checked by msgspec in C (strict: a bool is not an int): a loop over
+# a 64-block event's 1,024 tokens in Python cost more than everything else the adapter does with it.
+_TOKENS = list[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]]
+_INT_HASHES = list[int]
+_U32 = next(c for c in "IL" if array.array(c).itemsize == 4)  # the array typecode of a native uint32
 
 
 # -- decoded events --------------------------------------------------------------
@@ -407,9 +414,10 @@ def _stored(f: dict[str, Any]) -> Stored:
     size = f.get("block_size")
     if not isinstance(tokens, list) or isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise _Malformed
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= U32_MAX:
-            raise _Malformed  # also EAGLE bigram pairs
+    try:
+        msgspec.convert(tokens, _TOKENS)
+    except msgspec.ValidationError:
+        raise _Malformed from None  # also EAGLE bigram pairs
     if len(tokens) != size * len(hashes):
         raise _Malformed
     extra = f.get("extra_keys")
@@ -443,7 +451,10 @@ def _hash(v: Any) -> EngineHash:
 def _hashes(v: Any) -> tuple[EngineHash, ...]:
     if not isinstance(v, list):
         raise _Malformed
-    return tuple(_hash(h) for h in v)
+    try:
+        return tuple(msgspec.convert(v, _INT_HASHES))  # the usual case: 64-bit ints, checked in C
+    except msgspec.ValidationError:
+        return tuple(_hash(h) for h in v)  # bytes digests, or something malformed
 
 
 def _opt_int(v: Any) -> int | None:
@@ -489,11 +500,11 @@ class MapResult:
     unsupported: str | None = None  # why the event could not be mapped
 
 
-@dataclass(slots=True)
-class _Entry:
-    ours: tuple[int, ...]
-    holders: set[tuple[int | None, str | None]] = field(default_factory=set)  # (group_idx, medium)
-    medium: str | None = None
+_Holder = tuple[int | None, str | None]  # (group_idx, medium)
+_Entry = tuple[tuple[int, ...], tuple[_Holder, ...], str | None]
+"""(ours, holders, medium) of one engine block. Plain tuples of ints and strings, so the garbage collector
+stops tracking them: with a million entries, objects it tracked (a set each) made its full collections
+the adapter's largest cost."""
 
 
 @dataclass(slots=True)
@@ -530,7 +541,7 @@ class HashMapper:
     def ours(self, engine_hash: EngineHash) -> tuple[int, ...] | None:
         """Our hashes for an engine hash (no LRU touch), or None."""
         e = self._map.get(engine_hash)
-        return e.ours if e is not None else None
+        return e[0] if e is not None else None
 
     def reset(self) -> None:
         """Forget everything (engine cleared, restarted, or a resync); counters stay."""
@@ -540,9 +551,9 @@ class HashMapper:
     def snapshot(self) -> dict[int, str | None]:
         """Every hash of ours that some engine block holds -> a medium: what to republish under a new epoch."""
         out: dict[int, str | None] = {}
-        for e in self._map.values():
-            for h in e.ours:
-                out.setdefault(h, e.medium)
+        for ours, _, medium in self._map.values():
+            for h in ours:
+                out.setdefault(h, medium)
         return out
 
     def apply(self, ev: Event) -> MapResult:
@@ -573,14 +584,48 @@ class HashMapper:
                 self.stats.missing_parents += 1
                 return MapResult(missing_parent=True)
             self._map.move_to_end(ev.parent)
-            prev = parent.ours[-1]
+            prev = parent[0][-1]
         ns = engine_namespace(self.namespace, lora_name=ev.lora_name, lora_id=ev.lora_id, cache_salt=ev.cache_salt)
         seed = seed_for(ns)
-        local = local_hashes(ev.token_ids, ours_b, ns)
+        try:  # array() packs the tuple in C; numpy's own conversion of a tuple is slower
+            tokens = np.frombuffer(array.array(_U32, ev.token_ids), dtype=np.uint32)
+        except (OverflowError, TypeError):
+            self.stats.unsupported += 1
+            return MapResult(unsupported="token ids are not unsigned 32-bit integers")
+        local = local_hashes(tokens, ours_b, ns)
+        if k == 1 and ev.extra_keys is None:  # the usual case: one block of ours per engine block
+            groups: Iterable[tuple[int, ...]] = ((h,) for h in chain_hashes(local, seed, prev))
+        else:
+            groups = self._chain_split(ev, local, k, seed, prev)
         holder = (ev.group_idx, ev.medium)
+        holders = (holder,)
         publish: list[int] = []
         remove: list[int] = []
-        for i, eh in enumerate(ev.engine_hashes):
+        entries, refs = self._map, self._refs
+        for eh, ours in zip(ev.engine_hashes, groups):
+            if eh in entries:
+                self._put(eh, ours, holder, ev.medium, publish, remove)
+                continue
+            # A new engine block (nearly every store): _put's work without the checks that cannot apply.
+            entries[eh] = (ours, holders, ev.medium)
+            for h in ours:
+                c = refs.get(h, 0)
+                refs[h] = c + 1
+                if c == 0:
+                    publish.append(h)
+                    if remove and h in remove:
+                        remove.remove(h)
+        self.stats.stored_blocks += n
+        while len(self._map) > self.max_entries:
+            _, old = self._map.popitem(last=False)
+            self.stats.evicted += 1
+            self._release(old[0], remove)
+        return MapResult(publish=tuple(publish), remove=tuple(remove))
+
+    @staticmethod
+    def _chain_split(ev: Stored, local: list[int], k: int, seed: int, prev: int | None) -> Iterator[tuple[int, ...]]:
+        """Our k hashes per engine block, chained, with each engine block's extra keys mixed into its first."""
+        for i in range(len(ev.engine_hashes)):
             ours: list[int] = []
             for j in range(k):
                 cur = chain_next(prev, local[i * k + j], seed)
@@ -588,13 +633,7 @@ class HashMapper:
                     cur = _mix_extra(cur, ev.extra_keys[i], ev.lora_name, seed)
                 ours.append(cur)
                 prev = cur
-            self._put(eh, tuple(ours), holder, ev.medium, publish, remove)
-        self.stats.stored_blocks += n
-        while len(self._map) > self.max_entries:
-            _, old = self._map.popitem(last=False)
-            self.stats.evicted += 1
-            self._release(old.ours, remove)
-        return MapResult(publish=tuple(publish), remove=tuple(remove))
+            yield tuple(ours)
 
     def remove(self, ev: Removed) -> MapResult:
         remove: list[int] = []
@@ -604,17 +643,19 @@ class HashMapper:
             if e is None:
                 self.stats.unknown_removals += 1
                 continue
-            if holder in e.holders:
-                e.holders.discard(holder)
-            elif len(e.holders) == 1:
-                e.holders.clear()  # one holder, labelled differently (an engine version mismatch): it is that one
+            ours, holders, medium = e
+            if holder in holders:
+                rest = tuple(x for x in holders if x != holder)
+            elif len(holders) == 1:
+                rest = ()  # one holder, labelled differently (an engine version mismatch): it is that one
             else:
                 self.stats.unknown_removals += 1
                 continue
-            if e.holders:
+            if rest:
+                self._map[eh] = (ours, rest, medium)  # keeps its place in the LRU
                 continue
             del self._map[eh]
-            self._release(e.ours, remove)
+            self._release(ours, remove)
             self.stats.removed_blocks += 1
         return MapResult(remove=tuple(remove))
 
@@ -622,7 +663,7 @@ class HashMapper:
         self,
         eh: EngineHash,
         ours: tuple[int, ...],
-        holder: tuple[int | None, str | None],
+        holder: _Holder,
         medium: str | None,
         publish: list[int],
         remove: list[int],
@@ -630,12 +671,13 @@ class HashMapper:
         e = self._map.get(eh)
         if e is not None:
             self._map.move_to_end(eh)
-            if e.ours == ours:
-                e.holders.add(holder)
+            if e[0] == ours:
+                if holder not in e[1]:
+                    self._map[eh] = (ours, (*e[1], holder), e[2])
                 return
-            self._release(e.ours, remove)  # the engine reused a hash for other content: trust the newest
+            self._release(e[0], remove)  # the engine reused a hash for other content: trust the newest
             del self._map[eh]
-        self._map[eh] = _Entry(ours, {holder}, medium)
+        self._map[eh] = (ours, (holder,), medium)
         for h in ours:
             c = self._refs.get(h, 0)
             self._refs[h] = c + 1

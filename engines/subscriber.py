@@ -16,8 +16,10 @@ its own port). It
   lease runs out and its entries go with it;
 * turns events into our block hashes (`engines.kv_events.HashMapper`) and
   sends the net change in batches, one round per ``batch_window_s``
-  (10 ms): AllBlocksCleared first (as a clear of this node), then removals,
-  then stores.
+  (50 ms), or sooner once ``batch_max_blocks`` changes are pending:
+  AllBlocksCleared first (as a clear of this node), then removals, then
+  stores. A request costs the directory's leader about as much as 2,000
+  more blocks in it would, so under load each round should carry hundreds.
 
 Slots: engines do not report which slot holds a block, so every entry is
 published with slot 0. That is enough for routing (the gateway only needs
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -106,6 +109,7 @@ from engines.kv_events import (
 log = logging.getLogger("kvdir.events")
 
 SLOT = 0
+DRAIN = 64  # messages taken per wakeup of the receive loop
 
 
 @dataclass(slots=True)
@@ -216,6 +220,8 @@ class EventsSubscriber:
         )
         self._pending_ts: float | None = None  # the oldest engine ts among pending changes: the lag histogram
         self._wake = asyncio.Event()
+        self._full = asyncio.Event()  # batch_max_blocks changes pending: the window ends early
+        self._gathered = 0  # changes since the last round started
         self._ctx: zmq.asyncio.Context | None = None
 
     # The session's epoch, read by the metrics.
@@ -275,18 +281,33 @@ class EventsSubscriber:
     # -- events -------------------------------------------------------------------
 
     async def _receive_loop(self, sub: zmq.asyncio.Socket) -> None:
+        # After each awaited message, whatever else has arrived is taken without awaiting: pyzmq's asyncio
+        # receive (a future and a reader registration per message) cost more than decoding a 64-block event.
+        # At most DRAIN at a time, then the loop runs the rest (flushes, heartbeats) even under a backlog.
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         while True:
             frames = await sub.recv_multipart()
-            batch = decode_message(frames, self.decode_stats)
-            if batch is None:
-                log.debug("garbage message skipped (%d frames)", len(frames))
-                continue
-            try:
-                await self.on_batch(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("batch seq %d could not be applied", batch.seq)
+            for _ in range(DRAIN):
+                await self._receive(frames)
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            else:
+                await self._receive(frames)
+                await asyncio.sleep(0)
+
+    async def _receive(self, frames: list[bytes]) -> None:
+        batch = decode_message(frames, self.decode_stats)
+        if batch is None:
+            log.debug("garbage message skipped (%d frames)", len(frames))
+            return
+        try:
+            await self.on_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch seq %d could not be applied", batch.seq)
 
     async def on_batch(self, batch: Batch) -> None:
         """Order one batch against the last seq (see the module docstring) and apply it."""
@@ -334,9 +355,13 @@ class EventsSubscriber:
                 log.debug("seq %d: %s", batch.seq, r.unsupported)
             medium = ev.medium if isinstance(ev, Stored) else None
             # publish, then remove: an LRU eviction in the same event wins
-            self.session.stored(((h, SLOT) for h in r.publish), medium)
-            self.session.removed(r.remove)
+            self.session.stored_in(SLOT, r.publish, medium)
+            if r.remove:
+                self.session.removed(r.remove)
+            self._gathered += len(r.publish) + len(r.remove)
             changed = changed or bool(r.publish or r.remove)
+        if self._gathered >= self.s.batch_max_blocks:
+            self._full.set()
         if changed:
             if batch.ts is not None:
                 self._pending_ts = batch.ts if self._pending_ts is None else min(self._pending_ts, batch.ts)
@@ -423,8 +448,9 @@ class EventsSubscriber:
     async def _sync_loop(self) -> None:
         while True:
             await self._wake.wait()
-            if self.s.batch_window_s:
-                await asyncio.sleep(self.s.batch_window_s)
+            if self.s.batch_window_s and not self._full.is_set() and not self.session.need_register:  # registering: at once
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), self.s.batch_window_s)
             self._wake.clear()
             if not self.engine_healthy:
                 continue  # the health loop wakes us when it answers again; until then the lease runs out
@@ -449,6 +475,8 @@ class EventsSubscriber:
         """One flush of the session, observing the lag of the engine's oldest change it committed."""
         gen, since = self.session.generation, self._pending_ts
         self._pending_ts = None
+        self._gathered = 0
+        self._full.clear()
         try:
             await self.session.flush()
         except RequestRejected as exc:
@@ -505,6 +533,9 @@ def serve(settings: EventsSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # What the imports made lives as long as the process: out of the collector's sight, its full
+    # collections stay cheap while the hash map grows (they cost ~1.4 ms of CPU per 1,000 blocks).
+    gc.freeze()
 
     async def main() -> None:
         task = asyncio.current_task()

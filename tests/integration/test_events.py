@@ -161,7 +161,9 @@ class Prompt:
 
 
 class Subscriber:
-    def __init__(self, cluster: Cluster, engine: FakeEngine, log_path: Path, node_id: str, replay: bool) -> None:
+    def __init__(
+        self, cluster: Cluster, engine: FakeEngine, log_path: Path, node_id: str, replay: bool, extra_env: dict[str, str]
+    ) -> None:
         self.node_id = node_id
         self.metrics_url = f"http://127.0.0.1:{free_ports(1)[0]}/metrics"
         env = {
@@ -180,6 +182,7 @@ class Subscriber:
         }
         if replay:
             env["KVDIR_REPLAY"] = engine.replay_endpoint
+        env.update(extra_env)
         self.log_path = log_path
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -274,13 +277,13 @@ def setup(
     """A fake engine and its subscriber, registered as a node of its own; all stopped at teardown, pass or fail."""
     started: list[Any] = []
 
-    def make(replay: bool = False) -> tuple[Directory, FakeEngine, Subscriber]:
+    def make(replay: bool = False, **env: str) -> tuple[Directory, FakeEngine, Subscriber]:
         node_id = request.node.name.removeprefix("test_")[:60].replace("_", "-")
         engine = FakeEngine()
         started.append(engine)
         if replay:
             engine.serve_replay()
-        sub = Subscriber(cluster, engine, tmp_path / "subscriber.log", node_id, replay)
+        sub = Subscriber(cluster, engine, tmp_path / "subscriber.log", node_id, replay, env)
         started.append(sub)
         d = Directory(cluster)
         started.append(d)
@@ -405,6 +408,18 @@ def test_all_blocks_cleared_empties_the_node(setup: Callable[..., Any]) -> None:
     assert d.node(sub.node_id) is not None  # still registered, same epoch
     engine.send(2, [x.store(), CLEARED, z.store()])  # a clear in the middle of a batch
     expect(d, sub, 2, [(x.tokens, 0), (z.tokens, 2)], "only what came after the clear")
+
+
+def test_a_burst_arrives_whole_and_full_rounds_do_not_wait_for_the_window(setup: Callable[..., Any]) -> None:
+    """128 one-block batches sent at once (taken from the socket many at a time) with a 10 s window and rounds
+    of 64: both rounds go out as soon as they are full, so all of it is there before the window ends."""
+    d, engine, sub = setup(KVDIR_BATCH_WINDOW_S="10", KVDIR_BATCH_MAX_BLOCKS="64")
+    rng = random.Random(8)
+    prompts = [Prompt(rng, 1) for _ in range(128)]
+    for seq, p in enumerate(prompts):
+        engine.send(seq, [p.store()])
+    expect(d, sub, 128, [(p.tokens, 1) for p in prompts[::16]], "128 blocks, before the window", timeout=8)
+    assert sub.metric("kvdir_events_batches_total") == 128 and sub.metric("kvdir_events_gaps_total") == 0
 
 
 def test_unknown_removals_unknown_events_and_garbage_are_harmless(setup: Callable[..., Any]) -> None:

@@ -334,6 +334,39 @@ def test_stores_of_other_cache_groups_are_skipped() -> None:
             "block_size": 0,
             "lora_id": None,
         },
+        # Checked in C now (msgspec, strict): a bool is not a token, nor a float, nor a value past uint32.
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": [*range(15), True],
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": [*range(15), 2.0],
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": [*range(15), 2**32],
+            "block_size": 16,
+            "lora_id": None,
+        },
+        {
+            "type": "BlockStored",
+            "block_hashes": [1, True],
+            "parent_block_hash": None,
+            "token_ids": list(range(32)),
+            "block_size": 16,
+            "lora_id": None,
+        },
         {"type": "BlockRemoved", "block_hashes": 7},
         ["BlockStored", [1], None],
         [1, 2, 3],
@@ -440,6 +473,25 @@ def test_unsupported_engine_block_sizes_are_counted(eng_bs: int) -> None:
     m = HashMapper(16)
     r = m.store(_chain(list(range(eng_bs)), eng_bs, [1]))
     assert r.unsupported and r.publish == () and m.stats.unsupported == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5])
+def test_tokens_outside_uint32_in_a_hand_made_store_are_unsupported(bad: object) -> None:
+    """Decoding rejects these first; a Stored built in code still never reaches the hashing with them."""
+    m = HashMapper(16)
+    r = m.store(_chain([*range(15), bad], 16, [1]))  # type: ignore[list-item]
+    assert r.unsupported and r.publish == () and m.stats.unsupported == 1 and len(m) == 0
+
+
+def test_a_removal_keeps_the_block_while_another_holder_is_left_and_its_lru_place() -> None:
+    m = HashMapper(16, max_entries=2)
+    m.store(_chain(list(range(16)), 16, [1], group_idx=0, medium="GPU"))
+    m.store(_chain(list(range(16)), 16, [1], group_idx=0, medium="CPU"))
+    m.store(_chain(list(range(16, 32)), 16, [2]))
+    assert m.remove(Removed((1,), "GPU", 0)).remove == ()  # the CPU copy holds it, and it stays the oldest
+    r = m.store(_chain(list(range(32, 48)), 16, [3]))
+    assert 1 not in m and r.remove == tuple(block_hashes(list(range(16)), 16))  # evicted first: its place did not move
+    assert m.remove(Removed((1,), "CPU", 0)).remove == () and m.stats.unknown_removals == 1
 
 
 def test_shared_blocks_are_reference_counted_across_groups_and_media() -> None:
