@@ -15,44 +15,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
 
-from directory.addresses import url_list
 from directory.client import DirectoryClient
-from directory.client_settings import read_secret_file
+from directory.client_settings import DirectoryClientSettings
 from directory.errors import DirectoryError
 from directory.shardmap import ShardMap, ShardMapError, UnsafeChange, apply_order, load
 from kvdir.roles import Role, add_settings_flags, build_settings
 
 
-class ShardsSettings(BaseSettings):
-    """Where the directory is, the (admin) token, and how long to wait for a shard that has no leader."""
+class ShardsSettings(DirectoryClientSettings):
+    """The directory client's settings (an admin token when the directory has auth: `apply` changes the map),
+    and how long to wait for a shard that has no leader."""
 
-    model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
-
-    directory: str = Field("http://127.0.0.1:8101", description="comma-separated URLs of directory replicas (of any shards)")
-    directory_token_file: Path | None = Field(
-        None, description="file holding the bearer token (an admin token when the directory has auth: `apply` changes the map)"
-    )
     deadline_s: float = Field(
         30.0, gt=0, description="how long each request may retry a shard that does not answer (no leader, 503)"
     )
-
-    _directory_token: SecretStr | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _token_from_file(self) -> ShardsSettings:
-        self._directory_token = read_secret_file(self.directory_token_file, "directory token")
-        return self
-
-    @property
-    def directory_token(self) -> SecretStr | None:
-        return self._directory_token
-
-    @property
-    def directory_urls(self) -> list[str]:
-        return url_list(self.directory)
 
 
 ROLE = Role("shards", "show or change the directory's shard map", ShardsSettings, "kvdir.shards_cli:run_shards")
