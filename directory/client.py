@@ -227,11 +227,10 @@ class DirectoryClient:
         deadline: float | None = None,
     ) -> RegisterResponse:
         """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch."""
-        incarnation = incarnation or uuid.uuid4().hex
         body = {
             "node_id": node_id,
             "api_url": api_url,
-            "incarnation": incarnation,
+            "incarnation": incarnation or uuid.uuid4().hex,
             "transfer_url": transfer_url,
             "regions": [msgspec.to_builtins(r) if isinstance(r, Region) else dict(r) for r in regions],
             "capacity_blocks": capacity_blocks,

@@ -214,7 +214,7 @@ def bench_apply(batch: int, blocks: int) -> float:
 # -- REST ----------------------------------------------------------------------------
 
 
-def _load(
+def rest_load(
     urls: list[str], mode: str, duration: float, nodes: list[str], epochs: list[int], **kw: Any
 ) -> tuple[int, list[float], int]:
     """One load process with 16 keep-alive connections spread over `urls`: (items, latencies, errors)."""
@@ -268,7 +268,7 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
         say(
             f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)..."
         )
-        items, lat, errors = _load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
+        items, lat, errors = rest_load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
         out.update(
             rest_lookup_per_s=items / duration,
             rest_lookup_p50_ms=pct(lat, 50) * 1e3,
@@ -307,7 +307,7 @@ def _publish_json_vs_msgpack(
     )
     for encoding in ("json", "msgpack", "msgpack", "json"):
         cpu = sum(map(cpu_s, pids))
-        items, lat, errors = _load(
+        items, lat, errors = rest_load(
             c.replica_urls, "publish", duration / 2, nodes, epochs, blocks_per_request=batch, encoding=encoding
         )
         t = tallies[encoding]
@@ -347,7 +347,7 @@ def bench_fsync(quick: bool) -> dict[str, Any]:
         ):
             with _publishing_cluster(args) as (c, nodes, epochs):
                 say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
-                items, lat, _ = _load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)
+                items, lat, _ = rest_load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)
                 out[f"publish_{mode}_blocks_per_s"] = items / duration
                 out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
     return out

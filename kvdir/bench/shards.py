@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from directory.client import DirectoryClient
-from kvdir.bench.directory import _load
+from kvdir.bench.directory import rest_load
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster
@@ -73,7 +73,7 @@ def bench_shards(shards: int, replicas: int, duration: float) -> dict[str, Any]:
             with ThreadPoolExecutor(shards) as pool:  # one load process per shard, all at once
                 runs = {
                     name: pool.submit(
-                        _load,
+                        rest_load,
                         sc.shard(name).replica_urls,
                         "publish",
                         duration,
