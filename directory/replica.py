@@ -546,8 +546,8 @@ class Replica:
     async def _commit_first_shard_map(self) -> None:
         """Commit the map of --shard-map-file if the group has none yet: until then the group admits no node.
 
-        Every replica of the group tries; the state machine keeps the first and ignores the rest (same
-        version). A group that already has a map keeps it: changes go through PUT /v1/shards, in the order
+        Every replica of the group tries; the state machine keeps the first and ignores the rest, whatever
+        their versions (`AssignShards.bootstrap`). A group that already has a map keeps it: changes go through PUT /v1/shards, in the order
         that keeps fencing exact (directory.shardmap.apply_order), never through a restart with a new file.
         """
         wanted, shard = self.settings.shard_map, self.settings.shard
@@ -565,7 +565,7 @@ class Replica:
                     )
                 return
             try:
-                await self.submit(AssignShards.of(wanted, shard), timeout=5.0)
+                await self.submit(AssignShards.of(wanted, shard, bootstrap=True), timeout=5.0)
             except CommitTimeout:
                 await asyncio.sleep(0.5)
 

@@ -25,7 +25,7 @@ Rules (everything that changes replicated state lives here):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -120,8 +120,9 @@ class AnnounceReplica:
 class AssignShards:
     """Commit a shard map (directory.shardmap) in this group, which is shard `shard` of it.
 
-    Applied only if `version` is newer than the group's map. The group then drops every node the map
-    homes elsewhere, exactly as an expiry does, and refuses to register such nodes (WRONG_SHARD).
+    Applied only if `version` is newer than the group's map, and a `bootstrap` command only if the group
+    has no map at all. The group then drops every node the map homes elsewhere, exactly as an expiry does,
+    and refuses to register such nodes (WRONG_SHARD).
     """
 
     version: int
@@ -130,11 +131,20 @@ class AssignShards:
     pins: tuple[tuple[str, str], ...]
     document: str
     """The map's canonical JSON (directory.shardmap.ShardMap.document), served on GET /v1/shards."""
+    bootstrap: bool = False
+    """A replica's --shard-map-file: the group's first map, never a change to one. Replicas started with
+    different versions of the file race to commit it; whichever commits first is kept, so a file edited
+    between restarts never bypasses the safe order of PUT /v1/shards (directory.shardmap.apply_order)."""
 
     @classmethod
-    def of(cls, m: ShardMap, shard: str) -> AssignShards:
+    def of(cls, m: ShardMap, shard: str, bootstrap: bool = False) -> AssignShards:
         """The command that commits map `m` in the group that is shard `shard`."""
-        return cls(m.version, shard, m.names, tuple(sorted(m.nodes.items())), m.document())
+        return cls(m.version, shard, m.names, tuple(sorted(m.nodes.items())), m.document(), bootstrap)
+
+    def __setstate__(self, state: list[Any]) -> None:
+        """Unpickle a Raft entry of any version: one written before `bootstrap` existed has five fields."""
+        for f, value in zip(fields(self), [*state, False][: len(fields(self))]):
+            object.__setattr__(self, f.name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,8 +368,8 @@ class DirectoryState:
         return Result(OK)
 
     def _assign_shards(self, cmd: AssignShards) -> Result:
-        if self.shard_map is not None and cmd.version <= self.shard_map.version:
-            return Result(OK, 0)  # an older or repeated map: idempotent
+        if self.shard_map is not None and (cmd.bootstrap or cmd.version <= self.shard_map.version):
+            return Result(OK, 0)  # a second first map, or an older or repeated one: idempotent
         self.shard_map = cmd
         pins = dict(cmd.pins)
         gone = [n for n in self.nodes.values() if home_of(n.node_id, cmd.names, pins) != cmd.shard]

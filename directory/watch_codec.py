@@ -102,7 +102,7 @@ def encode_command(c: Command) -> list[Any]:
     if isinstance(c, AnnounceReplica):
         return ["A", c.raft_addr, c.http_url]
     if isinstance(c, AssignShards):
-        return ["S", c.version, c.shard, list(c.names), [list(p) for p in c.pins], c.document]
+        return ["S", c.version, c.shard, list(c.names), [list(p) for p in c.pins], c.document, c.bootstrap]
     if isinstance(c, Noop):
         return ["N"]
     raise TypeError(f"not a directory command: {type(c).__name__}")
@@ -141,7 +141,8 @@ def decode_command(v: Any) -> Command:
 
 
 def _assign_shards(f: list[Any]) -> AssignShards:
-    return AssignShards(int(f[0]), str(f[1]), tuple(str(n) for n in f[2]), tuple((str(a), str(b)) for a, b in f[3]), str(f[4]))
+    names, pins = tuple(str(n) for n in f[2]), tuple((str(a), str(b)) for a, b in f[3])
+    return AssignShards(int(f[0]), str(f[1]), names, pins, str(f[4]), bool(f[5]) if len(f) > 5 else False)
 
 
 # -- snapshots ---------------------------------------------------------------------------------

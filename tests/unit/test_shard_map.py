@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -131,3 +132,27 @@ def test_the_watch_stream_carries_the_map_in_commands_and_snapshots() -> None:
     st = group(m, "s1")
     copy = watch_codec.state_from(watch_codec.snapshot_of(st))
     assert copy.shard_map == cmd and copy.digest() == st.digest()
+
+
+def test_a_first_map_from_a_file_never_replaces_a_committed_map() -> None:
+    """Replicas started with different versions of --shard-map-file race to bootstrap the group: the first
+    commit is kept, so an edited file cannot skip PUT /v1/shards' safe order; PUT's changes still apply."""
+    m1, m2, m3 = (smap(["s0", "s1"], version=v) for v in (1, 2, 3))
+    st = DirectoryState()
+    assert st.apply(AssignShards.of(m1, "s0", bootstrap=True)).status == OK
+    assert st.apply(AssignShards.of(m2, "s0", bootstrap=True)).value == 0
+    assert st.shard_map is not None and st.shard_map.version == 1
+    assert st.apply(AssignShards.of(m3, "s0")).status == OK and st.shard_map.version == 3
+
+
+def test_map_commands_written_before_the_bootstrap_flag_still_decode() -> None:
+    """A rolling upgrade reads Raft entries, snapshots and watch frames that older replicas wrote."""
+    cmd = AssignShards.of(smap(["s0", "s1"], version=4), "s1")
+    old = AssignShards.__new__(AssignShards)
+    old.__setstate__([cmd.version, cmd.shard, cmd.names, cmd.pins, cmd.document])  # what unpickling an old entry does
+    assert old == cmd
+    old_frame = watch_codec.encode_command(cmd)[:-1]  # no bootstrap field
+    assert watch_codec.decode_command(old_frame) == cmd
+    boot = AssignShards.of(smap(["s0"], version=1), "s0", bootstrap=True)
+    assert pickle.loads(pickle.dumps(boot, protocol=4)) == boot
+    assert watch_codec.decode_command(watch_codec.encode_command(boot)) == boot
