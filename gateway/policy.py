@@ -185,7 +185,10 @@ class KvdirPolicy:
     clock), and among those the best score. Ties (within TIE_EPSILON): more
     cached tokens, then fewer inflight, then rng (ordered by node_id). Without it a light load gathers
     whole sessions where a shared system prompt lives, every queue being empty
-    when each one arrives. `allow_pull=False` gives the same policy without
+    when each one arrives. No band when the best option follows a prefix being
+    computed there: what the band trades a few ms for is where new state lives,
+    and a follower adds none (every node computing the prefix will hold it), so
+    it takes the shortest queue. `allow_pull=False` gives the same policy without
     pulls (an ablation).
     """
 
@@ -237,6 +240,7 @@ class KvdirPolicy:
         dup_to = min(ahead * req.block_size, req.prompt_tokens) if priced else 0
         best = math.inf
         best_dup = False
+        best_follows = False
         options: list[tuple[float, int, int, Candidate, TTFTBreakdown, bool]] = []
         for c in healthy:
             br = evaluate(req, c, cost, pull_to_blocks=pull_to)
@@ -248,8 +252,10 @@ class KvdirPolicy:
             if score < best:
                 best = score
                 best_dup = dup
+                best_follows = _ready(c, nh) > _blocks(c, nh)
 
-        slack = min(self.balance_slack_s, self.balance_slack_ratio * best)
+        # A follower of an in-flight prefix leaves no new state to place: the shortest queue, no near-tie band.
+        slack = 0.0 if best_follows else min(self.balance_slack_s, self.balance_slack_ratio * best)
         if slack > 0:
             near = [o for o in options if o[0] <= best + slack and (best_dup or not o[5])]
             if len(near) > 1:

@@ -25,9 +25,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
+
 from gateway.policy import POLICIES
 from kvdir.replay import trace as tr
-from kvdir.replay.sim import SimParams, describe_params, oracle_hit_rate, simulate
+from kvdir.replay.sim import SimParams, describe_params, oracle_hit_rate, pooled_lru, simulate, ttft_floor
 
 __all__ = ["add_arguments", "main", "run_replay"]
 
@@ -387,6 +389,9 @@ def run_replay(args: argparse.Namespace) -> int:
         return _run_live(args, requests, names, params, source)
     oracle_blocks = oracle_hit_rate(requests)
     oracle_tokens = oracle_hit_rate(requests, by="tokens", block_tokens=params.block_tokens)
+    floor = _percentiles(ttft_floor(requests, params))
+    pooled_hit, pooled_ttft = pooled_lru(requests, params)
+    pooled = {"hit_rate": pooled_hit, **_percentiles(pooled_ttft)}
 
     results: dict[str, dict[str, Any]] = {}
     t1 = time.perf_counter()
@@ -396,6 +401,14 @@ def run_replay(args: argparse.Namespace) -> int:
 
     print(f"{len(requests)} requests ({', '.join(f'{k} {v}' for k, v in source.items())}); {describe_params(params)}")
     print(f"oracle (infinite shared cache): {100 * oracle_tokens:.1f}% of prompt tokens, {100 * oracle_blocks:.1f}% of blocks")
+    print(
+        f"TTFT floor (no policy goes below: no queues, instant pulls, infinite shared cache): p50 / p90 / p99 "
+        f"{floor['p50']:.3f} / {floor['p90']:.3f} / {floor['p99']:.3f} s"
+    )
+    print(
+        f"one pooled LRU cache of the aggregate capacity (an ideal router over LRU engines; no queues): hit "
+        f"{100 * pooled_hit:.1f}%, TTFT p50 / p90 / p99 {pooled['p50']:.3f} / {pooled['p90']:.3f} / {pooled['p99']:.3f} s"
+    )
     print(format_table(results, oracle_tokens))
     print(f"simulated {len(names)} policies in {sim_s:.1f} s (load {load_s:.1f} s)")
 
@@ -403,6 +416,8 @@ def run_replay(args: argparse.Namespace) -> int:
         doc = {
             "oracle_hit_rate": oracle_tokens,
             "oracle_block_hit_rate": oracle_blocks,
+            "ttft_floor_s": floor,
+            "pooled_lru": pooled,
             "policies": results,
             "params": params.as_dict(),
             "workload": {**source, "requests": len(requests), "malformed_lines": len(errors), "limit": args.limit},
@@ -419,6 +434,10 @@ def run_replay(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {len(paths)} charts into {args.plot}")
     return 0
+
+
+def _percentiles(ttft: np.ndarray) -> dict[str, float]:
+    return dict(zip(("p50", "p90", "p99"), (float(x) for x in np.percentile(ttft, [50, 90, 99]))))
 
 
 def _run_live(

@@ -3,7 +3,8 @@
 `simulate(requests, policy_name, params)` replays requests (from
 `kvdir.replay.trace`) through one policy of `gateway.policy.POLICIES` and
 returns its figures; `oracle_hit_rate(requests)` is the ceiling any policy can
-reach. No wall clock, no sockets: a heap of events in simulated seconds, and
+reach, `ttft_floor(requests, params)` the TTFT no policy can beat, and
+`pooled_lru(requests, params)` what an ideal router over LRU engines gets. No wall clock, no sockets: a heap of events in simulated seconds, and
 all randomness from ``random.Random(params.seed)``.
 
 The model
@@ -78,7 +79,7 @@ Figures (token counts: a block counts ``min(B, tokens of the prompt in it)``)
 
 The code
 --------
-This module is the API (`simulate`, `oracle_hit_rate`, and `SimParams` /
+This module is the API (`simulate`, `oracle_hit_rate`, `ttft_floor`, `pooled_lru`, and `SimParams` /
 `describe_params` re-exported from `kvdir.replay.params`). The simulation
 itself is `kvdir.replay.cluster.ClusterSim` (the state as objects, events
 dispatched through a table of handler methods), over the caches of
@@ -89,15 +90,19 @@ directory's lagged `DirectoryView`).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from gateway.policy import POLICIES
 from kvdir.replay.cluster import ClusterSim
+from kvdir.replay.figures import tokens_of_blocks
 from kvdir.replay.params import DEFAULT_BLOCK_BYTES, SimParams, describe_params
 from kvdir.replay.trace import TraceRequest
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "SimParams", "describe_params", "oracle_hit_rate", "simulate"]
+__all__ = ["DEFAULT_BLOCK_BYTES", "SimParams", "describe_params", "oracle_hit_rate", "pooled_lru", "simulate", "ttft_floor"]
 
 
 def _sorted(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
@@ -140,6 +145,74 @@ def oracle_hit_rate(requests: Sequence[TraceRequest], *, by: str = "blocks", blo
                 else:
                     seen.add(b)
     return hit / total if total else 0.0
+
+
+def ttft_floor(requests: Sequence[TraceRequest], params: SimParams | None = None) -> np.ndarray:
+    """Per request (in arrival order), a TTFT that no policy reaches below in this simulation.
+
+    The cluster without its limits: no admission or prefill queue, instant pulls, an infinite cache, and
+    every block usable anywhere from the moment the first request that computes it ends its prefill (the
+    model's in-flight reuse waits for the end of the prefill too). A request may reuse the blocks earlier
+    arrivals compute (reuse is decided at routing, on arrival): for each leading run of them it can wait
+    for, its prefill ends at max(arrival, when the run is ready) + its other tokens / the prefill rate; the
+    floor is the earliest of these ends. By induction over arrivals, a real run's prefill of every request
+    ends no earlier, whatever the routing; so where 0.9x the best policy's p90 is below this floor's p90,
+    no policy can be 0.9x faster.
+    """
+    p = params or SimParams()
+    rate, bt = p.prefill_tokens_per_s, p.block_tokens
+    ready_at: dict[int, float] = {}  # block -> the earliest prefill end of a request holding it
+    out = np.empty(len(requests))
+    for i, r in enumerate(_sorted(requests)):
+        a, prompt, blocks = r.arrival_s, r.input_tokens, r.blocks
+        best = a + prompt / rate
+        ready = a
+        for m, b in enumerate(blocks, 1):
+            e = ready_at.get(b)
+            if e is None:
+                break  # chained hashes: nothing after an unseen block was computed either
+            if e > ready:
+                ready = e
+            end = ready + (prompt - tokens_of_blocks(m, prompt, bt)) / rate
+            if end < best:
+                best = end
+        out[i] = best - a
+        for b in blocks:
+            if ready_at.get(b, best + 1.0) > best:
+                ready_at[b] = best
+    return out
+
+
+def pooled_lru(requests: Sequence[TraceRequest], params: SimParams | None = None) -> tuple[float, np.ndarray]:
+    """Hit rate and per-request TTFTs (arrival order) of one LRU cache of the cluster's aggregate capacity.
+
+    What a router that could place every block perfectly would get from engines that evict LRU, as vLLM
+    does: no block held twice, every cached block usable by every request (free pulls), no queues. A
+    reference for workloads whose working set outgrows the cache (`tight_cache`), where the floor's
+    infinite cache says nothing: a policy near it loses requests to eviction, which routing cannot undo.
+    Not a strict bound (per-node LRU with pinning can keep a different set), but a close one.
+    """
+    p = params or SimParams()
+    rate, bt, cap = p.prefill_tokens_per_s, p.block_tokens, p.nodes * p.capacity_blocks
+    lru: OrderedDict[int, None] = OrderedDict()
+    ttft = np.empty(len(requests))
+    hit = total = 0
+    for i, r in enumerate(_sorted(requests)):
+        m = 0
+        for b in r.blocks:
+            if b not in lru:
+                break
+            m += 1
+        cached = tokens_of_blocks(m, r.input_tokens, bt)
+        hit += cached
+        total += r.input_tokens
+        ttft[i] = (r.input_tokens - cached) / rate
+        for b in r.blocks:
+            lru[b] = None
+            lru.move_to_end(b)
+        while len(lru) > cap:
+            lru.popitem(last=False)
+    return (hit / total if total else 0.0), ttft
 
 
 def simulate(

@@ -759,6 +759,27 @@ def test_a_hot_in_flight_prefix_is_started_again_elsewhere_without_the_duplicate
         KvdirPolicy(cost, dup_hot_requests=0)
 
 
+def test_a_follower_takes_the_shortest_queue_among_nodes_computing_its_prefix_not_the_near_tie_band():
+    # The burst once every node computes the prefix: n1's queue is one follower (64 tokens, 6.4 ms) longer but n1
+    # has the least recent work (its prefix was routed first and has decayed most). Every node will hold the
+    # prefix, so balancing buys nothing later: the follower takes the shortest queue.
+    cost = CostModel(block_bytes=64 << 20, link_bytes_per_s=12.5e9)
+    req = RouteRequest(6208, tuple(range(13)), block_size=512, max_tokens=16, inflight_requests=5)
+    cands = [
+        cand("n0", inflight_blocks=12, pending_prefill_tokens=6208, inflight=1),
+        cand("n1", inflight_blocks=12, pending_prefill_tokens=6272, inflight=2),
+    ]
+    pol = KvdirPolicy(cost)
+    pol.on_routed(req, Decision("n1", "balance", 0))
+    pol.on_routed(req, Decision("n0", "balance", 0))
+    assert pol.recent_work("n1") < pol.recent_work("n0")
+    d = pol.choose(req, cands, rng())
+    assert (d.node_id, d.reason) == ("n0", "inflight")
+    # Without a prefix in flight the same 6.4 ms is a near tie, and the node with less recent work gets it.
+    fresh = [cand("n0", pending_prefill_tokens=0), cand("n1", pending_prefill_tokens=64)]
+    assert pol.choose(req_of(20), fresh, rng()).node_id == "n1"
+
+
 def test_peer_notes_count_as_recent_work_of_their_node():
     req = req_of(4)
     cands = [cand("a"), cand("b")]

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from gateway.policy import POLICIES
 from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
 from kvdir.replay.report import main as replay_main
-from kvdir.replay.sim import SimParams, oracle_hit_rate, simulate
+from kvdir.replay.cluster import ClusterSim
+from kvdir.replay.sim import SimParams, oracle_hit_rate, pooled_lru, simulate, ttft_floor
 from kvdir.replay.trace import (
     TraceRequest,
     chain_blocks,
@@ -285,6 +286,43 @@ def test_kvdir_pulls_from_a_busy_holder():
     assert r["redundant_prefill"] == 0.0
     rr = simulate(trs, "round_robin", p)
     assert rr["redundant_prefill"] > 0 and r["ttft_p90_s"] < rr["ttft_p90_s"]
+
+
+def test_ttft_floor_of_a_follower_waits_for_the_prefix_it_reuses():
+    """Hand-computed: the follower either computes all 1,536 tokens (0.1536 s) or waits for the leader's prefill
+    (ends at 0.1024 s) and computes its last block (0.0512 s): 0.1436 s after its arrival at 0.01 s."""
+    p = SimParams(prefill_tokens_per_s=10_000.0)
+    floor = ttft_floor([req(0.0, [1, 2]), req(0.01, [1, 2, 3]), req(5.0, [1, 2, 3], tokens=1400)], p)
+    assert floor.tolist() == pytest.approx([0.1024, 0.1436, 0.0])  # the third finds every block computed
+
+
+@pytest.mark.parametrize(
+    ("trs", "nodes", "capacity"),
+    [
+        (hot_prefix_burst(48, 6144, 1000.0, suffix_tokens=64, output_tokens=16), 3, 3000),
+        (shared_prefix(groups=6, prompts_per_group=12, seed=2), 4, 3000),
+        (multi_turn(sessions=24, seed=3), 4, 60),
+        (tight_cache(2, 120, seed=1)[:300], 2, 120),
+    ],
+    ids=["burst", "shared_prefix", "multi_turn", "tight_cache"],
+)
+def test_no_policy_beats_the_ttft_floor_on_any_request(trs, nodes, capacity):
+    p = SimParams(nodes=nodes, capacity_blocks=capacity)
+    floor = ttft_floor(trs, p)
+    for policy in ALL:
+        sim = ClusterSim(sorted(trs, key=lambda r: r.arrival_s), policy, p)
+        sim.run(None)
+        assert (sim.ttft >= floor - 1e-9).all(), policy
+        assert (sim.ttft <= floor + 1e-9).sum() > 0, policy  # and the floor is reached somewhere: not vacuous
+
+
+def test_pooled_lru_is_one_lru_cache_of_the_aggregate_capacity():
+    p = SimParams(nodes=2, capacity_blocks=1, prefill_tokens_per_s=10_000.0)  # 2 blocks in all
+    hit, ttft = pooled_lru([req(0, [1, 2]), req(1, [1, 2]), req(2, [3, 4]), req(3, [1, 2])], p)
+    assert hit == pytest.approx(2 / 8) and ttft.tolist() == pytest.approx([0.1024, 0.0, 0.1024, 0.1024])
+    trs = reuse_trace()
+    big = SimParams(nodes=2, capacity_blocks=10**6)
+    assert pooled_lru(trs, big)[0] == pytest.approx(oracle_hit_rate(trs, by="tokens"))  # nothing evicted: the oracle
 
 
 def test_stale_directory_lowers_prediction_accuracy():
