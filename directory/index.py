@@ -1,86 +1,177 @@
 """The block index: which node holds which block hash, at which slot.
 
-Over 400 lines: the arrays, the numba kernels that walk them and the merge that rebuilds them share
+Over 400 lines: the arrays, the numba kernels that walk them and the merges that rebuild them share
 one layout; split, each half would need the other's invariants restated.
 
 Why this shape: the directory must hold millions of (hash, holder) entries in
 well under 100 bytes each and answer 256-block prefix lookups in microseconds.
 A dict of Python ints costs ~110 bytes an entry and a numpy pipeline pays
 a microsecond or more per call, so the index keeps plain numpy arrays and
-walks them with two small compiled kernels (numba, released GIL):
+walks them with small compiled kernels (numba, released GIL).
 
-- the *main level*: entries sorted by hash in CSR form (each distinct hash
-  once in `_ukeys`; its holders' node indices and slots in `_nodes`/`_slots`
-  between `_starts[j]` and `_starts[j+1]`), plus an open-addressing table over
-  `_ukeys`. Block hashes are uniform, so a hash's home slot is its value
-  scaled to the table; keys sit in sorted order (ordered linear probing) and
-  empty slots repeat the next key, which keeps the table sorted: a probe
-  walks forward from home while the keys there are smaller. One or two cache
-  misses find a hash, instead of a twenty-step binary search.
-- the *recent level*: entries not merged yet, in three small arrays sorted by
-  hash. It is merged into the main level once it outgrows `merge_threshold`
-  and 1/16 of the main level, so merging costs O(1) amortised per entry.
+Two levels:
+
+- the *main level*, cut into *partitions*: contiguous ranges of hash values,
+  each holding its entries sorted by hash in CSR form (each distinct hash
+  once in `ukeys`; its holders' node indices and slots in `nodes`/`slots`
+  between `starts[j]` and `starts[j+1]`), plus an open-addressing table over
+  `ukeys`. Block hashes are uniform, so a hash's home slot is its offset in
+  the partition's range scaled to the table; keys sit in sorted order
+  (ordered linear probing) and empty slots repeat the next key, which keeps
+  the table sorted: a probe walks forward from home while the keys there are
+  smaller. One or two cache misses find a hash, instead of a twenty-step
+  binary search.
+- the *recent level*: entries not merged yet, in three arrays sorted by hash,
+  one for the whole index: a put inserts into it with one kernel call (one
+  level a partition cost a Python round trip per partition a put touched,
+  three times the put's CPU at 8M entries), copying it whole as before (up to
+  N/16 entries, ~1 ms at 8M). A partition's share of it is
+  merged into that partition once it outgrows both its share of
+  `merge_threshold` and 1/16 of the partition, so merging costs O(1)
+  amortised per entry.
+
+Why partitions: a merge rebuilds a main level, inside a mutation on every
+replica's Raft thread and in every gateway's mirror at once. With one main
+level that was O(N): 0.47 s of CPU at 8M entries, which left mirrors stale. A
+merge that leaves a partition over `_PART_ENTRIES` entries splits it at
+distinct hashes into halves or smaller, so a merge rebuilds at most about that
+many entries (5-14 ms of CPU, where one merge at 8M entries took 0.33 s) however
+large the index grows, and a small index is one
+partition: the one-level layout it had. Cuts at distinct hashes rather than at
+hash bits stay balanced for non-uniform hashes too (tests use small integers).
+A mutation merges due partitions up to a budget, at least one
+(`_rebuild_due`); those that fall due together (after a large drop_node, say)
+wait for the next mutations, correct meanwhile: tombstones and a longer recent
+level only slow reads a little.
+
+Why raw addresses: a lookup touches a random partition per hash, and numba's
+typed lists cost 12-17 ns per array fetched (five per hash), more than a
+probe. The kernels instead get a table of each partition's array addresses
+and lengths (`_meta`, a row a partition) and view the arrays in place; the
+index keeps every array referenced for as long as its address is in the
+table, re-points the table (`_publish`, `_relayout`) whenever it replaces
+one, and pickles arrays, never addresses.
 
 Removals mark an entry's node as DEAD (a tombstone) in the main level and
 delete it from the recent level; tombstones are compacted away when they make
-up a quarter of the main level. Every mutation is deterministic (no clocks,
-randomness or I/O): it runs inside the Raft state machine, so every replica
-reaches the same arrays from the same calls. Not thread-safe: the caller
-serialises mutations against reads.
+up a quarter of a partition. `digest`, `items` and `entries` depend only on
+the live entries, not on where partitions were cut or what is merged. Every
+mutation is deterministic (no clocks, randomness or I/O): it runs inside the
+Raft state machine, so every replica reaches the same arrays from the same
+calls. Not thread-safe: the caller serialises mutations against reads.
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import numpy as np
 import xxhash
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
+from numba.np.numpy_support import carray
 
 DEAD = np.uint32(0xFFFFFFFF)
 _U64_MAX = np.uint64(2**64 - 1)
 _LOAD = 0.5  # occupancy of the probe table
+_PART_ENTRIES = 1 << 17  # a partition a merge leaves larger is split: a merge costs 5-14 ms of CPU
 _EMPTY_U64 = np.empty(0, dtype=np.uint64)
 _EMPTY_U32 = np.empty(0, dtype=np.uint32)
 _NO_MATCH = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty((0, 0), dtype=np.uint32))
+
+# Columns of the address table (`_meta`): the arrays the kernels read, per partition.
+_TKEY, _TROW, _STARTS, _NODES, _SLOTS = range(5)
+_LEN = 5  # column of the first length in `_meta`: a partition's addresses, then their lengths
+# Columns of the parameter table (`_prm`, uint64), per partition.
+_LO, _SHIFT, _MUL = range(3)
 
 
 # -- kernels ------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
-def _home(h: np.uint64, tsize: np.uint64) -> np.int64:  # pragma: no cover - compiled
-    return np.int64(((h >> np.uint64(32)) * tsize) >> np.uint64(32))
+def _pointer_cast(ty: types.Type) -> Any:
+    @intrinsic
+    def cast(typingctx: Any, addr: Any) -> Any:  # pragma: no cover - compiled
+        sig = types.CPointer(ty)(types.int64)  # type: ignore[no-untyped-call]
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return cast
+
+
+_as_u64 = _pointer_cast(types.uint64)
+_as_i64 = _pointer_cast(types.int64)
+_as_u32 = _pointer_cast(types.uint32)
 
 
 @njit(cache=True, nogil=True)
-def _main_row(
-    h: np.uint64, tkey: np.ndarray, trow: np.ndarray, tsize: np.uint64, empty_row: int
-) -> np.int64 | int:  # pragma: no cover - compiled
-    p = _home(h, tsize)
-    while tkey[p] < h:
-        p += 1
-    return trow[p] if tkey[p] == h else empty_row
+def _u64(meta: np.ndarray, f: int, p: int) -> np.ndarray:  # pragma: no cover - compiled
+    return carray(_as_u64(meta[p, f]), meta[p, _LEN + f])
+
+
+@njit(cache=True, nogil=True)
+def _i64(meta: np.ndarray, f: int, p: int) -> np.ndarray:  # pragma: no cover - compiled
+    return carray(_as_i64(meta[p, f]), meta[p, _LEN + f])
+
+
+@njit(cache=True, nogil=True)
+def _u32(meta: np.ndarray, f: int, p: int) -> np.ndarray:  # pragma: no cover - compiled
+    return carray(_as_u32(meta[p, f]), meta[p, _LEN + f])
+
+
+@njit(cache=True, nogil=True)
+def _home(h: np.uint64, lo: np.uint64, shift: np.uint64, mul: np.uint64) -> np.int64:  # pragma: no cover - compiled
+    return np.int64((((h - lo) >> shift) * mul) >> np.uint64(32))
+
+
+@njit(cache=True, nogil=True)
+def _part_of(h: np.uint64, prm: np.ndarray, pmap: np.ndarray, pshift: np.uint64) -> int:  # pragma: no cover - compiled
+    """The partition holding hash h: `pmap` names the one holding the lowest hash of h's top bits, which
+    for uniform hashes is h's own; otherwise a binary search over the partitions' lower bounds."""
+    p = pmap[h >> pshift]
+    if p + 1 < prm.shape[0] and prm[p + 1, _LO] <= h:
+        p = np.searchsorted(prm[:, _LO], h, side="right") - 1
+    return int(p)
+
+
+@njit(cache=True, nogil=True)
+def _main_row(h: np.uint64, p: int, prm: np.ndarray, meta: np.ndarray) -> int:  # pragma: no cover - compiled
+    """h's row in partition p's main level, or its empty last row."""
+    tkey = _u64(meta, _TKEY, p)
+    i = _home(h, prm[p, _LO], prm[p, _SHIFT], prm[p, _MUL])
+    while tkey[i] < h:
+        i += 1
+    return int(_i64(meta, _TROW, p)[i] if tkey[i] == h else meta[p, _LEN + _STARTS] - 2)
 
 
 @njit(cache=True, nogil=True)
 def _locate(
     hashes: np.ndarray,
     node: np.uint32,
-    tkey: np.ndarray,
-    trow: np.ndarray,
-    tsize: np.uint64,
-    starts: np.ndarray,
-    nodes: np.ndarray,
+    prm: np.ndarray,
+    pmap: np.ndarray,
+    pshift: np.uint64,
+    meta: np.ndarray,
     rkeys: np.ndarray,
     rnodes: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Where (hashes[i], node) lives: position in the main level, or in the recent level, or -1."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Where (hashes[i], node) lives: its partition, and its position in that partition's main level,
+    or in the recent level, or -1."""
     n = len(hashes)
+    part = np.empty(n, np.int64)
     main = np.full(n, -1, np.int64)
     recent = np.full(n, -1, np.int64)
-    empty_row = len(starts) - 2
     for i in range(n):
         h = hashes[i]
-        r = _main_row(h, tkey, trow, tsize, empty_row)
+        p = _part_of(h, prm, pmap, pshift)
+        part[i] = p
+        r = _main_row(h, p, prm, meta)
+        starts = _i64(meta, _STARTS, p)
+        nodes = _u32(meta, _NODES, p)
         for e in range(starts[r], starts[r + 1]):
             if nodes[e] == node:
                 main[i] = e
@@ -92,18 +183,41 @@ def _locate(
                     recent[i] = j
                     break
                 j += 1
-    return main, recent
+    return part, main, recent
+
+
+@njit(cache=True, nogil=True)
+def _store(
+    meta: np.ndarray, f: int, part: np.ndarray, pos: np.ndarray, values: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Main-level array `f` of partition part[i] gets values[i] at pos[i], where pos[i] >= 0."""
+    for i in range(len(pos)):
+        if pos[i] >= 0:
+            _u32(meta, f, part[i])[pos[i]] = values[i]
+
+
+@njit(cache=True, nogil=True)
+def _drop(node: np.uint32, meta: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """Mark every main-level entry of `node` DEAD; how many were, per partition."""
+    n = meta.shape[0]
+    dropped = np.zeros(n, np.int64)
+    dead = np.uint32(0xFFFFFFFF)
+    for p in range(n):
+        nodes = _u32(meta, _NODES, p)
+        for e in range(len(nodes)):
+            if nodes[e] == node:
+                nodes[e] = dead
+                dropped[p] += 1
+    return dropped
 
 
 @njit(cache=True, nogil=True)
 def _prefix_match(
     q: np.ndarray,
-    tkey: np.ndarray,
-    trow: np.ndarray,
-    tsize: np.uint64,
-    starts: np.ndarray,
-    nodes: np.ndarray,
-    slots: np.ndarray,
+    prm: np.ndarray,
+    pmap: np.ndarray,
+    pshift: np.uint64,
+    meta: np.ndarray,
     rkeys: np.ndarray,
     rnodes: np.ndarray,
     rslots: np.ndarray,
@@ -116,13 +230,16 @@ def _prefix_match(
     at the first hash that advances none of them.
     """
     n = len(q)
-    empty_row = len(starts) - 2
     dead = np.uint32(0xFFFFFFFF)
     cand_of = np.full(node_bound, -1, np.int64)
     cand = np.empty(node_bound, np.int64)
     first_slot = np.empty(node_bound, np.uint32)
     c = 0
-    r = _main_row(q[0], tkey, trow, tsize, empty_row)
+    p = _part_of(q[0], prm, pmap, pshift)
+    r = _main_row(q[0], p, prm, meta)
+    starts = _i64(meta, _STARTS, p)
+    nodes = _u32(meta, _NODES, p)
+    slots = _u32(meta, _SLOTS, p)
     for e in range(starts[r], starts[r + 1]):
         if nodes[e] != dead:
             cand_of[nodes[e]] = c
@@ -144,7 +261,11 @@ def _prefix_match(
     for i in range(1, n):
         advanced = 0
         h = q[i]
-        r = _main_row(h, tkey, trow, tsize, empty_row)
+        p = _part_of(h, prm, pmap, pshift)
+        r = _main_row(h, p, prm, meta)
+        starts = _i64(meta, _STARTS, p)
+        nodes = _u32(meta, _NODES, p)
+        slots = _u32(meta, _SLOTS, p)
         for e in range(starts[r], starts[r + 1]):
             nd = nodes[e]
             if nd != dead:
@@ -235,18 +356,19 @@ def _merge_levels(
 
 
 @njit(cache=True, nogil=True)
-def _probe_table(ukeys: np.ndarray, tsize: np.uint64) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+def _probe_table(
+    ukeys: np.ndarray, tsize: np.int64, lo: np.uint64, shift: np.uint64, mul: np.uint64
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """The probe table over sorted `ukeys` (tkey, trow), in one pass: each key at its home slot or the
     first free one after it (ordered linear probing); an empty slot repeats the next key and its row, so
     that a probe stops at the first key not smaller than the one it seeks; a sentinel slot ends it."""
     u = len(ukeys)
-    size = np.int64(tsize)
     last = np.int64(-1)  # the slot of the previous key
     pos = np.empty(u, np.int64)
     for i in range(u):
-        last = max(_home(ukeys[i], tsize), last + 1)
+        last = max(_home(ukeys[i], lo, shift, mul), last + 1)
         pos[i] = last
-    length = max(size, last + 1) + 1
+    length = max(tsize, last + 1) + 1
     tkey = np.empty(length, np.uint64)
     trow = np.empty(length, np.int64)
     p = 0
@@ -291,6 +413,57 @@ def _insert_sorted(
     return okeys, onodes, oslots
 
 
+# -- partitions ---------------------------------------------------------------------------
+
+
+class _Part:
+    """The main level of the hashes in [lo, hi): CSR arrays sorted by hash and the probe table over them."""
+
+    __slots__ = ("hi", "lo", "mul", "nodes", "shift", "slots", "starts", "tkey", "trow", "ukeys")
+
+    def __init__(self, lo: int, hi: int, main: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        self.lo, self.hi = lo, hi  # hi is exclusive: 2**64 for the last partition
+        ukeys, starts, nodes, slots = main or (_EMPTY_U64, np.zeros(2, dtype=np.int64), _EMPTY_U32, _EMPTY_U32)
+        self.ukeys, self.starts, self.nodes, self.slots = ukeys, starts, nodes, slots
+        # A hash's home slot: its offset in [lo, hi), cut to 32 bits, times the table size over the
+        # range's size, in fixed point. For the whole hash space this is (h >> 32) * tsize >> 32.
+        tsize = max(1, int(np.ceil(len(ukeys) / _LOAD)))
+        span = hi - lo - 1
+        shift = max(0, span.bit_length() - 32)
+        self.shift, self.mul = shift, (tsize << 32) // ((span >> shift) + 1)
+        self.tkey, self.trow = _probe_table(ukeys, np.int64(tsize), np.uint64(lo), np.uint64(shift), np.uint64(self.mul))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays the kernels read, in the rows of the address table."""
+        return (self.tkey, self.trow, self.starts, self.nodes, self.slots)
+
+    def live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Live entries as (hashes, nodes, slots), sorted by hash."""
+        keys = np.repeat(self.ukeys, np.diff(self.starts[:-1]))
+        live = self.nodes != DEAD
+        return keys[live], self.nodes[live], self.slots[live]
+
+
+def _split(lo: int, hi: int, ukeys: np.ndarray, starts: np.ndarray, nodes: np.ndarray, slots: np.ndarray) -> list[_Part]:
+    """Partitions over [lo, hi) holding this CSR level, cut at distinct hashes into pieces of at most
+    `_PART_ENTRIES` / 2 entries when it holds more than `_PART_ENTRIES`."""
+    total, u = len(nodes), len(ukeys)
+    if total <= _PART_ENTRIES:
+        return [_Part(lo, hi, (ukeys, starts, nodes, slots))]
+    pieces = -(-total // (_PART_ENTRIES // 2))
+    cuts = np.searchsorted(starts[:u], np.arange(1, pieces, dtype=np.int64) * total // pieces)
+    rows = [0, *sorted({int(c) for c in cuts if 0 < c < u}), u]
+    parts = []
+    for a, b in itertools.pairwise(rows):
+        e0, e1 = int(starts[a]), int(starts[b])
+        piece_starts = np.empty(b - a + 2, dtype=np.int64)
+        piece_starts[:-1] = starts[a : b + 1] - e0
+        piece_starts[-1] = e1 - e0
+        piece = (ukeys[a:b].copy(), piece_starts, nodes[e0:e1].copy(), slots[e0:e1].copy())
+        parts.append(_Part(lo if a == 0 else int(ukeys[a]), hi if b == u else int(ukeys[b]), piece))
+    return parts
+
+
 # -- the index -------------------------------------------------------------------------
 
 
@@ -299,27 +472,104 @@ class BlockIndex:
 
     def __init__(self, merge_threshold: int = 16384) -> None:
         self.merge_threshold = merge_threshold
-        # Main level (CSR); _starts has one more row than _ukeys: an empty row that
-        # probes for absent hashes land on.
-        self._ukeys = _EMPTY_U64
-        self._starts = np.zeros(2, dtype=np.int64)
-        self._nodes = _EMPTY_U32
-        self._slots = _EMPTY_U32
-        self._tsize = np.uint64(1)
-        self._tkey = np.full(2, _U64_MAX, dtype=np.uint64)
-        self._trow = np.zeros(2, dtype=np.int64)
-        self._dead = 0
+        self._parts = [_Part(0, 2**64)]
+        self._dead = np.zeros(1, dtype=np.int64)  # tombstones, per partition
+        self._rcount = np.zeros(1, dtype=np.int64)  # recent entries, per partition
         # Recent level, sorted by hash.
-        self._rkeys = _EMPTY_U64
-        self._rnodes = _EMPTY_U32
-        self._rslots = _EMPTY_U32
+        self._rkeys: np.ndarray = _EMPTY_U64
+        self._rnodes: np.ndarray = _EMPTY_U32
+        self._rslots: np.ndarray = _EMPTY_U32
+        self._size = 0
         self._counts: dict[int, int] = {}
         self._node_bound = 0  # 1 + the largest node index ever stored
+        self._relayout()
+
+    # -- layout --------------------------------------------------------------------
+
+    def _relayout(self) -> None:
+        """The tables the kernels read, for the current partitions: their bounds and home-slot parameters
+        (`_prm`), the addresses and lengths of their arrays (`_meta`), and which partition holds the lowest hash of
+        each top-bits bucket (`_pmap`, two buckets or more a partition)."""
+        n = len(self._parts)
+        self._prm = np.empty((n, 3), dtype=np.uint64)
+        self._meta = np.empty((n, 2 * _LEN), dtype=np.int64)  # a row a partition: one or two cache lines
+        for i in range(n):
+            self._publish(i)
+        bits = max(1, (2 * n - 1).bit_length())
+        self._pshift = np.uint64(64 - bits)
+        lows = np.arange(1 << bits, dtype=np.uint64) << self._pshift
+        self._pmap = np.searchsorted(self._prm[:, _LO], lows, side="right").astype(np.int64) - 1
+
+    def _publish(self, i: int) -> None:
+        """Point the tables at partition i's current arrays and home-slot parameters."""
+        part = self._parts[i]
+        self._prm[i] = (part.lo, part.shift, part.mul)
+        for f, a in enumerate(part.arrays()):
+            self._meta[i, f] = a.ctypes.data
+            self._meta[i, _LEN + f] = len(a)
+
+    def _recent_range(self, part: _Part) -> tuple[int, int]:
+        """Where the recent level holds the hashes of `part`."""
+        a = int(np.searchsorted(self._rkeys, np.uint64(part.lo)))
+        b = len(self._rkeys) if part.hi == 2**64 else int(np.searchsorted(self._rkeys, np.uint64(part.hi)))
+        return a, b
+
+    def _rebuilt(self, part: _Part) -> list[_Part]:
+        """`part` with its share of the recent level merged in and tombstones dropped, split when too large."""
+        a, b = self._recent_range(part)
+        merged = _merge_levels(
+            part.ukeys, part.starts, part.nodes, part.slots, self._rkeys[a:b], self._rnodes[a:b], self._rslots[a:b]
+        )
+        return _split(part.lo, part.hi, *merged)
+
+    def _rebuild(self, i: int) -> int:
+        """Merge partition i (splitting it if it grew too large); returns the entries it rebuilt."""
+        part = self._parts[i]
+        new = self._rebuilt(part)
+        a, b = self._recent_range(part)
+        if b > a:
+            self._rkeys, self._rnodes, self._rslots = (
+                np.concatenate((r[:a], r[b:])) for r in (self._rkeys, self._rnodes, self._rslots)
+            )
+        self._parts[i : i + 1] = new
+        fresh = np.zeros(len(new), dtype=np.int64)
+        self._dead = np.concatenate((self._dead[:i], fresh, self._dead[i + 1 :]))
+        self._rcount = np.concatenate((self._rcount[:i], fresh, self._rcount[i + 1 :]))
+        if len(new) == 1:
+            self._publish(i)
+        else:
+            self._relayout()
+        return sum(len(p.nodes) for p in new)
+
+    def _rebuild_due(self, changed: int) -> None:
+        """Rebuild due partitions (`_due`), fullest first, up to `_PART_ENTRIES` rebuilt entries plus 16 for
+        each entry the mutation changed (the merge work an entry brings: at most 17), and always one if
+        any is due. The rest wait for the next mutations: no mutation pays for many merges, as an O(N)
+        merge made it pay when the main level was one."""
+        budget = _PART_ENTRIES + 16 * changed
+        done = 0
+        while True:
+            due = self._due()
+            if not len(due):
+                return
+            work = self._rcount[due] + self._dead[due]
+            i = int(due[np.argmax(work)])  # the first of the fullest
+            if done and done + int(self._meta[i, _LEN + _NODES] + self._rcount[i]) > budget:
+                return
+            done += self._rebuild(i)
+
+    def _due(self) -> np.ndarray:
+        """Partitions whose recent entries outgrew their share of `merge_threshold` and 1/16 of their main
+        level (so merging costs O(1) amortised per entry), or whose tombstones are a quarter of it."""
+        main = self._meta[:, _LEN + _NODES]
+        share = -(-self.merge_threshold // len(self._parts))
+        r, d = self._rcount, self._dead
+        return np.flatnonzero(((r > 0) & (r >= np.maximum(share, main // 16))) | ((d > 0) & (d * 4 >= main)))
 
     # -- size ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._nodes) - self._dead + len(self._rkeys)
+        return self._size
 
     def count(self, node: int) -> int:
         """Entries held by `node`."""
@@ -328,28 +578,38 @@ class BlockIndex:
     def nbytes(self) -> int:
         """Bytes held in arrays."""
         arrays = (
-            self._ukeys,
-            self._starts,
-            self._nodes,
-            self._slots,
-            self._tkey,
-            self._trow,
+            self._prm,
+            self._pmap,
+            self._meta,
+            self._dead,
+            self._rcount,
             self._rkeys,
             self._rnodes,
             self._rslots,
         )
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in arrays) + sum(a.nbytes for p in self._parts for a in (p.ukeys, *p.arrays()))
+
+    def partitions(self) -> int:
+        """How many partitions the hash space is cut into (1 until a merge leaves over `_PART_ENTRIES`)."""
+        return len(self._parts)
 
     # -- mutation -------------------------------------------------------------
 
-    def _locate(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray]:
+    def _locate(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _locate(
-            hashes, np.uint32(node), self._tkey, self._trow, self._tsize, self._starts, self._nodes, self._rkeys, self._rnodes
+            np.ascontiguousarray(hashes, dtype=np.uint64),
+            np.uint32(node),
+            self._prm,
+            self._pmap,
+            self._pshift,
+            self._meta,
+            self._rkeys,
+            self._rnodes,
         )
 
     def missing(self, node: int, hashes: np.ndarray) -> int:
         """How many distinct hashes `node` does not hold yet (what a put would add)."""
-        main, recent = self._locate(np.unique(hashes), node)
+        _, main, recent = self._locate(np.unique(hashes), node)
         return int(((main < 0) & (recent < 0)).sum())
 
     def put(self, node: int, hashes: np.ndarray, slots: np.ndarray) -> int:
@@ -361,26 +621,27 @@ class BlockIndex:
         if len(hashes) > 1:
             hashes, last = np.unique(hashes[::-1], return_index=True)  # sorted, last occurrence wins
             slots = slots[::-1][last]
-        main, recent = self._locate(hashes, node)
-        in_main = main >= 0
+        slots = np.ascontiguousarray(slots, dtype=np.uint32)
+        part, main, recent = self._locate(hashes, node)
+        _store(self._meta, _SLOTS, part, main, slots)
         in_recent = recent >= 0
-        self._slots[main[in_main]] = slots[in_main]
         self._rslots[recent[in_recent]] = slots[in_recent]
-        new = ~(in_main | in_recent)
+        new = (main < 0) & ~in_recent
         added = int(new.sum())
         if added:
             self._rkeys, self._rnodes, self._rslots = _insert_sorted(
                 self._rkeys,
                 self._rnodes,
                 self._rslots,
-                hashes[new].astype(np.uint64),
+                np.ascontiguousarray(hashes[new], dtype=np.uint64),
                 np.uint32(node),
-                slots[new].astype(np.uint32),
+                slots[new],
             )
+            self._rcount += np.bincount(part[new], minlength=len(self._parts))
+            self._size += added
             self._counts[node] = self._counts.get(node, 0) + added
             self._node_bound = max(self._node_bound, node + 1)
-            if len(self._rkeys) >= max(self.merge_threshold, len(self._nodes) // 16):
-                self.merge()
+        self._rebuild_due(added)
         return added
 
     def load(self, hashes: np.ndarray, nodes: np.ndarray, slots: np.ndarray) -> None:
@@ -394,39 +655,45 @@ class BlockIndex:
         counts = np.bincount(self._rnodes) if len(self._rnodes) else np.zeros(0, dtype=np.int64)
         self._counts = {i: int(c) for i, c in enumerate(counts.tolist()) if c}
         self._node_bound = len(counts)
-        if len(self._rkeys):
+        self._size = len(self._rkeys)
+        if self._size:
             self.merge()
 
     def remove(self, node: int, hashes: np.ndarray) -> int:
         """Forget that `node` holds these hashes; unknown ones are ignored. Returns entries removed."""
-        main, recent = self._locate(hashes, node)
-        main = np.unique(main[main >= 0])
-        recent = np.unique(recent[recent >= 0])
-        self._nodes[main] = DEAD
-        self._dead += len(main)
-        if len(recent):
-            self._rkeys = np.delete(self._rkeys, recent)
-            self._rnodes = np.delete(self._rnodes, recent)
-            self._rslots = np.delete(self._rslots, recent)
-        removed = len(main) + len(recent)
+        part, main, recent = self._locate(np.unique(hashes), node)
+        in_main, in_recent = main >= 0, recent >= 0
+        _store(self._meta, _NODES, part, main, np.full(len(main), DEAD, dtype=np.uint32))
+        np.add.at(self._dead, part[in_main], 1)
+        if in_recent.any():
+            gone = recent[in_recent]
+            self._rkeys, self._rnodes, self._rslots = (np.delete(r, gone) for r in (self._rkeys, self._rnodes, self._rslots))
+            np.subtract.at(self._rcount, part[in_recent], 1)
+        removed = int(in_main.sum()) + int(in_recent.sum())
+        self._size -= removed
         self._uncount(node, removed)
-        self._maybe_compact()
+        self._rebuild_due(removed)
         return removed
 
     def drop_node(self, node: int) -> int:
-        """Forget every entry of `node` (new epoch, expiry, deregistration). Returns entries removed."""
+        """Forget every entry of `node` (new epoch, expiry, deregistration). Returns entries removed.
+
+        Marks its main-level entries in one pass over all of them (5 ms at 8M entries); the partitions
+        this leaves a quarter dead are compacted one a mutation, not all at once."""
         if not self._counts.pop(node, 0):
             return 0
-        mask = self._nodes == node
-        in_main = int(mask.sum())
-        self._nodes[mask] = DEAD
-        self._dead += in_main
-        keep = self._rnodes != node
-        in_recent = len(keep) - int(keep.sum())
+        dropped = _drop(np.uint32(node), self._meta)
+        self._dead += dropped
+        gone = self._rnodes == node
+        in_recent = int(gone.sum())
         if in_recent:
+            np.subtract.at(self._rcount, np.searchsorted(self._prm[:, _LO], self._rkeys[gone], side="right") - 1, 1)
+            keep = ~gone
             self._rkeys, self._rnodes, self._rslots = self._rkeys[keep], self._rnodes[keep], self._rslots[keep]
-        self._maybe_compact()
-        return in_main + in_recent
+        removed = int(dropped.sum()) + in_recent
+        self._size -= removed
+        self._rebuild_due(0)
+        return removed
 
     def _uncount(self, node: int, n: int) -> None:
         left = self._counts.get(node, 0) - n
@@ -435,28 +702,53 @@ class BlockIndex:
         else:
             self._counts.pop(node, None)
 
-    def _maybe_compact(self) -> None:
-        if self._dead and self._dead * 4 >= len(self._nodes):
-            self.merge()
-
-    def _main_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Live entries of the main level as (hashes, nodes, slots), sorted by hash."""
-        keys = np.repeat(self._ukeys, np.diff(self._starts[:-1]))
-        nodes, slots = self._nodes, self._slots
-        if self._dead:
-            live = nodes != DEAD
-            keys, nodes, slots = keys[live], nodes[live], slots[live]
-        return keys, nodes, slots
-
     def merge(self) -> None:
-        """Fold the recent level into the main level, drop tombstones and rebuild the probe table."""
-        self._ukeys, self._starts, self._nodes, self._slots = _merge_levels(
-            self._ukeys, self._starts, self._nodes, self._slots, self._rkeys, self._rnodes, self._rslots
-        )
-        self._dead = 0
+        """Fold the recent level into the main levels, drop tombstones and rebuild the probe tables: O(N),
+        for `load`, tests and benchmarks; mutations merge a partition at a time."""
+        self._parts = [q for p in self._parts for q in self._rebuilt(p)]
         self._rkeys, self._rnodes, self._rslots = _EMPTY_U64, _EMPTY_U32, _EMPTY_U32
-        self._tsize = np.uint64(max(1, int(np.ceil(len(self._ukeys) / _LOAD))))
-        self._tkey, self._trow = _probe_table(self._ukeys, self._tsize)
+        self._dead = np.zeros(len(self._parts), dtype=np.int64)
+        self._rcount = np.zeros(len(self._parts), dtype=np.int64)
+        self._relayout()
+
+    # -- pickling (Raft snapshots) ------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Arrays and numbers: the probe and address tables are rebuilt on load (the addresses would be
+        meaningless), and Raft's unpickler builds no other types."""
+        return {
+            "merge_threshold": self.merge_threshold,
+            "parts": [(p.lo, p.hi, p.ukeys, p.starts, p.nodes, p.slots) for p in self._parts],
+            "dead": self._dead,
+            "recent": (self._rkeys, self._rnodes, self._rslots),
+            "size": self._size,
+            "counts": self._counts,
+            "node_bound": self._node_bound,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a snapshot; one taken before partitions (a single main level) is loaded from its entries."""
+        if "parts" not in state:
+            self.merge_threshold = state["merge_threshold"]
+            keys = np.repeat(state["_ukeys"], np.diff(state["_starts"][:-1]))
+            live = state["_nodes"] != DEAD
+            self.load(
+                np.concatenate([keys[live], state["_rkeys"]]),
+                np.concatenate([state["_nodes"][live], state["_rnodes"]]),
+                np.concatenate([state["_slots"][live], state["_rslots"]]),
+            )
+            self._node_bound = max(self._node_bound, state["_node_bound"])
+            return
+        self.merge_threshold = state["merge_threshold"]
+        self._parts = [_Part(int(lo), int(hi), main) for lo, hi, *main in state["parts"]]
+        self._dead = state["dead"]
+        self._rkeys, self._rnodes, self._rslots = state["recent"]
+        self._size = state["size"]
+        self._counts = state["counts"]
+        self._node_bound = state["node_bound"]
+        self._relayout()
+        where = np.searchsorted(self._prm[:, _LO], self._rkeys, side="right") - 1
+        self._rcount = np.bincount(where, minlength=len(self._parts)).astype(np.int64)
 
     # -- queries ------------------------------------------------------------------
 
@@ -471,12 +763,10 @@ class BlockIndex:
             return _NO_MATCH
         return _prefix_match(
             np.ascontiguousarray(hashes, dtype=np.uint64),
-            self._tkey,
-            self._trow,
-            self._tsize,
-            self._starts,
-            self._nodes,
-            self._slots,
+            self._prm,
+            self._pmap,
+            self._pshift,
+            self._meta,
             self._rkeys,
             self._rnodes,
             self._rslots,
@@ -487,12 +777,8 @@ class BlockIndex:
     def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All live entries as (hashes, nodes, slots), copied, in no particular order: cheap enough to
         take under the state lock (a watch stream's snapshot), unlike the sorted `items`."""
-        keys, nodes, slots = self._main_arrays()
-        return (
-            np.concatenate([keys, self._rkeys]),
-            np.concatenate([nodes, self._rnodes]),
-            np.concatenate([slots, self._rslots]),
-        )
+        levels = [p.live() for p in self._parts] + [(self._rkeys, self._rnodes, self._rslots)]
+        return tuple(np.concatenate(column) for column in zip(*levels))  # type: ignore[return-value]
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All live entries as (hashes, nodes, slots) sorted by (hash, node): a canonical form."""
@@ -535,8 +821,11 @@ def warm_up() -> tuple[int, int]:
         ix.lookup(hashes, with_slots)
     ix.merge()
     ix.remove(1, hashes[:1])
+    ix.drop_node(0)
     kernels = (
         _locate,
+        _store,
+        _drop,
         _prefix_match,
         _merge_levels,
         _probe_table,

@@ -23,6 +23,7 @@ import numpy as np
 from directory.client import DirectoryClient
 from directory.errors import DirectoryUnavailable
 from directory.hashing import block_hashes, chain_hashes, seed_for
+from directory.index import BlockIndex
 from directory.state import DirectoryState, Publish, Register
 from kvdir.bench.loadgen import LoadSpec, run_load
 from kvdir.bench.proc import cpu_s
@@ -211,6 +212,47 @@ def bench_apply(batch: int, blocks: int) -> float:
     return _best_rate(run)
 
 
+# -- the index's worst stall ------------------------------------------------------------------
+
+
+def bench_mutation_stall(entries: int) -> dict[str, Any]:
+    """CPU of the slowest index mutation while 16 nodes grow a `BlockIndex` to `entries` entries in puts of
+    64 random hashes (as publishes arrive), then of dropping one node: the stall every replica's Raft
+    thread and every gateway's mirror takes at once. Also the CPU per 1,000 entries over the whole growth,
+    merges included, and the lookup rate (256-hash queries, as `bench_lookups`) at the final size."""
+    rng = np.random.default_rng(3)
+    ix = BlockIndex()
+    slots = np.arange(64, dtype=np.uint32)
+    worst = total = 0.0
+    published: list[np.ndarray] = []
+    for i in range(entries // 64):
+        hashes = rng.integers(0, 2**64 - 1, 64, dtype=np.uint64, endpoint=True)
+        if i % 64 == 0:
+            published.append(hashes)
+        t0 = time.process_time()
+        ix.put(i % 16, hashes, slots)
+        took = time.process_time() - t0
+        total += took
+        worst = max(worst, took)
+    t0 = time.process_time()
+    ix.drop_node(0)
+    drop = time.process_time() - t0
+    queries = [np.concatenate([h, rng.integers(0, 2**64 - 1, 192, dtype=np.uint64, endpoint=True)]) for h in published[:2000]]
+
+    def lookups() -> int:
+        for q in queries:
+            ix.lookup(q)
+        return len(queries)
+
+    return {
+        "stall_entries": len(ix),
+        "stall_worst_put_ms": worst * 1e3,
+        "stall_put_cpu_ms_per_1k_entries": total / (entries // 64 * 64) * 1e6,
+        "stall_drop_node_ms": drop * 1e3,
+        "stall_lookup_per_s": _best_rate(lookups),
+    }
+
+
 # -- REST ----------------------------------------------------------------------------
 
 
@@ -387,6 +429,9 @@ def main(*, as_json: bool, quick: bool) -> int:
     blocks = 100_000 if quick else 500_000
     results["apply_blocks_per_s"] = bench_apply(64, blocks)
     results["apply_batch1024_blocks_per_s"] = bench_apply(1024, blocks)
+    stall_entries = 1_000_000 if quick else 8_000_000
+    say(f"the slowest index mutation while growing to {stall_entries:,} entries in puts of 64 (CPU)...")
+    results.update(bench_mutation_stall(stall_entries))
     say("REST on 3 local replicas...")
     results.update(bench_rest(quick, LookupWorkload(sequences=10, queries=200, seed=5).query_seq))
     # Issue #15's figure: committed publishes on 3 replicas against the state machine's own rate.

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import directory.index as index_module
 from directory.index import DEAD, BlockIndex
+from directory.raft_transport import dumps, safe_loads
 
 MODES = ["delta", "merged", "t4", "mixed"]
 
@@ -21,6 +23,21 @@ def H(*xs) -> np.ndarray:
 
 def S(*xs) -> np.ndarray:
     return np.asarray(xs, dtype=np.uint32)
+
+
+def recent(ix: BlockIndex) -> int:
+    """Entries in the recent level."""
+    return len(ix._rkeys)
+
+
+def main(ix: BlockIndex) -> int:
+    """Entries in the main levels, tombstones included."""
+    return sum(len(p.nodes) for p in ix._parts)
+
+
+def dead(ix: BlockIndex) -> int:
+    """Tombstones in the main levels."""
+    return int(ix._dead.sum())
 
 
 class Ix:
@@ -96,22 +113,22 @@ def ix(request) -> Ix:
 def test_layouts_are_exercised():
     d = Ix("delta")
     d.put(0, [1, 2, 3], [0, 1, 2])
-    assert d.ix._rkeys.size == 3 and len(d.ix._nodes) == 0
+    assert recent(d.ix) == 3 and main(d.ix) == 0
 
     m = Ix("merged")
     m.put(0, [1, 2, 3], [0, 1, 2])
-    assert m.ix._rkeys.size == 0 and len(m.ix._nodes) == 3
+    assert recent(m.ix) == 0 and main(m.ix) == 3
 
     t = Ix("t4")
     t.put(0, [1, 2, 3], [0, 1, 2])
-    assert t.ix._rkeys.size == 3 and len(t.ix._nodes) == 0
+    assert recent(t.ix) == 3 and main(t.ix) == 0
     t.put(1, [1], [9])
-    assert t.ix._rkeys.size == 0 and len(t.ix._nodes) == 4
+    assert recent(t.ix) == 0 and main(t.ix) == 4
 
     x = Ix("mixed")
     x.put(0, [1, 2], [0, 1])  # merged
     x.put(1, [1, 3], [5, 6])  # stays in delta
-    assert x.ix._rkeys.size == 2 and len(x.ix._nodes) == 2
+    assert recent(x.ix) == 2 and main(x.ix) == 2
 
 
 # -- put / len / count ------------------------------------------------------------
@@ -257,7 +274,7 @@ def test_long_query_mixed_layout_hole_filled_by_delta():
     ix.merge()
     ix.put(0, seq[50:], np.arange(50, 100, dtype=np.uint32))  # delta
     ix.put(1, seq[:30], np.zeros(30, dtype=np.uint32))  # delta, overlapping array keys
-    assert ix._rkeys.size == 80 and len(ix._nodes) == 50
+    assert recent(ix) == 80 and main(ix) == 50
     got = look(ix, seq, with_slots=True)
     assert [(m.node, m.matched) for m in got] == [(0, 100), (1, 30)]
     assert got[0].slots.tolist() == list(range(100))
@@ -322,19 +339,19 @@ def test_tombstones_hidden_and_compacted():
     hashes = np.arange(1, 101, dtype=np.uint64)
     ix.put(0, hashes, np.arange(100, dtype=np.uint32))
     ix.put(1, hashes[:20], np.zeros(20, dtype=np.uint32))
-    assert len(ix._nodes) == 120 and ix._dead == 0
+    assert main(ix) == 120 and dead(ix) == 0
     before = ix.nbytes()
     # a few removals leave tombstones (under a quarter): arrays keep their size
     assert ix.remove(0, hashes[10:20]) == 10
-    assert ix._dead == 10 and len(ix._nodes) == 120
-    assert (ix._nodes == DEAD).sum() == 10
+    assert dead(ix) == 10 and main(ix) == 120
+    assert sum(int((p.nodes == DEAD).sum()) for p in ix._parts) == 10
     assert len(ix) == 110 and ix.count(0) == 90
     assert [(m.node, m.matched) for m in look(ix, hashes)] == [(1, 20), (0, 10)]
     keys, nodes, _ = ix.items()
     assert len(keys) == 110 and DEAD not in nodes
     # crossing a quarter compacts: tombstones are gone and the arrays shrink
     assert ix.remove(0, hashes[20:40]) == 20
-    assert ix._dead == 0 and len(ix._nodes) == 90
+    assert dead(ix) == 0 and main(ix) == 90
     assert ix.nbytes() < before
     assert len(ix) == 90 and ix.count(0) == 70 and ix.count(1) == 20
     assert [(m.node, m.matched) for m in look(ix, hashes)] == [(1, 20), (0, 10)]
@@ -349,7 +366,7 @@ def test_drop_node_compacts_arrays():
     ix.put(0, np.arange(1, 31, dtype=np.uint64), np.arange(30, dtype=np.uint32))
     ix.put(1, np.arange(1, 11, dtype=np.uint64), np.arange(10, dtype=np.uint32))
     assert ix.drop_node(0) == 30
-    assert ix._dead == 0 and len(ix._nodes) == 10
+    assert dead(ix) == 0 and main(ix) == 10
     assert len(ix) == 10 and ix.count(0) == 0 and ix.count(1) == 10
 
 
@@ -362,7 +379,7 @@ def test_merge_preserves_content(ix):
     before = matches_slots(look(ix, [1, 9, 5], with_slots=True))
     n = len(ix.ix)
     ix.ix.merge()
-    assert ix.ix._rkeys.size == 0 and ix.ix._dead == 0
+    assert recent(ix.ix) == 0 and dead(ix.ix) == 0
     assert [a.tolist() for a in ix.ix.items()] == before_items
     assert matches_slots(look(ix, [1, 9, 5], with_slots=True)) == before
     assert len(ix.ix) == n and ix.ix.count(0) == 2 and ix.ix.count(1) == 2 and ix.ix.count(2) == 1
@@ -555,3 +572,156 @@ def test_index_matches_dict_model(threshold, ops, queries):
     keys, nodes, slots = ix.items()
     flat = sorted((h, n, s) for n, held in model.items() for h, s in held.items())
     assert list(zip(keys.tolist(), nodes.tolist(), slots.tolist())) == flat
+
+
+# -- partitions ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_partitions(monkeypatch):
+    """Partitions split past 64 entries, so that small indexes have many."""
+    monkeypatch.setattr(index_module, "_PART_ENTRIES", 64)
+
+
+def _mains(ix: BlockIndex) -> dict[int, np.ndarray]:
+    return {id(p.nodes): p.nodes for p in ix._parts}
+
+
+def _rebuilt(ix: BlockIndex, before: dict[int, np.ndarray]) -> int:
+    """Main-level entries in arrays that `before` (from `_mains`) did not hold: what merges rebuilt since."""
+    return sum(len(p.nodes) for p in ix._parts if before.get(id(p.nodes)) is not p.nodes)
+
+
+def test_small_index_is_one_partition():
+    ix = BlockIndex(merge_threshold=1)
+    ix.put(0, np.arange(1, 1001, dtype=np.uint64), np.zeros(1000, dtype=np.uint32))
+    assert ix.partitions() == 1 and main(ix) == 1000
+
+
+def test_put_rebuilds_one_partition(small_partitions):
+    """Growing in puts of 8, no put merges more than one partition (64 entries plus its recent level)
+    however many entries the index holds; a single main level rebuilt all of them."""
+    rng = np.random.default_rng(0)
+    ix = BlockIndex(merge_threshold=4)
+    worst = 0
+    for i in range(1500):
+        before = _mains(ix)
+        ix.put(i % 5, rng.integers(0, 2**64 - 1, 8, dtype=np.uint64, endpoint=True), np.arange(8, dtype=np.uint32))
+        worst = max(worst, _rebuilt(ix, before))
+    assert len(ix) == 12000 and ix.count(0) == 2400 and ix.partitions() >= 150
+    assert 0 < worst <= 64 + 16 * 8
+    keys, nodes, slots = ix.items()
+    assert len(keys) == 12000 and main(ix) > 10000
+    for j in range(0, 12000, 997):
+        assert (int(nodes[j]), 1, [int(slots[j])]) in matches_slots(look(ix, keys[j : j + 1], with_slots=True))
+
+
+def test_drop_node_compacts_a_partition_at_a_time(small_partitions):
+    rng = np.random.default_rng(1)
+    ix = BlockIndex(merge_threshold=4)
+    hashes = rng.integers(0, 2**64 - 1, 4000, dtype=np.uint64, endpoint=True)
+    for i in range(0, 4000, 8):
+        ix.put(0, hashes[i : i + 8], np.arange(8, dtype=np.uint32))
+        ix.put(1, hashes[i : i + 4], np.arange(4, dtype=np.uint32))
+    ix.merge()
+    assert dead(ix) == 0 and ix.partitions() > 50
+    before = _mains(ix)
+    assert ix.drop_node(0) == 4000  # two thirds of every partition
+    assert _rebuilt(ix, before) <= 64
+    assert dead(ix) > 3000  # the others wait for later mutations...
+    assert matches(look(ix, hashes[:4])) == [(1, 4)]  # ...and are not seen meanwhile
+    keys, nodes, _ = ix.items()
+    assert len(ix) == 2000 and keys.tolist() == sorted(hashes.reshape(-1, 8)[:, :4].ravel().tolist())
+    assert set(nodes.tolist()) == {1}
+    for _ in range(ix.partitions()):
+        before = _mains(ix)
+        ix.put(2, hashes[:1], np.zeros(1, dtype=np.uint32))  # any mutation compacts one more
+        assert _rebuilt(ix, before) <= 2 * 64
+    assert dead(ix) == 0 and len(ix) == 2001
+
+
+@pytest.mark.parametrize("spread", [True, False], ids=["xxh3-like", "small-ints"])
+def test_partitioned_index_matches_model(small_partitions, spread):
+    """Many partitions, with merges, splits, tombstones and waiting partitions, against a dict model.
+    Splits cut at distinct hashes, so small integer hashes (all in the lowest 2**-52 of the space)
+    are cut as finely as spread ones."""
+    rng = np.random.default_rng(2)
+    ix = BlockIndex(merge_threshold=4)
+    model: dict[int, dict[int, int]] = {}
+    for i in range(800):
+        node = int(rng.integers(0, 4))
+        hs = rng.integers(0, 3000, 6, dtype=np.uint64)
+        hs = hs * np.uint64(0x9E3779B97F4A7C15) if spread else hs
+        kind = "drop" if i % 97 == 96 else ("remove" if i % 3 == 2 else "put")
+        if kind == "put":
+            ss = rng.integers(0, 100, 6).astype(np.uint32)
+            held = model.setdefault(node, {})
+            assert ix.put(node, hs, ss) == len(set(hs.tolist()) - set(held))
+            held.update(zip(hs.tolist(), ss.tolist()))
+        elif kind == "remove":
+            gone = set(hs.tolist()) & set(model.get(node, {}))
+            assert ix.remove(node, hs) == len(gone)
+            for h in gone:
+                del model[node][h]
+        else:
+            assert ix.drop_node(node) == len(model.pop(node, {}))
+    assert ix.partitions() > 10
+    flat = sorted((h, n, s) for n, held in model.items() for h, s in held.items())
+    keys, nodes, slots = ix.items()
+    assert list(zip(keys.tolist(), nodes.tolist(), slots.tolist())) == flat
+    assert len(ix) == len(flat) and all(ix.count(n) == len(model.get(n, {})) for n in range(4))
+    for j in range(0, len(flat), 37):
+        q = keys[j : j + 5]
+        expected = []
+        for n, held in model.items():
+            k = 0
+            while k < len(q) and int(q[k]) in held:
+                k += 1
+            if k:
+                expected.append((-k, n, [held[int(h)] for h in q[:k]]))
+        assert matches_slots(look(ix, q, with_slots=True)) == [(n, -k, s) for k, n, s in sorted(expected)]
+        assert [ix.missing(n, q) for n in range(4)] == [
+            sum(int(h) not in model.get(n, {}) for h in set(q.tolist())) for n in range(4)
+        ]
+    # the same content loaded in one go is cut elsewhere, and digests alike
+    names = {n: f"n{n}" for n in range(4)}
+    loaded = BlockIndex(merge_threshold=4)
+    loaded.load(*ix.entries())
+    assert loaded.digest(names) == ix.digest(names)
+    assert [p.lo for p in loaded._parts] != [p.lo for p in ix._parts]
+    clone = pickle.loads(pickle.dumps(ix))
+    assert clone.digest(names) == ix.digest(names) and clone.partitions() == ix.partitions()
+    assert [matches_slots(look(clone, keys[j : j + 5], with_slots=True)) for j in range(0, len(flat), 37)] == [
+        matches_slots(look(ix, keys[j : j + 5], with_slots=True)) for j in range(0, len(flat), 37)
+    ]
+
+
+def test_snapshot_of_one_level_index_loads(monkeypatch):
+    """A Raft snapshot taken before partitions (one main level, one recent level) restores through
+    Raft's restricted unpickler into the same content."""
+    old = {
+        "merge_threshold": 4,
+        "_ukeys": H(3, 7),
+        "_starts": np.array([0, 2, 3, 3], dtype=np.int64),
+        "_nodes": np.array([0, DEAD, 1], dtype=np.uint32),
+        "_slots": S(10, 11, 12),
+        "_tsize": np.uint64(4),
+        "_tkey": H(3, 3, 7, 7, 2**64 - 1),
+        "_trow": np.array([0, 0, 1, 1, 2], dtype=np.int64),
+        "_dead": 1,
+        "_rkeys": H(5),
+        "_rnodes": S(0),
+        "_rslots": S(13),
+        "_counts": {0: 2, 1: 1},
+        "_node_bound": 3,
+    }
+    with monkeypatch.context() as m:
+        m.setattr(BlockIndex, "__getstate__", lambda self: old)  # pickled as the old shape was
+        data = dumps(BlockIndex())
+    ix = safe_loads(data)
+    assert isinstance(ix, BlockIndex)
+    assert [a.tolist() for a in ix.items()] == [[3, 5, 7], [0, 0, 1], [10, 13, 12]]
+    assert len(ix) == 3 and ix.count(0) == 2 and ix.count(1) == 1 and ix._node_bound == 3
+    assert matches(look(ix, [3, 5])) == [(0, 2)]
+    again = safe_loads(dumps(ix))  # and the new shape goes through Raft's unpickler too
+    assert again.digest({0: "a", 1: "b"}) == ix.digest({0: "a", 1: "b"})
