@@ -164,7 +164,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
         )
         peers.start()
-        app.state.proxy = Proxy(router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror, peers)
+        app.state.proxy = Proxy(
+            router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror, peers, settings.mirror_stale_lag_s
+        )
         app.state.models_cache = (0.0, [])
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
         try:

@@ -72,6 +72,13 @@ class GatewaySettings(DirectoryClientSettings):
         description="the mirror answers lookups while it was caught up with a fresh replica at most this long ago "
         "(default: the directory's staleness bound, its --raft-max-timeout-s); else REST lookups",
     )
+    mirror_stale_lag_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="when the mirror is stale and REST lookups fail too (an election, a partition), the mirror still "
+        "answers while it is at most this far behind; past it, routing by load",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="limit for one upstream request")
     unhealthy_s: float = Field(5.0, ge=0, description="how long an engine that refused a connection is skipped")
     seed: int = Field(0, description="seed of the policies' random tie-breaks")

@@ -47,13 +47,13 @@ class GatewayMetrics:
         self.upstream_errors = Counter("kvdir_gateway_upstream_errors_total", "Upstream failures, by kind", ["kind"], registry=r)
         self.lookup_failures = Counter(
             "kvdir_gateway_lookup_failures_total",
-            "Directory lookups that failed (request routed by load), by cause: timeout or error",
+            "REST lookups that failed (the stale mirror answered, or the request was routed by load), by cause: timeout or error",
             ["cause"],
             registry=r,
         )
         self.lookups = Counter(
             "kvdir_gateway_lookups_total",
-            "Prefix lookups, by source: mirror (in-process), rest (a replica), none (failed: routed by load)",
+            "Prefix lookups, by source: mirror (in-process), rest (a replica), mirror_stale (REST failed; the mirror, behind), none (routed by load)",
             ["source"],
             registry=r,
         )

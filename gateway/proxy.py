@@ -2,9 +2,11 @@
 
 The I/O half of the request path (gateway.router is the pure half). For one
 request, `Proxy.complete`:
-1. hashes the prompt and asks the directory which engines hold it; a lookup
-   that fails or takes longer than `lookup_timeout_s` is routed by load
-   (`fallback`): a request never fails because the directory is down;
+1. hashes the prompt and asks the directory which engines hold it: the mirror
+   while it is fresh, else a replica; a lookup that fails or takes longer than
+   `lookup_timeout_s` is answered by the stale mirror while it is at most
+   `mirror_stale_lag_s` behind, else routed by load (`fallback`): a request
+   never fails because the directory is down;
 2. routes it and sends the body (with the pull plan, if any) upstream; a
    connection refused before any byte was received marks the engine unhealthy
    and is retried on the next best, until no engine is left (503); an engine
@@ -147,6 +149,7 @@ class Proxy:
         lookup_timeout_s: float,
         mirror: Mirror | None = None,
         peers: PeerNotes | None = None,
+        mirror_stale_lag_s: float = 60.0,
     ) -> None:
         self.router = router
         self.registry = registry
@@ -155,13 +158,15 @@ class Proxy:
         self.metrics = metrics
         self.lookup_timeout_s = lookup_timeout_s
         self.mirror = mirror
+        self.mirror_stale_lag_s = mirror_stale_lag_s
         self.peers = peers
 
     async def lookup(self, hashes: list[int]) -> tuple[Mapping[str, HolderView], str | None]:
         """Holders by node id, and why the directory did not answer (None: it did).
 
-        From the mirror while it is fresh (gateway.mirror), else from a replica over REST, else none
-        (routing by load); each source is counted in kvdir_gateway_lookups_total.
+        From the mirror while it is fresh (gateway.mirror), else from a replica over REST, else from the
+        mirror while it is at most `mirror_stale_lag_s` behind, else none (routing by load); each source is
+        counted in kvdir_gateway_lookups_total (mirror, rest, mirror_stale, none).
         """
         if not hashes:
             return {}, None
@@ -177,9 +182,18 @@ class Proxy:
         else:
             self.metrics.lookups.labels("rest").inc()
             return {h.node_id: h for h in res.holders}, None
+        self.metrics.lookup_failures.labels(cause).inc()
+        # A stale view beats none: its holders may have evicted what it lists (the engine then recomputes, and
+        # a pull from a fenced epoch is refused), but blind routing loses every cached prefix.
+        mirror = self.mirror
+        if mirror is not None and (lag := mirror.lag_s()) <= self.mirror_stale_lag_s:
+            found = await mirror.lookup(hashes)
+            if found is not None:
+                log.info("directory lookup failed (%s): answering from the mirror, %.2f s behind", failure, lag)
+                self.metrics.lookups.labels("mirror_stale").inc()
+                return {h.node_id: h for h in found}, None
         log.info("directory lookup failed (%s): routing by load", failure)
         self.metrics.lookups.labels("none").inc()
-        self.metrics.lookup_failures.labels(cause).inc()
         return {}, failure
 
     async def complete(

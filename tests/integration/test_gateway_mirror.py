@@ -1,5 +1,6 @@
 """The gateway answers lookups from its mirror of the directory (gateway.mirror) while it is fresh, from a
-replica over REST without one, and by load when neither answers; it recovers without a restart."""
+replica over REST without one, from the stale mirror when REST fails too (within --mirror-stale-lag-s), and
+by load past that; it recovers without a restart."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _mirror_lag(url: str) -> float:
 def test_lookups_come_from_the_mirror_and_a_stall_falls_back_then_recovers(make_cluster, make_workers, make_gateway) -> None:
     c = make_cluster(3)
     make_workers(c, 2)
-    g = make_gateway(c, 2)
+    g = make_gateway(c, 2, extra_args=("--mirror-stale-lag-s", "3"))
     wait_for(lambda: _mirror_lag(g.url) <= 0.5, what="a fresh mirror")
     first = _complete(g.url, PROMPT + "one")
     wait_for(
@@ -55,7 +56,14 @@ def test_lookups_come_from_the_mirror_and_a_stall_falls_back_then_recovers(make_
         os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: _mirror_lag(g.url) > 0.5, what="the mirror to turn stale")
+        # Every replica is stopped, so REST fails: the mirror, a little behind, still knows the prefix.
         r = _complete(g.url, PROMPT + "three")
+        assert r.headers["x-kvdir-decision"] == "affinity"
+        counts = _lookups(g.url)
+        assert counts.get("mirror_stale", 0) >= 1 and counts.get("none", 0) == 0, counts
+        # Past --mirror-stale-lag-s the view is too old to trust: routed by load.
+        wait_for(lambda: _mirror_lag(g.url) > 3, what="the mirror past the stale bound")
+        r = _complete(g.url, PROMPT + "five")
         assert r.headers["x-kvdir-decision"] == "fallback"
         assert _lookups(g.url).get("none", 0) >= 1
     finally:
