@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from directory.addresses import HostPort
@@ -14,8 +16,62 @@ from directory.logs import LogLevel
 from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
 
 
+class EngineSpec(BaseModel):
+    """One engine of `--engines`: unset `bind` and `topic` take the process's `--bind` and `--topic`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_url: str = Field(min_length=1)
+    zmq: str = Field(min_length=1)
+    bind: bool | None = None
+    replay: str | None = None
+    topic: str | None = None
+    node_id: str | None = Field(None, min_length=1, max_length=NODE_ID_MAX_LEN, pattern=NODE_ID_PATTERN)
+
+
+_SPECS = TypeAdapter(list[EngineSpec])
+
+
+def read_engines(value: str) -> list[EngineSpec]:
+    """`--engines`: a JSON list, inline (it starts with '[') or in the file it names, with messages that say what is wrong."""
+    where = ""
+    if not value.lstrip().startswith("["):
+        where = f"in the file {value}: "
+        try:
+            value = Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the engines file: {exc}") from exc
+    try:
+        raw = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}not JSON ({exc})") from exc
+    try:
+        specs = _SPECS.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"engine {'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{where}{problems}") from None
+    if not specs:
+        raise ValueError(f"{where}an empty list (give at least one engine)")
+    for i, spec in enumerate(specs):
+        if not _node_of(spec):
+            raise ValueError(f"{where}engine {i}: cannot derive a node id from engine_url {spec.engine_url!r}; give node_id")
+    return specs
+
+
+def _node_of(spec: EngineSpec) -> str:
+    return spec.node_id or urlparse(spec.engine_url).netloc
+
+
+def _zmq_of(spec: EngineSpec) -> str:
+    return spec.zmq
+
+
+def _replay_of(spec: EngineSpec) -> str | None:
+    return spec.replay
+
+
 class EventsSettings(DirectoryClientSettings):
-    """The KV-events subscriber of one engine (`kvdir events`)."""
+    """The KV-events subscriber of one engine (`kvdir events`), or of several (`--engines`) sharing the other settings."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
@@ -60,14 +116,54 @@ class EventsSettings(DirectoryClientSettings):
     replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
     max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
     log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
+    engines: str | None = Field(
+        None,
+        description="follow several engines in this process: a JSON list (inline, or the path of a file holding it) of "
+        '{"engine_url", "zmq", and optionally "replay", "node_id", "topic", "bind"}; the other settings are shared. '
+        "Instead of --engine-url, --zmq, --replay and --node-id",
+    )
+
+    @field_validator("engines")
+    @classmethod
+    def _check_engines(cls, value: str | None) -> str | None:
+        """Refuse, at start, engines that would share a node id or an endpoint (each must be a node of its own)."""
+        if value is None:
+            return None
+        specs = read_engines(value)
+        for what, key in (("node id", _node_of), ("ZMQ endpoint", _zmq_of), ("replay endpoint", _replay_of)):
+            seen: dict[str, int] = {}
+            for i, spec in enumerate(specs):
+                got = key(spec)
+                if not got:
+                    continue
+                if got in seen:
+                    hint = " (give each engine its own node_id: engines behind one URL need one)" if what == "node id" else ""
+                    raise ValueError(f"engines {seen[got]} and {i} have the same {what} {got!r}{hint}")
+                seen[got] = i
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> EventsSettings:
         if not self.directory_urls:
             raise ValueError("directory: at least one replica URL")
-        if not self.node:
-            raise ValueError("node_id: cannot derive one from engine_url; give --node-id")
+        if self.engines is None:
+            if not self.node:
+                raise ValueError("node_id: cannot derive one from engine_url; give --node-id")
+            return self
+        clash = sorted(f for f in ("engine_url", "zmq", "replay", "node_id") if f in self.model_fields_set)
+        if clash:
+            flags = ", ".join("--" + f.replace("_", "-") for f in clash)
+            raise ValueError(f"give the engines either in --engines or with {flags}, not both")
         return self
+
+    def per_engine(self) -> list[EventsSettings]:
+        """The settings of each engine this process follows: this one, or one per `--engines` entry."""
+        if self.engines is None:
+            return [self]
+        return [
+            self.model_copy(update={"engines": None, "replay": None, "node_id": None, **spec.model_dump(exclude_none=True)})
+            for spec in read_engines(self.engines)
+        ]
 
     @property
     def node(self) -> str:

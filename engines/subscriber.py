@@ -4,7 +4,8 @@ Over 400 lines: the ZMQ receive loop, replay after gaps, restarts, batching and 
 gate are one ordering problem; the directory side is directory.session.
 
 One subscriber per engine (per data-parallel rank: each rank publishes on
-its own port). It
+its own port); one process runs one or several of them (`--engines`, `Adapter`
+at the end: shared directory client, event loop and metrics). It
 
 * receives the engine's ZMQ event stream on a SUB socket. vLLM *connects*
   its PUB socket when the endpoint has no ``*`` (``tcp://127.0.0.1:5557``),
@@ -124,84 +125,100 @@ class SubscriberStats:
     clears: int = 0  # AllBlocksCleared applied
 
 
-class _Collector:
-    """Exposes the counters of the decoder, the mapper and the subscriber at scrape time."""
+class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The module's logger with the engine's node id in front: one process may follow several engines."""
 
-    def __init__(self, sub: EventsSubscriber) -> None:
-        self.sub = sub
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[{self.extra['node'] if self.extra else '?'}] {msg}", kwargs
+
+
+class _Collector:
+    """Exposes the counters of every engine's decoder, mapper and subscriber at scrape time, labelled by node."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Any:
-        s, d, m, n = self.sub.stats, self.sub.decode_stats, self.sub.mapper.stats, self.sub.session.stats
-        ev = CounterMetricFamily("kvdir_events_events", "engine events decoded, by type", labels=["type"])
-        for name, v in (
-            ("stored", d.stored),
-            ("removed", d.removed),
-            ("cleared", d.cleared),
-            ("unknown", d.unknown_events),
-            ("malformed", d.malformed_events),
-            ("skipped_group", d.skipped_groups),
-        ):
-            ev.add_metric([name], v)
+        subs = list(self.adapter.subs.values())
+        ev = CounterMetricFamily("kvdir_events_events", "engine events decoded, by type", labels=["node", "type"])
+        rp = CounterMetricFamily("kvdir_events_replays", "replay requests, by outcome", labels=["node", "outcome"])
+        counters: dict[str, CounterMetricFamily] = {}
+        gauges: dict[str, GaugeMetricFamily] = {}
+        fails = CounterMetricFamily(
+            "kvdir_events_subscriber_failures",
+            "times an engine's subscriber failed and was started again (the other engines go on)",
+            labels=["node"],
+        )
+        for node, count in self.adapter.failures.items():
+            fails.add_metric([node], count)
+        for sub in subs:
+            node = sub.node_id
+            s, d, m, n = sub.stats, sub.decode_stats, sub.mapper.stats, sub.session.stats
+            for name, v in (
+                ("stored", d.stored),
+                ("removed", d.removed),
+                ("cleared", d.cleared),
+                ("unknown", d.unknown_events),
+                ("malformed", d.malformed_events),
+                ("skipped_group", d.skipped_groups),
+            ):
+                ev.add_metric([node, name], v)
+            rp.add_metric([node, "ok"], s.replays_ok)
+            rp.add_metric([node, "failed"], s.replays_failed)
+            for name, doc, v in (
+                ("batches", "event batches (ZMQ messages) applied", s.batches),
+                ("duplicates", "batches dropped as duplicates (same seq again)", s.duplicates),
+                ("gaps", "gaps in the engine's seq", s.gaps),
+                ("resyncs", "resyncs: this node's entries cleared after an unrepaired gap", s.resyncs),
+                ("restarts", "engine restarts seen (seq went backwards): a new epoch each", s.restarts),
+                ("garbage_frames", "ZMQ messages that were not event batches (skipped)", d.garbage_frames),
+                ("unknown_events", "events of an unknown type (skipped)", d.unknown_events),
+                ("extra_fields", "event fields nobody here knows (ignored)", d.extra_fields),
+                ("missing_parents", "stores whose parent block is unknown (skipped)", m.missing_parents),
+                ("unsupported", "stores whose block size or tokens cannot be mapped (skipped)", m.unsupported),
+                ("unknown_removals", "removals of engine blocks not in the map (harmless)", m.unknown_removals),
+                ("evicted", "engine blocks dropped from the bounded map (and the directory)", m.evicted),
+                ("registrations", "registrations with the directory", n.registrations),
+                ("published_blocks", "block entries sent to the directory", n.published_blocks),
+                ("removed_blocks", "block removals sent to the directory", n.removed_blocks),
+                ("directory_clears", "clears of this node's entries sent to the directory", n.directory_clears),
+                ("rejected_blocks", "changes the directory refused (dropped)", n.rejected),
+            ):
+                if name not in counters:
+                    counters[name] = CounterMetricFamily(f"kvdir_events_{name}", doc, labels=["node"])
+                counters[name].add_metric([node], v)
+            for name, doc, v in (
+                ("engine_up", "1 while the engine's /health answers", 1 if sub.engine_healthy else 0),
+                ("epoch", "this node's current epoch (0: not registered)", sub.epoch or 0),
+                ("mapped_blocks", "engine blocks in the hash map", len(sub.mapper)),
+                ("last_seq", "the last engine seq applied (-1: none)", -1 if sub.last_seq is None else sub.last_seq),
+            ):
+                if name not in gauges:
+                    gauges[name] = GaugeMetricFamily(f"kvdir_events_{name}", doc, labels=["node"])
+                gauges[name].add_metric([node], v)
         yield ev
-        rp = CounterMetricFamily("kvdir_events_replays", "replay requests, by outcome", labels=["outcome"])
-        rp.add_metric(["ok"], s.replays_ok)
-        rp.add_metric(["failed"], s.replays_failed)
         yield rp
-        for name, doc, v in (
-            ("batches", "event batches (ZMQ messages) applied", s.batches),
-            ("duplicates", "batches dropped as duplicates (same seq again)", s.duplicates),
-            ("gaps", "gaps in the engine's seq", s.gaps),
-            ("resyncs", "resyncs: this node's entries cleared after an unrepaired gap", s.resyncs),
-            ("restarts", "engine restarts seen (seq went backwards): a new epoch each", s.restarts),
-            ("garbage_frames", "ZMQ messages that were not event batches (skipped)", d.garbage_frames),
-            ("unknown_events", "events of an unknown type (skipped)", d.unknown_events),
-            ("extra_fields", "event fields nobody here knows (ignored)", d.extra_fields),
-            ("missing_parents", "stores whose parent block is unknown (skipped)", m.missing_parents),
-            ("unsupported", "stores whose block size or tokens cannot be mapped (skipped)", m.unsupported),
-            ("unknown_removals", "removals of engine blocks not in the map (harmless)", m.unknown_removals),
-            ("evicted", "engine blocks dropped from the bounded map (and the directory)", m.evicted),
-            ("registrations", "registrations with the directory", n.registrations),
-            ("published_blocks", "block entries sent to the directory", n.published_blocks),
-            ("removed_blocks", "block removals sent to the directory", n.removed_blocks),
-            ("directory_clears", "clears of this node's entries sent to the directory", n.directory_clears),
-            ("rejected_blocks", "changes the directory refused (dropped)", n.rejected),
-        ):
-            yield CounterMetricFamily(f"kvdir_events_{name}", doc, value=v)
-        yield GaugeMetricFamily(
-            "kvdir_events_engine_up", "1 while the engine's /health answers", value=1 if self.sub.engine_healthy else 0
-        )
-        yield GaugeMetricFamily("kvdir_events_epoch", "this node's current epoch (0: not registered)", value=self.sub.epoch or 0)
-        yield GaugeMetricFamily("kvdir_events_mapped_blocks", "engine blocks in the hash map", value=len(self.sub.mapper))
-        yield GaugeMetricFamily(
-            "kvdir_events_last_seq",
-            "the last engine seq applied (-1: none)",
-            value=-1 if self.sub.last_seq is None else self.sub.last_seq,
-        )
+        yield fails
+        yield from counters.values()
+        yield from gauges.values()
 
 
 class EventsSubscriber:
-    """The subscriber of one engine; `run()` until cancelled."""
+    """The subscriber of one engine: `open()` its socket, then `run()` until cancelled (an `Adapter` does both)."""
 
-    def __init__(self, settings: EventsSettings, *, directory: DirectoryClient | None = None) -> None:
+    def __init__(self, settings: EventsSettings, *, directory: DirectoryClient, lag: Histogram | None = None) -> None:
+        """`directory` is shared by every engine of the process; `lag` is this engine's series of the lag histogram."""
         self.s = settings
         self.node_id = settings.node
-        token = settings.directory_token.get_secret_value() if settings.directory_token else None
-        self.client = directory or DirectoryClient(settings.directory_urls, token=token, tenant=settings.tenant)
-        self._own_client = directory is None
+        self.log = _NodeLog(log, {"node": self.node_id})
+        self.client = directory
         self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries)
         self.decode_stats = DecodeStats()
         self.stats = SubscriberStats()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self))
-        self.lag = Histogram(
-            "kvdir_events_lag_seconds",
-            "engine event time (batch ts) to committed in the directory",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
+        self.lag = lag or _lag_histogram(None).labels(self.node_id)
         self.engine_healthy = False
         self.last_seq: int | None = None
         self._last_ts: float | None = None
@@ -223,6 +240,7 @@ class EventsSubscriber:
         self._full = asyncio.Event()  # batch_max_blocks changes pending: the window ends early
         self._gathered = 0  # changes since the last round started
         self._ctx: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
 
     # The session's epoch, read by the metrics.
     @property
@@ -231,13 +249,10 @@ class EventsSubscriber:
 
     # -- lifecycle ----------------------------------------------------------------
 
-    async def run(self) -> None:
-        server = None
-        if self.s.metrics:
-            host, port = parse_hostport(self.s.metrics)
-            server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self._ctx = zmq.asyncio.Context()
-        sub = self._ctx.socket(zmq.SUB)
+    def open(self, ctx: zmq.asyncio.Context) -> None:
+        """Bind (or connect) the SUB socket, in the process's ZMQ context: a bad endpoint fails here, at start."""
+        self._ctx = ctx
+        sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.s.topic.encode())
@@ -246,37 +261,40 @@ class EventsSubscriber:
                 sub.bind(self.s.zmq)
             else:
                 sub.connect(self.s.zmq)
-            log.info(
-                "events of %s (node %s) on %s (%s), replay %s, directory %s",
-                self.s.api_url,
-                self.node_id,
-                self.s.zmq,
-                "bound" if self.s.bind else "connected",
-                self.s.replay or "off",
-                self.s.directory,
-            )
-            async with httpx.AsyncClient() as http:
-                tasks = [
-                    asyncio.create_task(self._receive_loop(sub), name="receive"),
-                    asyncio.create_task(self._sync_loop(), name="sync"),
-                    asyncio.create_task(self._health_loop(http), name="health"),
-                ]
-                try:
-                    await asyncio.gather(*tasks)
-                finally:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
+        except zmq.ZMQError:
             sub.close(linger=0)
-            self._ctx.destroy(linger=0)
+            raise
+        self._sub = sub
+        self.log.info(
+            "events of %s on %s (%s), replay %s, directory %s",
+            self.s.api_url,
+            self.s.zmq,
+            "bound" if self.s.bind else "connected",
+            self.s.replay or "off",
+            self.s.directory,
+        )
+
+    async def run(self, http: httpx.AsyncClient) -> None:
+        """Receive, sync and probe /health (with the process's `http` pool) until cancelled or a loop fails;
+        on the way out the socket is closed and the node deregistered."""
+        assert self._sub is not None, "open() first"
+        try:
+            tasks = [
+                asyncio.create_task(self._receive_loop(self._sub), name=f"receive {self.node_id}"),
+                asyncio.create_task(self._sync_loop(), name=f"sync {self.node_id}"),
+                asyncio.create_task(self._health_loop(http), name=f"health {self.node_id}"),
+            ]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._sub.close(linger=0)
+            self._sub = None
             with contextlib.suppress(asyncio.CancelledError):
                 await self.session.close(deadline=2.0)
-            if self._own_client:
-                await self.client.aclose()
-            if server is not None:
-                server.shutdown()
-                server.server_close()
 
     # -- events -------------------------------------------------------------------
 
@@ -300,14 +318,14 @@ class EventsSubscriber:
     async def _receive(self, frames: list[bytes]) -> None:
         batch = decode_message(frames, self.decode_stats)
         if batch is None:
-            log.debug("garbage message skipped (%d frames)", len(frames))
+            self.log.debug("garbage message skipped (%d frames)", len(frames))
             return
         try:
             await self.on_batch(batch)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("batch seq %d could not be applied", batch.seq)
+            self.log.exception("batch seq %d could not be applied", batch.seq)
 
     async def on_batch(self, batch: Batch) -> None:
         """Order one batch against the last seq (see the module docstring) and apply it."""
@@ -321,7 +339,7 @@ class EventsSubscriber:
             self.stats.duplicates += 1
             return
         elif seq <= last:
-            log.warning("engine seq went back from %d to %d: the engine restarted; registering a new epoch", last, seq)
+            self.log.warning("engine seq went back from %d to %d: the engine restarted; registering a new epoch", last, seq)
             self._restart()
             if seq > 0 and self.s.replay:  # the new engine's first batches may have gone out before it reached us
                 for b in await self._fetch_replay(0, seq, partial=True) or ():
@@ -330,11 +348,13 @@ class EventsSubscriber:
             self.stats.gaps += 1
             missed = await self._fetch_replay(last + 1, seq) if self.s.replay else None
             if missed is not None:
-                log.info("gap %d..%d filled from the replay socket", last + 1, seq - 1)
+                self.log.info("gap %d..%d filled from the replay socket", last + 1, seq - 1)
                 for b in missed:
                     self._apply(b)
             else:
-                log.warning("gap in the engine's seq (%d..%d missed): resync (this node's entries cleared)", last + 1, seq - 1)
+                self.log.warning(
+                    "gap in the engine's seq (%d..%d missed): resync (this node's entries cleared)", last + 1, seq - 1
+                )
                 self._resync()
         self._apply(batch)
 
@@ -350,9 +370,9 @@ class EventsSubscriber:
                 continue
             r = self.mapper.apply(ev)
             if r.missing_parent:
-                log.debug("seq %d: a store whose parent is unknown, skipped", batch.seq)
+                self.log.debug("seq %d: a store whose parent is unknown, skipped", batch.seq)
             elif r.unsupported:
-                log.debug("seq %d: %s", batch.seq, r.unsupported)
+                self.log.debug("seq %d: %s", batch.seq, r.unsupported)
             medium = ev.medium if isinstance(ev, Stored) else None
             # publish, then remove: an LRU eviction in the same event wins
             self.session.stored_in(SLOT, r.publish, medium)
@@ -426,7 +446,7 @@ class EventsSubscriber:
             self.stats.replays_ok += 1
             return [got[s] for s in range(start, stop)]
         self.stats.replays_failed += 1
-        log.info(
+        self.log.info(
             "replay of %d..%d %s with %d of %d batches",
             start,
             stop - 1,
@@ -459,7 +479,7 @@ class EventsSubscriber:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("unexpected error while syncing with the directory")
+                self.log.exception("unexpected error while syncing with the directory")
                 delay = self.session.retry.failed()
             if delay is not None:  # a 409 (0: at once), an unreachable directory or a rejection: another round later
                 await asyncio.sleep(delay)
@@ -502,10 +522,10 @@ class EventsSubscriber:
             except httpx.HTTPError:
                 ok = False
             if ok and not self.engine_healthy:
-                log.info("engine %s answers /health", self.s.api_url)
+                self.log.info("engine %s answers /health", self.s.api_url)
                 self._wake.set()
             elif not ok and self.engine_healthy:
-                log.warning("engine %s does not answer /health: heartbeats stop", self.s.api_url)
+                self.log.warning("engine %s does not answer /health: heartbeats stop", self.s.api_url)
             if not ok:
                 self._down_since_registered = True
             self.engine_healthy = ok
@@ -516,20 +536,132 @@ class EventsSubscriber:
     def _lapsed(self) -> None:
         """The directory dropped this node (its lease ran out, or it lost it): register again."""
         if self._down_since_registered:
-            log.warning(
+            self.log.warning(
                 "node %s expired while the engine was down: it may have restarted, starting from an empty map", self.node_id
             )
             self._forget_engine()
         self._wake.set()
 
 
+def _lag_histogram(registry: CollectorRegistry | None) -> Histogram:
+    return Histogram(
+        "kvdir_events_lag_seconds",
+        "engine event time (batch ts) to committed in the directory",
+        labelnames=["node"],
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        registry=registry,
+    )
+
+
+class StartError(Exception):
+    """An engine's ZMQ endpoint could not be bound or connected: the process stops before following any engine."""
+
+
+class Adapter:
+    """Every engine one `kvdir events` process follows (one, or `--engines`).
+
+    They share the directory client (one connection pool), the ZMQ context, the /health
+    probes' HTTP pool, the event loop and one metrics server (series labelled by node): the
+    fixed cost of a process is paid once per host rather than once per engine. Each engine
+    keeps its own node session, epoch, hash map, stats, health gate and replay/resync.
+
+    Failures stay with their engine: a silent endpoint, a failing /health or replay only
+    affect that engine's node (as they would in a process of its own). Should one engine's
+    subscriber fail outright (a bug), the error is logged, counted
+    (`kvdir_events_subscriber_failures_total`), its node is deregistered, and a fresh
+    subscriber for it starts after a back-off (1 s, doubling to 30 s) as a new incarnation,
+    while the other engines go on. Only endpoints that cannot be bound or connected at start
+    stop the process (exit status 1), before any engine is followed.
+    """
+
+    RESTART_FIRST_S = 1.0
+    RESTART_MAX_S = 30.0
+
+    def __init__(self, settings: EventsSettings) -> None:
+        self.settings = settings
+        self.engines = settings.per_engine()
+        token = settings.directory_token.get_secret_value() if settings.directory_token else None
+        self.client = DirectoryClient(settings.directory_urls, token=token, tenant=settings.tenant)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.lag = _lag_histogram(self.registry)
+        self.subs: dict[str, EventsSubscriber] = {}
+        self.failures: dict[str, int] = {e.node: 0 for e in self.engines}
+        self.registry.register(_Collector(self))
+
+    def _new(self, settings: EventsSettings) -> EventsSubscriber:
+        sub = EventsSubscriber(settings, directory=self.client, lag=self.lag.labels(settings.node))
+        self.subs[settings.node] = sub
+        return sub
+
+    async def run(self) -> None:
+        """Follow every engine until cancelled; StartError if an endpoint cannot be bound or connected."""
+        server = None
+        if self.settings.metrics:
+            host, port = parse_hostport(self.settings.metrics)
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        ctx = zmq.asyncio.Context()
+        try:
+            subs: list[EventsSubscriber] = []
+            for e in self.engines:
+                sub = self._new(e)
+                try:
+                    sub.open(ctx)
+                except zmq.ZMQError as exc:
+                    for s in subs:
+                        assert s._sub is not None
+                        s._sub.close(linger=0)
+                    how = "bind" if e.bind else "connect"
+                    raise StartError(f"engine {e.node}: cannot {how} its ZMQ endpoint {e.zmq}: {exc}") from None
+                subs.append(sub)
+            if len(subs) > 1:
+                log.info("following %d engines in this process: %s", len(subs), ", ".join(s.node_id for s in subs))
+            async with httpx.AsyncClient() as http:
+                tasks = [asyncio.create_task(self._follow(s, ctx, http), name=f"engine {s.node_id}") for s in subs]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            ctx.destroy(linger=0)
+            await self.client.aclose()
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+
+    async def _follow(self, sub: EventsSubscriber, ctx: zmq.asyncio.Context, http: httpx.AsyncClient) -> None:
+        """Run one engine's subscriber; if it fails, log it and start a fresh one after a back-off."""
+        delay = self.RESTART_FIRST_S
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await sub.run(http)
+                return
+            except Exception:
+                self.failures[sub.node_id] += 1
+                if loop.time() - started > 10 * self.RESTART_MAX_S:
+                    delay = self.RESTART_FIRST_S  # it had been running for a while: not a crash loop
+                sub.log.exception("the subscriber failed; the other engines go on, this one starts again in %.1f s", delay)
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.RESTART_MAX_S)
+                sub = self._new(sub.s)
+                try:
+                    sub.open(ctx)
+                    break
+                except zmq.ZMQError as exc:
+                    sub.log.error("cannot open %s again (%s); next try in %.1f s", sub.s.zmq, exc, delay)
+
+
 async def run_subscriber(settings: EventsSettings) -> None:
-    """Run the subscriber of one engine until cancelled; on the way out it deregisters the node."""
-    await EventsSubscriber(settings).run()
+    """Follow the engine (or `--engines`) until cancelled; on the way out each node is deregistered."""
+    await Adapter(settings).run()
 
 
-def serve(settings: EventsSettings) -> None:
-    """Run until SIGINT/SIGTERM (for a command line), logging at settings.log_level."""
+def serve(settings: EventsSettings) -> int:
+    """Run until SIGINT/SIGTERM (for a command line), logging at settings.log_level; 1 if an endpoint cannot be opened."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -546,4 +678,9 @@ def serve(settings: EventsSettings) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await run_subscriber(settings)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except StartError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0

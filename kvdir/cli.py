@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="soak: directory shards (Raft groups of --replicas each); every shard cycles the faults",
     )
+    b.add_argument(
+        "--engines-per-adapter",
+        type=int,
+        default=None,
+        help="events: engines each `kvdir events` process follows (1: a process per engine; default 8)",
+    )
     return p
 
 
@@ -122,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from kvdir.bench.shards import main as shards_main
 
                 return shards_main(as_json=args.json, quick=args.quick, replicas=args.replicas)
+            if args.target == "events" and args.engines_per_adapter is not None:
+                from kvdir.bench.events import main as events_main
+
+                return events_main(as_json=args.json, quick=args.quick, engines_per_adapter=args.engines_per_adapter)
             return run_bench(args.target, as_json=args.json, quick=args.quick)
     except ValidationError as exc:
         for e in exc.errors():

@@ -12,6 +12,7 @@ cached prefix of every prompt the engine saw.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -161,19 +162,35 @@ class Prompt:
 
 
 class Subscriber:
+    """One adapter process: of `engine` (the single-engine settings), or of every engine in `engines` (--engines)."""
+
     def __init__(
-        self, cluster: Cluster, engine: FakeEngine, log_path: Path, node_id: str, replay: bool, extra_env: dict[str, str]
+        self,
+        cluster: Cluster,
+        engine: FakeEngine | None,
+        log_path: Path,
+        node_id: str,
+        replay: bool,
+        extra_env: dict[str, str],
+        engines: dict[str, FakeEngine] | None = None,
     ) -> None:
         self.node_id = node_id
         self.metrics_url = f"http://127.0.0.1:{free_ports(1)[0]}/metrics"
+        if engines is None:
+            assert engine is not None
+            which = {"KVDIR_ENGINE_URL": engine.url, "KVDIR_ZMQ": engine.zmq_endpoint, "KVDIR_NODE_ID": node_id}
+        else:
+            which = {
+                "KVDIR_ENGINES": json.dumps(
+                    [{"engine_url": e.url, "zmq": e.zmq_endpoint, "node_id": node} for node, e in engines.items()]
+                )
+            }
         env = {
             **os.environ,
-            "KVDIR_ENGINE_URL": engine.url,
-            "KVDIR_ZMQ": engine.zmq_endpoint,
+            **which,
             "KVDIR_BIND": "true",
             "KVDIR_TOPIC": "kv",
             "KVDIR_BLOCK_SIZE": str(BS),
-            "KVDIR_NODE_ID": node_id,
             "KVDIR_DIRECTORY": ",".join(cluster.replica_urls),
             "KVDIR_METRICS": self.metrics_url.split("/")[2],
             "KVDIR_HEARTBEAT_INTERVAL_S": "0.25",
@@ -181,6 +198,7 @@ class Subscriber:
             "KVDIR_LOG_LEVEL": "debug",
         }
         if replay:
+            assert engine is not None
             env["KVDIR_REPLAY"] = engine.replay_endpoint
         env.update(extra_env)
         self.log_path = log_path
@@ -198,18 +216,16 @@ class Subscriber:
                 stdin=subprocess.DEVNULL,
             )
 
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.metrics_url, timeout=2).text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                if line.startswith(name + " "):
-                    return float(line.split()[-1])
-        raise KeyError(name)
+    def metric(self, name: str, node: str | None = None) -> float:
+        """A series of one engine (by default this subscriber's node): every series carries a node label."""
+        return self.labelled(name, "", node)
 
-    def labelled(self, name: str, label: str) -> float:
+    def labelled(self, name: str, label: str, node: str | None = None) -> float:
+        labels = f'node="{node or self.node_id}"' + (f",{label}" if label else "")
         for line in httpx.get(self.metrics_url, timeout=2).text.splitlines():
-            if line.startswith(f"{name}{{{label}}}"):
+            if line.startswith(f"{name}{{{labels}}} "):
                 return float(line.split()[-1])
-        raise KeyError(f"{name}{{{label}}}")
+        raise KeyError(f"{name}{{{labels}}}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -455,3 +471,81 @@ def test_engine_health_down_stops_heartbeats_and_the_node_expires(setup: Callabl
     wait_for(lambda: (d.node(sub.node_id) or {}).get("epoch", 0) > epoch, 10, what="registered again")
     engine.send(1, [y.store()])
     expect(d, sub, 2, [(x.tokens, 0), (y.tokens, 2)], "only blocks stored after the engine came back")
+
+
+# -- several engines in one adapter process (--engines) ------------------------------------------
+
+
+def test_one_adapter_follows_two_engines_and_one_lapsing_leaves_the_other(cluster: Cluster, tmp_path: Path) -> None:
+    engines = {"two-engines-a": FakeEngine(), "two-engines-b": FakeEngine()}
+    sub = Subscriber(cluster, None, tmp_path / "adapter.log", "two-engines-a", False, {}, engines=engines)
+    d = Directory(cluster)
+    try:
+        a, b = engines.values()
+        for e in (a, b):
+            e.connect()
+        rng = random.Random(9)
+        xa, xb, yb = Prompt(rng, 3), Prompt(rng, 2), Prompt(rng, 4)
+        a.send(0, [xa.store()])
+        b.send(0, [xb.store()])
+        expect(d, sub, 3, [(xa.tokens, 3), (xb.tokens, 0)], "engine a's blocks under its node")
+        wait_for(lambda: d.holds_exactly("two-engines-b", 2, [(xb.tokens, 2), (xa.tokens, 0)]), 10, what="b's blocks")
+        epoch_b = d.node("two-engines-b")["epoch"]
+        a.healthy = False
+        wait_for(lambda: d.node("two-engines-a") is None, 10 * TTL, what="engine a's node expired")
+        b.send(1, [yb.store()])  # b keeps flowing, in the same epoch
+        wait_for(lambda: d.holds_exactly("two-engines-b", 6, [(xb.tokens, 2), (yb.tokens, 4)]), 10, what="b's new blocks")
+        assert d.node("two-engines-b")["epoch"] == epoch_b and d.matched("two-engines-a", xa.tokens) == 0
+        assert sub.metric("kvdir_events_engine_up", "two-engines-a") == 0
+        assert sub.metric("kvdir_events_engine_up", "two-engines-b") == 1
+        assert sub.metric("kvdir_events_batches_total", "two-engines-b") == 2
+        assert sub.metric("kvdir_events_subscriber_failures_total", "two-engines-b") == 0
+        assert sub.proc.poll() is None
+    finally:
+        if sub.proc.poll() is not None:
+            print(sub.log_tail())
+        sub.stop()
+        d.http.close()
+        for e in engines.values():
+            e.close()
+
+
+def _adapter_exit(engines: list[dict[str, Any]], timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvdir", "events", "--engines", json.dumps(engines), "--directory", "http://127.0.0.1:9"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_engines_sharing_a_node_id_are_refused_at_start() -> None:
+    z1, z2 = free_ports(2)
+    out = _adapter_exit(
+        [
+            {"engine_url": "http://127.0.0.1:8000", "zmq": f"tcp://127.0.0.1:{z1}"},
+            {"engine_url": "http://127.0.0.1:8000", "zmq": f"tcp://127.0.0.1:{z2}"},
+        ]
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--engines" in out.stderr and "same node id '127.0.0.1:8000'" in out.stderr and "node_id" in out.stderr
+
+
+def test_an_engine_endpoint_that_cannot_be_bound_stops_the_adapter_at_start() -> None:
+    z1, z2 = free_ports(2)
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    try:
+        taken.bind(f"tcp://127.0.0.1:{z2}")
+        out = _adapter_exit(
+            [
+                {"engine_url": "http://127.0.0.1:8000", "zmq": f"tcp://127.0.0.1:{z1}", "node_id": "free"},
+                {"engine_url": "http://127.0.0.1:8001", "zmq": f"tcp://127.0.0.1:{z2}", "node_id": "taken"},
+            ]
+        )
+    finally:
+        taken.close(linger=0)
+        ctx.term()
+    assert out.returncode == 1, out.stderr
+    assert f"engine taken: cannot bind its ZMQ endpoint tcp://127.0.0.1:{z2}" in out.stderr

@@ -1,0 +1,59 @@
+"""One `kvdir events` process, several engines (engines.subscriber.Adapter): a subscriber that fails is
+started again on its own, the others untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engines.config import EventsSettings
+from engines.subscriber import Adapter, EventsSubscriber
+from kvdir.launcher import free_ports
+
+
+def test_a_failed_subscriber_is_started_again_and_the_other_engine_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    za, zb, api = free_ports(3)
+    engines = [
+        {"engine_url": f"http://127.0.0.1:{api}", "zmq": f"tcp://127.0.0.1:{za}", "node_id": "a"},
+        {"engine_url": f"http://127.0.0.1:{api}", "zmq": f"tcp://127.0.0.1:{zb}", "node_id": "b"},
+    ]
+    settings = EventsSettings(directory="http://127.0.0.1:1", engines=json.dumps(engines))
+    runs: list[tuple[str, int]] = []
+    fail_once = {"a"}
+    again = asyncio.Event()
+
+    async def receive(self: EventsSubscriber, sub: object) -> None:
+        # In place of reading the engine's events: a's first subscriber fails at once (a bug), once.
+        runs.append((self.node_id, id(self)))
+        if self.node_id in fail_once:
+            fail_once.discard(self.node_id)
+            raise RuntimeError("a bug in a's subscriber")
+        if self.node_id == "a":
+            again.set()
+        await asyncio.Event().wait()
+
+    async def idle(self: EventsSubscriber, *args: object) -> None:
+        await asyncio.Event().wait()  # no directory or engine here: sync and /health probes wait
+
+    monkeypatch.setattr(EventsSubscriber, "_receive_loop", receive)
+    monkeypatch.setattr(EventsSubscriber, "_sync_loop", idle)
+    monkeypatch.setattr(EventsSubscriber, "_health_loop", idle)
+    monkeypatch.setattr(Adapter, "RESTART_FIRST_S", 0.01)
+    adapter = Adapter(settings)
+
+    async def main() -> None:
+        task = asyncio.create_task(adapter.run())
+        try:
+            await asyncio.wait_for(again.wait(), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    a_runs = [sub for node, sub in runs if node == "a"]
+    b_runs = [sub for node, sub in runs if node == "b"]
+    assert len(a_runs) == 2 and a_runs[0] != a_runs[1]  # a fresh subscriber, not the failed one again
+    assert len(b_runs) == 1  # b was never restarted
+    assert adapter.failures == {"a": 1, "b": 0}
