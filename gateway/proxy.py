@@ -22,7 +22,6 @@ response is over.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -35,10 +34,10 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from directory.client import DirectoryClient
-from directory.errors import DirectoryError
 from gateway.cost import Decision, RouteRequest
 from gateway.engines import EngineRegistry, EngineState
 from gateway.errors import GatewayError
+from gateway.lookup import HolderLookup
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
@@ -156,45 +155,29 @@ class Proxy:
         self.directory = directory
         self.http = http
         self.metrics = metrics
-        self.lookup_timeout_s = lookup_timeout_s
         self.mirror = mirror
-        self.mirror_stale_lag_s = mirror_stale_lag_s
         self.peers = peers
+        self._lookup = HolderLookup(directory, lookup_timeout_s, mirror, mirror_stale_lag_s)
 
     async def lookup(self, hashes: list[int]) -> tuple[Mapping[str, HolderView], str | None]:
-        """Holders by node id, and why the directory did not answer (None: it did).
+        """Holders by node id, and why the directory did not answer (None: it did, or the stale mirror did).
 
         From the mirror while it is fresh (gateway.mirror), else from a replica over REST, else from the
-        mirror while it is at most `mirror_stale_lag_s` behind, else none (routing by load); each source is
-        counted in kvdir_gateway_lookups_total (mirror, rest, mirror_stale, none).
+        mirror while it is at most `mirror_stale_lag_s` behind, else none (routing by load): see
+        gateway.lookup. Each source is counted in kvdir_gateway_lookups_total.
         """
         if not hashes:
             return {}, None
-        if self.mirror is not None and self.mirror.fresh() and (found := await self.mirror.lookup(hashes)) is not None:
-            self.metrics.lookups.labels("mirror").inc()
-            return {h.node_id: h for h in found}, None
-        try:
-            res = await asyncio.wait_for(self.directory.lookup(hashes, with_slots=True), self.lookup_timeout_s)
-        except TimeoutError:
-            cause, failure = "timeout", f"no answer within --lookup-timeout-s {self.lookup_timeout_s:g} s"
-        except DirectoryError as exc:  # its message can be empty (a bare timeout from the transport): name its type
-            cause, failure = "error", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        else:
-            self.metrics.lookups.labels("rest").inc()
-            return {h.node_id: h for h in res.holders}, None
-        self.metrics.lookup_failures.labels(cause).inc()
-        # A stale view beats none: its holders may have evicted what it lists (the engine then recomputes, and
-        # a pull from a fenced epoch is refused), but blind routing loses every cached prefix.
-        mirror = self.mirror
-        if mirror is not None and (lag := mirror.lag_s()) <= self.mirror_stale_lag_s:
-            found = await mirror.lookup(hashes)
-            if found is not None:
-                log.info("directory lookup failed (%s): answering from the mirror, %.2f s behind", failure, lag)
-                self.metrics.lookups.labels("mirror_stale").inc()
-                return {h.node_id: h for h in found}, None
-        log.info("directory lookup failed (%s): routing by load", failure)
-        self.metrics.lookups.labels("none").inc()
-        return {}, failure
+        found = await self._lookup(hashes)
+        self.metrics.lookups.labels(found.source).inc()
+        if found.cause is not None:
+            self.metrics.lookup_failures.labels(found.cause).inc()
+        if found.source == "mirror_stale":
+            log.info("directory lookup failed (%s): answering from the mirror, %.2f s behind", found.failure, found.lag_s)
+        elif found.source == "none":
+            log.info("directory lookup failed (%s): routing by load", found.failure)
+            return {}, found.failure
+        return {h.node_id: h for h in found.holders}, None
 
     async def complete(
         self, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, arrival: float, tokenize_s: float

@@ -6,8 +6,11 @@ acknowledgement to the moment the mirror has applied it (negative when the strea
 before the acknowledgement arrived). A minute runs without faults; then `--minutes` (10 by default)
 during which, halfway through each third, the leader is killed and restarted. The mirror's
 freshness is sampled every 10 ms: a stale sample is a lookup the gateway would have sent over REST
-instead of answering it in-process. Where the tail comes from: how long the mirror spent applying each
-frame (index merges included) and this process's CPU time (the publisher and the mirror share it).
+instead of answering it in-process. Every 50 ms a lookup of published blocks goes through the
+gateway's own chain (gateway.lookup.HolderLookup, with the gateway's default timeout and stale bound),
+and its source is counted: `none` is a request the gateway would have routed by load (a `fallback`
+decision). Where the tail comes from: how long the mirror spent applying each frame (index merges
+included) and this process's CPU time (the publisher and the mirror share it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import numpy as np
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from gateway.mirror import Feed
+from gateway.config import GatewaySettings
+from gateway.lookup import HolderLookup
+from gateway.mirror import Feed, Mirror
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
 
@@ -52,13 +57,29 @@ class _TimedMirror(Feed):
                     self.applied_at[int(np.frombuffer(c[3], "<u8", count=1)[0])] = now
 
 
+class _TimedGatewayMirror(Mirror):
+    """The gateway's mirror over one `_TimedMirror` feed."""
+
+    def _feed(self, urls: Any) -> Feed:
+        return _TimedMirror(urls, None, self.max_lag_s)
+
+
 async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int) -> dict[str, Any]:
-    mirror = _TimedMirror(cluster.replica_urls, None, max_lag_s=0.5)
-    mirror.start()
+    defaults = GatewaySettings.model_fields
+    max_lag_s = defaults["mirror_max_lag_s"].default
+    gateway_mirror = _TimedGatewayMirror(cluster.replica_urls, None, max_lag_s)
+    mirror = gateway_mirror.feeds[""]
+    assert isinstance(mirror, _TimedMirror)
+    gateway_mirror.start()
     client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+    gateway_client = DirectoryClient(cluster.replica_urls)
+    lookup = HolderLookup(
+        gateway_client, defaults["lookup_timeout_s"].default, gateway_mirror, defaults["mirror_stale_lag_s"].default
+    )
     rng = np.random.default_rng(1)
     acked: dict[int, float] = {}
     samples = {"fresh": 0, "stale": 0}
+    sources: dict[str, int] = {}
     failed = 0
     try:
         epoch = (await client.register("bench-node", "http://127.0.0.1:1")).epoch
@@ -70,7 +91,15 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
                 samples["fresh" if mirror.fresh() else "stale"] += 1
                 await asyncio.sleep(0.01)
 
+        async def ask() -> None:
+            while True:
+                keys = list(acked)[-4:] or [1]
+                found = await lookup(keys)
+                sources[found.source] = sources.get(found.source, 0) + 1
+                await asyncio.sleep(0.05)
+
         sampler = asyncio.create_task(sample())
+        asker = asyncio.create_task(ask())
         cpu = time.process_time()
         start = time.monotonic()
         kill_at = [start + seconds * (k + 0.5) / max(kills, 1) for k in range(kills)]
@@ -99,9 +128,11 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
         while time.monotonic() < end and not all(h in mirror.applied_at for h in acked):
             await asyncio.sleep(0.05)
         sampler.cancel()
+        asker.cancel()
     finally:
         await client.aclose()
-        await mirror.stop()
+        await gateway_client.aclose()
+        await gateway_mirror.stop()
     lags = [mirror.applied_at[h] - t for h, t in acked.items() if h in mirror.applied_at]
     missing = sum(1 for h in acked if h not in mirror.applied_at)
     return {
@@ -114,6 +145,7 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
         "mirror_lag_max_ms": max(lags) * 1e3 if lags else float("nan"),
         "acknowledged_never_mirrored": missing,
         "mirror_stale_fraction": samples["stale"] / max(1, samples["fresh"] + samples["stale"]),
+        **{f"gateway_lookups_{k}": sources.get(k, 0) for k in ("mirror", "rest", "mirror_stale", "none")},
         "mirror_snapshots": mirror.snapshots,
         "mirror_failovers": mirror.failovers,
         "mirror_apply_p99_ms": pct(mirror.apply_s, 99) * 1e3,
