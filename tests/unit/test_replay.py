@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from gateway.policy import POLICIES
 from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
-from kvdir.replay.report import main as replay_main
 from kvdir.replay.cluster import ClusterSim
+from kvdir.replay.report import main as replay_main
 from kvdir.replay.sim import SimParams, oracle_hit_rate, pooled_lru, simulate, ttft_floor
 from kvdir.replay.trace import (
     TraceRequest,
