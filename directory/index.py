@@ -596,16 +596,11 @@ class BlockIndex:
     # -- mutation -------------------------------------------------------------
 
     def _locate(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return _locate(
-            np.ascontiguousarray(hashes, dtype=np.uint64),
-            np.uint32(node),
-            self._prm,
-            self._pmap,
-            self._pshift,
-            self._meta,
-            self._rkeys,
-            self._rnodes,
-        )
+        return _locate(np.ascontiguousarray(hashes, dtype=np.uint64), np.uint32(node), *self._probe_tables())
+
+    def _probe_tables(self) -> tuple[np.ndarray, np.ndarray, np.uint64, np.ndarray, np.ndarray, np.ndarray]:
+        """What the kernels need to find a hash: the partitions' parameters, map and addresses, and the recent level."""
+        return self._prm, self._pmap, self._pshift, self._meta, self._rkeys, self._rnodes
 
     def missing(self, node: int, hashes: np.ndarray) -> int:
         """How many distinct hashes `node` does not hold yet (what a put would add)."""
@@ -763,12 +758,7 @@ class BlockIndex:
             return _NO_MATCH
         return _prefix_match(
             np.ascontiguousarray(hashes, dtype=np.uint64),
-            self._prm,
-            self._pmap,
-            self._pshift,
-            self._meta,
-            self._rkeys,
-            self._rnodes,
+            *self._probe_tables(),
             self._rslots,
             self._node_bound,
             with_slots,

@@ -279,17 +279,13 @@ class EventsSubscriber:
         on the way out the socket is closed and the node deregistered."""
         assert self._sub is not None, "open() first"
         try:
-            tasks = [
-                asyncio.create_task(self._receive_loop(self._sub), name=f"receive {self.node_id}"),
-                asyncio.create_task(self._sync_loop(), name=f"sync {self.node_id}"),
-                asyncio.create_task(self._health_loop(http), name=f"health {self.node_id}"),
-            ]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await _all_or_none(
+                [
+                    asyncio.create_task(self._receive_loop(self._sub), name=f"receive {self.node_id}"),
+                    asyncio.create_task(self._sync_loop(), name=f"sync {self.node_id}"),
+                    asyncio.create_task(self._health_loop(http), name=f"health {self.node_id}"),
+                ]
+            )
         finally:
             self._sub.close(linger=0)
             self._sub = None
@@ -557,6 +553,16 @@ class StartError(Exception):
     """An engine's ZMQ endpoint could not be bound or connected: the process stops before following any engine."""
 
 
+async def _all_or_none(tasks: list[asyncio.Task[None]]) -> None:
+    """Wait for every task; once one fails (or the caller is cancelled), cancel the others and wait for them."""
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Adapter:
     """Every engine one `kvdir events` process follows (one, or `--engines`).
 
@@ -616,13 +622,7 @@ class Adapter:
             if len(subs) > 1:
                 log.info("following %d engines in this process: %s", len(subs), ", ".join(s.node_id for s in subs))
             async with httpx.AsyncClient() as http:
-                tasks = [asyncio.create_task(self._follow(s, ctx, http), name=f"engine {s.node_id}") for s in subs]
-                try:
-                    await asyncio.gather(*tasks)
-                finally:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                await _all_or_none([asyncio.create_task(self._follow(s, ctx, http), name=f"engine {s.node_id}") for s in subs])
         finally:
             ctx.destroy(linger=0)
             await self.client.aclose()
