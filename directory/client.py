@@ -255,6 +255,28 @@ class DirectoryClient:
             return [n for part in parts for n in part]
         return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes", deadline=deadline))["nodes"]]
 
+    async def nodes_by_shard(self, *, deadline: float | None = None) -> dict[str, list[NodeInfo] | DirectoryError]:
+        """Every registered node by shard name ("" for an unsharded directory), or the error of a shard that did
+        not answer: for callers that go on with the others (a gateway's engine list while one shard is down).
+        Raises only when no shard answered."""
+        m = await self.shard_map()
+        if m is None:
+            return {"": await self.nodes(deadline=deadline)}
+        names = m.names
+        answers = await asyncio.gather(*(self._shard(n).nodes(deadline=deadline) for n in names), return_exceptions=True)
+        out: dict[str, list[NodeInfo] | DirectoryError] = {}
+        for name, a in zip(names, answers):
+            if isinstance(a, BaseException) and not isinstance(a, DirectoryError):
+                raise a
+            out[name] = a
+        if all(isinstance(a, DirectoryError) for a in out.values()):
+            raise next(a for a in out.values() if isinstance(a, DirectoryError))
+        return out
+
+    def home_shard(self, node_id: str) -> str:
+        """The name of `node_id`'s home shard under the map last read ("" for an unsharded directory)."""
+        return "" if self._map is None else self._map.home(node_id)
+
     async def cluster(self, *, deadline: float | None = None) -> dict[str, Any]:
         cluster: dict[str, Any] = await self.request("GET", "/v1/cluster", deadline=deadline)
         return cluster

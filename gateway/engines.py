@@ -24,7 +24,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 import httpx
@@ -142,6 +142,7 @@ class EngineRegistry:
         self.networks = list(networks)
         self.engines: dict[str, EngineState] = {}
         self.directory_ok = False
+        self._silent_shards: set[str] = set()  # shards whose node list did not answer at the last refresh
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
@@ -183,17 +184,24 @@ class EngineRegistry:
                 self.engines[node_id] = EngineState(node_id, origin, url, registered=False)
                 log.info("engine %s at %s", node_id, origin)
         try:
-            nodes = await self.directory.nodes()
+            by_shard = await self.directory.nodes_by_shard()
         except DirectoryError as exc:
             if self.directory_ok:
                 log.warning("directory unreachable (%s): routing by load alone", exc)
             self.directory_ok = False
         else:
             self.directory_ok = True
-            await self._update(nodes)
+            # A shard that did not answer keeps its engines as last seen; the others are brought up to date.
+            silent = {name for name, ns in by_shard.items() if isinstance(ns, DirectoryError)}
+            if silent != self._silent_shards:
+                for name in sorted(silent - self._silent_shards):
+                    log.warning("directory shard %s unreachable (%s): its engines are kept as last seen", name, by_shard[name])
+                self._silent_shards = silent
+            await self._update([n for ns in by_shard.values() if not isinstance(ns, DirectoryError) for n in ns], silent)
         self._probe_models()
 
-    async def _update(self, nodes: Sequence[NodeInfo]) -> None:
+    async def _update(self, nodes: Sequence[NodeInfo], silent: Set[str] = frozenset()) -> None:
+        """Bring the engine list up to `nodes`; engines homed on a shard in `silent` (it did not answer) stay."""
         seen = set()
         for n in nodes:
             e = self.engines.get(n.node_id)
@@ -219,7 +227,8 @@ class EngineRegistry:
         keep = {n.node_id for n in nodes} | {f"static-{i + 1}" for i in range(len(self.static))}
         for node_id in [k for k in self._refused if k not in keep]:
             del self._refused[node_id]
-        for node_id in [k for k, e in self.engines.items() if e.registered and k not in seen and e.inflight == 0]:
+        gone = [k for k, e in self.engines.items() if e.registered and k not in seen and e.inflight == 0]
+        for node_id in [k for k in gone if not silent or self.directory.home_shard(k) not in silent]:
             log.info("engine %s left the directory", node_id)
             del self.engines[node_id]
 

@@ -1,10 +1,12 @@
 """A gateway in front of a sharded directory (docs/scale-out.md §6), all in real processes: its mirror follows
 every shard (one watch stream each, found through the shard map), a prefix held by a worker homed on either
-shard is routed by affinity from the mirror, and a newer shard map committed in the shards is followed."""
+shard is routed by affinity from the mirror, a newer shard map committed in the shards is followed, and with
+one shard down the engine list follows the other shards and keeps the down shard's engines."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -106,3 +108,25 @@ async def _until(cond, what: str, timeout: float = 15.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def _engines(url: str) -> int:
+    return int(httpx.get(url + "/health", timeout=10).json()["engines"])
+
+
+def test_with_one_shard_down_the_engine_list_follows_the_others_and_keeps_its_engines(
+    make_sharded, make_workers, make_gateway
+) -> None:
+    c = make_sharded(shards=2, replicas=1)
+    w = make_workers(c, 2)
+    home = {node: c.shard_map.home(node) for node in w.node_ids}
+    assert sorted(home.values()) == c.names, home  # one worker homed on each shard
+    g = make_gateway(c, 2)
+    down = "s1"
+    c.shard(down).kill(0)  # its only replica: that shard's node list cannot be read
+    leaving = next(i for i, node in enumerate(w.node_ids) if home[node] != down)
+    w.kill(leaving, signal.SIGTERM)  # a clean stop deregisters it from its (reachable) home shard
+    # The gateway drops the engine that left the reachable shard and keeps the one on the unreachable shard.
+    wait_for(lambda: _engines(g.url) == 1, what="the engine list following the reachable shard")
+    r = _complete(g.url, PROMPT + "still served")
+    assert r.headers["x-kvdir-node"] == next(node for node in w.node_ids if home[node] == down)
