@@ -35,11 +35,8 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# Two pytest-xdist workers, a test file each at a time: the suite mostly waits on real processes (elections,
-# leases, replicas starting), so two overlap well on 2 cores; each picks ports from its own range (tests/conftest.py).
-TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest $(ARGS)
 
 # The docker-compose cluster, built, run and broken (tests/compose/run.sh: installs Docker from Debian's
 # packages and starts a daemon when needed, and stops what it started).
