@@ -152,17 +152,24 @@ class DirectoryClient:
             await self.shard_map(refresh=True)
             return await self._home(node_id).request(method, path, json, msgpack=msgpack, deadline=deadline)
 
-    async def _every_shard(self, call: Callable[[DirectoryClient], Awaitable[T]], *, all_needed: bool) -> list[T]:
-        """`call` on every shard at once. Shards that fail are left out unless `all_needed` (or every shard failed)."""
+    async def _each_shard(self, call: Callable[[DirectoryClient], Awaitable[T]]) -> dict[str, T | DirectoryError]:
+        """`call` on every shard at once, by shard name: its answer, or the DirectoryError it failed with."""
         assert self._map is not None
         names = self._map.names
         results = await asyncio.gather(*(call(self._shard(n)) for n in names), return_exceptions=True)
-        out: list[T] = []
-        failed: list[BaseException] = []
+        out: dict[str, T | DirectoryError] = {}
         for name, r in zip(names, results):
-            if isinstance(r, BaseException):
-                if not isinstance(r, DirectoryError):
-                    raise r
+            if isinstance(r, BaseException) and not isinstance(r, DirectoryError):
+                raise r
+            out[name] = r
+        return out
+
+    async def _every_shard(self, call: Callable[[DirectoryClient], Awaitable[T]], *, all_needed: bool) -> list[T]:
+        """`call` on every shard at once. Shards that fail are left out unless `all_needed` (or every shard failed)."""
+        out: list[T] = []
+        failed: list[DirectoryError] = []
+        for name, r in (await self._each_shard(call)).items():
+            if isinstance(r, DirectoryError):
                 log.debug("shard %s: %s", name, r)
                 failed.append(r)
             else:
@@ -259,18 +266,12 @@ class DirectoryClient:
         """Every registered node by shard name ("" for an unsharded directory), or the error of a shard that did
         not answer: for callers that go on with the others (a gateway's engine list while one shard is down).
         Raises only when no shard answered."""
-        m = await self.shard_map()
-        if m is None:
+        if await self.shard_map() is None:
             return {"": await self.nodes(deadline=deadline)}
-        names = m.names
-        answers = await asyncio.gather(*(self._shard(n).nodes(deadline=deadline) for n in names), return_exceptions=True)
-        out: dict[str, list[NodeInfo] | DirectoryError] = {}
-        for name, a in zip(names, answers):
-            if isinstance(a, BaseException) and not isinstance(a, DirectoryError):
-                raise a
-            out[name] = a
-        if all(isinstance(a, DirectoryError) for a in out.values()):
-            raise next(a for a in out.values() if isinstance(a, DirectoryError))
+        out = await self._each_shard(lambda c: c.nodes(deadline=deadline))
+        failed = [a for a in out.values() if isinstance(a, DirectoryError)]
+        if len(failed) == len(out):
+            raise failed[0]
         return out
 
     def home_shard(self, node_id: str) -> str:

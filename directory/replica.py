@@ -547,8 +547,9 @@ class Replica:
         """Commit the map of --shard-map-file if the group has none yet: until then the group admits no node.
 
         Every replica of the group tries; the state machine keeps the first and ignores the rest, whatever
-        their versions (`AssignShards.bootstrap`). A group that already has a map keeps it: changes go through PUT /v1/shards, in the order
-        that keeps fencing exact (directory.shardmap.apply_order), never through a restart with a new file.
+        their versions (`AssignShards.bootstrap`). A group that already has a map keeps it: changes go
+        through PUT /v1/shards, in the order that keeps fencing exact (directory.shardmap.apply_order),
+        never through a restart with a new file.
         """
         wanted, shard = self.settings.shard_map, self.settings.shard
         if wanted is None or shard is None:

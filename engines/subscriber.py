@@ -612,10 +612,7 @@ class Adapter:
                 sub = self._new(e)
                 try:
                     sub.open(ctx)
-                except zmq.ZMQError as exc:
-                    for s in subs:
-                        assert s._sub is not None
-                        s._sub.close(linger=0)
+                except zmq.ZMQError as exc:  # the sockets opened so far close with the context, below
                     how = "bind" if e.bind else "connect"
                     raise StartError(f"engine {e.node}: cannot {how} its ZMQ endpoint {e.zmq}: {exc}") from None
                 subs.append(sub)

@@ -152,10 +152,8 @@ class Proxy:
     ) -> None:
         self.router = router
         self.registry = registry
-        self.directory = directory
         self.http = http
         self.metrics = metrics
-        self.mirror = mirror
         self.peers = peers
         self._lookup = HolderLookup(directory, lookup_timeout_s, mirror, mirror_stale_lag_s)
 
