@@ -126,18 +126,9 @@ def bench_events(quick: bool, offered: float, engines: int, per_adapter: int) ->
                 )
             for a in range(0, engines, per_adapter):
                 group = specs[a : a + per_adapter]
-                which = (
-                    {
-                        "KVDIR_ENGINE_URL": group[0]["engine_url"],
-                        "KVDIR_ZMQ": group[0]["zmq"],
-                        "KVDIR_NODE_ID": group[0]["node_id"],
-                    }
-                    if len(group) == 1
-                    else {"KVDIR_ENGINES": json.dumps(group)}
-                )
                 env = {
                     **os.environ,
-                    **which,
+                    "KVDIR_ENGINES": json.dumps(group),
                     "KVDIR_BIND": "true",
                     "KVDIR_TOPIC": "kv",
                     "KVDIR_BLOCK_SIZE": str(BS),
