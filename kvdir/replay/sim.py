@@ -4,8 +4,9 @@
 `kvdir.replay.trace`) through one policy of `gateway.policy.POLICIES` and
 returns its figures; `oracle_hit_rate(requests)` is the ceiling any policy can
 reach, `ttft_floor(requests, params)` the TTFT no policy can beat, and
-`pooled_lru(requests, params)` what an ideal router over LRU engines gets. No wall clock, no sockets: a heap of events in simulated seconds, and
-all randomness from ``random.Random(params.seed)``.
+`pooled_lru(requests, params)` what an ideal router over LRU engines gets.
+No wall clock, no sockets: a heap of events in simulated seconds, and all
+randomness from ``random.Random(params.seed)``.
 
 The model
 ---------
@@ -178,7 +179,7 @@ def ttft_floor(requests: Sequence[TraceRequest], params: SimParams | None = None
                 best = end
         out[i] = best - a
         for b in blocks:
-            if ready_at.get(b, best + 1.0) > best:
+            if b not in ready_at or ready_at[b] > best:
                 ready_at[b] = best
     return out
 
