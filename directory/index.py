@@ -514,9 +514,9 @@ class BlockIndex:
         b = len(self._rkeys) if part.hi == 2**64 else int(np.searchsorted(self._rkeys, np.uint64(part.hi)))
         return a, b
 
-    def _rebuilt(self, part: _Part) -> list[_Part]:
-        """`part` with its share of the recent level merged in and tombstones dropped, split when too large."""
-        a, b = self._recent_range(part)
+    def _rebuilt(self, part: _Part, a: int, b: int) -> list[_Part]:
+        """`part` with its share of the recent level (`[a, b)`, `_recent_range`) merged in and tombstones
+        dropped, split when too large."""
         merged = _merge_levels(
             part.ukeys, part.starts, part.nodes, part.slots, self._rkeys[a:b], self._rnodes[a:b], self._rslots[a:b]
         )
@@ -525,8 +525,8 @@ class BlockIndex:
     def _rebuild(self, i: int) -> int:
         """Merge partition i (splitting it if it grew too large); returns the entries it rebuilt."""
         part = self._parts[i]
-        new = self._rebuilt(part)
         a, b = self._recent_range(part)
+        new = self._rebuilt(part, a, b)
         if b > a:
             self._rkeys, self._rnodes, self._rslots = (
                 np.concatenate((r[:a], r[b:])) for r in (self._rkeys, self._rnodes, self._rslots)
@@ -700,7 +700,7 @@ class BlockIndex:
     def merge(self) -> None:
         """Fold the recent level into the main levels, drop tombstones and rebuild the probe tables: O(N),
         for `load`, tests and benchmarks; mutations merge a partition at a time."""
-        self._parts = [q for p in self._parts for q in self._rebuilt(p)]
+        self._parts = [q for p in self._parts for q in self._rebuilt(p, *self._recent_range(p))]
         self._rkeys, self._rnodes, self._rslots = _EMPTY_U64, _EMPTY_U32, _EMPTY_U32
         self._dead = np.zeros(len(self._parts), dtype=np.int64)
         self._rcount = np.zeros(len(self._parts), dtype=np.int64)
