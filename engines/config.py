@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from operator import attrgetter
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
@@ -60,14 +61,6 @@ def read_engines(value: str) -> list[EngineSpec]:
 
 def _node_of(spec: EngineSpec) -> str:
     return spec.node_id or urlparse(spec.engine_url).netloc
-
-
-def _zmq_of(spec: EngineSpec) -> str:
-    return spec.zmq
-
-
-def _replay_of(spec: EngineSpec) -> str | None:
-    return spec.replay
 
 
 class EventsSettings(DirectoryClientSettings):
@@ -130,7 +123,7 @@ class EventsSettings(DirectoryClientSettings):
         if value is None:
             return None
         specs = read_engines(value)
-        for what, key in (("node id", _node_of), ("ZMQ endpoint", _zmq_of), ("replay endpoint", _replay_of)):
+        for what, key in (("node id", _node_of), ("ZMQ endpoint", attrgetter("zmq")), ("replay endpoint", attrgetter("replay"))):
             seen: dict[str, int] = {}
             for i, spec in enumerate(specs):
                 got = key(spec)
