@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError, RequestRejected, StaleEpochError, WrongShardError
@@ -176,6 +177,11 @@ class NodeSession:
         return len(self._store) + len(self._remove) + len(self._in_flight[0]) + len(self._in_flight[1])
 
     @property
+    def queued(self) -> int:
+        """Changes waiting for a round (not counting one in flight)."""
+        return len(self._store) + len(self._remove)
+
+    @property
     def has_pending(self) -> bool:
         return bool(self._store or self._remove or self._clear)
 
@@ -229,12 +235,23 @@ class NodeSession:
             self.on_registered(reg.epoch)
         return reg.epoch
 
-    async def flush(self) -> None:
-        """Send what is pending: the clear, removals, then stores; raises what the client raised."""
+    async def flush(self, limit: int | None = None) -> None:
+        """Send what is pending: the clear, removals, then stores; raises what the client raised.
+
+        With `limit`, a round takes at most that many changes (removals first, then the
+        oldest stores) and leaves the rest queued: a batcher's rounds stay the size it
+        asked for, and what is left can make up the next full round at once.
+        """
         epoch, gen = self.epoch, self.generation
         assert epoch is not None, "flush before register"
-        store, remove, clear = self._store, self._remove, self._clear
-        self._store, self._remove, self._clear = {}, set(), False
+        if limit is None or self.queued <= limit:
+            store, remove = self._store, self._remove
+            self._store, self._remove = {}, set()
+        else:
+            remove = set(islice(self._remove, limit))
+            self._remove -= remove
+            store = {h: self._store.pop(h) for h in list(islice(self._store, limit - len(remove)))}
+        clear, self._clear = self._clear, False
         self._in_flight = (store, remove)
         try:
             if clear:

@@ -104,7 +104,10 @@ class EventsSettings(DirectoryClientSettings):
         description="changes are gathered this long before they are sent (each request costs the directory more than 500 blocks)",
     )
     batch_max_blocks: int = Field(
-        4096, ge=1, le=16384, description="a round is sent at once, before the window ends, when this many changes are pending"
+        4096,
+        ge=1,
+        le=16384,
+        description="a round carries at most this many changes, and is sent at once, before the window ends, when this many are pending",
     )
     replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
     max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")

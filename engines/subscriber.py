@@ -17,7 +17,8 @@ at the end: shared directory client, event loop and metrics). It
   lease runs out and its entries go with it;
 * turns events into our block hashes (`engines.kv_events.HashMapper`) and
   sends the net change in batches, one round per ``batch_window_s``
-  (50 ms), or sooner once ``batch_max_blocks`` changes are pending:
+  (50 ms), or sooner once ``batch_max_blocks`` changes are pending; a
+  round carries at most that many, and a full remainder goes at once:
   AllBlocksCleared first (as a clear of this node), then removals, then
   stores. A request costs the directory's leader about as much as 2,000
   more blocks in it would, so under load each round should carry hundreds.
@@ -237,8 +238,7 @@ class EventsSubscriber:
         )
         self._pending_ts: float | None = None  # the oldest engine ts among pending changes: the lag histogram
         self._wake = asyncio.Event()
-        self._full = asyncio.Event()  # batch_max_blocks changes pending: the window ends early
-        self._gathered = 0  # changes since the last round started
+        self._full = asyncio.Event()  # batch_max_blocks changes queued: the window ends early
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
 
@@ -374,9 +374,8 @@ class EventsSubscriber:
             self.session.stored_in(SLOT, r.publish, medium)
             if r.remove:
                 self.session.removed(r.remove)
-            self._gathered += len(r.publish) + len(r.remove)
             changed = changed or bool(r.publish or r.remove)
-        if self._gathered >= self.s.batch_max_blocks:
+        if self.session.queued >= self.s.batch_max_blocks:
             self._full.set()
         if changed:
             if batch.ts is not None:
@@ -491,10 +490,9 @@ class EventsSubscriber:
         """One flush of the session, observing the lag of the engine's oldest change it committed."""
         gen, since = self.session.generation, self._pending_ts
         self._pending_ts = None
-        self._gathered = 0
         self._full.clear()
         try:
-            await self.session.flush()
+            await self.session.flush(self.s.batch_max_blocks)
         except RequestRejected as exc:
             if isinstance(exc, StaleEpochError):
                 self._merge_back_ts(gen, since)
@@ -502,8 +500,20 @@ class EventsSubscriber:
         except BaseException:
             self._merge_back_ts(gen, since)
             raise
+        finally:
+            self._rearm()
         if since is not None:
             self.lag.observe(max(0.0, time.time() - since))
+            if self.session.queued:
+                self._merge_back_ts(gen, since)  # what the round left is no newer: its lag counts from here too
+
+    def _rearm(self) -> None:
+        """After a round: what it left (a round takes at most batch_max_blocks) goes in a round of its own,
+        at once if that round is full already, else when the window ends."""
+        if self.session.queued >= self.s.batch_max_blocks:
+            self._full.set()
+        if self.session.queued:
+            self._wake.set()
 
     def _merge_back_ts(self, gen: int, since: float | None) -> None:
         if gen == self.session.generation and since is not None:

@@ -681,6 +681,37 @@ def test_subscriber_flushes_clear_then_removals_then_stores_and_keeps_failed_rou
     asyncio.run(go())
 
 
+def test_a_round_takes_at_most_batch_max_blocks_and_what_it_leaves_goes_next() -> None:
+    """Rounds of at most `batch_max_blocks`: removals first, then the oldest stores. A full remainder goes
+    out at once (no window), a partial one when the window ends; nothing is lost either way."""
+    import asyncio
+
+    sub, fake = _subscriber()
+    sub.s = sub.s.model_copy(update={"batch_max_blocks": 4})
+    session = sub.session
+    t = list(range(16 * 9))
+    ours = block_hashes(t, 16)
+
+    async def go() -> None:
+        await sub.on_batch(_batch(0, _chain(t, 16, list(range(1, 10)))))
+        await sub.on_batch(_batch(1, Removed((9,))))  # 8 stores, 1 removal queued
+        assert session.queued == 9 and sub._full.is_set()
+        await sub._flush()
+        assert fake.calls == [("remove", 1, frozenset({ours[8]})), ("publish", 1, frozenset(ours[:3]), None)]
+        assert session.queued == 5 and sub._full.is_set() and sub._wake.is_set()  # a full round left: at once
+        fake.calls.clear()
+        await sub._flush()
+        assert fake.calls == [("publish", 1, frozenset(ours[3:7]), None)]
+        assert session.queued == 1 and not sub._full.is_set() and sub._wake.is_set()  # the rest: after the window
+        fake.calls.clear()
+        sub._wake.clear()
+        await sub._flush()
+        assert fake.calls == [("publish", 1, frozenset(ours[7:8]), None)]
+        assert session.queued == 0 and not sub._full.is_set() and not sub._wake.is_set()
+
+    asyncio.run(go())
+
+
 def test_after_a_409_everything_is_published_again_even_under_the_same_epoch_number() -> None:
     """A directory that lost all its state restarts its epoch counter: re-registering can return the
     very epoch number we had. The 409 already said our entries are gone, so all of them go out again."""
