@@ -37,7 +37,9 @@ from kvdir.launcher import Cluster, free_ports
 BS = 16
 BLOCKS_PER_EVENT = 64
 # (engines, offered blocks/s over all of them): the target (issue #15), then a lighter point.
-POINTS = ((16, 100_000.0), (4, 20_000.0))
+# 120k offered: above the 100k target, so what is ingested shows the capacity (at 100k offered the figure cannot
+# exceed the offer, and the last batch's lag pulls it just below).
+POINTS = ((16, 120_000.0), (16, 100_000.0), (4, 20_000.0))
 # Engines per adapter process by default: 16 engines in 2 processes (one per core here) cost as little adapter
 # CPU per block as 4 or 16 per process, and ingested the most on average.
 ENGINES_PER_ADAPTER = 8
@@ -182,7 +184,7 @@ def bench_events(quick: bool, offered: float, engines: int, per_adapter: int) ->
                                     seen += 1
                                 else:
                                     break
-                            r = client.get(follower + "/v1/digest")
+                            r = client.get(follower + "/v1/cluster")  # a count; /v1/digest hashes every entry
                             if r.status_code == 200:
                                 growth.append((time.monotonic(), r.json()["entries"], _cpu(adapters), _cpu(replicas)))
                         except httpx.HTTPError:
