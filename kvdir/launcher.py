@@ -137,17 +137,30 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     low, high = 10000, max(_ephemeral_low(), 10000 + 4 * n)
     rng = random.SystemRandom()
     ports: list[int] = []
-    while len(ports) < n:
-        port = rng.randrange(low, high)
-        if port in ports:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
+    with _HANDED_OUT_LOCK:
+        while len(ports) < n:
+            port = rng.randrange(low, high)
+            if port in ports or port in _handed_out:
                 continue
-        ports.append(port)
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            ports.append(port)
+        for port in ports:
+            _handed_out[port] = None
+        while len(_handed_out) > _HANDED_OUT_MAX:
+            del _handed_out[next(iter(_handed_out))]
     return ports
+
+
+# Ports free_ports gave out lately, never given again while remembered: a port handed to a process
+# that has not bound it yet still looks free, and a second caller given it (a test's metrics port
+# equal to its engine's ZMQ port) made one of the two fail to bind.
+_HANDED_OUT_MAX = 4096
+_handed_out: dict[int, None] = {}
+_HANDED_OUT_LOCK = threading.Lock()
 
 
 def worker_node_ids(n: int) -> list[str]:

@@ -41,6 +41,14 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
             s.close()
 
 
+def test_free_ports_never_hands_out_a_port_twice_while_the_first_taker_may_not_have_bound_it() -> None:
+    """Separate calls must not collide either: a test's engine port and its adapter's metrics port, picked
+    by two calls, were once the same, and the adapter bound it for metrics and failed to bind it for ZMQ.
+    (2,000 random picks from ~22,000 ports would repeat ~90 times.)"""
+    picks = [p for _ in range(2000) for p in free_ports(1)]
+    assert len(set(picks)) == len(picks)
+
+
 def test_a_replica_whose_raft_port_is_taken_exits_with_a_clear_error(tmp_path: Path) -> None:
     """pysyncobj retries a failed bind forever and silently: the replica served HTTP but never
     heard its peers, and its cluster never agreed on a leader."""
