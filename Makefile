@@ -35,8 +35,12 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
+# Two passes (tests/conftest.py says why): two pytest-xdist workers, a test file each at a time, for everything
+# but the tests marked serial; then those alone. Exit status 5 is "no test selected" (an ARGS subset).
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m serial $(ARGS) || [ $$? -eq 5 ]
 
 # The docker-compose cluster, built, run and broken (tests/compose/run.sh: installs Docker from Debian's
 # packages and starts a daemon when needed, and stops what it started).

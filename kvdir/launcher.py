@@ -126,15 +126,22 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+PORT_RANGE: tuple[int, int] | None = None
+"""Where `free_ports` picks: None for 10000 up to the kernel's ephemeral range. Processes that start servers
+side by side (the test suite's parallel workers, tests/conftest.py) each set a range of their own: a port one
+of them picked but has not bound yet is then never the other's pick."""
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports that were free a moment ago, below the kernel's ephemeral range.
+    """n distinct ports that were free a moment ago, below the kernel's ephemeral range (or in `PORT_RANGE`).
 
     Not port 0's pick: that comes from the ephemeral range, where any outgoing connection on the
     machine can be given the port as its source port before the server binds it, and a Raft link
     that does so holds it for good. That was the suspected cause of a CI run in which one replica
     never bound its Raft port; below the range no connect() can take it.
     """
-    low, high = 10000, max(_ephemeral_low(), 10000 + 4 * n)
+    low, high = PORT_RANGE or (10000, _ephemeral_low())
+    high = max(high, low + 4 * n)
     rng = random.SystemRandom()
     ports: list[int] = []
     with _HANDED_OUT_LOCK:

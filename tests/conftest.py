@@ -1,0 +1,54 @@
+"""What every test directory shares: how `make test` splits the suite.
+
+`make test` runs the suite in two passes: most files in two pytest-xdist workers (a file each at
+a time: the tests mostly wait on real processes, so two overlap well on 2 cores), then the tests
+marked `serial` alone. Serial tests assert timing a saturated machine can break: that a stalled
+or restarted follower, a hostile client or an oversized body causes *no* election, or that
+something happens within a bound of about a second. Next to another worker's clusters on 2
+cores, a leader can miss its heartbeats for CPU, not for the fault under test.
+
+Under xdist each worker picks server ports from a range of its own (kvdir.launcher.PORT_RANGE),
+so a port one worker picked but has not bound yet is never the other's pick.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvdir import launcher
+
+_LOW, _HIGH = 10000, 32000  # below Linux's ephemeral range (32768-60999)
+
+# file (or file::test) -> why it runs alone
+SERIAL = {
+    "tests/integration/test_replication.py": "a stalled or restarted follower must not cause an election",
+    "tests/integration/test_raft_security.py": "hostile Raft connections must not cause an election",
+    "tests/integration/test_directory_bounds.py": "an oversized request must not cause an election",
+    "tests/integration/test_hostile.py": "normal requests answered within 1-2 s while attacked",
+    "tests/integration/test_transfer.py": "stalled transfers end within their bounds",
+    "tests/integration/test_watch.py": "a stalled watch is noticed within 1.5 s",
+    "tests/integration/test_header_limit.py": "an oversized header is refused within 1 s",
+    "tests/integration/test_gateway_mirror.py": "a stalled mirror is noticed and recovers within its bounds",
+    "tests/integration/test_events.py::test_a_burst_arrives_whole_and_full_rounds_do_not_wait_for_the_window": (
+        "a burst arrives within 8 s"
+    ),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "serial: run alone, after the parallel pass (tests/conftest.py says why)")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist; unset otherwise
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and count > 1:
+        i = int(worker[2:])
+        width = (_HIGH - _LOW) // count
+        launcher.PORT_RANGE = (_LOW + i * width, _LOW + (i + 1) * width)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path in SERIAL or item.nodeid in SERIAL:
+            item.add_marker(pytest.mark.serial)
