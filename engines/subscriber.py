@@ -489,7 +489,10 @@ class EventsSubscriber:
     async def _flush(self) -> None:
         """One flush of the session, observing the lag of the engine's oldest change it committed."""
         gen, since = self.session.generation, self._pending_ts
-        self._pending_ts = None
+        # A round that cannot take all that is queued leaves changes that arrived before now:
+        # now is a lower bound for their engine timestamps' lag (since, the oldest, would count a
+        # steady backlog as ever older).
+        self._pending_ts = time.time() if self.session.queued > self.s.batch_max_blocks else None
         self._full.clear()
         try:
             await self.session.flush(self.s.batch_max_blocks)
@@ -504,8 +507,6 @@ class EventsSubscriber:
             self._rearm()
         if since is not None:
             self.lag.observe(max(0.0, time.time() - since))
-            if self.session.queued:
-                self._merge_back_ts(gen, since)  # what the round left is no newer: its lag counts from here too
 
     def _rearm(self) -> None:
         """After a round: what it left (a round takes at most batch_max_blocks) goes in a round of its own,

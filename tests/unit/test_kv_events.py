@@ -699,6 +699,8 @@ def test_a_round_takes_at_most_batch_max_blocks_and_what_it_leaves_goes_next() -
         await sub._flush()
         assert fake.calls == [("remove", 1, frozenset({ours[8]})), ("publish", 1, frozenset(ours[:3]), None)]
         assert session.queued == 5 and sub._full.is_set() and sub._wake.is_set()  # a full round left: at once
+        left_since = sub._pending_ts  # what it left arrived before the round: the lag counts from then at the latest
+        assert left_since is not None and left_since > 1.0
         fake.calls.clear()
         await sub._flush()
         assert fake.calls == [("publish", 1, frozenset(ours[3:7]), None)]
@@ -708,6 +710,7 @@ def test_a_round_takes_at_most_batch_max_blocks_and_what_it_leaves_goes_next() -
         await sub._flush()
         assert fake.calls == [("publish", 1, frozenset(ours[7:8]), None)]
         assert session.queued == 0 and not sub._full.is_set() and not sub._wake.is_set()
+        assert sub._pending_ts is None  # nothing left: no lag carried over to changes that come later
 
     asyncio.run(go())
 
