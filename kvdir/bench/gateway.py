@@ -1,5 +1,5 @@
 """`kvdir bench gateway`: what the gateway adds to a request (latency, and its process's CPU per request),
-tokenize + hash times, and the policy's decision time."""
+tokenize + hash times, the policy's decision time, and the floor its HTTP stack sets (`http_stack`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from gateway.cost import RouteRequest
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import make_candidate
+from kvdir.bench.http_stack import bench_http_stack
 from kvdir.bench.loadgen import LoadResult, LoadSpec, run_load
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
@@ -171,5 +172,7 @@ def main(*, as_json: bool, quick: bool) -> int:
         "added latency of the gateway (mirror lookups, then REST lookups) vs the worker directly (3 replicas, 1 worker at --time-scale 0)..."
     )
     results.update(bench_added_latency(quick))
+    say("the HTTP stack's own CPU per request: httpx forwarding, uvicorn + FastAPI receiving (kvdir/bench/http_stack.py)...")
+    results.update(bench_http_stack(quick))
     emit(results, as_json)
     return 0

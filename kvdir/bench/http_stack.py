@@ -1,0 +1,174 @@
+"""The CPU the gateway's HTTP stack costs per request before any routing work: its floor.
+
+The gateway receives each request through uvicorn + FastAPI and forwards it with httpx. Each is
+measured alone against a bare asyncio peer in another process (which answers or sends
+fixed bytes and costs its side next to nothing), as CPU per request of the measured process:
+
+* ``httpx_forward_us``: an ``httpx.AsyncClient`` POST of a 90-byte body, read whole, over one
+  pooled keep-alive connection, the gateway's own limits;
+* ``asyncio_forward_us``: the same exchange written and read with asyncio streams, the
+  least any client in Python could cost;
+* ``fastapi_inbound_us``: uvicorn (uvloop, httptools) + a FastAPI route that reads the body,
+  parses it and answers 200 bytes: the gateway's inbound side, minus its own work.
+
+The sum of the first and the last is what any gateway built on these libraries spends per request
+on this machine, whatever it does in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvdir.bench.proc import cpu_s
+from kvdir.launcher import free_ports
+
+BODY = b'{"model":"m","prompt":"' + b"a" * 64 + b'","max_tokens":1}'
+ANSWER = b"x" * 200
+RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+REQUEST = b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+    len(BODY),
+    BODY,
+)
+
+# The inbound side: a route shaped like the gateway's (read the body, parse it, answer with headers of its own).
+_APP = """
+import json
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+app = FastAPI()
+@app.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    json.loads(await request.body())
+    return Response(b"x" * 200, media_type="application/json", headers={"x-kvdir-node": "w", "x-kvdir-decision": "d"})
+"""
+
+_SERVER = (
+    f"RESPONSE = {RESPONSE!r}\n"
+    + """
+import asyncio, sys, uvloop
+async def handle(r, w):
+    try:
+        while True:
+            head = await r.readuntil(b"\\r\\n\\r\\n")
+            n = next((int(x.split(b":")[1]) for x in head.split(b"\\r\\n") if x.lower().startswith(b"content-length:")), 0)
+            await r.readexactly(n)
+            w.write(RESPONSE)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        w.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    async with server:
+        await server.serve_forever()
+uvloop.run(main())
+"""
+)
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def _wait_listening(port: int, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return
+        except OSError:
+            if time.monotonic() > end:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {deadline_s:.0f} s") from None
+            await asyncio.sleep(0.05)
+
+
+async def _clients(port: int, n: int) -> dict[str, float]:
+    """CPU per request of this process as an httpx client, then as a bare asyncio one."""
+    await _wait_listening(port)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)  # the gateway's
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(limits=limits) as http:
+
+        async def with_httpx() -> None:
+            request = http.build_request("POST", url, content=BODY, headers={"content-type": "application/json"})
+            response = await http.send(request, stream=True)
+            await response.aread()
+            await response.aclose()
+
+        for _ in range(n // 10):  # warm: the connection, the code paths
+            await with_httpx()
+        c0 = _cpu_self()
+        for _ in range(n):
+            await with_httpx()
+        out["httpx_forward_us"] = (_cpu_self() - c0) / n * 1e6
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        c0 = _cpu_self()
+        for _ in range(n):
+            writer.write(REQUEST)
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(len(ANSWER))
+        out["asyncio_forward_us"] = (_cpu_self() - c0) / n * 1e6
+    finally:
+        writer.close()
+    return out
+
+
+async def _inbound(port: int, pid: int, n: int) -> float:
+    """CPU per request of the uvicorn + FastAPI process `pid`, driven by a bare asyncio client."""
+    await _wait_listening(port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def one() -> None:
+        writer.write(REQUEST)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+
+    try:
+        for _ in range(n // 10):
+            await one()
+        c0 = cpu_s(pid)
+        for _ in range(n):
+            await one()
+        return (cpu_s(pid) - c0) / n * 1e6
+    finally:
+        writer.close()
+
+
+def bench_http_stack(quick: bool) -> dict[str, Any]:
+    """The figures in the module docstring; each peer runs in a process of its own, stopped on the way out."""
+    n = 1000 if quick else 5000
+    server_port, app_port = free_ports(2)
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-http-") as tmp:
+        (Path(tmp) / "bench_app.py").write_text(_APP)
+        try:
+            procs.append(subprocess.Popen([sys.executable, "-c", _SERVER, str(server_port)]))
+            out = asyncio.run(_clients(server_port, n))
+            app = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--app-dir", tmp, "bench_app:app", "--port", str(app_port)]
+                + ["--host", "127.0.0.1", "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
+                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            )
+            procs.append(app)
+            out["fastapi_inbound_us"] = asyncio.run(_inbound(app_port, app.pid, n))
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    out["http_stack_floor_us"] = out["httpx_forward_us"] + out["fastapi_inbound_us"]
+    return out
