@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
+from kvdir import launcher
 from kvdir.launcher import free_ports
 
 
@@ -20,9 +21,11 @@ def port_free(port: int) -> bool:
 
 
 def free_base_port(offsets: Sequence[int]) -> int:
-    """A base port for `kvdir up` such that base+offset is free now for every offset."""
+    """A base port for `kvdir up` such that base+offset is free now for every offset, all inside this
+    process's port range when it has one (a parallel test worker's: tests/conftest.py)."""
+    low, high = launcher.PORT_RANGE or (1025, 65536)
     for _ in range(50):
         base = free_ports(1)[0] - 200
-        if base > 1024 and all(port_free(base + d) for d in offsets):
+        if base >= low and base + max(offsets) < high and all(port_free(base + d) for d in offsets):
             return base
     raise RuntimeError("no free port range found")
