@@ -157,7 +157,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             ports.append(port)
         for port in ports:
             _handed_out[port] = None
-        while len(_handed_out) > _HANDED_OUT_MAX:
+        while len(_handed_out) > min(_HANDED_OUT_MAX, (high - low) // 2):  # half a range stays to pick from
             del _handed_out[next(iter(_handed_out))]
     return ports
 
