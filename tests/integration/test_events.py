@@ -303,8 +303,12 @@ def setup(
         started.append(sub)
         d = Directory(cluster)
         started.append(d)
-        engine.connect()
-        wait_for(lambda: d.node(node_id) is not None, 20, what=f"{node_id} registered")
+        try:
+            engine.connect()
+            wait_for(lambda: d.node(node_id) is not None, 20, what=f"{node_id} registered")
+        except AssertionError:
+            print(f"subscriber exit status: {sub.proc.poll()}\n{sub.log_tail()}")  # why it never subscribed
+            raise
         return d, engine, sub
 
     yield make
