@@ -72,7 +72,7 @@ def gateway(directory: Cluster, engines: dict[str, Engine], tmp_path_factory: py
         data,
         free_ports(1)[0],
         directory.replica_urls,
-        log_level="info",
+        log_level="debug",  # each decision's TTFT formula in gateway.log: a failed routing test prints it
         extra_args=(
             "--tokenizer",
             "engine",
