@@ -6,8 +6,8 @@ fixed bytes and costs its side next to nothing), as CPU per request of the measu
 
 * ``httpx_forward_us``: an ``httpx.AsyncClient`` POST of a 90-byte body, read whole, over one
   pooled keep-alive connection, the gateway's own limits;
-* ``asyncio_forward_us``: the same exchange written and read with asyncio streams, the
-  least any client in Python could cost;
+* ``asyncio_forward_us``: the same exchange with the benches' own minimal HTTP/1.1 client on
+  asyncio streams (`kvdir.bench.loadgen.Conn`), about the least any client in Python costs;
 * ``fastapi_inbound_us``: uvicorn (uvloop, httptools) + a FastAPI route that reads the body,
   parses it and answers 200 bytes: the gateway's inbound side, minus its own work.
 
@@ -29,16 +29,14 @@ from typing import Any
 
 import httpx
 
+from kvdir.bench.loadgen import Conn
 from kvdir.bench.proc import cpu_s
 from kvdir.launcher import free_ports
 
+PATH = "/v1/completions"
 BODY = b'{"model":"m","prompt":"' + b"a" * 64 + b'","max_tokens":1}'
 ANSWER = b"x" * 200
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
-REQUEST = b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-    len(BODY),
-    BODY,
-)
 
 # The inbound side: a route shaped like the gateway's (read the body, parse it, answer with headers of its own).
 _APP = """
@@ -75,6 +73,7 @@ uvloop.run(main())
 
 
 def _cpu_self() -> float:
+    """This process's CPU seconds, to the microsecond (/proc counts in 10 ms ticks: too coarse for the asyncio loop)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
@@ -95,13 +94,13 @@ async def _wait_listening(port: int, deadline_s: float = 30.0) -> None:
 async def _clients(port: int, n: int) -> dict[str, float]:
     """CPU per request of this process as an httpx client, then as a bare asyncio one."""
     await _wait_listening(port)
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    url = f"http://127.0.0.1:{port}"
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)  # the gateway's
     out: dict[str, float] = {}
     async with httpx.AsyncClient(limits=limits) as http:
 
         async def with_httpx() -> None:
-            request = http.build_request("POST", url, content=BODY, headers={"content-type": "application/json"})
+            request = http.build_request("POST", url + PATH, content=BODY, headers={"content-type": "application/json"})
             response = await http.send(request, stream=True)
             await response.aread()
             await response.aclose()
@@ -112,41 +111,31 @@ async def _clients(port: int, n: int) -> dict[str, float]:
         for _ in range(n):
             await with_httpx()
         out["httpx_forward_us"] = (_cpu_self() - c0) / n * 1e6
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = Conn(url)
     try:
+        await conn.post(PATH, BODY)  # connected
         c0 = _cpu_self()
         for _ in range(n):
-            writer.write(REQUEST)
-            await writer.drain()
-            await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(len(ANSWER))
+            await conn.post(PATH, BODY)
         out["asyncio_forward_us"] = (_cpu_self() - c0) / n * 1e6
     finally:
-        writer.close()
+        conn.close()
     return out
 
 
 async def _inbound(port: int, pid: int, n: int) -> float:
     """CPU per request of the uvicorn + FastAPI process `pid`, driven by a bare asyncio client."""
     await _wait_listening(port)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-
-    async def one() -> None:
-        writer.write(REQUEST)
-        await writer.drain()
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:"))
-        await reader.readexactly(length)
-
+    conn = Conn(f"http://127.0.0.1:{port}")
     try:
         for _ in range(n // 10):
-            await one()
+            await conn.post(PATH, BODY)
         c0 = cpu_s(pid)
         for _ in range(n):
-            await one()
+            await conn.post(PATH, BODY)
         return (cpu_s(pid) - c0) / n * 1e6
     finally:
-        writer.close()
+        conn.close()
 
 
 def bench_http_stack(quick: bool) -> dict[str, Any]:

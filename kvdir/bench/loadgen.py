@@ -49,7 +49,9 @@ def run_load(spec: LoadSpec) -> LoadResult:
     return asyncio.run(_run(spec))
 
 
-class _Conn:
+class Conn:
+    """One keep-alive HTTP/1.1 connection over asyncio streams: POST a body, read the status and the body."""
+
     def __init__(self, url: str) -> None:
         u = urlsplit(url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
@@ -90,7 +92,7 @@ async def _run(spec: LoadSpec) -> LoadResult:
 
     async def one(k: int) -> None:
         nonlocal errors, items
-        conn = _Conn(spec.urls[k % len(spec.urls)])
+        conn = Conn(spec.urls[k % len(spec.urls)])
         node = k % max(1, len(spec.node_ids))
         slot = k * 1_000_000
         interval = spec.concurrency / spec.rate if spec.rate else 0.0
@@ -128,7 +130,7 @@ async def _run(spec: LoadSpec) -> LoadResult:
                 except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
                     errors += 1
                     conn.close()
-                    conn = _Conn(spec.urls[k % len(spec.urls)])
+                    conn = Conn(spec.urls[k % len(spec.urls)])
                     continue
                 if status == 200:
                     latencies.append(time.perf_counter() - t0)

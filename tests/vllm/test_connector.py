@@ -159,7 +159,7 @@ def _gateway_running(gateway: Gateway, node_id: str) -> int | None:
 def _decisions(gateway: Gateway) -> str:
     """The gateway's last routing decisions with their TTFT formulas, and what it logged about lookups and engines."""
     lines = gateway.log_path.read_text(errors="replace").splitlines()
-    keep = [x for x in lines if "kvdir.gateway" in x and "httpcore" not in x]
+    keep = [x for x in lines if "kvdir.gateway" in x]
     return "\n".join(keep[-15:])
 
 
