@@ -18,7 +18,7 @@ from gateway.cost import RouteRequest
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import make_candidate
-from kvdir.bench.http_stack import bench_http_stack
+from kvdir.bench.http_stack import bench_http_stack, floor_proxy
 from kvdir.bench.loadgen import LoadResult, LoadSpec, run_load
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
@@ -104,9 +104,11 @@ def _lookup_sources(metrics: str) -> dict[str, float]:
 
 def bench_added_latency(quick: bool) -> dict[str, Any]:
     """Added latency over calling the worker directly, with the gateway's lookups answered by its mirror
-    of the directory (the default) and by a replica over REST (--no-mirror), interleaved on one machine.
+    of the directory (the default) and by a replica over REST (--no-mirror), and through a proxy that does
+    nothing but receive and forward on the gateway's HTTP stack (`http_stack.floor_proxy`: the least any
+    gateway on these libraries adds), interleaved on one machine.
 
-    Each gateway's CPU seconds per 1,000 requests (its process's, over its load windows, background work
+    Each proxy's CPU seconds per 1,000 requests (its process's, over its load windows, background work
     included) is the steadier figure on a shared machine: latency there moves with whatever else runs."""
     duration, rate = (3.0, 200.0) if quick else (10.0, 200.0)
     ports = free_ports(6)
@@ -128,18 +130,20 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
                 (Path(tmp) / name).mkdir()
                 gateways[name] = Gateway(Path(tmp) / name, free_ports(1)[0], c.replica_urls, extra_args=args)
                 gateways[name].wait_ready(60, engines=1)
-            lat: dict[str, list[float]] = {"direct": [], "mirror": [], "rest": []}
-            cpu = dict.fromkeys(gateways, 0.0)
-            sent = dict.fromkeys(gateways, 0)
-            for _ in range(2):  # interleaved, so all see the same machine
-                say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through each gateway...")
-                lat["direct"] += _load(w.urls[0], duration, rate)["latencies"]
-                for name, g in gateways.items():
-                    before = cpu_s(g.proc.pid)
-                    res = _load(g.url, duration, rate)
-                    cpu[name] += cpu_s(g.proc.pid) - before
-                    sent[name] += len(res["latencies"]) + res["errors"]
-                    lat[name] += res["latencies"]
+            with floor_proxy(w.urls[0], free_ports(1)[0]) as (floor_url, floor_pid):
+                proxies = {"floor": (floor_url, floor_pid)} | {name: (g.url, g.proc.pid) for name, g in gateways.items()}
+                lat: dict[str, list[float]] = {name: [] for name in ("direct", *proxies)}
+                cpu = dict.fromkeys(proxies, 0.0)
+                sent = dict.fromkeys(proxies, 0)
+                for _ in range(2):  # interleaved, so all see the same machine
+                    say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through each proxy...")
+                    lat["direct"] += _load(w.urls[0], duration, rate)["latencies"]
+                    for name, (url, pid) in proxies.items():
+                        before = cpu_s(pid)
+                        res = _load(url, duration, rate)
+                        cpu[name] += cpu_s(pid) - before
+                        sent[name] += len(res["latencies"]) + res["errors"]
+                        lat[name] += res["latencies"]
             metrics = {name: httpx.get(g.url + "/metrics").text for name, g in gateways.items()}
         finally:
             for g in gateways.values():
@@ -151,13 +155,16 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
         "direct_p99_ms": pct(lat["direct"], 99) * 1e3,
         "requests_per_s": rate,
     }
-    for name in ("mirror", "rest"):
-        out[f"{name}_gateway_p50_ms"] = pct(lat[name], 50) * 1e3
-        out[f"{name}_gateway_p99_ms"] = pct(lat[name], 99) * 1e3
+    for name in proxies:
+        label = "floor_proxy" if name == "floor" else f"{name}_gateway"
+        out[f"{label}_p50_ms"] = pct(lat[name], 50) * 1e3
+        out[f"{label}_p99_ms"] = pct(lat[name], 99) * 1e3
         out[f"{name}_added_p50_ms"] = (pct(lat[name], 50) - pct(lat["direct"], 50)) * 1e3
         out[f"{name}_added_p99_ms"] = (pct(lat[name], 99) - pct(lat["direct"], 99)) * 1e3
+        out[f"{label}_cpu_s_per_1000_requests"] = cpu[name] / max(1, sent[name]) * 1000
+    for name in gateways:
+        out[f"{name}_added_over_floor_p50_ms"] = (pct(lat[name], 50) - pct(lat["floor"], 50)) * 1e3
         out[f"{name}_internal_added_p50_le_s"] = _added_buckets(metrics[name])
-        out[f"{name}_gateway_cpu_s_per_1000_requests"] = cpu[name] / max(1, sent[name]) * 1000
         out[f"{name}_lookup_sources"] = _lookup_sources(metrics[name])
     return out
 
@@ -169,7 +176,8 @@ def main(*, as_json: bool, quick: bool) -> int:
     say("the kvdir policy's decision among 16 candidates...")
     results.update(bench_policy_choose())
     say(
-        "added latency of the gateway (mirror lookups, then REST lookups) vs the worker directly (3 replicas, 1 worker at --time-scale 0)..."
+        "added latency of the gateway (mirror lookups, then REST lookups) and of a do-nothing proxy on its HTTP stack,"
+        " vs the worker directly (3 replicas, 1 worker at --time-scale 0)..."
     )
     results.update(bench_added_latency(quick))
     say("the HTTP stack's own CPU per request: httpx forwarding, uvicorn + FastAPI receiving (kvdir/bench/http_stack.py)...")

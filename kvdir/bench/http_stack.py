@@ -13,17 +13,23 @@ fixed bytes and costs its side next to nothing), as CPU per request of the measu
 
 The sum of the first and the last is what any gateway built on these libraries spends per request
 on this machine, whatever it does in between.
+
+`floor_proxy` is the same floor in latency: a proxy that does nothing but receive through uvicorn +
+FastAPI and forward with httpx the way the gateway does, for `kvdir bench gateway` to measure next to
+the gateway against the same worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,26 @@ app = FastAPI()
 async def completions(request: Request) -> Response:
     json.loads(await request.body())
     return Response(b"x" * 200, media_type="application/json", headers={"x-kvdir-node": "w", "x-kvdir-decision": "d"})
+"""
+
+# The latency floor: the inbound route above plus the gateway's forwarding (its limits, a streamed send read whole).
+_PROXY_APP = """
+import json, os
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+UPSTREAM = os.environ["KVDIR_BENCH_UPSTREAM"]
+app = FastAPI()
+http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=32))
+@app.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = await request.body()
+    json.loads(body)
+    forward = http.build_request("POST", UPSTREAM + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    upstream = await http.send(forward, stream=True)
+    content = await upstream.aread()
+    await upstream.aclose()
+    return Response(content, status_code=upstream.status_code, media_type="application/json", headers={"x-kvdir-node": "w"})
 """
 
 _SERVER = (
@@ -138,6 +164,29 @@ async def _inbound(port: int, pid: int, n: int) -> float:
         conn.close()
 
 
+def _uvicorn(app_dir: str, module: str, port: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`module:app` served the way the gateway serves itself (uvloop, httptools, no access log)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, f"{module}:app", "--port", str(port)]
+        + ["--host", "127.0.0.1", "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+    )
+
+
+@contextlib.contextmanager
+def floor_proxy(upstream: str, port: int) -> Iterator[tuple[str, int]]:
+    """(URL, pid) of a do-nothing proxy to `upstream` on the gateway's HTTP stack, listening until the block ends."""
+    with tempfile.TemporaryDirectory(prefix="kvdir-bench-proxy-") as tmp:
+        (Path(tmp) / "bench_proxy.py").write_text(_PROXY_APP)
+        proc = _uvicorn(tmp, "bench_proxy", port, {"KVDIR_BENCH_UPSTREAM": upstream})
+        try:
+            asyncio.run(_wait_listening(port))
+            yield f"http://127.0.0.1:{port}", proc.pid
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def bench_http_stack(quick: bool) -> dict[str, Any]:
     """The figures in the module docstring; each peer runs in a process of its own, stopped on the way out."""
     n = 1000 if quick else 5000
@@ -148,11 +197,7 @@ def bench_http_stack(quick: bool) -> dict[str, Any]:
         try:
             procs.append(subprocess.Popen([sys.executable, "-c", _SERVER, str(server_port)]))
             out = asyncio.run(_clients(server_port, n))
-            app = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--app-dir", tmp, "bench_app:app", "--port", str(app_port)]
-                + ["--host", "127.0.0.1", "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
-                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-            )
+            app = _uvicorn(tmp, "bench_app", app_port)
             procs.append(app)
             out["fastapi_inbound_us"] = asyncio.run(_inbound(app_port, app.pid, n))
         finally:

@@ -4,6 +4,10 @@ printed, and nothing left listening afterwards (figures are reported, never asse
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+
+import httpx
 
 from kvdir.bench import http_stack
 from tests.support.ports import port_free
@@ -18,3 +22,18 @@ def test_the_http_stack_floor_measures_each_side_and_stops_its_peers(monkeypatch
         assert math.isfinite(out[key]) and out[key] > 0, (key, out)
     assert out["http_stack_floor_us"] == out["httpx_forward_us"] + out["fastapi_inbound_us"]
     assert len(picked) == 2 and all(port_free(p) for p in picked)
+
+
+def test_the_floor_proxy_forwards_to_its_upstream_and_stops() -> None:
+    """`kvdir bench gateway` measures this proxy next to the gateway: it must relay the upstream's answer."""
+    upstream_port, proxy_port = http_stack.free_ports(2)
+    upstream = subprocess.Popen([sys.executable, "-c", http_stack._SERVER, str(upstream_port)])
+    try:
+        with http_stack.floor_proxy(f"http://127.0.0.1:{upstream_port}", proxy_port) as (url, pid):
+            r = httpx.post(url + http_stack.PATH, content=http_stack.BODY, headers={"content-type": "application/json"})
+            assert (r.status_code, r.content) == (200, http_stack.ANSWER)
+            assert pid > 0
+        assert port_free(proxy_port)
+    finally:
+        upstream.kill()
+        upstream.wait()
