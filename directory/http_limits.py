@@ -4,7 +4,8 @@ uvicorn's httptools protocol has no such cap (`h11_max_incomplete_event_size` on
 h11), and httptools joins the pieces of a header that arrives over many reads with `+=`: a
 50 MB header to `/healthz` cost a replica 3.3 s of CPU on its event loop. This module imports
 only uvicorn and starlette, so the gateway and the worker can use it without the directory's
-server side. `serve_app` runs every kvdir HTTP server the same way, with these caps.
+server side. `serve_app` runs every kvdir HTTP server the same way, with these caps and with
+what its startup built frozen out of the cyclic garbage collector (`directory.heap`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from directory.addresses import parse_hostport
+from directory.heap import frozen_after_startup
 from directory.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -86,10 +88,9 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = self.too_large(self.limit)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await too_large(scope, receive, send)
+            return await self.too_large(self.limit)(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -99,7 +100,7 @@ class BodyLimit:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                return await too_large(scope, receive, send)
+                return await self.too_large(self.limit)(scope, receive, send)
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
@@ -118,7 +119,8 @@ class BodyLimit:
 
 def serve_app(make_app: Callable[[], ASGIApp], http: str, log_level: str) -> None:
     """Serve the app `make_app` builds on HOST:PORT until SIGINT/SIGTERM: the head cap, uvloop, no access log
-    (one line per request is noise), and 5 s for open requests to finish at shutdown.
+    (one line per request is noise), 5 s for open requests to finish at shutdown, and what startup built
+    frozen out of the cyclic garbage collector once the lifespan startup is over (`directory.heap`).
 
     Logging is set up before the app is built, so what building it logs (auth on, tenant keys) is not lost.
     """
@@ -126,7 +128,7 @@ def serve_app(make_app: Callable[[], ASGIApp], http: str, log_level: str) -> Non
     app = make_app()
     host, port = parse_hostport(http)
     uvicorn.run(
-        app,
+        frozen_after_startup(app),
         host=host,
         port=port,
         log_level=log_level.lower(),

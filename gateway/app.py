@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from directory.client import DirectoryClient
 from directory.http_limits import BodyLimit
+from directory.index import warm_up
 from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
@@ -146,6 +147,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.metrics = metrics = GatewayMetrics(registry)
         mirror = None
         if settings.mirror and not settings.tenant:
+            # The index kernels the mirror runs, loaded now: startup's end freezes what they built (directory.heap).
+            await asyncio.to_thread(warm_up)
             # One feed per shard of a sharded directory (the map is read with `directory`), else one on these URLs.
             mirror = Mirror(settings.directory_urls, settings.directory_token, settings.mirror_max_lag_s, directory=directory)
             mirror.start()
