@@ -12,6 +12,7 @@ booleans are rejected (422), as are values outside 0..2**64-1.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ _ORIGIN = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=4096)
+def _url(scheme: str, host: str, port: int, path: str) -> httpx.URL:
+    """An engine URL, built once (httpx validates and encodes each part: ~20 µs, on every forwarded request)."""
+    return httpx.URL(scheme=scheme, host=host, port=port, path=path)
+
+
 @dataclass(frozen=True, slots=True)
 class Origin:
     """Where an engine's API is: scheme, host and port, and nothing else."""
@@ -78,7 +85,7 @@ class Origin:
 
     def url(self, path: str) -> httpx.URL:
         """The URL of `path` (one of the caller's own constants) on this engine, built from the parts."""
-        return httpx.URL(scheme=self.scheme, host=self.host, port=self.port, path=path)
+        return _url(self.scheme, self.host, self.port, path)
 
     def __str__(self) -> str:
         return f"{self.scheme}://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
