@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
+import httpcore
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
@@ -167,8 +168,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
         )
         peers.start()
+        upstream = httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32)
         app.state.proxy = Proxy(
-            router, registry, directory, http, metrics, settings.lookup_timeout_s, mirror, peers, settings.mirror_stale_lag_s
+            router,
+            registry,
+            directory,
+            upstream,
+            settings.request_timeout_s,
+            metrics,
+            settings.lookup_timeout_s,
+            mirror,
+            peers,
+            settings.mirror_stale_lag_s,
         )
         app.state.models_cache = (0.0, [])
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
@@ -179,6 +190,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if mirror is not None:
                 await mirror.stop()
             await registry.stop()
+            await upstream.aclose()
             await http.aclose()
             await directory.aclose()
 

@@ -15,6 +15,12 @@ request, `Proxy.complete`:
 3. relays the response: read whole (not streamed, or an error status) or
    streamed chunk by chunk as it comes.
 
+The forward goes through httpcore's connection pool, the transport under
+httpx, rather than an `httpx.AsyncClient`: the proxy needs none of what httpx
+adds on top (request and response models, cookies, redirects, auth), and those
+cost ~300 of its ~700 µs of CPU per request (BENCHMARKS.md, "The forward on
+httpcore").
+
 What the gateway adds to an engine's reported load is counted by one
 `InflightTicket` per request, from just before the request is sent until the
 response is over.
@@ -22,6 +28,7 @@ response is over.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -30,10 +37,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import httpx
+import httpcore
 from fastapi.responses import Response, StreamingResponse
 
 from directory.client import DirectoryClient
+from directory.schemas import Origin
 from gateway.cost import Decision, RouteRequest
 from gateway.engines import EngineRegistry, EngineState
 from gateway.errors import GatewayError
@@ -46,6 +54,8 @@ from gateway.router import HolderView, NoEngineAvailable, Route, Router
 log = logging.getLogger("kvdir.gateway")
 
 _TAIL_BYTES = 65536  # the end of a stream kept to read its final usage chunk
+_CONNECT_FAILED = (httpcore.ConnectError, httpcore.ConnectTimeout)  # nothing was sent: the next engine may take it
+_UPSTREAM_FAILED = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError)  # httpcore's, all of them
 
 
 class InflightTicket:
@@ -123,7 +133,16 @@ def _usage_in_tail(tail: bytes) -> int | None:
     return None
 
 
-_JSON = {"content-type": "application/json"}
+@functools.lru_cache(maxsize=4096)
+def _target(origin: Origin, path: str) -> tuple[httpcore.URL, bytes]:
+    """`path` on the engine at `origin` as httpcore takes it, and the Host header to send: built once."""
+    return httpcore.URL(scheme=origin.scheme, host=origin.host, port=origin.port, target=path), str(origin).split("://")[
+        1
+    ].encode()
+
+
+def _content_type(upstream: httpcore.Response, default: str) -> str:
+    return next((v.decode("latin-1") for k, v in upstream.headers if k.lower() == b"content-type"), default)
 
 
 def _json(body: dict[str, Any]) -> bytes:
@@ -143,7 +162,8 @@ class Proxy:
         router: Router,
         registry: EngineRegistry,
         directory: DirectoryClient,
-        http: httpx.AsyncClient,
+        upstream: httpcore.AsyncConnectionPool,
+        request_timeout_s: float,
         metrics: GatewayMetrics,
         lookup_timeout_s: float,
         mirror: Mirror | None = None,
@@ -152,7 +172,9 @@ class Proxy:
     ) -> None:
         self.router = router
         self.registry = registry
-        self.http = http
+        self.upstream = upstream
+        # connect: as `httpx.Timeout(request_timeout_s, connect=2.0)` had it; the rest bound one request.
+        self._timeout = {"connect": 2.0, "read": request_timeout_s, "write": request_timeout_s, "pool": request_timeout_s}
         self.metrics = metrics
         self.peers = peers
         self._lookup = HolderLookup(directory, lookup_timeout_s, mirror, mirror_stale_lag_s)
@@ -202,16 +224,16 @@ class Proxy:
             "x-kvdir-decision": decision.reason,
             "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens),
         }
-        if upstream.status_code >= 400:
-            self.metrics.upstream_errors.labels(str(upstream.status_code)).inc()
+        if upstream.status >= 400:
+            self.metrics.upstream_errors.labels(str(upstream.status)).inc()
             ticket.first_byte(ok=False)  # no prompt was computed: followers must not wait for it
-        if not stream or upstream.status_code >= 400:
+        if not stream or upstream.status >= 400:
             return await self._buffered(upstream, engine, decision, ticket, headers)
         return StreamingResponse(
             self._relay(upstream, engine, decision, ticket),
-            status_code=upstream.status_code,
+            status_code=upstream.status,
             headers=headers,
-            media_type=upstream.headers.get("content-type", "text/event-stream"),
+            media_type=_content_type(upstream, "text/event-stream"),
         )
 
     async def _send(
@@ -222,7 +244,7 @@ class Proxy:
         holders: Mapping[str, HolderView],
         lookup_failure: str | None,
         timing: Timing,
-    ) -> tuple[Route, EngineState, httpx.Response, InflightTicket]:
+    ) -> tuple[Route, EngineState, httpcore.Response, InflightTicket]:
         """Send to the best engine, then the next best while connections are refused; 503 when none is left."""
         exclude: set[str] = set()
         while True:
@@ -250,17 +272,24 @@ class Proxy:
             ticket = InflightTicket(engine, route.uncached_tokens, prefilled)
             self.metrics.route_seconds.observe(time.perf_counter() - timing.start)
             self.metrics.added_seconds.observe(time.perf_counter() - timing.arrival - timing.tokenize_s - timing.hash_s)
+            url, host = _target(engine.origin, path)
+            request = httpcore.Request(
+                b"POST",
+                url,
+                headers=[(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+                content=body,
+                extensions={"timeout": self._timeout},
+            )
             try:
-                request = self.http.build_request("POST", engine.origin.url(path), content=body, headers=_JSON)
-                upstream = await self.http.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                upstream = await self.upstream.handle_async_request(request)
+            except _CONNECT_FAILED as exc:
                 ticket.close()
                 self.registry.mark_unhealthy(engine.node_id)
                 self.metrics.upstream_errors.labels("connect").inc()
                 exclude.add(engine.node_id)
                 log.warning("engine %s unreachable (%s): retrying on the next best", engine.node_id, exc)
                 continue
-            except httpx.HTTPError as exc:
+            except _UPSTREAM_FAILED as exc:
                 ticket.close()
                 raise self._failed(engine, exc) from exc
             except BaseException:
@@ -268,7 +297,7 @@ class Proxy:
                 raise
             return route, engine, upstream, ticket
 
-    def _failed(self, engine: EngineState, exc: httpx.HTTPError) -> GatewayError:
+    def _failed(self, engine: EngineState, exc: Exception) -> GatewayError:
         """The 502 for an engine that failed after the request was sent (it may have run: not retried elsewhere)."""
         self.metrics.upstream_errors.labels("error").inc()
         log.warning("engine %s failed: %s", engine.node_id, exc)
@@ -283,7 +312,7 @@ class Proxy:
 
     async def _buffered(
         self,
-        upstream: httpx.Response,
+        upstream: httpcore.Response,
         engine: EngineState,
         decision: Decision,
         ticket: InflightTicket,
@@ -293,13 +322,13 @@ class Proxy:
         with ticket:
             try:
                 content = await upstream.aread()
-            except httpx.HTTPError as exc:
+            except _UPSTREAM_FAILED as exc:
                 raise self._failed(engine, exc) from exc
             finally:
                 ticket.first_byte()
                 await upstream.aclose()
             reported = None
-            if upstream.status_code < 400:
+            if upstream.status < 400:
                 try:
                     reported = cached_tokens(json.loads(content))
                 except ValueError:
@@ -307,23 +336,23 @@ class Proxy:
             self._record(engine, decision, reported)
         return Response(
             content,
-            status_code=upstream.status_code,
+            status_code=upstream.status,
             headers=headers,
-            media_type=upstream.headers.get("content-type", "application/json"),
+            media_type=_content_type(upstream, "application/json"),
         )
 
     async def _relay(
-        self, upstream: httpx.Response, engine: EngineState, decision: Decision, ticket: InflightTicket
+        self, upstream: httpcore.Response, engine: EngineState, decision: Decision, ticket: InflightTicket
     ) -> AsyncIterator[bytes]:
         """The upstream stream, chunk by chunk as it comes; a break mid-stream ends it (the client sees a short stream)."""
         with ticket:
             tail = b""
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.aiter_stream():
                     ticket.first_byte()
                     tail = (tail + chunk)[-_TAIL_BYTES:]
                     yield chunk
-            except httpx.HTTPError as exc:
+            except _UPSTREAM_FAILED as exc:
                 self.metrics.upstream_errors.labels("stream").inc()
                 log.warning("stream from %s broke: %s", engine.node_id, exc)
             finally:

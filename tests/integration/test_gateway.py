@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socketserver
 import subprocess
 import sys
 import threading
@@ -143,6 +144,71 @@ def test_unreachable_engine_is_retried_on_the_next(make_cluster, make_workers, m
         nodes.add(r.headers["x-kvdir-node"])
     assert nodes == {"worker-1"}
     assert 'kvdir_gateway_upstream_errors_total{kind="connect"} 1.0' in httpx.get(g.url + "/metrics").text
+
+
+class _FailingEngine(socketserver.ThreadingTCPServer):
+    """An engine on 127.0.0.1 that fails after taking a request: `close` in the prompt closes the connection
+    without an answer, `break` starts a stream and closes it after one event; anything else gets a 404."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _FailingHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _FailingHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            line = self.rfile.readline()
+            if not line:
+                return
+            head += line
+        length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")), 0)
+        body = self.rfile.read(length)
+        if b"close" in body:
+            return  # the connection closes with no answer
+        if b"break" in body:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            event = b"data: first\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+            return  # closed mid-stream, no last chunk
+        self.wfile.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+
+
+def test_an_engine_that_fails_after_taking_the_request_gets_a_502_or_a_short_stream(make_cluster, make_gateway) -> None:
+    """Once the request was sent the engine may have run it: no retry elsewhere, a 502 (or, mid-stream, a stream that
+    ends short), and the gateway goes on serving."""
+    c = make_cluster(1)
+    engine = _FailingEngine()
+    try:
+        g = make_gateway(c, 1, ("--engine", engine.url))
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "close", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "engine_failed", r.text
+        with httpx.stream(
+            "POST",
+            g.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "break", "max_tokens": 4, "stream": True},
+            timeout=60,
+        ) as s:
+            assert s.status_code == 200
+            assert b"".join(s.iter_raw()) == b"data: first\n\n"
+        r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "other", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 404, r.text  # an engine's error status is relayed as is
+        metrics = httpx.get(g.url + "/metrics").text
+        assert 'kvdir_gateway_upstream_errors_total{kind="error"} 1.0' in metrics, metrics
+        assert 'kvdir_gateway_upstream_errors_total{kind="stream"} 1.0' in metrics, metrics
+    finally:
+        engine.shutdown()
+        engine.server_close()
 
 
 def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, make_gateway) -> None:
