@@ -180,7 +180,9 @@ def main(*, as_json: bool, quick: bool) -> int:
         " vs the worker directly (3 replicas, 1 worker at --time-scale 0)..."
     )
     results.update(bench_added_latency(quick))
-    say("the HTTP stack's own CPU per request: httpx forwarding, uvicorn + FastAPI receiving (kvdir/bench/http_stack.py)...")
+    say(
+        "the HTTP stack's own CPU per request: httpcore (and httpx) forwarding, uvicorn + FastAPI receiving (kvdir/bench/http_stack.py)..."
+    )
     results.update(bench_http_stack(quick))
     emit(results, as_json)
     return 0

@@ -1,22 +1,25 @@
 """The CPU the gateway's HTTP stack costs per request before any routing work: its floor.
 
-The gateway receives each request through uvicorn + FastAPI and forwards it with httpx. Each is
-measured alone against a bare asyncio peer in another process (which answers or sends
-fixed bytes and costs its side next to nothing), as CPU per request of the measured process:
+The gateway receives each request through uvicorn + FastAPI and forwards it with httpcore's
+connection pool (httpx's transport). Each is measured alone against a bare asyncio peer in another
+process (which answers or sends fixed bytes and costs its side next to nothing), as CPU per request of
+the measured process:
 
-* ``httpx_forward_us``: an ``httpx.AsyncClient`` POST of a 90-byte body, read whole, over one
-  pooled keep-alive connection, the gateway's own limits;
+* ``httpcore_forward_us``: a POST of a 90-byte body, read whole, over one pooled keep-alive
+  connection of an ``httpcore.AsyncConnectionPool`` with the gateway's limits: its forward;
+* ``httpx_forward_us``: the same through an ``httpx.AsyncClient`` (the gateway's forward until
+  2026-12-01), for comparison;
 * ``asyncio_forward_us``: the same exchange with the benches' own minimal HTTP/1.1 client on
   asyncio streams (`kvdir.bench.loadgen.Conn`), about the least any client in Python costs;
 * ``fastapi_inbound_us``: uvicorn (uvloop, httptools) + a FastAPI route that reads the body,
   parses it and answers 200 bytes: the gateway's inbound side, minus its own work.
 
-The sum of the first and the last is what any gateway built on these libraries spends per request
-on this machine, whatever it does in between.
+``http_stack_floor_us``, the sum of the gateway's forward and its inbound side, is what a gateway
+built as it is spends per request on this machine, whatever it does in between.
 
 `floor_proxy` is the same floor in latency: a proxy that does nothing but receive through uvicorn +
-FastAPI and forward with httpx the way the gateway does, for `kvdir bench gateway` to measure next to
-the gateway against the same worker.
+FastAPI and forward through httpcore the way the gateway does, for `kvdir bench gateway` to measure
+next to the gateway against the same worker.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 
 from kvdir.bench.loadgen import Conn
@@ -56,24 +60,26 @@ async def completions(request: Request) -> Response:
     return Response(b"x" * 200, media_type="application/json", headers={"x-kvdir-node": "w", "x-kvdir-decision": "d"})
 """
 
-# The latency floor: the inbound route above plus the gateway's forwarding (its limits, a streamed send read whole).
+# The latency floor: the inbound route above plus the gateway's forward (httpcore, its limits, a response read whole).
 _PROXY_APP = """
 import json, os
-import httpx
+import httpcore
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-UPSTREAM = os.environ["KVDIR_BENCH_UPSTREAM"]
+UPSTREAM = httpcore.URL(os.environ["KVDIR_BENCH_UPSTREAM"] + "/v1/completions")
+HOST = UPSTREAM.host + b":%d" % UPSTREAM.port
+TIMEOUT = {"timeout": {"connect": 2.0, "read": 600.0, "write": 600.0, "pool": 600.0}}
 app = FastAPI()
-http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=32))
+pool = httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32)
 @app.post("/v1/completions")
 async def completions(request: Request) -> Response:
     body = await request.body()
     json.loads(body)
-    forward = http.build_request("POST", UPSTREAM + "/v1/completions", content=body, headers={"content-type": "application/json"})
-    upstream = await http.send(forward, stream=True)
+    headers = [(b"host", HOST), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    upstream = await pool.handle_async_request(httpcore.Request(b"POST", UPSTREAM, headers=headers, content=body, extensions=TIMEOUT))
     content = await upstream.aread()
     await upstream.aclose()
-    return Response(content, status_code=upstream.status_code, media_type="application/json", headers={"x-kvdir-node": "w"})
+    return Response(content, status_code=upstream.status, media_type="application/json", headers={"x-kvdir-node": "w"})
 """
 
 _SERVER = (
@@ -117,13 +123,36 @@ async def _wait_listening(port: int, deadline_s: float = 30.0) -> None:
             await asyncio.sleep(0.05)
 
 
+async def _per_request_us(exchange: Callable[[], Awaitable[object]], n: int) -> float:
+    """CPU µs of this process per `exchange`, after n/10 to warm the connection and the code paths."""
+    for _ in range(n // 10):
+        await exchange()
+    c0 = _cpu_self()
+    for _ in range(n):
+        await exchange()
+    return (_cpu_self() - c0) / n * 1e6
+
+
 async def _clients(port: int, n: int) -> dict[str, float]:
-    """CPU per request of this process as an httpx client, then as a bare asyncio one."""
+    """CPU per request of this process as an httpcore, an httpx and a bare asyncio client."""
     await _wait_listening(port)
     url = f"http://127.0.0.1:{port}"
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)  # the gateway's
     out: dict[str, float] = {}
-    async with httpx.AsyncClient(limits=limits) as http:
+    async with httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32) as pool:  # the gateway's
+        target = httpcore.URL(url + PATH)
+        headers = [
+            (b"host", b"127.0.0.1:%d" % port),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(BODY)),
+        ]
+
+        async def with_httpcore() -> None:
+            response = await pool.handle_async_request(httpcore.Request(b"POST", target, headers=headers, content=BODY))
+            await response.aread()
+            await response.aclose()
+
+        out["httpcore_forward_us"] = await _per_request_us(with_httpcore, n)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=32)) as http:
 
         async def with_httpx() -> None:
             request = http.build_request("POST", url + PATH, content=BODY, headers={"content-type": "application/json"})
@@ -131,19 +160,10 @@ async def _clients(port: int, n: int) -> dict[str, float]:
             await response.aread()
             await response.aclose()
 
-        for _ in range(n // 10):  # warm: the connection, the code paths
-            await with_httpx()
-        c0 = _cpu_self()
-        for _ in range(n):
-            await with_httpx()
-        out["httpx_forward_us"] = (_cpu_self() - c0) / n * 1e6
+        out["httpx_forward_us"] = await _per_request_us(with_httpx, n)
     conn = Conn(url)
     try:
-        await conn.post(PATH, BODY)  # connected
-        c0 = _cpu_self()
-        for _ in range(n):
-            await conn.post(PATH, BODY)
-        out["asyncio_forward_us"] = (_cpu_self() - c0) / n * 1e6
+        out["asyncio_forward_us"] = await _per_request_us(lambda: conn.post(PATH, BODY), n)
     finally:
         conn.close()
     return out
@@ -204,5 +224,5 @@ def bench_http_stack(quick: bool) -> dict[str, Any]:
             for p in procs:
                 p.kill()
                 p.wait()
-    out["http_stack_floor_us"] = out["httpx_forward_us"] + out["fastapi_inbound_us"]
+    out["http_stack_floor_us"] = out["httpcore_forward_us"] + out["fastapi_inbound_us"]
     return out
