@@ -168,7 +168,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
         )
         peers.start()
-        upstream = httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32)
+        # An idle connection is dropped after 4 s, before an engine's server drops it (uvicorn, and vLLM on it:
+        # 5 s): one closed by the engine as a request goes out would fail a request the engine never saw.
+        upstream = httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32, keepalive_expiry=4.0)
         app.state.proxy = Proxy(
             router,
             registry,
