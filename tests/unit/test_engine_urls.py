@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRefused, Origin, admit, parse_networks, parse_origin
+from gateway.proxy import _target
 
 HIJACK = "http://127.0.0.1:47900/internal/admin/action?x="  # the registration that made the gateway POST prompts there
 
@@ -118,3 +119,23 @@ def test_settings_refuse_bad_static_engines_and_networks() -> None:
     for bad in ("10.0.0.1/8", "10.0.0.0/33", "not-a-net"):
         with pytest.raises(ValidationError, match="engine networks"):
             GatewaySettings(engine_networks=bad)
+
+
+@pytest.mark.parametrize(
+    ("origin", "host"),
+    [
+        (Origin("http", "127.0.0.1", 8000), b"127.0.0.1:8000"),
+        (Origin("https", "engine.internal", 443), b"engine.internal:443"),
+        (Origin("http", "::1", 8000), b"[::1]:8000"),
+    ],
+)
+def test_the_forward_goes_to_the_origins_parts_with_its_host_header(origin: Origin, host: bytes) -> None:
+    """What the proxy hands httpcore: the origin's scheme, host and port, the path as the target, Host as sent."""
+    url, sent = _target(origin, "/v1/completions")
+    assert (url.scheme, url.host, url.port, url.target) == (
+        origin.scheme.encode(),
+        origin.host.encode(),
+        origin.port,
+        b"/v1/completions",
+    )
+    assert sent == host
