@@ -123,14 +123,15 @@ async def _wait_listening(port: int, deadline_s: float = 30.0) -> None:
             await asyncio.sleep(0.05)
 
 
-async def _per_request_us(exchange: Callable[[], Awaitable[object]], n: int) -> float:
-    """CPU µs of this process per `exchange`, after n/10 to warm the connection and the code paths."""
+async def _per_request_us(exchange: Callable[[], Awaitable[object]], n: int, cpu: Callable[[], float] = _cpu_self) -> float:
+    """CPU µs per `exchange` (of this process, or of the process `cpu` reads), after n/10 to warm the connection
+    and the code paths."""
     for _ in range(n // 10):
         await exchange()
-    c0 = _cpu_self()
+    c0 = cpu()
     for _ in range(n):
         await exchange()
-    return (_cpu_self() - c0) / n * 1e6
+    return (cpu() - c0) / n * 1e6
 
 
 async def _clients(port: int, n: int) -> dict[str, float]:
@@ -174,12 +175,7 @@ async def _inbound(port: int, pid: int, n: int) -> float:
     await _wait_listening(port)
     conn = Conn(f"http://127.0.0.1:{port}")
     try:
-        for _ in range(n // 10):
-            await conn.post(PATH, BODY)
-        c0 = cpu_s(pid)
-        for _ in range(n):
-            await conn.post(PATH, BODY)
-        return (cpu_s(pid) - c0) / n * 1e6
+        return await _per_request_us(lambda: conn.post(PATH, BODY), n, lambda: cpu_s(pid))
     finally:
         conn.close()
 
