@@ -455,7 +455,14 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdirMeta)
         for load in meta.loads:
-            bad = self._pull(load)
+            try:
+                bad = self._pull(load)
+            except Exception:  # a bug in the load path (not a failed read: `_pull` handles those) must not kill the
+                # worker, which would take the engine and every request on it down: recompute this request instead
+                log.exception(
+                    "pull of %d blocks from %s failed unexpectedly; recomputing", len(load.dst_blocks), load.source_node
+                )
+                bad = list(load.dst_blocks)
             if bad:
                 self._load_errors.update(bad)
                 self._failed_reqs.add(load.req_id)
@@ -518,10 +525,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                 self._transfer.read(session, *again)
             self._report.read_s += time.perf_counter() - t0
             self._report.read_bytes += sum(lengths)
-        except (TransferError, PlanError, DirectoryError, TimeoutError) as exc:
+        except Exception as exc:  # any failure, expected (these four) or not, is a recompute (start_load_kv)
             if getattr(self._transfer, "abandoned_in_flight", 0):
                 self._orphans += [tags, staging]
-            log.warning("pull of %d blocks from %s failed: %s; recomputing", len(load.dst_blocks), load.source_node, exc)
+            if isinstance(exc, (TransferError, PlanError, DirectoryError, TimeoutError)):
+                log.warning("pull of %d blocks from %s failed: %s; recomputing", len(load.dst_blocks), load.source_node, exc)
+            else:
+                log.exception("pull of %d blocks from %s failed: %r; recomputing", len(load.dst_blocks), load.source_node, exc)
             return list(load.dst_blocks)
         for to, frm, size in zip(dst, staged, lengths):
             ctypes.memmove(to, frm, size)

@@ -16,59 +16,29 @@ import pytest
 from kvdir.launcher import Cluster, Gateway, free_ports
 from kvdir.vllm_engines import BLOCK, MODEL, VllmEngine, make_tiny_model
 
-__all__ = ["BLOCK", "MODEL", "PROMPT", "Engine"]
+__all__ = ["BLOCK", "MODEL", "PROMPT", "Engine", "start_gateway", "vllm_venv"]
 
 Engine = VllmEngine
 PROMPT = "the quick brown fox jumps over the lazy dog while a support assistant answers briefly " * 20
 
 
-def _venv() -> Path:
+def vllm_venv() -> Path:
     venv = os.environ.get("KVDIR_VLLM_VENV")
     if not venv or not (Path(venv) / "bin" / "vllm").exists():
         pytest.fail("KVDIR_VLLM_VENV must name the vLLM venv (`make test-vllm` builds it and sets it)")
     return Path(venv)
 
 
-@pytest.fixture(scope="session")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(_venv(), tmp_path_factory.mktemp("model") / MODEL)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_first_pull.py first: its fresh engines stop before the session's two start (two vLLM engines at most)."""
+    items.sort(key=lambda item: item.path.name != "test_first_pull.py")  # stable: file order otherwise
 
 
-@pytest.fixture(scope="session")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    data = tmp_path_factory.mktemp("directory")
-    ports = free_ports(6)
-    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
-    try:
-        cluster.start()
-        cluster.wait_ready(60)
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="session")
-def engines(model: Path, directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
-    logs = tmp_path_factory.mktemp("engines")
-    started = {name: Engine(name, _venv(), model, directory.replica_urls, logs) for name in ("vllm-a", "vllm-b")}
-    try:
-        for e in started.values():
-            e.start()
-        for e in started.values():
-            e.wait_ready()
-        yield started
-    finally:
-        for e in started.values():
-            e.stop()
-
-
-@pytest.fixture(scope="session")
-def gateway(directory: Cluster, engines: dict[str, Engine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    data = tmp_path_factory.mktemp("gateway")
-    # The TTFT model's inputs make a busy holder lose to a pull (test_the_gateway_plans_a_pull_from_a_busy_holder):
-    # one request per engine and 1 s per request ahead (8 tokens at 8 tokens/s); a slow prefill estimate, so pulling
-    # beats recomputing. Lookups may take long on two shared cores (past the timeout: routed by load, no plan).
-    g = Gateway(
+def start_gateway(data: Path, directory: Cluster) -> Gateway:
+    """A gateway whose TTFT model makes a busy holder lose to a pull (the tests that provoke a `pull` decision):
+    one request per engine and 1 s per request ahead (8 tokens at 8 tokens/s); a slow prefill estimate, so pulling
+    beats recomputing. Lookups may take long on two shared cores (past the timeout: routed by load, no plan)."""
+    return Gateway(
         data,
         free_ports(1)[0],
         directory.replica_urls,
@@ -90,6 +60,45 @@ def gateway(directory: Cluster, engines: dict[str, Engine], tmp_path_factory: py
             "0.2",
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(vllm_venv(), tmp_path_factory.mktemp("model") / MODEL)
+
+
+@pytest.fixture(scope="session")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    data = tmp_path_factory.mktemp("directory")
+    ports = free_ports(6)
+    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
+    try:
+        cluster.start()
+        cluster.wait_ready(60)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def engines(model: Path, directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
+    logs = tmp_path_factory.mktemp("engines")
+    started = {name: Engine(name, vllm_venv(), model, directory.replica_urls, logs) for name in ("vllm-a", "vllm-b")}
+    try:
+        for e in started.values():
+            e.start()
+        for e in started.values():
+            e.wait_ready()
+        yield started
+    finally:
+        for e in started.values():
+            e.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(directory: Cluster, engines: dict[str, Engine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    data = tmp_path_factory.mktemp("gateway")
+    g = start_gateway(data, directory)
     try:
         g.wait_ready(60, engines=2)
         yield g

@@ -1,0 +1,135 @@
+"""A fresh engine whose very first request carries a pull plan (issue #35): it serves it, and keeps serving.
+
+The session engines of test_connector.py have served other requests by the time most of its tests run, so
+these engines are this module's own: a holder A and, for each test, a B started for it whose first completion
+is the pull (once with the plan in the body, once planned by a gateway of this module's own). The conftest
+runs this file first, and its engines stop before the session's start: at most two vLLM engines at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvdir.launcher import Cluster, Gateway, free_ports
+from tests.support.wait import wait_for
+from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, start_gateway, vllm_venv
+from tests.vllm.test_connector import FAILED, PULL, _decisions, _gateway_running, _node, _plan, _served
+
+
+class Pair:
+    """The holder A and the current fresh engine B (`fresh` replaces B: two engines at most)."""
+
+    def __init__(self, model: Path, directory: Cluster, logs: Path) -> None:
+        self.model, self.directory, self.logs = model, directory, logs
+        self.a = Engine("first-a", vllm_venv(), model, directory.replica_urls, logs)
+        self.b: Engine | None = None
+
+    def fresh(self, name: str) -> Engine:
+        if self.b is not None:
+            self.b.stop()
+        self.b = Engine(name, vllm_venv(), self.model, self.directory.replica_urls, self.logs)
+        self.b.start()
+        return self.b
+
+    def stop(self) -> None:
+        for e in (self.a, self.b):
+            if e is not None:
+                e.stop()
+
+
+@pytest.fixture(scope="module")
+def own_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    data = tmp_path_factory.mktemp("first-pull-directory")
+    ports = free_ports(6)
+    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
+    try:
+        cluster.start()
+        cluster.wait_ready(60)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path, own_directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    p = Pair(model, own_directory, tmp_path_factory.mktemp("first-pull-engines"))
+    try:
+        p.a.start()
+        yield p
+    finally:
+        p.stop()
+
+
+def _alive(engine: Engine) -> None:
+    """The engine still serves: its process runs, /health answers 200, and no worker died (vLLM's log line)."""
+    assert engine.proc is not None and engine.proc.poll() is None, engine.log_lines("died unexpectedly")
+    assert httpx.get(engine.url + "/health", timeout=10).status_code == 200, engine.log_lines("died unexpectedly")
+    assert not engine.log_lines("died unexpectedly")
+
+
+def _first_request_is_a_pull(b: Engine) -> None:
+    """B has served no completion (nothing published, nothing pulled) and its log shows none."""
+    assert b.metric(PULL) == 0 and b.metric(FAILED) == 0 and b.metric("kvdir_connector_published_blocks_total") == 0
+    assert not b.log_lines("POST /v1/completions")
+
+
+def test_a_fresh_engines_first_request_can_be_a_pull(pair: Pair) -> None:
+    b = pair.fresh("first-b1")
+    pair.a.wait_ready()
+    b.wait_ready()
+    hashes, holder = _served(pair.a, pair.directory)
+    _first_request_is_a_pull(b)
+    out = b.complete(PROMPT, kv_transfer_params=_plan(holder))
+    pullable = min(len(hashes), (out["usage"]["prompt_tokens"] - 1) // BLOCK)
+    assert (b.metric(PULL), b.metric(FAILED)) == (pullable, 0), b.log_lines("pull of")
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK
+    _alive(b)
+    # And it goes on serving: the same prompt recomputed gives the pulled prefix's output.
+    b.reset_cache()
+    again = b.complete(PROMPT)
+    assert again["choices"][0]["text"] == out["choices"][0]["text"]
+    _alive(b)
+
+
+def test_a_fresh_engines_first_request_can_be_a_gateway_pull(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """As test_connector's busy-holder test: A runs two long streams, so the gateway's TTFT model sends the
+    prompt to the fresh B with a plan to pull it from A."""
+    b = pair.fresh("first-b2")
+    pair.a.wait_ready()
+    b.wait_ready()
+    hashes, _ = _served(pair.a, pair.directory)
+    wait_for(lambda: (n := _node(pair.directory, b.name)) is not None and n["alive"], what="B registered", timeout=60)
+    _first_request_is_a_pull(b)
+    gateway: Gateway = start_gateway(tmp_path_factory.mktemp("first-pull-gateway"), pair.directory)
+    try:
+        wait_for(lambda: _gateway_running(gateway, b.name) is not None, what="the gateway to list B", timeout=60)
+        busy = {
+            "model": MODEL,
+            "prompt": "keep busy " * 20,
+            "max_tokens": 3000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        a = pair.a
+        with ExitStack() as streams, httpx.Client(timeout=180) as http:
+            for _ in range(2):
+                assert streams.enter_context(http.stream("POST", a.url + "/v1/completions", json=busy)).status_code == 200
+            wait_for(lambda: (_gateway_running(gateway, a.name) or 0) >= 2, what="the gateway to see A running 2", timeout=30)
+            r = http.post(
+                gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+            )
+        assert r.status_code == 200, (r.text, b.log_lines("died unexpectedly"))
+        assert (r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"]) == (b.name, "pull"), _decisions(gateway)
+    finally:
+        gateway.stop()
+    out = r.json()
+    pullable = min(len(hashes), (out["usage"]["prompt_tokens"] - 1) // BLOCK)
+    assert (b.metric(PULL), b.metric(FAILED)) == (pullable, 0), b.log_lines("pull of")
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK
+    _alive(b)
