@@ -45,7 +45,7 @@ from directory.binary import LookupBatch, PublishBatch, RemoveBatch
 from directory.changefeed import Compacted
 from directory.config import DirectorySettings
 from directory.errors import CommitTimeout
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, identity_hashes
 from directory.http_limits import BodyLimit
 from directory.metrics import DirectoryMetrics
 from directory.replica import NodeView, Replica
@@ -266,6 +266,7 @@ async def register(request: Request, replica: Replica = Depends(_replica)) -> An
     body = await _decode(request, RegisterRequest, Counted("regions", Counted.OBJECTS, limit, "regions_per_node"))
     _check_count(len(body.regions), limit, "regions_per_node")
     _may_write(request, body.node_id)
+    profile, warnings = _profile(request, body)
     shard_index = await _shard_index(replica)
     if not await replica.has_room_for(body.node_id):
         # Refused here, before Raft: a flood of registrations over the limit must not fill the Raft log.
@@ -280,10 +281,32 @@ async def register(request: Request, replica: Replica = Depends(_replica)) -> An
         capacity_blocks=body.capacity_blocks,
         block_size=body.block_size,
         epoch_base=st.new_epoch_base(secrets.randbits(st.EPOCH_BASE_BITS), shard_index),
+        profile=profile,
     )
     res = await _commit(replica, cmd)
-    log.info("node %s registered with epoch %d", body.node_id, res.value)
-    return JSONResponse({"node_id": body.node_id, "epoch": res.value, "lease_ttl_s": replica.settings.lease_ttl_s})
+    log.info("node %s registered with epoch %d%s", body.node_id, res.value, f" ({'; '.join(warnings)})" if warnings else "")
+    return JSONResponse(
+        {"node_id": body.node_id, "epoch": res.value, "lease_ttl_s": replica.settings.lease_ttl_s, "warnings": warnings}
+    )
+
+
+def _profile(request: Request, body: RegisterRequest) -> tuple[st.NodeProfile, list[str]]:
+    """The registration's profile (docs/protocol.md §2.1), its tenant decided by the token, and what it lacks.
+
+    `shared` (every tenant's gateway routes to the engine) is for a token not confined to a tenant: 403 else.
+    """
+    tenant = _tenant(request, body.tenant)
+    if body.shared and request.app.state.auth:
+        principal: Principal | None = request.scope.get(PRINCIPAL)
+        if principal is None or principal.tenant is not None:
+            raise ApiError(403, "forbidden", "a token confined to a tenant may not register a shared engine")
+    warnings = []
+    if not body.models:
+        warnings.append("no models: gateways learn what the engine serves from its /v1/models")
+    if body.fingerprint is None:
+        warnings.append("no fingerprint: the engine is never a pull source nor a pull destination")
+    models = tuple(dict.fromkeys(body.models))
+    return st.NodeProfile(models, body.fingerprint, tenant, body.shared), warnings
 
 
 async def _shard_index(replica: Replica) -> int:
@@ -332,7 +355,14 @@ def _node_info(view: NodeView) -> dict[str, Any]:
         "block_size": node.block_size,
         "blocks": view.blocks,
         "load": node.load,
+        **_profile_info(node.profile),
     }
+
+
+def _profile_info(p: st.NodeProfile | None) -> dict[str, Any]:
+    if p is None:
+        return {"models": [], "fingerprint": None, "tenant": "", "shared": False}
+    return {"models": list(p.models), "fingerprint": p.fingerprint, "tenant": p.tenant, "shared": p.shared}
 
 
 @router.get("/v1/nodes", response_model=NodesResponse)
@@ -438,7 +468,8 @@ async def lookup(
         else:
             _check_count(len(body.tokens) // body.block_size, limit, "hashes_per_lookup")
             tokens = np.array(body.tokens, dtype=np.uint32)
-        hashes = np.asarray(block_hashes(tokens, body.block_size, body.namespace), dtype=np.uint64)
+        identity = KvIdentity(body.namespace, body.model, body.adapter, body.cache_salt)
+        hashes = np.asarray(identity_hashes(tokens, identity, body.block_size), dtype=np.uint64)
     elif isinstance(body.hashes, bytes):
         _packed_count(body.hashes, binary.U64, "hashes", limit, "hashes_per_lookup")
         hashes = binary.unpack(body.hashes, binary.U64)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-from directory.schemas import BlockSize, Consistency, Epoch, Label, Namespace, NodeId, Tenant
+from directory.schemas import BlockSize, Consistency, Epoch, IdentityPart, Label, Namespace, NodeId, Tenant
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -49,6 +49,9 @@ class LookupBatch(_Batch):
     hashes: bytes | None = None
     tokens: bytes | None = None
     namespace: Namespace = ""
+    model: IdentityPart = ""
+    adapter: IdentityPart = ""
+    cache_salt: IdentityPart = ""
     block_size: BlockSize = 16
     with_slots: bool = False
     consistency: Consistency = "local"

@@ -42,6 +42,7 @@ from pydantic import SecretStr
 from directory import binary
 from directory.binary import LookupBatch, PublishBatch, RemoveBatch
 from directory.errors import DirectoryError, DirectoryUnavailable, InvalidRequestError, NotFoundError, WrongShardError, rejection
+from directory.hashing import KvIdentity
 from directory.schemas import Consistency, LookupResponse, NodeInfo, Region, RegisterResponse
 from directory.shardmap import ShardMap
 
@@ -231,10 +232,16 @@ class DirectoryClient:
         regions: Iterable[Region | Mapping[str, Any]] = (),
         capacity_blocks: int | None = None,
         block_size: int | None = None,
+        models: Iterable[str] = (),
+        fingerprint: str | None = None,
+        shared: bool = False,
         deadline: float | None = None,
     ) -> RegisterResponse:
-        """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch."""
-        body = {
+        """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch.
+
+        `models`, `fingerprint` and `shared` are its profile (docs/protocol.md §2.1); its tenant is the client's.
+        """
+        body: dict[str, Any] = {
             "node_id": node_id,
             "api_url": api_url,
             "incarnation": incarnation or uuid.uuid4().hex,
@@ -242,6 +249,10 @@ class DirectoryClient:
             "regions": [msgspec.to_builtins(r) if isinstance(r, Region) else dict(r) for r in regions],
             "capacity_blocks": capacity_blocks,
             "block_size": block_size,
+            "models": list(models),
+            "fingerprint": fingerprint,
+            "shared": shared,
+            **self._tenant,
         }
         return RegisterResponse.model_validate(await self._node_request(node_id, "POST", "/v1/nodes", body, deadline=deadline))
 
@@ -344,24 +355,28 @@ class DirectoryClient:
         *,
         tokens: Sequence[int] | None = None,
         namespace: str = "",
+        identity: KvIdentity | None = None,
         block_size: int = 16,
         with_slots: bool = False,
         linearizable: bool = False,
         deadline: float | None = None,
     ) -> LookupResponse:
-        """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica).
+        """Holders of the longest prefix of `hashes` (or of `tokens`, hashed by the replica under `identity`,
+        else under `namespace` alone).
 
         Sharded: every shard is asked at once and the holders merged, longest first. A shard that does
         not answer is left out of a local lookup (its holders are missed, the rest still route) and
         fails a linearizable one."""
         consistency: Consistency = "linearizable" if linearizable else "local"
+        kv = identity if identity is not None else KvIdentity(namespace)
+        named = {"namespace": kv.namespace, "model": kv.model, "adapter": kv.adapter, "cache_salt": kv.cache_salt}
         body: dict[str, Any] | None = None
         packed: bytes | None = None
         if self.binary:
             batch = LookupBatch(
                 hashes=_pack(hashes or (), binary.U64, "hashes") if tokens is None else None,
                 tokens=_pack(tokens, binary.U32, "tokens") if tokens is not None else None,
-                namespace=namespace,
+                **named,
                 block_size=block_size,
                 with_slots=with_slots,
                 consistency=consistency,
@@ -371,7 +386,7 @@ class DirectoryClient:
         else:
             body = {"with_slots": with_slots, "consistency": consistency, **self._tenant}
             if tokens is not None:
-                body.update(tokens=list(tokens), namespace=namespace, block_size=block_size)
+                body.update(tokens=list(tokens), **named, block_size=block_size)
             else:
                 body["hashes"] = list(hashes or [])
         if await self.shard_map() is None:

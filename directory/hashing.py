@@ -8,8 +8,11 @@ memoryview slices of one buffer, so a 100k-token prompt hashes in a few ms.
 
 from __future__ import annotations
 
+import functools
+import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -21,6 +24,7 @@ U32_MAX = 2**32 - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pair = struct.Struct("<QQ")
+_u64 = struct.Struct("<Q")
 
 
 def seed_for(namespace: str = "") -> int:
@@ -28,6 +32,76 @@ def seed_for(namespace: str = "") -> int:
     if not namespace:
         return BASE_SEED
     return (BASE_SEED + _xxh3(namespace.encode("utf-8"), 0)) & U64_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class KvIdentity:
+    """What makes two blocks' KV interchangeable besides their tokens (docs/protocol.md §1.1).
+
+    Equal tokens computed under another model, LoRA adapter or cache salt are other KV: a hit or a pull
+    across them would run a request on the wrong KV, silently. So the identity seeds the whole chain, and
+    equal tokens under two identities never share a hash. `model` is the base model's name as the engine
+    serves it, `adapter` the LoRA adapter's name ("" for the base model), `cache_salt` the request's
+    (vLLM's and SGLang's `cache_salt`; "" for none), `namespace` the deployment's own separator.
+    """
+
+    namespace: str = ""
+    model: str = ""
+    adapter: str = ""
+    cache_salt: str = ""
+
+    @property
+    def key(self) -> str:
+        """The string the seed is derived from: the namespace alone when nothing else is set (the hashes of
+        before identities), else the compact JSON array [namespace, model, adapter, cache_salt]: one string per
+        identity, whatever characters the names hold. A namespace that starts with "[" always takes the array
+        form, so that no namespace spells another identity's key."""
+        return _identity_key(self)[0]
+
+    @property
+    def seed(self) -> int:
+        return _identity_key(self)[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity_key(identity: KvIdentity) -> tuple[str, int]:
+    """An identity's key and seed, computed once per identity seen lately (a JSON dump and an XXH3 per request)."""
+    i = identity
+    if not (i.model or i.adapter or i.cache_salt or i.namespace.startswith("[")):
+        return i.namespace, seed_for(i.namespace)
+    key = json.dumps([i.namespace, i.model, i.adapter, i.cache_salt], ensure_ascii=False, separators=(",", ":"))
+    return key, seed_for(key)
+
+
+def mix_extra(local: int, extra: bytes, seed: int) -> int:
+    """A block's local hash with its extra keys folded in (multimodal inputs: docs/protocol.md §1.1).
+
+    vLLM puts the hashes of the multimodal inputs a block covers into that block's hash; the chain then
+    carries them into every later block. `extra` is their canonical bytes (`extra_key_bytes`).
+    """
+    return _xxh3(_u64.pack(local) + extra, seed)
+
+
+def extra_key_bytes(keys: Sequence[str]) -> bytes:
+    """The canonical bytes of one block's extra keys: each key's UTF-8, each followed by a NUL."""
+    return b"".join(k.encode("utf-8") + b"\0" for k in keys)
+
+
+def multimodal_extra_keys(block_size: int, n_blocks: int, inputs: Sequence[tuple[int, int, str]]) -> dict[int, bytes]:
+    """Per block, the extra-key bytes of the multimodal inputs whose placeholder tokens it covers.
+
+    `inputs` are (offset, length, content hash) of each input's placeholder run in the prompt, as vLLM's
+    `mm_features` give them. As in vLLM, a block's key for an input is its hash and where the input starts
+    relative to the block (`mm:HASH:OFFSET`), so the same input at another place is another block. Blocks
+    that cover none are absent.
+    """
+    keys: dict[int, list[str]] = {}
+    for offset, length, ident in sorted(inputs):
+        if length <= 0:
+            continue
+        for b in range(offset // block_size, min(n_blocks, -(-(offset + length) // block_size))):
+            keys.setdefault(b, []).append(f"mm:{ident}:{offset - b * block_size}")
+    return {b: extra_key_bytes(k) for b, k in keys.items()}
 
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray, block_size: int) -> tuple[memoryview, int]:
@@ -84,3 +158,22 @@ def block_hashes(
 ) -> list[int]:
     """The directory keys (sequence hashes) of every full block of `tokens`."""
     return chain_hashes(local_hashes(tokens, block_size, namespace), seed_for(namespace))
+
+
+def identity_hashes(
+    tokens: Sequence[int] | np.ndarray,
+    identity: KvIdentity,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    extra: Mapping[int, bytes] | None = None,
+    parent: int | None = None,
+    first_block: int = 0,
+) -> list[int]:
+    """The sequence hashes of `tokens`' full blocks under `identity`, with `extra` (block index -> extra-key
+    bytes) folded into the blocks that have some. `parent` and `first_block` continue a chain: `tokens` then
+    start at block `first_block` of the prompt, whose previous sequence hash is `parent`."""
+    key = identity.key
+    seed = seed_for(key)
+    local = local_hashes(tokens, block_size, key)
+    if extra:
+        local = [mix_extra(h, extra[first_block + i], seed) if first_block + i in extra else h for i, h in enumerate(local)]
+    return chain_hashes(local, seed, parent)

@@ -147,6 +147,13 @@ class Region(_Body):
             check_u64(self.rkey, "rkey")
 
 
+MODEL_NAME_MAX_LEN = 256
+MAX_MODELS = 256
+FINGERPRINT_MAX_LEN = 128
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_MAX_LEN)]
+Fingerprint = Annotated[str, msgspec.Meta(min_length=1, max_length=FINGERPRINT_MAX_LEN)]
+
+
 class RegisterRequest(_Body):
     node_id: NodeId
     api_url: Annotated[
@@ -170,6 +177,25 @@ class RegisterRequest(_Body):
         ]
         | None
     ) = None
+    models: Annotated[
+        list[ModelName],
+        msgspec.Meta(max_length=MAX_MODELS, description="model and LoRA adapter names the engine serves (docs/protocol.md §2.1)"),
+    ] = []
+    fingerprint: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                min_length=1,
+                max_length=FINGERPRINT_MAX_LEN,
+                description="digest of what makes the engine's KV interchangeable (model, weights, dtype, layout, block size)",
+            ),
+        ]
+        | None
+    ) = None
+    tenant: Tenant | None = None
+    shared: Annotated[
+        bool, msgspec.Meta(description="routed to by every tenant's gateway (a token not confined to a tenant only)")
+    ] = False
 
     def __post_init__(self) -> None:
         self.api_url = origin(self.api_url)
@@ -206,6 +232,7 @@ class ClearRequest(_Body):
 
 
 Namespace = Annotated[str, msgspec.Meta(max_length=256)]
+IdentityPart = Annotated[str, msgspec.Meta(max_length=1024, description="of the tokens' KV identity (docs/protocol.md §1.1)")]
 BlockSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 Consistency = Literal["local", "linearizable"]
 
@@ -214,6 +241,9 @@ class LookupRequest(_Body):
     hashes: list[U64] | None = None
     tokens: list[U32] | None = None
     namespace: Namespace = ""
+    model: IdentityPart = ""
+    adapter: IdentityPart = ""
+    cache_salt: IdentityPart = ""
     block_size: BlockSize = 16
     with_slots: bool = False
     consistency: Consistency = "local"
@@ -238,10 +268,15 @@ class PullPlan(_Body):
     source_node: NodeId
     source_epoch: Epoch
     slots: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)]
+    fingerprint: Fingerprint | None = None
+    """The source's registered KV fingerprint: an engine whose own differs refuses the plan (recomputes)."""
 
     def to_json(self) -> dict[str, Any]:
         """The plan as a JSON object, as it goes into a completion body."""
-        return {"source_node": self.source_node, "source_epoch": self.source_epoch, "slots": list(self.slots)}
+        plan: dict[str, Any] = {"source_node": self.source_node, "source_epoch": self.source_epoch, "slots": list(self.slots)}
+        if self.fingerprint is not None:
+            plan["fingerprint"] = self.fingerprint
+        return plan
 
 
 REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
@@ -270,6 +305,7 @@ class RegisterResponse(_Model):
     node_id: str
     epoch: int
     lease_ttl_s: float
+    warnings: list[str] = Field(default=[], description="what the registration left out and what follows from it")
 
 
 class HeartbeatResponse(_Model):
@@ -323,6 +359,10 @@ class NodeInfo(_Model):
     block_size: int | None = None
     blocks: int
     load: dict[str, float] = {}
+    models: list[str] = []
+    fingerprint: str | None = None
+    tenant: str = ""
+    shared: bool = False
 
 
 class NodesResponse(_Model):

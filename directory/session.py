@@ -91,6 +91,9 @@ class NodeSession:
         regions: Iterable[Region] = (),
         capacity_blocks: int | None = None,
         block_size: int | None = None,
+        models: Iterable[str] = (),
+        fingerprint: str | None = None,
+        shared: bool = False,
         load: Callable[[], Mapping[str, float]] | None = None,
         collect: Callable[[], None] | None = None,
         on_published: Callable[[int, float], None] | None = None,
@@ -108,6 +111,9 @@ class NodeSession:
         self.regions = list(regions)
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
+        self.models = list(models)
+        self.fingerprint = fingerprint
+        self.shared = shared
         self.holdings = holdings
         self.load = load
         self.collect = collect
@@ -217,7 +223,13 @@ class NodeSession:
             regions=self.regions,
             capacity_blocks=self.capacity_blocks,
             block_size=self.block_size,
+            models=self.models,
+            fingerprint=self.fingerprint,
+            shared=self.shared,
         )
+        if reg.epoch != self.epoch:
+            for warning in reg.warnings:
+                self.log.warning("node %s registration: %s", self.node_id, warning)
         if reg.epoch != self.epoch or self.entries_lost:
             # Everything pending is superseded by what the node holds now; a clear is moot under a fresh epoch.
             self.entries_lost = False

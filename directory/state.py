@@ -41,6 +41,24 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeProfile:
+    """What a registration says of the engine besides where its memory is (docs/protocol.md §2.1).
+
+    `models`: the model and adapter names it serves (empty: unknown, from a client of before profiles).
+    `fingerprint`: a digest of what makes its KV interchangeable with another engine's (model and weights,
+    dtype, KV layout, block size); pulls are planned and accepted only between equal fingerprints, and
+    never from or to an engine without one. `tenant`: the registrant's tenant, decided by the API from the
+    token; a tenant's gateway routes only to its own tenant's engines and to `shared` ones (set only by a
+    token not confined to a tenant).
+    """
+
+    models: tuple[str, ...] = ()
+    fingerprint: str | None = None
+    tenant: str = ""
+    shared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Register:
     node_id: str
     incarnation: str
@@ -51,6 +69,13 @@ class Register:
     block_size: int | None = None
     epoch_base: int = 0
     """Where the epoch counter starts if no epoch was ever handed out (see `new_epoch_base`)."""
+    profile: NodeProfile | None = None
+    """What the engine serves and whom (docs/protocol.md §2.1); None: a registration from before profiles."""
+
+    def __setstate__(self, state: list[Any]) -> None:
+        """Unpickle a Raft entry of any version: one written before `profile` existed has eight fields."""
+        for f, value in zip(fields(self), [*state, None][: len(fields(self))]):
+            object.__setattr__(self, f.name, value)
 
 
 EPOCH_BASE_BITS = 31
@@ -170,6 +195,7 @@ def command_size(cmd: Command) -> int:
             + len(cmd.api_url)
             + len(cmd.transfer_url or "")
             + sum(16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
+            + (sum(16 + len(m) for m in cmd.profile.models) + len(cmd.profile.fingerprint or "") if cmd.profile else 0)
         )
     return 256
 
@@ -211,6 +237,14 @@ class Node:
     block_size: int | None
     load: dict[str, float] = field(default_factory=dict)
     seen: int = 0
+    profile: NodeProfile | None = None
+
+    def __setstate__(self, state: tuple[Any, dict[str, Any]] | dict[str, Any]) -> None:
+        """Unpickle a snapshot's node of any version: one written before `profile` existed lacks it."""
+        slots = state[1] if isinstance(state, tuple) else state
+        self.profile = None
+        for name, value in slots.items():
+            setattr(self, name, value)
 
 
 class Holder(NamedTuple):
@@ -287,6 +321,7 @@ class DirectoryState:
             tuple(cmd.regions),
             cmd.capacity_blocks,
             cmd.block_size,
+            profile=cmd.profile,
         )
         self.nodes[cmd.node_id] = node
         self.by_idx[idx] = node

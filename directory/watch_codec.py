@@ -35,6 +35,7 @@ from directory.state import (
     Expire,
     Heartbeat,
     Node,
+    NodeProfile,
     Noop,
     Publish,
     Register,
@@ -73,6 +74,17 @@ def _b32(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a, dtype="<u4").tobytes()
 
 
+def _profile(p: NodeProfile) -> list[Any]:
+    return [list(p.models), p.fingerprint, p.tenant, p.shared]
+
+
+def _unprofile(v: Any) -> NodeProfile:
+    models, fingerprint, tenant, shared = v
+    return NodeProfile(
+        tuple(str(m) for m in models), None if fingerprint is None else str(fingerprint), str(tenant), bool(shared)
+    )
+
+
 def encode_command(c: Command) -> list[Any]:
     """A command as a msgpack-ready list."""
     if isinstance(c, Publish):
@@ -92,6 +104,7 @@ def encode_command(c: Command) -> list[Any]:
             c.capacity_blocks,
             c.block_size,
             c.epoch_base,
+            None if c.profile is None else _profile(c.profile),
         ]
     if isinstance(c, Deregister):
         return ["D", c.node_id]
@@ -122,7 +135,8 @@ def decode_command(v: Any) -> Command:
         if tag == "H":
             return Heartbeat(str(f[0]), int(f[1]), None if f[2] is None else dict(f[2]))
         if tag == "G":
-            return Register(str(f[0]), str(f[1]), str(f[2]), f[3], tuple(dict(r) for r in f[4]), f[5], f[6], int(f[7]))
+            profile = _unprofile(f[8]) if len(f) > 8 and f[8] is not None else None  # absent: a replica of before profiles
+            return Register(str(f[0]), str(f[1]), str(f[2]), f[3], tuple(dict(r) for r in f[4]), f[5], f[6], int(f[7]), profile)
         if tag == "D":
             return Deregister(str(f[0]))
         if tag == "C":
@@ -173,6 +187,7 @@ def snapshot_of(s: DirectoryState) -> dict[str, Any]:
                 n.block_size,
                 n.load,
                 n.seen,
+                None if n.profile is None else _profile(n.profile),
             ]
             for n in s.nodes.values()
         ],
@@ -206,6 +221,7 @@ def state_from(snap: dict[str, Any], merge_threshold: int = 16384) -> DirectoryS
                 f[8],
                 dict(f[9]),
                 int(f[10]),
+                _unprofile(f[11]) if len(f) > 11 and f[11] is not None else None,
             )
             s.nodes[n.node_id] = n
             s.by_idx[n.idx] = n

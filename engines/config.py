@@ -18,7 +18,7 @@ from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
 
 
 class EngineSpec(BaseModel):
-    """One engine of `--engines`: unset `bind` and `topic` take the process's `--bind` and `--topic`."""
+    """One engine of `--engines`: unset `bind`, `topic` and `model` take the process's `--bind`, `--topic` and `--model`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,6 +28,7 @@ class EngineSpec(BaseModel):
     replay: str | None = None
     topic: str | None = None
     node_id: str | None = Field(None, min_length=1, max_length=NODE_ID_MAX_LEN, pattern=NODE_ID_PATTERN)
+    model: str | None = Field(None, min_length=1, max_length=256)
 
 
 _SPECS = TypeAdapter(list[EngineSpec])
@@ -85,7 +86,14 @@ class EventsSettings(DirectoryClientSettings):
         le=4096,
         description="our tokens per block: must match the gateway's; the engine's block size must equal it or be a multiple",
     )
-    namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
+    namespace: str = Field("", max_length=200, description="hash namespace (tenant, deployment): must match the gateway's")
+    model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="the engine's model name, as requests name it: blocks are hashed under it and the node registers it "
+        "(default: none, namespace-only hashes)",
+    )
     node_id: str | None = Field(
         None,
         min_length=1,
@@ -115,7 +123,7 @@ class EventsSettings(DirectoryClientSettings):
     engines: str | None = Field(
         None,
         description="follow several engines in this process: a JSON list (inline, or the path of a file holding it) of "
-        '{"engine_url", "zmq", and optionally "replay", "node_id", "topic", "bind"}; the other settings are shared. '
+        '{"engine_url", "zmq", and optionally "replay", "node_id", "topic", "bind", "model"}; the other settings are shared. '
         "Instead of --engine-url, --zmq, --replay and --node-id",
     )
 
@@ -178,6 +186,18 @@ class ConnectorSettings(DirectoryClientSettings):
     node_id: str = Field(min_length=1, max_length=NODE_ID_MAX_LEN, pattern=NODE_ID_PATTERN, description="the engine's node id")
     api_url: str = Field(min_length=1, description="the engine's HTTP API origin (what the gateway sends requests to)")
     namespace: str = Field("", max_length=200, description="hash namespace (model, tenant): must match the gateway's")
+    model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="the model name blocks are hashed under (default: vLLM's first served name)",
+    )
+    fingerprint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="KV fingerprint to register (default: a digest of the model, revision, weight files, dtypes and KV layout)",
+    )
     transfer: Literal["mooncake", "tcp"] = Field("mooncake", description="KV transfer engine (kvtransfer.engines)")
     transfer_host: str = Field(
         "127.0.0.1", min_length=1, description="address the transfer engine serves this engine's KV memory on (a private one)"

@@ -60,7 +60,7 @@ python/sglang/srt/mem_cache/events.py (revision 06f643f4):
   ``["BlockRemoved", block_hashes]``. Newer ones add ``medium``,
   ``lora_name``, ``cache_salt`` and ``session_id`` after those: positions 0-4
   are the same as vLLM's, and the later ones are only taken when their type
-  fits (a string or None), so an unexpected order costs at worst a namespace
+  fits (a string or None), so an unexpected order costs at worst an identity
   no lookup uses (a miss, never a wrong hit).
 * Hashes are signed int64 (``hash_str_to_int64``), so they can be negative.
 * One BlockStored per page, coalesced into parent-linked chains; the last
@@ -96,18 +96,36 @@ An engine hash evicted from the LRU is removed from the directory too (a
 miss is safe, a stale entry is not), so `max_entries` must exceed the
 engine's pool (vLLM's num_gpu_blocks, plus offloaded tiers).
 
-Namespaces: the subscriber's namespace (model, tenant) is the base. A
-block stored under a LoRA adapter is hashed under ``engine_namespace(base,
-lora_name=...)`` = ``base + "|lora=" + name`` (``"|lora_id=" + id`` when only
-the deprecated id is sent), and an SGLang ``cache_salt`` adds ``"|salt=" +
-salt``: a gateway looking up a LoRA request must hash under the same string.
-vLLM's per-block ``extra_keys`` (multimodal inputs, cache salt, prompt
-embeddings; the LoRA name is dropped from them since it is in the namespace)
-are mixed into that block's hash, and so into every later block of the
-chain: a plain token lookup never matches such a block (a miss, not a wrong
-hit). Events for cache groups that are not full attention
-(``kv_cache_spec_kind``, e.g. sliding window) are skipped: they say nothing
-about reusable prefixes.
+KV identity (docs/protocol.md §1.1): a block is hashed under
+``KvIdentity(namespace, model, adapter, cache_salt)``, as the gateway hashes a request: the namespace
+and model are the subscriber's (``--namespace``, ``--model``; an engine of ``--engines`` may name its
+own model), the adapter is the event's ``lora_name`` (``"lora_id=" + id`` when only the deprecated id
+is sent: no gateway names an adapter so, a miss), and the cache salt is SGLang's ``cache_salt``
+field. vLLM carries the LoRA adapter and the salt inside the per-block ``extra_keys`` instead (vLLM
+0.32's ``generate_block_hash_extra_keys``: a tuple of keys per block, msgpack arrays on the wire):
+
+* ``("lora", name, path)``: the adapter (it must agree with ``lora_name`` when both are sent);
+* ``("cache_salt", salt)``: the salt, on the request's first block only. A child event carries no
+  salt, so it inherits its parent's (each map entry keeps the salt it was hashed under): the whole
+  chain is hashed under the salted identity, as the gateway hashes the salted request;
+* ``("mm", identifier, offset)``: a multimodal input the block covers, starting ``offset`` tokens
+  after the block's first token (negative: before). It is our extra key ``mm:IDENTIFIER:OFFSET``,
+  folded into the block's local hash (``directory.hashing.mix_extra``), so such a block hashes
+  exactly as ``identity_hashes(..., extra=multimodal_extra_keys(...))`` would;
+* anything else (``("prompt_embeds", digest)``, kinds nobody here knows) is folded in as the key
+  ``raw:`` + the hex of its msgpack: no gateway lookup ever names it, so the block and every later
+  block of its chain are misses, never wrong hits.
+
+Older vLLM sent the same keys untagged (the LoRA name as a string, ``(identifier, offset)`` pairs, the
+salt as a string on the first block, the embeddings' digest as bytes); those are understood too: a
+string equal to the event's ``lora_name`` is the adapter, another string on a root event's first
+block is the salt. With an engine block size k times ours, an input's key goes to each of our k
+blocks it covers; where that cannot be told from the event (an input that starts in the engine block
+and does not visibly continue into the next one: its length is not sent), the later blocks get a key
+no lookup names (a miss).
+
+Events for cache groups that are not full attention (``kv_cache_spec_kind``, e.g. sliding window) are
+skipped: they say nothing about reusable prefixes.
 """
 
 from __future__ import annotations
@@ -115,15 +133,14 @@ from __future__ import annotations
 import array
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 import numpy as np
-import xxhash
 
-from directory.hashing import U32_MAX, chain_hashes, chain_next, local_hashes, seed_for
+from directory.hashing import U32_MAX, KvIdentity, chain_hashes, extra_key_bytes, local_hashes, mix_extra, seed_for
 
 EngineHash = int | bytes
 """An engine's block hash: opaque, compared for equality only."""
@@ -131,7 +148,6 @@ EngineHash = int | bytes
 END_SEQ = -1
 """The seq of the replay socket's end-of-replay marker."""
 
-_xxh3 = xxhash.xxh3_64_intdigest
 _seq = struct.Struct(">q")
 # Token ids and engine hashes are checked by msgspec in C (strict: a bool is not an int): a loop over
 # a 64-block event's 1,024 tokens in Python cost more than everything else the adapter does with it.
@@ -476,18 +492,18 @@ def _freeze(v: Any) -> Any:
 # -- hash mapping ----------------------------------------------------------------
 
 
-def engine_namespace(
-    base: str = "", *, lora_name: str | None = None, lora_id: int | None = None, cache_salt: str | None = None
-) -> str:
-    """The namespace blocks of an engine event are hashed under (see the module docstring)."""
-    ns = base
-    if lora_name:
-        ns += "|lora=" + lora_name
-    elif lora_id is not None:
-        ns += f"|lora_id={lora_id}"
-    if cache_salt:
-        ns += "|salt=" + cache_salt
-    return ns
+def event_identity(
+    namespace: str = "",
+    model: str = "",
+    *,
+    lora_name: str | None = None,
+    lora_id: int | None = None,
+    cache_salt: str | None = None,
+) -> KvIdentity:
+    """The identity an engine event's blocks are hashed under, from its own fields (see the module docstring;
+    `HashMapper` also reads vLLM's extra keys and a parent's salt)."""
+    adapter = lora_name or (f"lora_id={lora_id}" if lora_id is not None else "")
+    return KvIdentity(namespace, model, adapter, cache_salt or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,10 +517,10 @@ class MapResult:
 
 
 _Holder = tuple[int | None, str | None]  # (group_idx, medium)
-_Entry = tuple[tuple[int, ...], tuple[_Holder, ...], str | None]
-"""(ours, holders, medium) of one engine block. Plain tuples of ints and strings, so the garbage collector
-stops tracking them: with a million entries, objects it tracked (a set each) made its full collections
-the adapter's largest cost."""
+_Entry = tuple[tuple[int, ...], tuple[_Holder, ...], str | None, str]
+"""(ours, holders, medium, cache salt) of one engine block: the salt its chain was hashed under, which a
+child event inherits. Plain tuples of ints and strings, so the garbage collector stops tracking them: with
+a million entries, objects it tracked (a set each) made its full collections the adapter's largest cost."""
 
 
 @dataclass(slots=True)
@@ -515,22 +531,41 @@ class MapperStats:
     unsupported: int = 0
     unknown_removals: int = 0
     evicted: int = 0  # engine hashes dropped by the LRU bound
+    unmapped_keys: int = 0  # extra keys folded in as raw keys (their blocks are misses)
 
 
 class HashMapper:
-    """Engine hash -> our sequence hashes for one engine, LRU-bounded. Not thread-safe."""
+    """Engine hash -> our sequence hashes for one engine, LRU-bounded. Not thread-safe.
 
-    def __init__(self, block_size: int, namespace: str = "", max_entries: int = 1 << 20) -> None:
+    `namespace` and `model` are the identity's (docs/protocol.md §1.1) for every block; the adapter and the
+    cache salt come from each event."""
+
+    def __init__(self, block_size: int, namespace: str = "", max_entries: int = 1 << 20, *, model: str = "") -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
         self.block_size = block_size
         self.namespace = namespace
+        self.model = model
         self.max_entries = max_entries
         self.stats = MapperStats()
         self._map: OrderedDict[EngineHash, _Entry] = OrderedDict()
         self._refs: dict[int, int] = {}
+        self._seeds: dict[tuple[str, str], tuple[str, int]] = {}  # (adapter, salt) -> (identity key, seed)
+
+    _SEEDS_MAX = 4096  # distinct (adapter, salt) pairs remembered: salts can be per user
+
+    def _seed(self, ident: KvIdentity) -> tuple[str, int]:
+        """The identity's key and seed, remembered: its key is a JSON array once a model is set, and making it
+        cost more than hashing a block."""
+        got = self._seeds.get((ident.adapter, ident.cache_salt))
+        if got is None:
+            if len(self._seeds) >= self._SEEDS_MAX:
+                self._seeds.clear()
+            key = ident.key
+            got = self._seeds[(ident.adapter, ident.cache_salt)] = (key, seed_for(key))
+        return got
 
     def __len__(self) -> int:
         return len(self._map)
@@ -551,7 +586,7 @@ class HashMapper:
     def snapshot(self) -> dict[int, str | None]:
         """Every hash of ours that some engine block holds -> a medium: what to republish under a new epoch."""
         out: dict[int, str | None] = {}
-        for ours, _, medium in self._map.values():
+        for ours, _, medium, _ in self._map.values():
             for h in ours:
                 out.setdefault(h, medium)
         return out
@@ -564,6 +599,28 @@ class HashMapper:
         removed = tuple(self._refs)
         self.reset()
         return MapResult(remove=removed)
+
+    def identity(self, ev: Stored, parent_salt: str = "") -> tuple[KvIdentity, dict[int, bytes] | None]:
+        """The identity `ev`'s blocks are hashed under, and the extra-key bytes of each of our blocks in it
+        that has some (block index within the event -> bytes), from its fields and vLLM's extra keys."""
+        k = ev.block_size // self.block_size
+        adapter = ev.lora_name or ""
+        salt = ev.cache_salt or ""
+        if ev.extra_keys is None:
+            if not adapter and ev.lora_id is not None:
+                adapter = f"lora_id={ev.lora_id}"
+            return KvIdentity(self.namespace, self.model, adapter, salt or parent_salt), None
+        keys = _ExtraKeys(ev, k, self.block_size)
+        if not adapter:
+            adapter = keys.lora or (f"lora_id={ev.lora_id}" if ev.lora_id is not None else "")
+        elif keys.lora and keys.lora != adapter:
+            keys.unmappable(0, ("lora", keys.lora))
+        if not salt:
+            salt = keys.salt
+        elif keys.salt and keys.salt != salt:
+            keys.unmappable(0, ("cache_salt", keys.salt))
+        self.stats.unmapped_keys += keys.raw_count
+        return KvIdentity(self.namespace, self.model, adapter, salt or parent_salt), keys.blocks()
 
     def store(self, ev: Stored) -> MapResult:
         n = len(ev.engine_hashes)
@@ -578,25 +635,31 @@ class HashMapper:
             return MapResult(unsupported=f"engine block size {eb} is not a multiple of {ours_b}")
         k = eb // ours_b
         prev: int | None = None
+        parent_salt = ""
         if ev.parent is not None:
             parent = self._map.get(ev.parent)
             if parent is None:
                 self.stats.missing_parents += 1
                 return MapResult(missing_parent=True)
             self._map.move_to_end(ev.parent)
-            prev = parent[0][-1]
-        ns = engine_namespace(self.namespace, lora_name=ev.lora_name, lora_id=ev.lora_id, cache_salt=ev.cache_salt)
-        seed = seed_for(ns)
+            prev, parent_salt = parent[0][-1], parent[3]
+        ident, extra = self.identity(ev, parent_salt)
         try:  # array() packs the tuple in C; numpy's own conversion of a tuple is slower
             tokens = np.frombuffer(array.array(_U32, ev.token_ids), dtype=np.uint32)
         except (OverflowError, TypeError):
             self.stats.unsupported += 1
             return MapResult(unsupported="token ids are not unsigned 32-bit integers")
-        local = local_hashes(tokens, ours_b, ns)
-        if k == 1 and ev.extra_keys is None:  # the usual case: one block of ours per engine block
-            groups: Iterable[tuple[int, ...]] = ((h,) for h in chain_hashes(local, seed, prev))
+        # directory.hashing.identity_hashes(tokens, ident, ours_b, extra, prev), with the seed remembered
+        key, seed = self._seed(ident)
+        local = local_hashes(tokens, ours_b, key)
+        if extra:
+            local = [mix_extra(h, extra[i], seed) if i in extra else h for i, h in enumerate(local)]
+        seq = chain_hashes(local, seed, prev)
+        if k == 1:  # the usual case: one block of ours per engine block
+            groups: Iterable[tuple[int, ...]] = ((h,) for h in seq)
         else:
-            groups = self._chain_split(ev, local, k, seed, prev)
+            groups = (tuple(seq[i * k : (i + 1) * k]) for i in range(n))
+        salt = ident.cache_salt
         holder = (ev.group_idx, ev.medium)
         holders = (holder,)
         publish: list[int] = []
@@ -604,10 +667,10 @@ class HashMapper:
         entries, refs = self._map, self._refs
         for eh, ours in zip(ev.engine_hashes, groups):
             if eh in entries:
-                self._put(eh, ours, holder, ev.medium, publish, remove)
+                self._put(eh, ours, holder, ev.medium, salt, publish, remove)
                 continue
             # A new engine block (nearly every store): _put's work without the checks that cannot apply.
-            entries[eh] = (ours, holders, ev.medium)
+            entries[eh] = (ours, holders, ev.medium, salt)
             for h in ours:
                 c = refs.get(h, 0)
                 refs[h] = c + 1
@@ -622,19 +685,6 @@ class HashMapper:
             self._release(old[0], remove)
         return MapResult(publish=tuple(publish), remove=tuple(remove))
 
-    @staticmethod
-    def _chain_split(ev: Stored, local: list[int], k: int, seed: int, prev: int | None) -> Iterator[tuple[int, ...]]:
-        """Our k hashes per engine block, chained, with each engine block's extra keys mixed into its first."""
-        for i in range(len(ev.engine_hashes)):
-            ours: list[int] = []
-            for j in range(k):
-                cur = chain_next(prev, local[i * k + j], seed)
-                if j == 0 and ev.extra_keys is not None:
-                    cur = _mix_extra(cur, ev.extra_keys[i], ev.lora_name, seed)
-                ours.append(cur)
-                prev = cur
-            yield tuple(ours)
-
     def remove(self, ev: Removed) -> MapResult:
         remove: list[int] = []
         holder = (ev.group_idx, ev.medium)
@@ -643,7 +693,7 @@ class HashMapper:
             if e is None:
                 self.stats.unknown_removals += 1
                 continue
-            ours, holders, medium = e
+            ours, holders, medium, salt = e
             if holder in holders:
                 rest = tuple(x for x in holders if x != holder)
             elif len(holders) == 1:
@@ -652,7 +702,7 @@ class HashMapper:
                 self.stats.unknown_removals += 1
                 continue
             if rest:
-                self._map[eh] = (ours, rest, medium)  # keeps its place in the LRU
+                self._map[eh] = (ours, rest, medium, salt)  # keeps its place in the LRU
                 continue
             del self._map[eh]
             self._release(ours, remove)
@@ -665,6 +715,7 @@ class HashMapper:
         ours: tuple[int, ...],
         holder: _Holder,
         medium: str | None,
+        salt: str,
         publish: list[int],
         remove: list[int],
     ) -> None:
@@ -673,11 +724,11 @@ class HashMapper:
             self._map.move_to_end(eh)
             if e[0] == ours:
                 if holder not in e[1]:
-                    self._map[eh] = (ours, (*e[1], holder), e[2])
+                    self._map[eh] = (ours, (*e[1], holder), e[2], e[3])
                 return
             self._release(e[0], remove)  # the engine reused a hash for other content: trust the newest
             del self._map[eh]
-        self._map[eh] = (ours, (holder,), medium)
+        self._map[eh] = (ours, (holder,), medium, salt)
         for h in ours:
             c = self._refs.get(h, 0)
             self._refs[h] = c + 1
@@ -696,12 +747,99 @@ class HashMapper:
                 self._refs[h] = c
 
 
-def _mix_extra(h: int, extra: Any, lora_name: str | None, seed: int) -> int:
-    """Fold a block's extra keys (multimodal ids, salt...) into its hash; the LoRA name is in the namespace already."""
-    if extra is None:
-        return h
-    items = extra if isinstance(extra, tuple) else (extra,)
-    items = tuple(x for x in items if not (lora_name and x == lora_name))
-    if not items:
-        return h
-    return _xxh3(h.to_bytes(8, "little") + msgspec.msgpack.encode(items), seed)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def raw_key(key: Any) -> str:
+    """The extra key of an engine key nothing here can map: no lookup ever names it, so its block is a miss."""
+    try:
+        return "raw:" + msgspec.msgpack.encode(key).hex()
+    except (TypeError, ValueError, OverflowError):
+        return "raw:" + repr(key).encode("utf-8", "backslashreplace").hex()
+
+
+class _ExtraKeys:
+    """One event's vLLM extra keys, sorted out (see the module docstring): the adapter and salt they name,
+    and per block of ours the keys to fold in (`mm:ID:OFFSET`, then raw keys)."""
+
+    def __init__(self, ev: Stored, k: int, block_size: int) -> None:
+        self.k, self.block_size, self.engine_block = k, block_size, ev.block_size
+        self.lora = ""
+        self.salt = ""
+        self.raw_count = 0
+        assert ev.extra_keys is not None
+        n = len(ev.engine_hashes)
+        self._mm: list[list[tuple[int, str]]] = [[] for _ in range(n)]
+        self._raw: list[list[str]] = [[] for _ in range(n)]
+        for i, block in enumerate(ev.extra_keys):
+            if block is None:
+                continue
+            for key in block if isinstance(block, tuple) else (block,):
+                self._sort(i, key, ev)
+
+    def _sort(self, i: int, key: Any, ev: Stored) -> None:
+        if isinstance(key, tuple) and key:
+            kind = key[0]
+            if kind == "lora" and len(key) == 3 and isinstance(key[1], str) and key[1]:
+                self._named("lora", key[1], i, key)
+            elif kind == "cache_salt" and len(key) == 2 and isinstance(key[1], str) and key[1]:
+                self._named("cache_salt", key[1], i, key)
+            elif kind == "mm" and len(key) == 3 and isinstance(key[1], str) and key[1] and _is_int(key[2]):
+                self._input(i, key[1], key[2], key)
+            elif len(key) == 2 and isinstance(kind, str) and kind and _is_int(key[1]):  # older vLLM: (identifier, offset)
+                self._input(i, kind, key[1], key)
+            else:
+                self.unmappable(i, key)
+        elif isinstance(key, str) and key and key == ev.lora_name:  # older vLLM: the LoRA name
+            self._named("lora", key, i, key)
+        elif isinstance(key, str) and key and i == 0 and ev.parent is None:  # older vLLM: the salt, first block only
+            self._named("cache_salt", key, i, key)
+        else:
+            self.unmappable(i, key)
+
+    def _named(self, what: str, name: str, i: int, key: Any) -> None:
+        have = self.lora if what == "lora" else self.salt
+        if have and have != name:
+            self.unmappable(i, key)  # two adapters or salts in one event: nothing matches it
+        elif what == "lora":
+            self.lora = name
+        else:
+            self.salt = name
+
+    def _input(self, i: int, ident: str, offset: int, key: Any) -> None:
+        if offset >= self.engine_block:
+            self.unmappable(i, key)  # an input after the block is not in it: vLLM never sends this
+        else:
+            self._mm[i].append((offset, ident))
+
+    def unmappable(self, i: int, key: Any) -> None:
+        self.raw_count += 1
+        self._raw[i].append(raw_key(key))
+
+    def blocks(self) -> dict[int, bytes] | None:
+        """Block index (ours, within the event) -> its extra-key bytes, for the blocks that have some: the
+        `mm:ID:OFFSET` keys in the order of their inputs' offsets (as `multimodal_extra_keys` gives them),
+        then the raw ones."""
+        k, bs, eb = self.k, self.block_size, self.engine_block
+        out: dict[int, bytes] = {}
+        for i, (mm, raw) in enumerate(zip(self._mm, self._raw)):
+            if not mm and not raw:
+                continue
+            named: list[list[str]] = [[] for _ in range(k)]
+            unnamed: list[list[str]] = [[] for _ in range(k)]
+            unnamed[0].extend(raw)  # the rest of the engine block chains from its first block of ours
+            for offset, ident in sorted(mm):
+                first = max(0, offset // bs)  # the block of ours the input starts in (0: it started before)
+                # Covered further on? Only known when the next engine block of this event still has it.
+                goes_on = i + 1 < len(self._mm) and (offset - eb, ident) in self._mm[i + 1]
+                for j in range(first, k):
+                    rel = offset - j * bs
+                    if j == first or goes_on:
+                        named[j].append(f"mm:{ident}:{rel}")
+                    else:
+                        unnamed[j].append(raw_key(("mm-extent", ident, rel)))  # its length is not sent: a miss
+            for j in range(k):
+                if named[j] or unnamed[j]:
+                    out[i * k + j] = extra_key_bytes(named[j] + unnamed[j])
+        return out or None

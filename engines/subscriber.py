@@ -12,7 +12,9 @@ at the end: shared directory client, event loop and metrics). It
   so by default the subscriber *binds* ``--zmq``; ``--no-bind`` connects to
   an engine that binds (``tcp://*:5557`` on the engine's side);
 * registers the engine as a node (``api_url`` = the engine's URL, so the
-  gateway routes to it; no memory regions, no transfer URL) and heartbeats
+  gateway routes to it; no memory regions, no transfer URL; ``models`` = its
+  ``--model`` when one is set; no KV fingerprint, since an events-fed engine
+  never pulls nor is pulled from: docs/protocol.md §2.1) and heartbeats
   for it only while the engine's ``GET /health`` answers 200: a dead engine's
   lease runs out and its entries go with it;
 * turns events into our block hashes (`engines.kv_events.HashMapper`) and
@@ -216,7 +218,7 @@ class EventsSubscriber:
         self.node_id = settings.node
         self.log = _NodeLog(log, {"node": self.node_id})
         self.client = directory
-        self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries)
+        self.mapper = HashMapper(settings.block_size, settings.namespace, settings.max_entries, model=settings.model or "")
         self.decode_stats = DecodeStats()
         self.stats = SubscriberStats()
         self.lag = lag or _lag_histogram(None).labels(self.node_id)
@@ -231,6 +233,7 @@ class EventsSubscriber:
             settings.api_url,
             holdings=self._holdings,
             block_size=settings.block_size,
+            models=[settings.model] if settings.model else [],
             on_registered=self._registered,
             retry_first_s=0.05,
             retry_max_s=1.0,

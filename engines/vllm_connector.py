@@ -68,10 +68,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.hashing import chain_hashes, local_hashes, seed_for
+from directory.hashing import identity_hashes
 from directory.schemas import PULL_GBPS_LABEL, NodeInfo
 from directory.session import NodeSession
 from engines.config import ConnectorSettings
+from engines.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name
 from engines.vllm_plan import (
     TAG_BYTES,
     KvLayout,
@@ -194,7 +195,10 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.s = ConnectorSettings(**extra)
         self.block_size = vllm_config.cache_config.block_size
-        self.seed = seed_for(self.s.namespace)
+        mc = vllm_config.model_config
+        # Blocks are hashed under (namespace, this model, the request's LoRA adapter and cache salt): docs/protocol.md §1.1.
+        self.model_name = self.s.model or served_name(mc.served_model_name, mc.model)
+        self._model = (mc.model, mc.revision, str(mc.dtype), str(vllm_config.cache_config.cache_dtype))
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -204,6 +208,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def _init_scheduler(self) -> None:
         self._pool: Any = None
+        self.fingerprint: str | None = None  # once the worker's layout is known (set_xfer_handshake_metadata)
         self._requests: dict[str, Request] = {}
         self._hashes: dict[str, list[int]] = {}
         self._pending_loads: dict[str, tuple[Any, int, int]] = {}  # req id -> (plan, first block, count)
@@ -246,6 +251,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             raise RuntimeError(f"KvdirConnector: no handshake from worker rank 0 (got {sorted(metadata)})")
         if len(metadata) != 1:
             raise RuntimeError("KvdirConnector supports tensor-parallel size 1 only")
+        self.fingerprint = self.kv_fingerprint(hs.layout)
         loop = _Loop("kvdir-publisher")
         client = DirectoryClient(self.s.directory_urls, deadline=5.0, token=self.s.directory_token, tenant=self.s.tenant)
         self._session = NodeSession(
@@ -257,13 +263,33 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             regions=hs.layout.regions(),
             capacity_blocks=hs.layout.num_blocks,
             block_size=self.block_size,
+            models=[self.model_name],
+            fingerprint=self.fingerprint,
             load=lambda: {"running": float(len(self._requests)), "waiting": 0.0, **self._bandwidth.labels(PULL_GBPS_LABEL)},
             collect=self._collect,
             on_published=lambda n, _lag: self.m_published.inc(n),
             logger=log,
         )
         asyncio.run_coroutine_threadsafe(self._session.run(self.s.publish_interval_s, self.s.heartbeat_interval_s), loop.loop)
-        log.info("kvdir connector: node %s, transfer %s, %d blocks", self.s.node_id, hs.session, hs.layout.num_blocks)
+        log.info(
+            "kvdir connector: node %s, transfer %s, %d blocks, model %s, KV fingerprint %s",
+            self.s.node_id,
+            hs.session,
+            hs.layout.num_blocks,
+            self.model_name,
+            self.fingerprint,
+        )
+
+    def kv_fingerprint(self, layout: KvLayout) -> str:
+        """This engine's KV fingerprint (docs/protocol.md §2.1): the setting, else a digest of its model and layout.
+        Both halves compute it (the worker from its own layout), so each refuses another engine's KV."""
+        if self.s.fingerprint is not None:
+            return self.s.fingerprint
+        model, revision, dtype, kv_dtype = self._model
+        pages = [r.page_bytes for r in layout.layers]
+        return engine_fingerprint(
+            model=model, revision=revision, dtype=dtype, kv_cache_dtype=kv_dtype, block_size=self.block_size, page_bytes=pages
+        )
 
     def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
         with self._lock:
@@ -290,13 +316,16 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             self.m_removed.inc(len(gone))
 
     def _request_hashes(self, req: Request, n_blocks: int) -> list[int]:
-        """The request's first `n_blocks` kvdir hashes, extended incrementally."""
+        """The request's first `n_blocks` kvdir hashes under its KV identity (its LoRA adapter, its cache salt, its
+        multimodal inputs: as vLLM's own block hashes cover them), extended incrementally."""
         have = self._hashes.setdefault(req.request_id, [])
         if len(have) < n_blocks:
-            tokens = req.all_token_ids[len(have) * self.block_size : n_blocks * self.block_size]
-            have += chain_hashes(
-                local_hashes(list(tokens), self.block_size, self.s.namespace), self.seed, have[-1] if have else None
-            )
+            bs = self.block_size
+            lora = req.lora_request
+            identity = request_identity(self.s.namespace, self.model_name, lora.lora_name if lora else None, req.cache_salt)
+            extra = mm_extra(bs, n_blocks, req.mm_features) if req.mm_features else None
+            tokens = list(req.all_token_ids[len(have) * bs : n_blocks * bs])
+            have += identity_hashes(tokens, identity, bs, extra, have[-1] if have else None, len(have))
         return have[:n_blocks]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -311,6 +340,17 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             return 0, False
         if plan.source_node == self.s.node_id:
             self.m_plans.labels("own").inc()
+            return 0, False
+        if plan.fingerprint is not None and plan.fingerprint != self.fingerprint:
+            # Another model's, revision's or layout's KV (docs/protocol.md §2.1): never loaded, computed instead.
+            log.warning(
+                "request %s: the plan's source %s has KV fingerprint %s, not this engine's %s; computing it",
+                request.request_id,
+                plan.source_node,
+                plan.fingerprint,
+                self.fingerprint,
+            )
+            self.m_plans.labels("fingerprint").inc()
             return 0, False
         first, count = blocks_to_pull(request.num_prompt_tokens, num_computed_tokens, len(plan.slots), self.block_size)
         if count <= 0:
@@ -399,11 +439,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
     def _init_worker(self) -> None:
         self._transfer: TransferEngine | None = None
         self._layout: KvLayout | None = None
+        self.fingerprint = None  # once the KV layout is known (register_kv_caches)
         self._tags = np.zeros((0, 2), dtype="<u8")
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._report = KvdirWorkerMeta()
-        self._peers: dict[tuple[str, int], tuple[str, KvLayout]] = {}  # (node, epoch) -> (transfer session, layout)
+        # (node, epoch) -> (transfer session, layout, registered KV fingerprint)
+        self._peers: dict[tuple[str, int], tuple[str, KvLayout, str | None]] = {}
         self._wloop: _Loop | None = None
         self._client: DirectoryClient | None = None
         self._orphans: list[np.ndarray] = []  # destinations of abandoned reads (see `_pull`)
@@ -421,6 +463,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             spans.append((t.data_ptr(), t.data_ptr() + page * t.shape[0]))
         self._tags = np.zeros((min(r.num_blocks for r in layers), 2), dtype="<u8")
         self._layout = KvLayout(tuple(layers), self._tags.ctypes.data)
+        self.fingerprint = self.kv_fingerprint(self._layout)  # what a pull's source must have registered
         with _unpinned():  # the transfer engine's threads inherit this thread's CPUs
             self._transfer = create_engine(self.s.transfer, self.s.transfer_host, timeout_s=self.s.transfer_timeout_s)
         spans.sort()
@@ -470,8 +513,8 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                 self._report.failed_pulls += 1
             self._report.pulled_blocks += len(load.dst_blocks) - len(bad)
 
-    def _peer(self, node_id: str, epoch: int) -> tuple[str, KvLayout] | None:
-        """The source's transfer session and layout if it still has `epoch` (cached per epoch)."""
+    def _peer(self, node_id: str, epoch: int) -> tuple[str, KvLayout, str | None] | None:
+        """The source's transfer session, layout and registered KV fingerprint if it still has `epoch` (cached per epoch)."""
         key = (node_id, epoch)
         if key not in self._peers:
             if self._wloop is None:
@@ -484,7 +527,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             peer = next((n for n in nodes if n.node_id == node_id and n.epoch == epoch and n.transfer_url), None)
             if peer is None:
                 return None  # not cached: the node may register that epoch soon
-            self._peers[key] = (peer.transfer_url or "", KvLayout.from_regions(peer.regions))
+            self._peers[key] = (peer.transfer_url or "", KvLayout.from_regions(peer.regions), peer.fingerprint)
         return self._peers[key]
 
     def _pull(self, load: Load) -> list[int]:
@@ -505,7 +548,11 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             peer = self._peer(load.source_node, load.source_epoch)
             if peer is None:
                 raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered")
-            session, theirs = peer
+            session, theirs, fingerprint = peer
+            if fingerprint != self.fingerprint:  # another model's, revision's or layout's KV (docs/protocol.md §2.1)
+                raise PlanError(
+                    f"{load.source_node} registered KV fingerprint {fingerprint}, not this engine's {self.fingerprint}"
+                )
             why = self._layout.compatible(theirs)
             if why:
                 raise PlanError(f"{load.source_node} has {why}")

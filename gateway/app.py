@@ -46,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from directory.client import DirectoryClient
+from directory.hashing import KvIdentity
 from directory.http_limits import BodyLimit
 from directory.index import warm_up
 from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
@@ -59,7 +60,7 @@ from gateway.peers import PeerNotes
 from gateway.peers import routes as peer_routes
 from gateway.policy import KvdirPolicy, make_policy
 from gateway.prefix_hasher import PrefixHasher
-from gateway.proxy import Proxy
+from gateway.proxy import KvRequest, Proxy
 from gateway.router import Router, cost_model
 
 log = logging.getLogger("kvdir.gateway")
@@ -74,6 +75,7 @@ class _Body(BaseModel):
     model: str = Field(min_length=1)
     stream: bool = False
     max_tokens: int | None = Field(None, ge=0)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class CompletionBody(_Body):
@@ -88,6 +90,20 @@ class _Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[_Message] = Field(min_length=1)
+
+
+def _unhashable(raw: dict[str, Any], messages: list[_Message] | None = None) -> str | None:
+    """Why the gateway cannot hash this prompt as the engine will (None: it can).
+
+    An engine's block hashes cover the multimodal inputs a block holds (docs/protocol.md §1.1), which the
+    gateway does not expand: such a prompt is routed by load, never looked up nor given a pull plan.
+    """
+    if raw.get("prompt_embeds") is not None:
+        return "the prompt is given as embeddings"
+    for m in messages or ():
+        if isinstance(m.content, list) and any(isinstance(p, dict) and p.get("type", "text") != "text" for p in m.content):
+            return "a message has non-text content parts (images, audio, ...)"
+    return None
 
 
 class _PromptSize(msgspec.Struct):
@@ -140,7 +156,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)
         http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), limits=limits)
         registry = EngineRegistry(
-            directory, http, settings.static_engines, settings.refresh_s, settings.unhealthy_s, settings.networks
+            directory, http, settings.static_engines, settings.refresh_s, settings.unhealthy_s, settings.networks, settings.tenant
         )
         await registry.refresh()
         registry.start()
@@ -282,11 +298,31 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             loc = ".".join(str(x) for x in e["loc"])
             raise GatewayError(400, f"{loc}: {e['msg']}", param=loc or None) from exc
 
-    async def engine_tokens(request: Request, payload: dict[str, Any]) -> list[int]:
+    def kv_request(request: Request, raw: dict[str, Any], body: _Body, messages: list[_Message] | None = None) -> KvRequest:
+        """The request's model and KV identity (docs/protocol.md §1.1); 404 `model_not_found` when engines are
+        known and none serves its model (checked before the prompt is tokenized)."""
+        registry: EngineRegistry = request.app.state.registry
+        if registry.engines and not registry.serving(body.model):
+            raise GatewayError(
+                404,
+                f"The model `{body.model}` does not exist: no engine serves it (GET /v1/models lists what is served)",
+                code="model_not_found",
+                param="model",
+            )
+        base = registry.base_of(body.model)
+        identity = KvIdentity(
+            settings.namespace,
+            model=base if base is not None else body.model,
+            adapter=body.model if base is not None else "",
+            cache_salt=body.cache_salt or "",
+        )
+        return KvRequest(body.model, identity, _unhashable(raw, messages))
+
+    async def engine_tokens(request: Request, model: str, payload: dict[str, Any]) -> list[int]:
         """Tokens from an engine's own /tokenize (vLLM's API): its tokenizer and chat template, exactly."""
         registry: EngineRegistry = request.app.state.registry
         http: httpx.AsyncClient = request.app.state.http
-        for e in sorted(registry.engines.values(), key=lambda e: e.inflight):
+        for e in sorted(registry.serving(model), key=lambda e: e.inflight):
             if not e.healthy:
                 continue
             try:
@@ -313,33 +349,35 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def completions(request: Request) -> Response:
         t = time.perf_counter()
         raw, body = await parse(request, CompletionBody)
+        kv = kv_request(request, raw, body)
         t_tok = time.perf_counter()
         if not isinstance(body.prompt, str):
             tokens = list(body.prompt)
         elif tokenizer is None:
-            tokens = await engine_tokens(request, {"model": body.model, "prompt": body.prompt})
+            tokens = await engine_tokens(request, body.model, {"model": body.model, "prompt": body.prompt})
         else:
             check_chars(request, body.prompt, "prompt")
             tokens = tokenizer.encode(body.prompt)
         check_tokens(request, len(tokens), "prompt")
         proxy: Proxy = request.app.state.proxy
-        return await proxy.complete("/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
+        return await proxy.complete("/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok, kv)
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatBody))
     async def chat(request: Request) -> Response:
         t = time.perf_counter()
         raw, body = await parse(request, ChatBody)
+        kv = kv_request(request, raw, body, body.messages)
         t_tok = time.perf_counter()
         messages = [m.model_dump() for m in body.messages]
         if tokenizer is None:
-            tokens = await engine_tokens(request, {"model": body.model, "messages": raw["messages"]})
+            tokens = await engine_tokens(request, body.model, {"model": body.model, "messages": raw["messages"]})
         else:
             text = render_chat(messages)
             check_chars(request, text, "messages")
             tokens = tokenizer.encode(text)
         check_tokens(request, len(tokens), "messages")
         proxy: Proxy = request.app.state.proxy
-        return await proxy.complete("/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok)
+        return await proxy.complete("/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok, kv)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -38,7 +38,10 @@ class GatewaySettings(DirectoryClientSettings):
         "bytes",
         description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)",
     )
-    namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the engines'")
+    namespace: str = Field(
+        "",
+        description="hash namespace (deployment, tenant; models, adapters and salts are in the KV identity): must match the engines'",
+    )
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the engines'")
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="engines' prefill rate, for the TTFT estimate")
     decode_tokens_per_s: float = Field(

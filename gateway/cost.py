@@ -76,7 +76,7 @@ __all__ = [
     "ttft_breakdown",
 ]
 
-REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback", "inflight"})
+REASONS = frozenset({"affinity", "pull", "recompute", "balance", "fallback", "inflight", "unhashed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,9 @@ class Candidate:
     # Pull bandwidth the node measured on its own reads (its pull_gbps load label), in bytes/s; 0: unknown, pulls
     # to it are priced with CostModel.link_bytes_per_s.
     link_bytes_per_s: float = 0.0
+    # Its registered KV fingerprint (docs/protocol.md §2.1): a pull is planned only from a holder whose
+    # fingerprint equals it (the router leaves `can_pull` off for a node that registered none).
+    kv_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

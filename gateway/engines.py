@@ -41,7 +41,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 _RESOLVE_TIMEOUT_S = 5.0
 _RESOLVE_RETRY_S = 30.0  # an engine whose name did not resolve is tried again after this long
-_MODELS_RETRY_S = 5.0  # an engine that did not say its max_model_len is asked again after this long
+_MODELS_RETRY_S = 5.0  # an engine that did not list its models is asked again after this long
+_MODELS_REFRESH_S = 30.0  # an engine that did is asked again after this long (adapters load and unload at run time)
 
 
 class EngineRefused(ValueError):
@@ -105,6 +106,11 @@ class EngineState:
     capacity_blocks: int | None = None  # KV blocks it can hold, as registered (None: unknown)
     blocks: int = 0  # blocks the directory lists for it: with capacity_blocks, its free space
     max_model_len: int | None = None  # from its /v1/models, once it answered
+    registered_models: frozenset[str] = frozenset()  # model and adapter names its registration lists
+    listed_models: frozenset[str] = frozenset()  # the ids its /v1/models lists (empty until it answered)
+    adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> its base model, from /v1/models ("parent")
+    models_known: bool = False  # its registration or its /v1/models said what it serves
+    fingerprint: str | None = None  # its KV fingerprint as registered (None: never a pull source nor destination)
     running: float = 0.0
     waiting: float = 0.0
     pull_gbps: float = 0.0  # pull bandwidth it measured (PULL_GBPS_LABEL; 0: none reported)
@@ -121,6 +127,10 @@ class EngineState:
     def healthy(self) -> bool:
         return time.monotonic() >= self.unhealthy_until
 
+    def serves(self, model: str) -> bool:
+        """Whether requests for `model` may go here: it lists the name, or nothing says what it serves yet."""
+        return not self.models_known or model in self.registered_models or model in self.listed_models
+
 
 class EngineRegistry:
     """Engine list and load, refreshed from the directory in the background."""
@@ -133,8 +143,10 @@ class EngineRegistry:
         refresh_s: float,
         unhealthy_s: float,
         networks: Sequence[Network] = (),
+        tenant: str = "",
     ) -> None:
         self.directory = directory
+        self.tenant = tenant
         self.http = http
         self.static = static
         self.refresh_s = refresh_s
@@ -146,11 +158,34 @@ class EngineRegistry:
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
+        self._foreign: set[str] = set()  # engines of other tenants, not routed to (logged once each)
 
     @property
     def max_model_len(self) -> int | None:
         """The longest context any engine serves (a prompt longer than that fits none), None until one said."""
         return max((e.max_model_len for e in self.engines.values() if e.max_model_len), default=None)
+
+    def serving(self, model: str) -> list[EngineState]:
+        """The engines requests for `model` may go to (EngineState.serves), in the registry's order."""
+        return [e for e in self.engines.values() if e.serves(model)]
+
+    def base_of(self, model: str) -> str | None:
+        """The base model of `model` if an engine lists it as a LoRA adapter (its /v1/models "parent"), else None."""
+        for e in self.engines.values():
+            base = e.adapters.get(model)
+            if base is not None:
+                return base
+        return None
+
+    def _ours(self, n: NodeInfo) -> bool:
+        """Whether this gateway's tenant may route to `n`: the same tenant, or an engine registered as shared."""
+        if n.tenant == self.tenant or n.shared:
+            self._foreign.discard(n.node_id)
+            return True
+        if n.node_id not in self._foreign:
+            self._foreign.add(n.node_id)
+            log.info("engine %r belongs to tenant %r, not %r: not routed to", n.node_id, n.tenant, self.tenant)
+        return False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -197,7 +232,8 @@ class EngineRegistry:
                 for name in sorted(silent - self._silent_shards):
                     log.warning("directory shard %s unreachable (%s): its engines are kept as last seen", name, by_shard[name])
                 self._silent_shards = silent
-            await self._update([n for ns in by_shard.values() if not isinstance(ns, DirectoryError) for n in ns], silent)
+            nodes = [n for ns in by_shard.values() if not isinstance(ns, DirectoryError) for n in ns]
+            await self._update([n for n in nodes if self._ours(n)], silent)
         self._probe_models()
 
     async def _update(self, nodes: Sequence[NodeInfo], silent: Set[str] = frozenset()) -> None:
@@ -223,6 +259,9 @@ class EngineRegistry:
             e.running = n.load.get("running", 0.0)
             e.waiting = n.load.get("waiting", 0.0)
             e.pull_gbps = n.load.get(PULL_GBPS_LABEL, 0.0)
+            e.fingerprint = n.fingerprint
+            e.registered_models = frozenset(n.models)
+            e.models_known = e.models_known or bool(n.models)
             e.last_seen = time.monotonic()
         keep = {n.node_id for n in nodes} | {f"static-{i + 1}" for i in range(len(self.static))}
         for node_id in [k for k in self._refused if k not in keep]:
@@ -233,10 +272,11 @@ class EngineRegistry:
             del self.engines[node_id]
 
     def _probe_models(self) -> None:
-        """Ask engines that have not said their max_model_len yet (vLLM and the stub put it in /v1/models), in the background."""
+        """Ask engines' /v1/models, in the background, what they serve (model ids, adapters' "parent") and their
+        max_model_len (vLLM and the stub list it): until they answer, then every _MODELS_REFRESH_S."""
         now = time.monotonic()
         for e in self.engines.values():
-            if e.max_model_len is None and now >= e.models_due:
+            if now >= e.models_due:
                 e.models_due = now + _MODELS_RETRY_S
                 task = asyncio.create_task(self._ask_models(e))
                 self._probes.add(task)
@@ -244,12 +284,21 @@ class EngineRegistry:
 
     async def _ask_models(self, e: EngineState) -> None:
         try:
-            data = (await self.http.get(e.origin.url("/v1/models"), timeout=2.0)).json()["data"]
-            lens = [m["max_model_len"] for m in data if isinstance(m, dict) and type(m.get("max_model_len")) is int]
+            data = [
+                m for m in (await self.http.get(e.origin.url("/v1/models"), timeout=2.0)).json()["data"] if isinstance(m, dict)
+            ]
+            lens = [m["max_model_len"] for m in data if type(m.get("max_model_len")) is int]
+            ids = {m["id"]: m.get("parent") for m in data if isinstance(m.get("id"), str)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.debug("engine %s did not list its models: %s", e.node_id, exc)
             return
-        if lens and max(lens) > 0:
+        e.models_due = time.monotonic() + _MODELS_REFRESH_S
+        if ids and frozenset(ids) != e.listed_models:
+            log.info("engine %s serves %s", e.node_id, ", ".join(sorted(ids)))
+        e.listed_models = frozenset(ids)
+        e.adapters = {name: parent for name, parent in ids.items() if isinstance(parent, str) and parent != name}
+        e.models_known = e.models_known or bool(ids)
+        if lens and max(lens) > 0 and e.max_model_len != max(lens):
             e.max_model_len = max(lens)
             log.info("engine %s serves up to %d tokens of context", e.node_id, e.max_model_len)
 

@@ -243,7 +243,8 @@ class KvdirPolicy:
         best_follows = False
         options: list[tuple[float, int, int, Candidate, TTFTBreakdown, bool]] = []
         for c in healthy:
-            br = evaluate(req, c, cost, pull_to_blocks=pull_to)
+            # Only between equal fingerprints: another model's (or weights', or layout's) KV is not this one's.
+            br = evaluate(req, c, cost, pull_to_blocks=pull_to if c.kv_fingerprint == holder.kv_fingerprint else 0)
             score = br.score_s
             dup = dup_to > br.cached_tokens
             if dup:

@@ -41,6 +41,7 @@ import httpcore
 from fastapi.responses import Response, StreamingResponse
 
 from directory.client import DirectoryClient
+from directory.hashing import KvIdentity
 from directory.schemas import Origin
 from gateway.cost import Decision, RouteRequest
 from gateway.engines import EngineRegistry, EngineState
@@ -102,6 +103,16 @@ class InflightTicket:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class KvRequest:
+    """What routing needs of a request besides its tokens: its model, its KV identity (docs/protocol.md §1.1),
+    and why its prompt cannot be hashed as the engine hashes it (None: it can)."""
+
+    model: str
+    identity: KvIdentity
+    unhashed: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,16 +210,24 @@ class Proxy:
         return {h.node_id: h for h in found.holders}, None
 
     async def complete(
-        self, path: str, raw: dict[str, Any], tokens: list[int], stream: bool, arrival: float, tokenize_s: float
+        self,
+        path: str,
+        raw: dict[str, Any],
+        tokens: list[int],
+        stream: bool,
+        arrival: float,
+        tokenize_s: float,
+        kv: KvRequest,
     ) -> Response:
-        """Route `raw` (the client's body, `tokens` its prompt) to an engine's `path` and relay the answer."""
+        """Route `raw` (the client's body, `tokens` its prompt) to an engine's `path` that serves `kv.model`,
+        and relay the answer."""
         t0 = time.perf_counter()
-        hashes = self.router.hashes(tokens)
+        hashes = [] if kv.unhashed is not None else self.router.hashes(tokens, kv.identity)
         timing = Timing(arrival, tokenize_s, t0, time.perf_counter() - t0)
         holders, lookup_failure = await self.lookup(hashes)
         self.router.learn_block_bytes(self.registry.engines.values())
         req = self.router.request(len(tokens), hashes, raw.get("max_tokens"))
-        route, engine, upstream, ticket = await self._send(path, raw, req, holders, lookup_failure, timing)
+        route, engine, upstream, ticket = await self._send(path, raw, req, kv, holders, lookup_failure, timing)
 
         decision = route.decision
         self.router.routed(req, decision)
@@ -240,19 +259,22 @@ class Proxy:
         path: str,
         raw: dict[str, Any],
         req: RouteRequest,
+        kv: KvRequest,
         holders: Mapping[str, HolderView],
         lookup_failure: str | None,
         timing: Timing,
     ) -> tuple[Route, EngineState, httpcore.Response, InflightTicket]:
-        """Send to the best engine, then the next best while connections are refused; 503 when none is left."""
+        """Send to the best engine that serves the model, then the next best while connections are refused;
+        503 when none is left."""
         exclude: set[str] = set()
         while True:
             try:
                 route = self.router.route(
                     req,
-                    self.registry.engines.values(),
+                    self.registry.serving(kv.model),
                     holders,
                     lookup_failure=lookup_failure,
+                    unhashed=kv.unhashed,
                     exclude=exclude,
                     now=time.monotonic(),
                 )

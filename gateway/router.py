@@ -23,6 +23,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from directory.hashing import KvIdentity
 from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD, PullPlan
 from gateway.config import GatewaySettings
 from gateway.cost import Candidate, CostModel, Decision, RouteRequest
@@ -80,6 +81,8 @@ class EngineView(Protocol):
     def blocks(self) -> int: ...  # blocks the directory lists for it
     @property
     def pull_gbps(self) -> float: ...  # pull bandwidth it measured, GB/s (its PULL_GBPS_LABEL load label; 0: none)
+    @property
+    def fingerprint(self) -> str | None: ...  # its registered KV fingerprint (None: never a pull source nor destination)
 
 
 class HolderView(Protocol):
@@ -133,6 +136,7 @@ def make_candidate(
     engine_block_size: int = 0,
     inflight_blocks: int = 0,
     link_bytes_per_s: float = 0.0,
+    kv_fingerprint: str | None = None,
 ) -> Candidate:
     """A candidate from an engine's reported load and the gateway's own count of requests in flight there.
 
@@ -154,6 +158,7 @@ def make_candidate(
         engine_block_size=engine_block_size,
         inflight_blocks=inflight_blocks,
         link_bytes_per_s=link_bytes_per_s,
+        kv_fingerprint=kv_fingerprint,
     )
 
 
@@ -180,7 +185,8 @@ def build_candidates(
     current one: blocks of an earlier incarnation are gone. `inflight` is
     `InflightPrefixes.match` for this prompt: blocks being computed per (node,
     epoch). `block_size` (the gateway's) sizes free space of engines that
-    registered no block size. A pull to an engine is priced with the bandwidth it reported (`reported_link`).
+    registered no block size. A pull to an engine is priced with the bandwidth it reported (`reported_link`);
+    an engine without a registered KV fingerprint never pulls.
     """
     inflight = inflight or {}
     out = []
@@ -200,11 +206,12 @@ def build_candidates(
                 cached_blocks=h.matched_blocks if h is not None and held else 0,
                 slots=(h.slots or ()) if h is not None and held else (),
                 healthy=e.healthy,
-                can_pull=e.can_pull,
+                can_pull=e.can_pull and e.fingerprint is not None,
                 free_tokens=free_tokens(e, block_size),
                 engine_block_size=e.block_size,
                 inflight_blocks=inflight.get((e.node_id, e.epoch), 0),
                 link_bytes_per_s=reported_link(e.pull_gbps),
+                kv_fingerprint=e.fingerprint,
             )
         )
     return out
@@ -247,9 +254,9 @@ class Router:
         self.hasher = hasher
         self.inflight = inflight if inflight is not None else InflightPrefixes()
 
-    def hashes(self, tokens: list[int]) -> list[int]:
-        """The prompt's full-block sequence hashes, as the engines compute them."""
-        return self.hasher.hashes(tokens)
+    def hashes(self, tokens: list[int], identity: KvIdentity | None = None) -> list[int]:
+        """The prompt's full-block sequence hashes under its KV identity, as the engines compute them."""
+        return self.hasher.hashes(tokens, identity)
 
     def request(self, prompt_tokens: int, hashes: Sequence[int], max_tokens: int | None) -> RouteRequest:
         """What the policy sees of a request; no (or zero) `max_tokens` counts as DEFAULT_MAX_TOKENS."""
@@ -276,6 +283,7 @@ class Router:
         holders: Mapping[str, HolderView],
         *,
         lookup_failure: str | None = None,
+        unhashed: str | None = None,
         exclude: Container[str] = frozenset(),
         now: float = 0.0,
     ) -> Route:
@@ -283,7 +291,10 @@ class Router:
 
         With `lookup_failure` (why the directory did not answer) the holders are
         unknown: the choice is by load and is reported as `fallback`, predicting
-        no cached tokens, unless it follows a prefix the gateway itself sent there (`inflight`). `now` (monotonic seconds) ages the in-flight prefixes.
+        no cached tokens, unless it follows a prefix the gateway itself sent there (`inflight`). With
+        `unhashed` (why the prompt could not be hashed as the engine hashes it: `req` then has no hashes) it is
+        by load too, reported as `unhashed`, and never with a pull plan. `now` (monotonic seconds) ages the
+        in-flight prefixes.
         """
         inflight = self.inflight.match(req.hashes, now)
         if inflight:
@@ -302,7 +313,17 @@ class Router:
         if not cands:
             raise NoEngineAvailable("no engine is available")
         decision = self.policy.choose(req, cands, self.rng)
-        if lookup_failure is not None and decision.reason != "inflight":  # "inflight": the gateway's own knowledge
+        if unhashed is not None:
+            decision = replace(
+                decision,
+                reason="unhashed",
+                predicted_cached_tokens=0,
+                pull_from=None,
+                pull_epoch=None,
+                pull_slots=(),
+                detail=f"{unhashed}: the gateway cannot hash it as the engine does, so routed by load without a pull",
+            )
+        elif lookup_failure is not None and decision.reason != "inflight":  # "inflight": the gateway's own knowledge
             decision = replace(
                 decision,
                 reason="fallback",
@@ -311,7 +332,13 @@ class Router:
             )
         plan = None
         if decision.pull_from is not None and decision.pull_epoch is not None:
-            plan = PullPlan(source_node=decision.pull_from, source_epoch=decision.pull_epoch, slots=list(decision.pull_slots))
+            source = next(c for c in cands if c.node_id == decision.pull_from)
+            plan = PullPlan(
+                source_node=decision.pull_from,
+                source_epoch=decision.pull_epoch,
+                slots=list(decision.pull_slots),
+                fingerprint=source.kv_fingerprint,
+            )
         return Route(decision, plan, max(0, req.prompt_tokens - decision.predicted_cached_tokens))
 
     def prefilling(self, req: RouteRequest, node_id: str, epoch: int, now: float) -> int:

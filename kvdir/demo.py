@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from directory.client import DirectoryClient
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, block_hashes, identity_hashes
 
 SYSTEM = "You are a helpful assistant for an LLM inference cluster. Answer briefly. " * 4
 TURN1 = "User: how does prefix caching cut time to first token?\n"
@@ -28,6 +28,7 @@ CHATS = (
     "Physics tutor: explain one idea at a time to a high-school student, with an example. " * 4,
 )
 TURNS = 3
+STUB = KvIdentity(model="kvdir-stub")  # the worker stubs' model: the KV identity their blocks are hashed under
 PUBLISH_WAIT_S = 5.0  # how long to wait for an engine's asynchronous publish before going on without it
 
 
@@ -106,7 +107,7 @@ async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callabl
                 f"worker-1, {attempt}: {r['usage']['prompt_tokens']} prompt tokens, {r['usage']['prompt_tokens_details']['cached_tokens']} cached, "
                 f"time to first token {r['kvdir']['ttft_s'] * 1000:.1f} ms"
             )
-        hashes = block_hashes(_tokens(prompt))
+        hashes = identity_hashes(_tokens(prompt), STUB)
         for _ in range(100):  # publishing is asynchronous: wait until the directory lists the blocks
             res = await d.lookup(hashes, with_slots=True)
             if res.holders and res.holders[0].matched_blocks == len(hashes):
@@ -177,7 +178,7 @@ async def _published(
             engine + "/tokenize", json={"model": "kvdir-stub", "messages": messages[:-1], "add_generation_prompt": True}
         )
         r.raise_for_status()
-        prompts.append(block_hashes(list(r.json()["tokens"])))
+        prompts.append(identity_hashes(list(r.json()["tokens"]), STUB))
     deadline = time.monotonic() + PUBLISH_WAIT_S
     while time.monotonic() < deadline:
         found = [await d.lookup(hashes) for hashes in prompts]

@@ -36,10 +36,16 @@ def vllm_venv() -> Path:
     return venv
 
 
-def make_tiny_model(venv: Path, out: Path) -> Path:
-    """Write the tiny random model and its tokenizer into `out` (a few seconds), with the venv's transformers."""
+def make_tiny_model(venv: Path, out: Path, seed: int | None = None) -> Path:
+    """Write the tiny random model and its tokenizer into `out` (a few seconds), with the venv's transformers;
+    `seed` draws its weights (another seed: another model of the same architecture)."""
     subprocess.run(
-        [str(venv / "bin" / "python"), str(ROOT / "tests/compose/make_tiny_model.py"), str(out)],
+        [
+            str(venv / "bin" / "python"),
+            str(ROOT / "tests/compose/make_tiny_model.py"),
+            str(out),
+            *([str(seed)] if seed is not None else []),
+        ],
         check=True,
         capture_output=True,
         timeout=300,
@@ -61,8 +67,12 @@ class VllmEngine:
         *,
         num_blocks: int = 256,
         connector: dict[str, Any] | None = None,
+        served_name: str = MODEL,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.served_name = served_name
+        self.extra_args = extra_args
         self.venv = venv
         self.model = model
         self.directory = directory
@@ -104,7 +114,7 @@ class VllmEngine:
             "serve",
             str(self.model),
             "--served-model-name",
-            MODEL,
+            self.served_name,
             "--host",
             "127.0.0.1",
             "--port",
@@ -120,6 +130,7 @@ class VllmEngine:
             "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             json.dumps(config),
+            *self.extra_args,
         ]
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -162,7 +173,7 @@ class VllmEngine:
         """A greedy completion; AssertionError with the body unless 200."""
         r = httpx.post(
             self.url + "/v1/completions",
-            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
+            json={"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra},
             timeout=180,
         )
         assert r.status_code == 200, r.text
@@ -170,7 +181,7 @@ class VllmEngine:
         return out
 
     def tokenize(self, prompt: str) -> list[int]:
-        r = httpx.post(self.url + "/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=30)
+        r = httpx.post(self.url + "/tokenize", json={"model": self.served_name, "prompt": prompt}, timeout=30)
         r.raise_for_status()
         tokens: list[int] = r.json()["tokens"]
         return tokens

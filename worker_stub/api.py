@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from directory.client import DirectoryClient
+from directory.hashing import KvIdentity
 from directory.http_limits import BodyLimit
 from directory.schemas import PullPlan
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
@@ -49,6 +50,7 @@ class _Req(BaseModel):
     model: str
     stream: bool = False
     kvdir_pull: dict[str, Any] | None = None  # a directory.schemas.PullPlan, decoded by `run`
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a KV identity of its own
 
 
 class CompletionRequest(_Req):
@@ -111,6 +113,7 @@ class WorkerMetrics:
             ("pulled_blocks", "Blocks pulled from peers and verified"),
             ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
             ("pull_errors", "Pulls that failed as a whole"),
+            ("pull_refused", "Pull plans refused: the source's KV fingerprint is not this engine's (recomputed)"),
             ("pool_full", "Requests served uncached because every slot was pinned"),
         ):
             Gauge(f"kvdir_worker_{key}_total", help_text, registry=r).set_function(cast(Callable[[], float], lambda k=key: c[k]))
@@ -148,6 +151,9 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             directory,
             transfer_url=transfer.session,
             block_size=settings.block_size,
+            models=[settings.model, *settings.adapter_names],
+            fingerprint=settings.kv_fingerprint,
+            shared=settings.shared,
             load=engine.load,
             interval=settings.publish_interval_s,
             heartbeat_interval=settings.heartbeat_interval_s,
@@ -190,14 +196,20 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             return _error(413, str(exc.detail), code="body_too_large")
         return _error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
-    def check_model(model: str) -> None:
-        if model != settings.model:
+    adapters = settings.adapter_names
+
+    def identity(body: _Req) -> KvIdentity:
+        """The request's KV identity (docs/protocol.md §1.1); 404 for a model or adapter this engine does not serve."""
+        if body.model != settings.model and body.model not in adapters:
+            served = ", ".join(f"`{m}`" for m in [settings.model, *adapters])
             raise OpenAIError(
                 404,
-                f"The model `{model}` does not exist; this engine serves `{settings.model}`",
+                f"The model `{body.model}` does not exist; this engine serves {served}",
                 code="model_not_found",
                 param="model",
             )
+        adapter = body.model if body.model != settings.model else ""
+        return KvIdentity(settings.namespace, settings.model, adapter, body.cache_salt or "")
 
     def check_length(n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > settings.max_model_len:
@@ -208,7 +220,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
                 code="context_length_exceeded",
             )
 
-    async def run(request: Request, body: _Req, tokens: list[int], max_tokens: int, chat: bool) -> Response:
+    async def run(request: Request, body: _Req, kv: KvIdentity, tokens: list[int], max_tokens: int, chat: bool) -> Response:
         engine: Engine = request.app.state.engine
         metrics: WorkerMetrics = request.app.state.metrics
         check_length(len(tokens), max_tokens)
@@ -222,7 +234,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         metrics.requests.labels("chat" if chat else "completions").inc()
-        gen = engine.generate(tokens, max_tokens, plan, stats)
+        gen = engine.generate(tokens, max_tokens, plan, stats, kv)
         try:
             first = await anext(gen, None)  # queueing, pull and prefill happen here
         except QueueFull as exc:
@@ -302,20 +314,20 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        check_model(body.model)
+        kv = identity(body)
         tokens = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await run(request, body, tokens, body.max_tokens, chat=False)
+        return await run(request, body, kv, tokens, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest) -> Response:
-        check_model(body.model)
+        kv = identity(body)
         tokens = tokenizer.encode(render_chat([m.model_dump() for m in body.messages]))
         max_tokens = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
             else (body.max_tokens if body.max_tokens is not None else 16)
         )
-        return await run(request, body, tokens, max_tokens, chat=True)
+        return await run(request, body, kv, tokens, max_tokens, chat=True)
 
     def too_long(what: str) -> OpenAIError:
         return OpenAIError(
@@ -358,12 +370,14 @@ def create_app(settings: WorkerSettings) -> FastAPI:
                 "object": "list",
                 "data": [
                     {
-                        "id": settings.model,
+                        "id": name,
                         "object": "model",
                         "created": 0,
                         "owned_by": "kvdir",
+                        "parent": None if name == settings.model else settings.model,  # as vLLM lists a LoRA adapter
                         "max_model_len": settings.max_model_len,
                     }
+                    for name in [settings.model, *adapters]
                 ],
             }
         )

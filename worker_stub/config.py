@@ -8,8 +8,10 @@ so 80 tokens/s; engines batch a few dozen sequences, so 32 run at once.
 
 from __future__ import annotations
 
+import json
 from typing import Literal, get_args
 
+import xxhash
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -39,11 +41,27 @@ class WorkerSettings(DirectoryClientSettings):
     )
     http: HostPort = Field("127.0.0.1:8111", description="HOST:PORT the OpenAI-compatible API listens on")
     advertise_url: str | None = Field(None, description="URL the gateway reaches this worker at (default http://HTTP)")
-    model: str = Field("kvdir-stub", min_length=1, description="the model name served")
+    model: str = Field("kvdir-stub", min_length=1, max_length=256, description="the model name served")
+    adapters: str = Field(
+        "", description="comma-separated LoRA adapter names served besides the model (each its own KV identity)"
+    )
+    shared: bool = Field(False, description="register as shared: every tenant's gateway routes to it (a token of no tenant)")
+    model_revision: str = Field(
+        "", max_length=128, description="the weights' revision: a new one is a new KV fingerprint (its old KV is never pulled)"
+    )
+    fingerprint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="KV fingerprint to register (default: a digest of model, revision, block size, block bytes and tp)",
+    )
     max_model_len: int = Field(131072, ge=16, description="longest prompt + completion, in tokens")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body accepted (413 above)")
     tokenizer: str = Field("bytes", description="'bytes' (UTF-8 bytes as tokens) or a tokenizer.json path")
-    namespace: str = Field("", description="hash namespace (model, LoRA, tenant): must match the gateway's")
+    namespace: str = Field(
+        "",
+        description="hash namespace (deployment, tenant; models, adapters and salts are in the KV identity): must match the gateway's",
+    )
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the gateway's")
     capacity_blocks: int = Field(4096, ge=1, le=2**31, description="KV slots per TP rank")
     block_bytes: int = Field(16384, ge=64, description="bytes of one block on one rank")
@@ -75,3 +93,24 @@ class WorkerSettings(DirectoryClientSettings):
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.http}"
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [a.strip() for a in self.adapters.split(",") if a.strip()]
+
+    @property
+    def kv_fingerprint(self) -> str:
+        """What makes this stub's KV interchangeable with a peer's (docs/protocol.md §2.1): equal only between
+        stubs of the same model, revision and layout."""
+        if self.fingerprint is not None:
+            return self.fingerprint
+        parts = [self.model, self.model_revision, self.block_size, self.block_bytes, self.tp]
+        return "stub-" + xxhash.xxh3_64_hexdigest(json.dumps(parts).encode())
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v: str) -> str:
+        names = [a.strip() for a in v.split(",") if a.strip()]
+        if any(len(a) > 256 for a in names):
+            raise ValueError("adapter names are at most 256 characters")
+        return v

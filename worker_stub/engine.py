@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, identity_hashes
 from directory.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
 from kvtransfer.bandwidth import PullBandwidth
 from kvtransfer.engines import TransferEngine, TransferError
@@ -70,7 +70,14 @@ class Engine:
         self._slots = asyncio.Semaphore(settings.max_running)
         self._peers: dict[tuple[str, int], NodeInfo] = {}
         self._computing: dict[int, asyncio.Event] = {}  # block hash -> set when the request computing it is done
-        self.counters = {"requests": 0, "pulled_blocks": 0, "pull_failed_blocks": 0, "pull_errors": 0, "pool_full": 0}
+        self.counters = {
+            "requests": 0,
+            "pulled_blocks": 0,
+            "pull_failed_blocks": 0,
+            "pull_errors": 0,
+            "pull_refused": 0,
+            "pool_full": 0,
+        }
         self.pull_bandwidth = PullBandwidth()  # of completed reads; heartbeats report it (PULL_GBPS_LABEL)
 
     def load(self) -> dict[str, float]:
@@ -89,9 +96,10 @@ class Engine:
         return seconds
 
     async def generate(
-        self, tokens: list[int], max_tokens: int, pull: PullPlan | None, stats: RequestStats
+        self, tokens: list[int], max_tokens: int, pull: PullPlan | None, stats: RequestStats, identity: KvIdentity
     ) -> AsyncGenerator[bytes, None]:
-        """Serve one request; yields each output token's bytes as it is decoded and fills `stats`."""
+        """Serve one request under its KV `identity`; yields each output token's bytes as it is decoded and
+        fills `stats`."""
         if self.waiting >= self.s.max_queue and self._slots.locked():
             raise QueueFull(f"{self.waiting} requests are waiting already (max_queue {self.s.max_queue})")
         self.counters["requests"] += 1
@@ -105,7 +113,7 @@ class Engine:
         self.running += 1
         stats.queue_s = time.perf_counter() - t0
         try:
-            hashes = block_hashes(tokens, self.s.block_size, self.s.namespace)
+            hashes = identity_hashes(tokens, identity, self.s.block_size)
             await self._reuse_computing(hashes)
             lease = self._acquire(hashes)
             claim = self._claim(lease)
@@ -223,6 +231,16 @@ class Engine:
             stats.pull_failures.append(
                 f"source {plan.source_node} epoch {plan.source_epoch} is not registered with a transfer URL"
             )
+            return set()
+        mine_fp = self.s.kv_fingerprint
+        if peer.fingerprint != mine_fp or plan.fingerprint not in (None, mine_fp):
+            # Another model's, revision's or layout's KV (docs/protocol.md §2.1): never read, recomputed.
+            self.counters["pull_refused"] += 1
+            stats.pull_failures.append(
+                f"source {plan.source_node} has KV fingerprint {peer.fingerprint!r} (plan: {plan.fingerprint!r}), "
+                f"not this engine's {mine_fp!r}"
+            )
+            log.warning("pull plan from %s refused: KV fingerprint %r is not %r", plan.source_node, peer.fingerprint, mine_fp)
             return set()
         regions = {r.rank: r for r in peer.regions}
         local, remote, lengths = [], [], []

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, identity_hashes
 from directory.schemas import RegionInfo
 from engines.vllm_plan import KvLayout, LayerRegion, page_pieces
 from kvdir.bench.report import emit, header, say
@@ -79,7 +79,7 @@ def _holder(directory: str, hashes: list[int], node_id: str) -> dict[str, Any] |
 def _held(directory: str, engine: VllmEngine, prefix: list[int]) -> dict[str, Any]:
     """Serve the prefix (plus a tail) on `engine`; its holder entry once the directory lists every block."""
     engine.complete([*prefix, 1, 1], max_tokens=1)
-    hashes = block_hashes(prefix, BLOCK)
+    hashes = identity_hashes(prefix, KvIdentity(model=MODEL), BLOCK)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         h = _holder(directory, hashes, engine.name)

@@ -51,7 +51,7 @@ def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str
             http.post(w.urls[0] + "/v1/completions", json=body).raise_for_status()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                res = http.post(urls[0] + "/v1/lookup", json={"tokens": tokens, "with_slots": True}).json()
+                res = http.post(urls[0] + "/v1/lookup", json={"tokens": tokens, "model": "kvdir-stub", "with_slots": True}).json()
                 if res["holders"] and res["holders"][0]["matched_blocks"] == blocks:
                     break
                 time.sleep(0.05)
@@ -93,7 +93,7 @@ async def _probe_lag(worker: str, follower: str, n: int, interval: float) -> lis
             done = time.perf_counter()
             r.raise_for_status()
             while True:
-                res = (await http.post(follower + "/v1/lookup", json={"tokens": tokens})).json()
+                res = (await http.post(follower + "/v1/lookup", json={"tokens": tokens, "model": "kvdir-stub"})).json()
                 if res["holders"] and res["holders"][0]["matched_blocks"] == 2:
                     lags.append(time.perf_counter() - done)
                     break

@@ -1,7 +1,8 @@
 """Write a tiny random-weight Llama with a locally trained BPE tokenizer, for vLLM's CPU build in tests.
 
 Test machines reach no model hub. Run with the vllm-cpu image's Python (it has torch, transformers and
-tokenizers): `python make_tiny_model.py OUT_DIR`. The shapes are the smallest vLLM's CPU attention accepts
+tokenizers): `python make_tiny_model.py OUT_DIR [SEED]` (another seed draws other weights: another model of the
+same architecture and tokenizer). The shapes are the smallest vLLM's CPU attention accepts
 (head_dim 64); the output is noise, but prefix caching and KV events behave as with any model.
 """
 
@@ -11,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -24,8 +26,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def main(out: Path) -> None:
+def main(out: Path, seed: int | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if seed is not None:
+        torch.manual_seed(seed)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -55,4 +59,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -43,7 +43,10 @@ def _auth(name: str) -> dict[str, str]:
 
 def _lookup(c: ComposeCluster, tokens: list[int], replica: str = "dir1") -> dict[str, dict]:
     r = httpx.post(
-        c.replica_url(replica) + "/v1/lookup", headers=_auth("gateway"), timeout=5, json={"tokens": tokens, "with_slots": True}
+        c.replica_url(replica) + "/v1/lookup",
+        headers=_auth("gateway"),
+        timeout=5,
+        json={"tokens": tokens, "model": "kvdir-stub", "with_slots": True},
     )
     r.raise_for_status()
     return {h["node_id"]: h for h in r.json()["holders"]}

@@ -207,7 +207,9 @@ def test_worker_and_gateway_send_tokens_from_files(secured, make_workers, make_g
     n_blocks = len(PROMPT.encode()) // 16
 
     def holders(url: str) -> dict[str, int]:
-        res = httpx.post(url + "/v1/lookup", json={"tokens": list(PROMPT.encode())}, headers=bearer(GATEWAY), timeout=5).json()
+        res = httpx.post(
+            url + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": "kvdir-stub"}, headers=bearer(GATEWAY), timeout=5
+        ).json()
         return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
 
     for url in c.replica_urls:  # the worker published with its engine token

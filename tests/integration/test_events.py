@@ -260,8 +260,11 @@ class Directory:
         nodes = self.http.get(self.urls[0] + "/v1/nodes").json()["nodes"]
         return next((n for n in nodes if n["node_id"] == node_id), None)
 
-    def matched(self, node_id: str, tokens: list[int]) -> int:
-        holders = self._post("/v1/lookup", {"tokens": tokens, "block_size": BS, "consistency": "linearizable"})["holders"]
+    def matched(self, node_id: str, tokens: list[int], **identity: str) -> int:
+        """The node's match for a token lookup, hashed by the directory under `identity` (model, adapter,
+        cache_salt; none: the namespace alone)."""
+        body = {"tokens": tokens, "block_size": BS, "consistency": "linearizable", **identity}
+        holders = self._post("/v1/lookup", body)["holders"]
         return next((h["matched_blocks"] for h in holders if h["node_id"] == node_id), 0)
 
     def holds_exactly(self, node_id: str, total: int, prompts: list[tuple[list[int], int]]) -> bool:
@@ -368,6 +371,26 @@ def test_captured_vllm_frames_replayed(setup: Callable[..., Any]) -> None:
     expect(d, sub, 0, [(t, 0) for t in longs], "an empty node after AllBlocksCleared")
     assert sub.metric("kvdir_events_gaps_total") == 0 and sub.metric("kvdir_events_missing_parents_total") == 0
     assert sub.metric("kvdir_events_batches_total") == 11
+
+
+def test_blocks_are_hashed_under_the_kv_identity_the_gateway_looks_up(setup: Callable[..., Any]) -> None:
+    """With --model, the node registers the model and its blocks match token lookups under (model, adapter,
+    salt) as the gateway hashes requests: a LoRA event, and a vLLM salted chain (the salt in the first block's
+    extra keys, its child event without it)."""
+    d, engine, sub = setup(KVDIR_MODEL="tiny-llama")
+    node = d.node(sub.node_id)
+    assert node is not None and node["models"] == ["tiny-llama"] and node.get("fingerprint") is None
+    rng = random.Random(11)
+    plain, lora, salted = Prompt(rng, 2), Prompt(rng, 2), Prompt(rng, 3)
+    lora_ev = {**lora.store(), "lora_name": "sql", "lora_id": 1, "extra_keys": [[["lora", "sql", "/a/sql"]]] * 2}
+    salted_first = {**salted.store(0, 2), "extra_keys": [[["cache_salt", "s1"]], None]}
+    engine.send(0, [plain.store(), lora_ev, salted_first, salted.store(2)])
+    m = {"model": "tiny-llama"}
+    expect(d, sub, 7, [], "seven blocks")
+    assert d.matched(sub.node_id, plain.tokens, **m) == 2 and d.matched(sub.node_id, plain.tokens) == 0
+    assert d.matched(sub.node_id, lora.tokens, **m, adapter="sql") == 2 and d.matched(sub.node_id, lora.tokens, **m) == 0
+    assert d.matched(sub.node_id, salted.tokens, **m, cache_salt="s1") == 3
+    assert d.matched(sub.node_id, salted.tokens, **m) == 0 and d.matched(sub.node_id, salted.tokens, **m, cache_salt="s2") == 0
 
 
 def test_gap_without_replay_resyncs_then_rebuilds(setup: Callable[..., Any]) -> None:

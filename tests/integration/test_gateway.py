@@ -44,7 +44,10 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
     wait_for(
         lambda: httpx.post(
             c.replica_urls[0] + "/v1/lookup",
-            json={"tokens": list(("<|system|>\n" + SYSTEM + "\n<|user|>\nfirst question\n<|assistant|>\n").encode())},
+            json={
+                "tokens": list(("<|system|>\n" + SYSTEM + "\n<|user|>\nfirst question\n<|assistant|>\n").encode()),
+                "model": MODEL,
+            },
         ).json()["holders"],
         what="turn 1 published",
     )
@@ -70,7 +73,9 @@ def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_work
     first = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60)
     holder = first.headers["x-kvdir-node"]
     wait_for(
-        lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(prompt.encode())}).json()["holders"],
+        lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(prompt.encode()), "model": MODEL}).json()[
+            "holders"
+        ],
         what="the prompt published",
     )
     # Six users send the hot prompt at once; each decodes 40 tokens (0.5 s), so the holder stays busy.
@@ -238,7 +243,7 @@ def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, mak
     r = httpx.post(g.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400
     r = httpx.post(g.url + "/v1/completions", json={"model": "unknown-model", "prompt": "x"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # the engine's error, passed through
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # the gateway's own: no engine serves it
     r = httpx.post(g.url + "/v1/completions", content=b"x" * (65 << 20), headers={"content-type": "application/json"})
     assert r.status_code == 413
 
@@ -251,7 +256,9 @@ def _conversations(g: Gateway, c, n: int) -> list[bool]:
         first = _chat(g.url, messages)
         text = f"<|system|>\nConversation {k}: {SYSTEM}\n<|user|>\nturn one\n<|assistant|>\n"
         wait_for(
-            lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
+            lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode()), "model": MODEL}).json()[
+                "holders"
+            ],
             what="turn 1 published",
         )
         messages += [
@@ -346,7 +353,9 @@ def test_engine_tokenizer_gives_the_same_routing(make_cluster, make_workers, mak
     first = _chat(g.url, messages)
     text = f"<|system|>\n{SYSTEM}\n<|user|>\ntokenized by the engine\n<|assistant|>\n"
     wait_for(
-        lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode())}).json()["holders"],
+        lambda: httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(text.encode()), "model": MODEL}).json()[
+            "holders"
+        ],
         what="the first request published",
     )
     again = _chat(g.url, messages)

@@ -4,6 +4,7 @@ name another, and a worker and a gateway of one tenant still route by cached pre
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ from directory.client import DirectoryClient
 from directory.errors import AuthError
 from directory.hashing import block_hashes
 from directory.watch_codec import FrameReader
+from kvdir.launcher import Workers, free_ports
 from tests.support.wait import wait_for
 
 ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d", "engine-bravo-1f2e3d4c"
@@ -191,14 +193,16 @@ def test_worker_and_gateway_of_one_tenant_share_their_cache(tenanted, make_worke
     # The worker's token is confined to acme, so it publishes there without --tenant.
     w = make_workers(c, 1, ("--directory-token-file", str(files["engine_acme"]), "--transfer", "tcp"))
     acme = make_gateway(c, 1, ("--directory-token-file", str(files["gateway"]), "--tenant", "acme"))
-    bravo = make_gateway(c, 1, ("--directory-token-file", str(files["gateway_bravo"])))
     r = httpx.post(w.urls[0] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
     n_blocks = len(PROMPT.encode()) // 16
 
     def holders(**body: object) -> dict[str, int]:
         res = httpx.post(
-            c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), **body}, headers=bearer(GATEWAY), timeout=5
+            c.replica_urls[0] + "/v1/lookup",
+            json={"tokens": list(PROMPT.encode()), "model": MODEL, **body},
+            headers=bearer(GATEWAY),
+            timeout=5,
         ).json()
         return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
 
@@ -207,17 +211,66 @@ def test_worker_and_gateway_of_one_tenant_share_their_cache(tenanted, make_worke
     r = httpx.post(acme.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and r.headers["x-kvdir-decision"] == "affinity", (r.headers, r.text)
     assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == n_blocks * 16
-    # The same prompt through bravo's gateway: the directory shows it nothing cached (the engine's own cache is
-    # another matter: docs/operations.md).
-    r = httpx.post(bravo.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 200 and r.headers["x-kvdir-decision"] != "affinity", (r.headers, r.text)
-    assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == 0
-    assert httpx.get(bravo.url + "/health").json()["directory"] is True
-    # Neither gateway keeps a mirror (it would carry every tenant's entries): both looked up over REST.
-    for g in (acme, bravo):
-        metrics = httpx.get(g.url + "/metrics").text
-        assert 'kvdir_gateway_lookups_total{source="rest"} 1.0' in metrics, metrics
-        assert 'source="mirror"' not in metrics
+    # A tenant's gateway keeps no mirror (it would carry every tenant's entries): it looked up over REST.
+    metrics = httpx.get(acme.url + "/metrics").text
+    assert 'kvdir_gateway_lookups_total{source="rest"} 1.0' in metrics, metrics
+    assert 'source="mirror"' not in metrics
+
+
+def test_a_tenants_gateway_routes_only_to_its_tenants_engines_and_shared_ones(tenanted, make_gateway, tmp_path) -> None:
+    """An engine token confined to bravo registers an idle engine (the least loaded, so the most attractive):
+    acme's gateway never sends it a prompt, bravo's never sends one to acme's engine; an engine an unconfined
+    token registered as shared serves both."""
+    c, files = tenanted
+    for name, token in (("engine_bravo", ENGINE_BRAVO), ("engine_any", ENGINE)):
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token + "\n")
+    roles = {"worker-1": "engine_acme", "worker-2": "engine_bravo", "worker-3": "engine_any"}
+    data = tmp_path / "tenant-workers"
+    data.mkdir()
+    w = Workers(
+        data,
+        free_ports(3),
+        c.replica_urls,
+        log_level="info",
+        extra_args=("--time-scale", "0.05", "--heartbeat-interval-s", "0.3", "--transfer", "tcp"),
+        token_files={node: files[role] for node, role in roles.items()},
+    )
+    try:
+        w.start_worker(0)
+        w.start_worker(1)
+        w.start_worker(2, "--shared")
+        w.wait_ready(60)
+        nodes = {n["node_id"]: n for n in httpx.get(c.replica_urls[0] + "/v1/nodes", headers=bearer(ADMIN)).json()["nodes"]}
+        assert {k: (n["tenant"], n["shared"]) for k, n in nodes.items()} == {
+            "worker-1": ("acme", False),
+            "worker-2": ("bravo", False),
+            "worker-3": ("", True),
+        }
+        acme = make_gateway(c, 2, ("--directory-token-file", str(files["gateway"]), "--tenant", "acme"))
+        bravo = make_gateway(c, 2, ("--directory-token-file", str(files["gateway_bravo"]), "--tenant", "bravo"))
+        sent: Counter[tuple[str, str]] = Counter()  # (tenant, node) -> requests its gateway sent there
+        for i in range(12):
+            for tenant, g in (("acme", acme), ("bravo", bravo)):
+                body = {"model": MODEL, "prompt": f"{tenant}'s request {i}: " + PROMPT, "max_tokens": 1}
+                r = httpx.post(g.url + "/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+                sent[tenant, r.headers["x-kvdir-node"]] += 1
+        assert sent["acme", "worker-2"] == 0 == sent["bravo", "worker-1"], sent
+        # Each confined engine served exactly what its own tenant's gateway sent it, nothing else.
+        for i, tenant in ((0, "acme"), (1, "bravo")):
+            metrics = httpx.get(w.urls[i] + "/metrics").text
+            counted = [float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith("kvdir_worker_requests_total{")]
+            assert sum(counted) == sent[tenant, w.node_ids[i]], (tenant, counted, sent)
+        # A token confined to a tenant may not register a shared engine.
+        r = httpx.post(
+            c.replica_urls[0] + "/v1/nodes",
+            json={"node_id": "worker-9", "api_url": "http://127.0.0.1:9", "shared": True},
+            headers=bearer(ENGINE_BRAVO),
+        )
+        assert r.status_code == 403 and "shared" in r.json()["detail"], r.text
+    finally:
+        w.stop()
 
 
 def test_the_watch_stream_refuses_tokens_confined_to_a_tenant(tenanted) -> None:

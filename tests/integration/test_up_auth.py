@@ -110,7 +110,9 @@ def test_kvdir_up_with_auth(up: tuple[Up, int, Path], tmp_path: Path) -> None:
     assert len(tokens) == prompt_tokens
 
     def held() -> dict[str, int]:
-        res = httpx.post(leader + "/v1/lookup", json={"tokens": tokens}, headers=bearer(gateway), timeout=5).json()
+        res = httpx.post(
+            leader + "/v1/lookup", json={"tokens": tokens, "model": "kvdir-stub"}, headers=bearer(gateway), timeout=5
+        ).json()
         return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
 
     wait_for(lambda: held().get(node) == prompt_tokens // 16, what=f"{node}'s blocks in the directory")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from directory.client import DirectoryClient
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, identity_hashes
 from directory.shardmap import load
 from kvdir.launcher import UpSettings, up_ports
 from tests.support.launcher import Up
@@ -110,7 +110,7 @@ def test_kvdir_up_with_two_shards(up: tuple[Up, int]) -> None:
         json={"model": "kvdir-stub", "messages": MESSAGES, "add_generation_prompt": True},
         timeout=5,
     ).json()["tokens"]
-    hashes = block_hashes(list(tokens))
+    hashes = identity_hashes(list(tokens), KvIdentity(model="kvdir-stub"))
 
     async def held_by() -> set[str]:
         async with DirectoryClient(ready["replicas"], deadline=5) as d:

@@ -23,7 +23,7 @@ def _complete(url: str, prompt: str | list[int], **extra) -> dict:
 
 
 def _holders(dir_url: str, prompt: str, **extra) -> dict[str, int]:
-    r = httpx.post(dir_url + "/v1/lookup", json={"tokens": list(prompt.encode()), **extra}).json()
+    r = httpx.post(dir_url + "/v1/lookup", json={"tokens": list(prompt.encode()), "model": MODEL, **extra}).json()
     return {h["node_id"]: h["matched_blocks"] for h in r["holders"]}
 
 
@@ -51,7 +51,9 @@ def test_peer_pulls_a_prefix_as_verified_bytes(make_cluster, make_workers, trans
     w = make_workers(c, 2, ("--transfer", transfer, "--tp", "2"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="worker-1's blocks")
-    res = httpx.post(c.replica_urls[1] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "with_slots": True}).json()
+    res = httpx.post(
+        c.replica_urls[1] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL, "with_slots": True}
+    ).json()
     holder = res["holders"][0]
     plan = {"source_node": holder["node_id"], "source_epoch": holder["epoch"], "slots": holder["slots"]}
     pulled = _complete(w.urls[1], PROMPT, kvdir_pull=plan)
@@ -73,7 +75,9 @@ def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers)
     w = make_workers(c, 2, ("--transfer", "tcp"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="worker-1's blocks")
-    res = httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "with_slots": True}).json()
+    res = httpx.post(
+        c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL, "with_slots": True}
+    ).json()
     holder = res["holders"][0]
     # The slots of other blocks (as if the source reused them): every block fails verification.
     shifted = holder["slots"][1:] + holder["slots"][:1]
@@ -88,9 +92,9 @@ def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers)
     other = "Another prompt that only worker-1 has computed so far, long enough. " * 6
     _complete(w.urls[0], other)
     wait_for(lambda: _holders(c.replica_urls[0], other) == {"worker-1": 25}, what="worker-1's second prompt")
-    slots = httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(other.encode()), "with_slots": True}).json()[
-        "holders"
-    ][0]["slots"]
+    slots = httpx.post(
+        c.replica_urls[0] + "/v1/lookup", json={"tokens": list(other.encode()), "model": MODEL, "with_slots": True}
+    ).json()["holders"][0]["slots"]
     stale = _complete(
         w.urls[1], other, kvdir_pull={"source_node": "worker-1", "source_epoch": holder["epoch"] + 100, "slots": slots}
     )
@@ -139,12 +143,14 @@ def test_worker_restart_gets_a_new_epoch_and_old_entries_vanish(make_cluster, ma
     w.start_worker(0)
     new_epoch = w.wait_ready(60)[0]
     assert new_epoch > old_epoch
-    res = httpx.post(c.replica_urls[1] + "/v1/lookup?consistency=linearizable", json={"tokens": list(PROMPT.encode())}).json()
+    res = httpx.post(
+        c.replica_urls[1] + "/v1/lookup?consistency=linearizable", json={"tokens": list(PROMPT.encode()), "model": MODEL}
+    ).json()
     assert res["holders"] == []  # the old epoch's entries went with the re-registration
     _complete(w.urls[0], PROMPT)
     wait_for(
         lambda: (
-            httpx.post(c.replica_urls[2] + "/v1/lookup", json={"tokens": list(PROMPT.encode())}).json()["holders"]
+            httpx.post(c.replica_urls[2] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL}).json()["holders"]
             == [{"node_id": "worker-1", "epoch": new_epoch, "matched_blocks": 25}]
         ),
         what="the new epoch's blocks",

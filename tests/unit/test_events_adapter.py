@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from directory.schemas import RegisterResponse
 from engines.config import EventsSettings
 from engines.subscriber import Adapter, EventsSubscriber
 from kvdir.launcher import free_ports
@@ -57,3 +58,39 @@ def test_a_failed_subscriber_is_started_again_and_the_other_engine_keeps_its_own
     assert len(a_runs) == 2 and a_runs[0] != a_runs[1]  # a fresh subscriber, not the failed one again
     assert len(b_runs) == 1  # b was never restarted
     assert adapter.failures == {"a": 1, "b": 0}
+
+
+def test_the_model_is_shared_or_per_engine_and_registered_without_a_fingerprint() -> None:
+    """`--model` is every engine's, an `--engines` entry's `model` overrides it; the node registers it as the
+    model it serves, and no KV fingerprint (an events-fed engine never pulls nor is pulled from)."""
+    engines = [
+        {"engine_url": "http://127.0.0.1:8000", "zmq": "tcp://127.0.0.1:5557", "node_id": "a"},
+        {"engine_url": "http://127.0.0.1:8001", "zmq": "tcp://127.0.0.1:5567", "node_id": "b", "model": "qwen"},
+    ]
+    settings = EventsSettings(directory="http://127.0.0.1:1", engines=json.dumps(engines), model="llama", namespace="ns")
+    a, b = settings.per_engine()
+    assert (a.model, b.model) == ("llama", "qwen")
+    assert EventsSettings(directory="http://127.0.0.1:1").model is None
+    with pytest.raises(ValueError):
+        EventsSettings(directory="http://127.0.0.1:1", model="")
+
+    registered: list[dict[str, object]] = []
+
+    class Directory:
+        async def register(self, node_id: str, api_url: str, **kw: object) -> RegisterResponse:
+            registered.append({"node_id": node_id, **kw})
+            return RegisterResponse(node_id=node_id, epoch=1, lease_ttl_s=10.0)
+
+    async def main() -> None:
+        for s in (a, b, EventsSettings(directory="http://127.0.0.1:1", node_id="c")):
+            sub = EventsSubscriber(s, directory=Directory())  # type: ignore[arg-type]
+            await sub.session.register()
+
+    asyncio.run(main())
+    assert [(r["node_id"], list(r["models"]), r.get("fingerprint")) for r in registered] == [  # type: ignore[call-overload]
+        ("a", ["llama"], None),
+        ("b", ["qwen"], None),
+        ("c", [], None),
+    ]
+    sub = EventsSubscriber(b, directory=Directory())  # type: ignore[arg-type]
+    assert (sub.mapper.namespace, sub.mapper.model) == ("ns", "qwen")

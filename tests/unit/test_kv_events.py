@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, block_hashes, identity_hashes, multimodal_extra_keys
 from engines.config import EventsSettings
 from engines.kv_events import (
     END_SEQ,
@@ -25,8 +25,9 @@ from engines.kv_events import (
     decode_payload,
     decode_replay_reply,
     encode_seq,
-    engine_namespace,
+    event_identity,
     parse_seq,
+    raw_key,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,10 +233,12 @@ def test_sglang_style_signed_hashes_and_positional_events_without_medium() -> No
     m = HashMapper(16)
     m.apply(evs[0])
     r = m.apply(evs[1])
-    # lora_id (no name) folds into the namespace: the chain continues from the plain first block.
-    ns = engine_namespace("", lora_id=3)
-    assert ns == "|lora_id=3"
+    # lora_id (no name) is the adapter "lora_id=3": its own identity, chained from the plain first block.
+    assert event_identity("", lora_id=3) == KvIdentity("", "", "lora_id=3", "")
     assert r.publish[0] != block_hashes(tokens, 16)[1]
+    assert r.publish == tuple(
+        identity_hashes(tokens[16:], KvIdentity(adapter="lora_id=3"), 16, parent=block_hashes(tokens, 16)[0])
+    )
     assert m.apply(evs[2]).remove == (r.publish[1],)
 
 
@@ -507,31 +510,166 @@ def test_shared_blocks_are_reference_counted_across_groups_and_media() -> None:
     assert len(m) == 0
 
 
-def test_lora_name_folds_into_the_namespace() -> None:
-    tokens = list(range(32))
-    m = HashMapper(16, namespace="llama")
-    plain = m.store(_chain(tokens, 16, [1, 2])).publish
-    lora = m.store(_chain(tokens, 16, [3, 4], lora_name="sql", lora_id=1)).publish
-    salted = m.store(_chain(tokens, 16, [5, 6], cache_salt="tenant-9")).publish
-    assert plain == tuple(block_hashes(tokens, 16, "llama"))
-    assert (
-        lora
-        == tuple(block_hashes(tokens, 16, "llama|lora=sql"))
-        == tuple(block_hashes(tokens, 16, engine_namespace("llama", lora_name="sql")))
-    )
-    assert salted == tuple(block_hashes(tokens, 16, "llama|salt=tenant-9"))
-    assert len({plain, lora, salted}) == 3
+def test_event_identity_names_adapter_and_salt() -> None:
+    assert event_identity("ns", "m") == KvIdentity("ns", "m")
+    assert event_identity("ns", "m", lora_name="sql", lora_id=1) == KvIdentity("ns", "m", "sql")  # the name wins
+    assert event_identity("ns", "m", lora_id=2) == KvIdentity("ns", "m", "lora_id=2")
+    assert event_identity("ns", "m", cache_salt="s") == KvIdentity("ns", "m", "", "s")
+    assert event_identity("ns").key == "ns"  # no model, adapter or salt: the namespace-only hashes of before
 
 
-def test_extra_keys_make_a_block_and_its_descendants_unmatchable() -> None:
+# -- KV identity: the mapper's hashes are the gateway's (docs/protocol.md §1.1) ----------------------
+
+
+def test_plain_blocks_hash_under_the_configured_model() -> None:
     tokens = list(range(48))
-    plain = block_hashes(tokens, 16)
-    m = HashMapper(16)
-    mm = m.store(_chain(tokens, 16, [1, 2, 3], extra_keys=(None, ("img-hash", 0), None))).publish
-    assert mm[0] == plain[0] and mm[1] != plain[1] and mm[2] != plain[2]
-    # The LoRA name inside the extra keys is already in the namespace: nothing else to mix.
-    lora = m.store(_chain(tokens, 16, [4, 5, 6], lora_name="sql", extra_keys=(("sql",), ("sql",), ("sql",)))).publish
-    assert lora == tuple(block_hashes(tokens, 16, "|lora=sql"))
+    m = HashMapper(16, namespace="tenant-a", model="llama")
+    r = m.store(_chain(tokens, 16, [1, 2, 3]))
+    assert r.publish == tuple(identity_hashes(tokens, KvIdentity("tenant-a", "llama"), 16))
+    assert r.publish != tuple(block_hashes(tokens, 16, "tenant-a"))  # another model's or no model's: never the same
+    assert HashMapper(16, namespace="tenant-a").store(_chain(tokens, 16, [1, 2, 3])).publish == tuple(
+        block_hashes(tokens, 16, "tenant-a")
+    )  # no model: as before
+
+
+def test_protocol_vector_through_the_mapper() -> None:
+    tokens = list(range(1, 41))  # docs/protocol.md §1.1: model "m", tokens 1..40, B = 16
+    assert HashMapper(16, model="m").store(_chain(tokens[:32], 16, [1, 2])).publish == (
+        17575364930229200160,
+        14926259037993209659,
+    )
+
+
+@pytest.mark.parametrize(
+    ("lora_name", "key"),
+    [
+        ("sql", None),  # SGLang, or a vLLM event without extra keys
+        ("sql", ("lora", "sql", "/adapters/sql")),  # vLLM 0.32: the name in both
+        (None, ("lora", "sql", None)),  # only in the extra keys
+        ("sql", "sql"),  # older vLLM: the bare name in the extra keys
+    ],
+)
+def test_a_lora_event_hashes_as_the_gateway_hashes_the_adapter(lora_name: str | None, key: object) -> None:
+    tokens = list(range(64))
+    m = HashMapper(16, namespace="ns", model="llama")
+
+    def store(hashes: list[int], parent: int | None, toks: list[int]) -> tuple[int, ...]:
+        extra = None if key is None else ((key,),) * len(hashes)
+        return m.store(_chain(toks, 16, hashes, parent=parent, lora_name=lora_name, lora_id=1, extra_keys=extra)).publish
+
+    published = store([1, 2], None, tokens[:32]) + store([3, 4], 2, tokens[32:])
+    gateway = identity_hashes(tokens, KvIdentity("ns", "llama", "sql"), 16)
+    assert list(published) == gateway
+    assert set(gateway).isdisjoint(identity_hashes(tokens, KvIdentity("ns", "llama"), 16))
+    assert m.stats.unmapped_keys == 0
+
+
+def test_a_lora_key_that_disagrees_with_lora_name_never_matches() -> None:
+    tokens = list(range(16))
+    m = HashMapper(16, model="llama")
+    r = m.store(_chain(tokens, 16, [1], lora_name="sql", extra_keys=((("lora", "chat", None),),)))
+    assert r.publish[0] not in {
+        *identity_hashes(tokens, KvIdentity("", "llama", "sql"), 16),
+        *identity_hashes(tokens, KvIdentity("", "llama", "chat"), 16),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_salted_vllm_chain_equals_the_gateways_salted_hashes(k: int) -> None:
+    """vLLM puts ("cache_salt", s) in the request's first block only; the blocks after it, in the same event
+    and in child events (decoded from msgpack, as the wire carries them), are hashed under the salt too."""
+    eb = 16 * k
+    tokens = list(range(500, 500 + 5 * eb))
+    events = [
+        {
+            "type": "BlockStored",
+            "block_hashes": [11, 12, 13],
+            "parent_block_hash": None,
+            "token_ids": tokens[: 3 * eb],
+            "block_size": eb,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "extra_keys": [[["cache_salt", "tenant-9"]], None, None],
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        },
+        ["BlockStored", [14, 15], 13, tokens[3 * eb :], eb, None, "GPU", None, [None, None]],
+    ]
+    _, evs, _ = decode_payload(msgspec.msgpack.encode([1.0, events]))
+    m = HashMapper(16, model="llama")
+    published = [h for ev in evs for h in m.apply(ev).publish]
+    assert published == identity_hashes(tokens, KvIdentity("", "llama", "", "tenant-9"), 16)
+    assert set(published).isdisjoint(identity_hashes(tokens, KvIdentity("", "llama"), 16))
+    # SGLang sends the salt as a field of each event: the same hashes.
+    s = HashMapper(16, model="llama")
+    s.store(_chain(tokens[: 3 * eb], eb, [1, 2, 3], cache_salt="tenant-9"))
+    assert s.store(_chain(tokens[3 * eb :], eb, [4, 5], parent=3, cache_salt="tenant-9")).publish == tuple(published[3 * k :])
+    # The legacy form (the salt as a bare string on the first block) too.
+    legacy = HashMapper(16, model="llama").store(_chain(tokens[: 3 * eb], eb, [1, 2, 3], extra_keys=(("tenant-9",), None, None)))
+    assert legacy.publish == tuple(published[: 3 * k])
+
+
+def test_an_mm_block_hashes_as_the_gateways_multimodal_extra_keys() -> None:
+    tokens = list(range(1, 41))  # docs/protocol.md §1.1's vector: an input img-1 at tokens 10..19
+    m = HashMapper(16, model="m")
+    r = m.store(_chain(tokens[:32], 16, [1, 2], extra_keys=((("mm", "img-1", 10),), (("mm", "img-1", -6),))))
+    assert r.publish == (9556735729466240224, 8227786132236180889)
+    # Two inputs in one block, and the older untagged (identifier, offset) form.
+    tokens = list(range(100, 164))
+    inputs = [(3, 5, "a"), (10, 30, "b")]  # b covers blocks 0..2
+    gateway = identity_hashes(tokens, KvIdentity("", "m"), 16, multimodal_extra_keys(16, 4, inputs))
+    keys = ((("mm", "b", 10), ("mm", "a", 3)), (("mm", "b", -6),), (("mm", "b", -22),), None)  # any order of keys
+    assert list(HashMapper(16, model="m").store(_chain(tokens, 16, [1, 2, 3, 4], extra_keys=keys)).publish) == gateway
+    legacy = ((("a", 3), ("b", 10)), (("b", -6),), (("b", -22),), None)
+    assert list(HashMapper(16, model="m").store(_chain(tokens, 16, [1, 2, 3, 4], extra_keys=legacy)).publish) == gateway
+
+
+def test_an_mm_input_in_larger_engine_blocks_is_split_where_the_event_shows_its_extent() -> None:
+    tokens = list(range(100, 228))  # 2 engine blocks of 64 = 8 of ours
+    inputs = [(20, 60, "img")]  # tokens 20..79: our blocks 1..4, engine blocks 0 and 1
+    gateway = identity_hashes(tokens, KvIdentity("", "m"), 16, multimodal_extra_keys(16, 8, inputs))
+    m = HashMapper(16, model="m")
+    r = m.store(_chain(tokens, 64, [1, 2], extra_keys=((("mm", "img", 20),), (("mm", "img", -44),))))
+    # Engine block 0: the input goes on into engine block 1, so blocks 1..3 of ours are exact; in engine
+    # block 1 it starts before and its end is not sent: block 4 is exact, blocks 5.. are misses.
+    assert list(r.publish[:5]) == gateway[:5]
+    assert set(r.publish[5:]).isdisjoint(gateway)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        ("prompt_embeds", b"\x01" * 32),
+        b"\x02" * 32,  # older vLLM: the embeddings' digest alone
+        ("something_new", 1, 2),
+        ("mm", "img", 99),  # past the block: never sent by vLLM
+        42,
+    ],
+)
+def test_an_unknown_extra_key_never_equals_the_plain_hash(key: object) -> None:
+    tokens = list(range(48))
+    m = HashMapper(16, model="llama")
+    r = m.store(_chain(tokens, 16, [1, 2, 3], extra_keys=(None, (key,), None)))
+    plain = identity_hashes(tokens, KvIdentity("", "llama"), 16)
+    assert r.publish[0] == plain[0] and r.publish[1] != plain[1] and r.publish[2] != plain[2]
+    assert m.stats.unmapped_keys == 1
+    assert raw_key(key).startswith("raw:")
+
+
+def test_unknown_extra_keys_in_decoded_events_are_misses() -> None:
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": list(range(32)),
+        "block_size": 16,
+        "lora_id": None,
+        "extra_keys": [None, [["prompt_embeds", b"\x00" * 32], {"odd": [1]}]],
+    }
+    _, (stored,), _ = decode_payload(msgspec.msgpack.encode([0.0, [ev]]))
+    r = HashMapper(16).apply(stored)
+    assert r.publish[0] == block_hashes(list(range(32)), 16)[0] and r.publish[1] != block_hashes(list(range(32)), 16)[1]
 
 
 def test_same_engine_hash_stored_twice_is_idempotent_and_reuse_replaces() -> None:
@@ -569,6 +707,7 @@ def test_random_store_remove_sequences_keep_refcounts_consistent() -> None:
 def test_settings_defaults_and_node_id() -> None:
     s = EventsSettings(engine_url="http://10.0.0.7:8000/")
     assert s.node == "10.0.0.7:8000" and s.api_url == "http://10.0.0.7:8000" and s.bind and s.replay is None
+    assert s.model is None
     assert EventsSettings(node_id="vllm-a").node == "vllm-a"
     with pytest.raises(ValueError):
         EventsSettings(nonsense=1)

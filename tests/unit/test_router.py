@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from directory.client import DirectoryClient
+from directory.hashing import KvIdentity, identity_hashes
 from directory.schemas import PULL_GBPS_LABEL, PULL_PLAN_FIELD, Holder, NodeInfo, Origin, PullPlan
 from gateway.config import GatewaySettings
 from gateway.cost import CostModel, RouteRequest, evaluate, slot_interval_seconds, ttft_breakdown
@@ -52,6 +53,7 @@ class Engine:
     capacity_blocks: int | None = None
     blocks: int = 0
     pull_gbps: float = 0.0
+    fingerprint: str | None = "fp-1"
 
 
 def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
@@ -124,9 +126,9 @@ def test_a_pull_becomes_the_wire_plan_in_the_body() -> None:
     route = router().route(req(50), engines, holders)
     d = route.decision
     assert (d.node_id, d.reason, d.pull_from, d.pull_epoch) == ("a", "pull", "b", 7)
-    assert route.pull_plan == PullPlan(source_node="b", source_epoch=7, slots=list(range(100, 150)))
+    assert route.pull_plan == PullPlan(source_node="b", source_epoch=7, slots=list(range(100, 150)), fingerprint="fp-1")
     body = route.upstream_body({"model": "m", "prompt": "x", "kv_transfer_params": {"other": 1}})
-    wire = {"source_node": "b", "source_epoch": 7, "slots": list(range(100, 150))}
+    wire = {"source_node": "b", "source_epoch": 7, "slots": list(range(100, 150)), "fingerprint": "fp-1"}
     assert body == {
         "model": "m",
         "prompt": "x",
@@ -135,6 +137,37 @@ def test_a_pull_becomes_the_wire_plan_in_the_body() -> None:
     }
     assert list(body) == ["model", "prompt", "kv_transfer_params", "kvdir_pull"]
     assert route.uncached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("puller", "holder"),
+    [("fp-2", "fp-1"), (None, "fp-1"), ("fp-1", None), (None, None)],
+    ids=["different", "puller-none", "holder-none", "both-none"],
+)
+def test_no_pull_is_planned_unless_both_fingerprints_are_equal(puller: str | None, holder: str | None) -> None:
+    """Another model's (or revision's, or layout's) KV is never pulled: the same saturated holder as above."""
+    holders = {"b": Holder(node_id="b", epoch=7, matched_blocks=50, slots=list(range(100, 150)))}
+    engines = [Engine("a", fingerprint=puller), Engine("b", epoch=7, running=64.0, fingerprint=holder)]
+    route = router().route(req(50), engines, holders)
+    assert route.decision.reason != "pull" and route.pull_plan is None
+
+
+def test_an_unhashed_prompt_is_routed_by_load_without_a_pull() -> None:
+    holders = {"b": Holder(node_id="b", epoch=7, matched_blocks=50, slots=list(range(100, 150)))}
+    engines = [Engine("a"), Engine("b", epoch=7, running=64.0)]
+    route = router().route(req(50), engines, holders, unhashed="a message has images")
+    d = route.decision
+    assert (d.reason, d.predicted_cached_tokens, d.pull_from, route.pull_plan) == ("unhashed", 0, None, None)
+    assert "a message has images" in d.detail and route.uncached_tokens == 50 * 16
+
+
+def test_prompts_of_two_identities_never_share_hashes() -> None:
+    r = router()
+    tokens = list(range(40 * 16))
+    base, lora = KvIdentity(model="m"), KvIdentity(model="m", adapter="sql")
+    a, b = r.hashes(tokens, base), r.hashes(tokens, lora)
+    assert not set(a) & set(b)
+    assert a == identity_hashes(tokens, base) and b == identity_hashes(tokens, lora)
 
 
 def test_a_failed_lookup_is_a_fallback_by_load() -> None:
@@ -262,6 +295,47 @@ def test_the_registry_reads_the_reported_bandwidth_from_the_node_list() -> None:
             return {k: e.pull_gbps for k, e in reg.engines.items()}
 
     assert asyncio.run(update()) == {"a": 3.5, "b": 0.0}
+
+
+def test_the_registry_keeps_its_tenants_engines_and_knows_what_each_serves() -> None:
+    """Tenant acme's gateway: acme's engines and shared ones, never bravo's or the shared tenant's; an engine is
+    routed a model's requests when it lists it (registration or /v1/models), or while nothing says what it serves."""
+
+    def node(n: str, i: int, tenant: str = "", shared: bool = False, models: tuple[str, ...] = (), fp: str | None = None):
+        api = f"http://127.0.0.1:{9000 + i}"
+        regions = [{"rank": 0, "base_addr": 0, "length": 1 << 20, "block_bytes": 4096}]
+        return NodeInfo(
+            node_id=n, epoch=1, alive=True, api_url=api, blocks=0, transfer_url="tcp://x", regions=regions,
+            models=list(models), fingerprint=fp, tenant=tenant, shared=shared,
+        )  # fmt: skip
+
+    async def update() -> EngineRegistry:
+        async with httpx.AsyncClient() as http:
+            reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], 1.0, 1.0, tenant="acme")
+            nodes = [
+                node("acme-1", 1, "acme", models=("alpha",), fp="f1"),
+                node("acme-2", 2, "acme", models=("beta",)),
+                node("bravo-1", 3, "bravo", models=("alpha",), fp="f1"),
+                node("any-1", 4),
+                node("shared-1", 5, shared=True),
+            ]
+            await reg._update([n for n in nodes if reg._ours(n)])
+            return reg
+
+    reg = asyncio.run(update())
+    assert set(reg.engines) == {"acme-1", "acme-2", "shared-1"}
+    assert [e.node_id for e in reg.serving("alpha")] == ["acme-1", "shared-1"]  # shared-1 has said nothing yet
+    assert [e.node_id for e in reg.serving("beta")] == ["acme-2", "shared-1"]
+    reg.engines["shared-1"].listed_models = frozenset({"alpha", "alpha-sql"})
+    reg.engines["shared-1"].adapters = {"alpha-sql": "alpha"}
+    reg.engines["shared-1"].models_known = True
+    assert [e.node_id for e in reg.serving("beta")] == ["acme-2"] and reg.serving("gamma") == []
+    assert reg.base_of("alpha-sql") == "alpha" and reg.base_of("alpha") is None
+    # No fingerprint, no pulls: acme-2 has a transfer endpoint and regions but registered none.
+    assert reg.engines["acme-1"].can_pull and reg.engines["acme-2"].can_pull
+    cands = {c.node_id: c for c in build_candidates(reg.engines.values(), {})}
+    assert cands["acme-1"].can_pull and cands["acme-1"].kv_fingerprint == "f1"
+    assert not cands["acme-2"].can_pull and cands["acme-2"].kv_fingerprint is None
 
 
 # ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from directory.hashing import block_hashes
+from directory.hashing import KvIdentity, identity_hashes
 from kvdir.launcher import Cluster, Gateway
 from kvtransfer.engines import create_engine
 from tests.support.wait import wait_for
@@ -41,7 +41,7 @@ def _holder(directory: Cluster, hashes: list[int], node_id: str) -> dict[str, An
 def _served(engine: Engine, directory: Cluster, prompt: str = PROMPT) -> tuple[list[int], dict[str, Any]]:
     """Serve `prompt` on `engine`; wait until the directory holds every full block of it there."""
     out = engine.complete(prompt)
-    hashes = block_hashes(_tokens(engine, prompt), BLOCK)
+    hashes = identity_hashes(_tokens(engine, prompt), KvIdentity(model=MODEL), BLOCK)
     assert out["usage"]["prompt_tokens"] // BLOCK == len(hashes)
     wait_for(
         lambda: (h := _holder(directory, hashes, engine.name)) is not None and h["matched_blocks"] == len(hashes),
