@@ -179,6 +179,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             ttl_s=settings.peer_note_ttl_s,
             queue_size=settings.peer_queue,
             timeout_s=settings.peer_timeout_s,
+            max_notes=settings.peer_max_notes,
+            max_sender_notes=settings.peer_max_sender_notes,
+            max_senders=settings.peer_max_senders,
+            note_rate=settings.peer_note_rate,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_engine_tokens=settings.peer_engine_tokens,
             metrics=metrics.registry,
             # The kvdir policy counts peers' sends as recent work per engine (its near-tie balance).
             on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
@@ -213,7 +219,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await directory.aclose()
 
     app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
-    app.include_router(peer_routes())
+    if settings.peer_urls:  # the notes route exists only on a gateway with peers (gateway.peers, issue #29)
+        app.include_router(peer_routes())
 
     def too_large(limit: int) -> JSONResponse:
         response = error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large")

@@ -8,7 +8,7 @@ from typing import Literal, get_args
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.addresses import HostPort, url_list
+from directory.addresses import HostPort, is_loopback, parse_hostport, url_list
 from directory.client_settings import DirectoryClientSettings, read_secret_file
 from directory.logs import LogLevel
 from gateway.engines import Network, parse_networks, parse_origin
@@ -103,7 +103,8 @@ class GatewaySettings(DirectoryClientSettings):
     peer_token_file: Path | None = Field(
         None,
         description="file holding the bearer token peer gateways' notes must carry (and this gateway sends "
-        "them); none: the notes route is open (keep --http on loopback or a private network)",
+        "them); required with --peers when --http is off loopback (the gateway does not start without it); "
+        "none, on loopback: the notes route is open to local users",
     )
     peer_note_ttl_s: float = Field(
         10.0, gt=0, le=600, description="a peer's note counts this long at most when its done message is lost"
@@ -113,11 +114,41 @@ class GatewaySettings(DirectoryClientSettings):
     )
     peer_timeout_s: float = Field(1.0, gt=0, description="limit for one POST of notes to a peer")
 
+    peer_max_notes: int = Field(
+        16384, ge=1, description="peers' notes held at most, all senders together; the oldest is dropped for a new one"
+    )
+    peer_max_sender_notes: int = Field(4096, ge=1, description="notes one peer (sender) may hold here at once; more are refused")
+    peer_max_senders: int = Field(
+        64,
+        ge=1,
+        description="peer senders remembered at once (one per gateway process; a sender is forgotten once it holds "
+        "no note and was silent for --peer-note-ttl-s); a new one beyond is refused (429)",
+    )
+    peer_note_rate: float = Field(
+        4096.0, gt=0, description="notes a second one peer may send (bursts of a second's worth, at least 512); 429 above"
+    )
+    peer_max_engine_tokens: float = Field(
+        0.0,
+        ge=0,
+        description="tokens all peers' notes may hold on one engine; 0: --prefill-tokens-per-s x --peer-note-ttl-s "
+        "(peers can make an engine look at most one note TTL busier)",
+    )
     _peer_token: SecretStr | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _peer_token_from_file(self) -> GatewaySettings:
         self._peer_token = read_secret_file(self.peer_token_file, "peer token")
+        host = parse_hostport(self.http)[0]
+        if self.peers.strip() and self._peer_token is None and not is_loopback(host):
+            raise ValueError(
+                f"--peers is set and --http {self.http} is not on loopback, but there is no peer token: anyone who "
+                "reaches the gateway could post peer notes that steer its routing. Give every gateway the same "
+                "--peer-token-file (KVDIR_PEER_TOKEN_FILE), or listen on loopback"
+            )
+        if self.peer_max_sender_notes > self.peer_max_notes:
+            raise ValueError(
+                f"peer_max_sender_notes ({self.peer_max_sender_notes}) must be at most peer_max_notes ({self.peer_max_notes})"
+            )
         return self
 
     @field_validator("engine")
@@ -148,6 +179,11 @@ class GatewaySettings(DirectoryClientSettings):
     def peer_token(self) -> SecretStr | None:
         """The token read from `peer_token_file` when the settings were read."""
         return self._peer_token
+
+    @property
+    def peer_engine_tokens(self) -> float:
+        """The tokens all peers' notes may hold on one engine (`peer_max_engine_tokens`, or its default)."""
+        return self.peer_max_engine_tokens or self.prefill_tokens_per_s * self.peer_note_ttl_s
 
     @property
     def static_engines(self) -> list[str]:

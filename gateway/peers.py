@@ -20,16 +20,33 @@ engine's pending prefill; the ``done``, or the note's expiry when the ``done``
 was lost, takes them off again (from the same `EngineState`, even if the
 registry has replaced it since).
 
-Authentication: with a token (``--peer-token-file``) the POST needs
-``Authorization: Bearer <token>`` and the gateway sends its peers the same one.
-Without it the route is open, like the completions routes: keep the gateway on
-loopback (the default) or a private network.
+Exposure: the routes exist only on a gateway with peers (``--peers``), and a
+gateway whose ``--http`` is off loopback does not start with peers but without
+``--peer-token-file``: then every POST needs ``Authorization: Bearer <token>``
+(the gateway sends its peers the same one). On loopback without a token the
+route is open to local users, like the rest of a development cluster.
+
+Hostile or broken peers (issue #29): every peer holds the same token, so what
+one sender may add is bounded here, and the bounds that matter hold whatever
+sender names are invented. A note's tokens are clamped to the longest prompt
+its engine takes (its ``max_model_len``, else ``--max-prompt-tokens``), its
+time to live to this gateway's ``--peer-note-ttl-s``; the tokens all peers'
+notes hold on one engine to ``--peer-max-engine-tokens`` (default: the prefill
+the engine does in one note's lifetime, so peers can make it look at most one
+TTL busier); all notes held to ``--peer-max-notes`` (oldest dropped first),
+one sender's to ``--peer-max-sender-notes``; senders heard at once to
+``--peer-max-senders`` (a sender is forgotten once it holds no note and was
+silent for a TTL: until then a new one is refused with 429); one sender's notes
+to ``--peer-note-rate`` per second (429 above). A sender's note ids only grow
+(`routed` numbers them, one POST at a time in order), so a note id at or below
+the highest one seen from its sender is a replay and refused: a repeated note,
+or one sent again after its ``done``. The expiry heap holds exactly the notes
+held: a note that ends early leaves no entry behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import hmac
 import logging
 import time
@@ -84,12 +101,82 @@ class NoteBatch(msgspec.Struct, forbid_unknown_fields=True):
 
 @dataclass(slots=True)
 class _Held:
-    """A peer's note as folded in: the engine state its tokens were added to."""
+    """A peer's note as folded in: the engine state its tokens were added to, and its place in the expiry heap."""
 
+    key: tuple[str, int]
     engine: EngineState
     node: str
     tokens: float
     expires: float
+    pos: int = -1
+
+
+@dataclass(slots=True)
+class _Sender:
+    """What is known of one sender: the highest note id seen, its notes held, its rate allowance."""
+
+    last_id: int
+    allowance: float
+    stamp: float  # when it last posted (the allowance was refilled up to then)
+    notes: int = 0
+
+
+class _Expiry:
+    """A min-heap of held notes by expiry in which each note knows its index, so one that ends early (its
+    ``done``, dropped for room) is taken out at once: the heap never holds more than the notes held."""
+
+    __slots__ = ("a",)
+
+    def __init__(self) -> None:
+        self.a: list[_Held] = []
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+    def push(self, h: _Held) -> None:
+        h.pos = len(self.a)
+        self.a.append(h)
+        self._up(h.pos)
+
+    def first(self) -> _Held | None:
+        return self.a[0] if self.a else None
+
+    def remove(self, h: _Held) -> None:
+        a, i = self.a, h.pos
+        last = a.pop()
+        h.pos = -1
+        if last is not h:
+            a[i] = last
+            last.pos = i
+            self._up(i)
+            self._down(last.pos)
+
+    def _swap(self, i: int, j: int) -> None:
+        a = self.a
+        a[i], a[j] = a[j], a[i]
+        a[i].pos, a[j].pos = i, j
+
+    def _up(self, i: int) -> None:
+        a = self.a
+        while i > 0:
+            parent = (i - 1) // 2
+            if a[parent].expires <= a[i].expires:
+                return
+            self._swap(i, parent)
+            i = parent
+
+    def _down(self, i: int) -> None:
+        a, n = self.a, len(self.a)
+        while True:
+            low, left = i, 2 * i + 1
+            if left < n and a[left].expires < a[low].expires:
+                low = left
+            if left + 1 < n and a[left + 1].expires < a[low].expires:
+                low = left + 1
+            if low == i:
+                return
+            self._swap(i, low)
+            i = low
 
 
 class PeerNotes(Collector):
@@ -97,6 +184,7 @@ class PeerNotes(Collector):
 
     Event loop only (not thread-safe). `start` the sender and expiry tasks, `stop` them at shutdown.
     Registered in the gateway's metrics registry: it reports its own counters when scraped.
+    The bounds on what peers may add are the module's (``Hostile or broken peers``).
     """
 
     def __init__(
@@ -108,13 +196,22 @@ class PeerNotes(Collector):
         ttl_s: float = 10.0,
         queue_size: int = 1024,
         timeout_s: float = 1.0,
-        max_notes: int = 65536,
+        max_notes: int = 16384,
+        max_sender_notes: int = 4096,
+        max_senders: int = 64,
+        note_rate: float = 4096.0,
+        max_prompt_tokens: int = 131072,
+        max_engine_tokens: float = 100_000.0,
         metrics: CollectorRegistry | None = None,
         on_note: Callable[[str, float], None] | None = None,
     ) -> None:
         """`on_note(node_id, tokens)` runs for each peer note folded in (the kvdir policy counts it as recent work)."""
-        if not 0 < ttl_s <= MAX_TTL_S or queue_size < 1 or timeout_s <= 0 or max_notes < 1:
-            raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:g}], queue_size and max_notes >= 1, timeout_s > 0")
+        if not 0 < ttl_s <= MAX_TTL_S or queue_size < 1 or timeout_s <= 0:
+            raise ValueError(f"ttl_s must be in (0, {MAX_TTL_S:g}], queue_size >= 1, timeout_s > 0")
+        if min(max_notes, max_sender_notes, max_senders, max_prompt_tokens) < 1 or note_rate <= 0 or max_engine_tokens <= 0:
+            raise ValueError(
+                "max_notes, max_sender_notes, max_senders and max_prompt_tokens must be >= 1, note_rate and max_engine_tokens > 0"
+            )
         self.id = uuid.uuid4().hex[:16]  # a restarted gateway's note ids are new ones
         self.registry = registry
         self.on_note = on_note
@@ -123,13 +220,37 @@ class PeerNotes(Collector):
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.max_notes = max_notes
+        self.max_sender_notes = max_sender_notes
+        self.max_senders = max_senders
+        self.note_rate = note_rate
+        self.note_burst = max(note_rate, float(MAX_BATCH))  # a second's worth, and at least one full batch
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_engine_tokens = max_engine_tokens
         self._queues: list[asyncio.Queue[Note | int]] = [asyncio.Queue(queue_size) for _ in self.peers]
         self._next = 0
         self._held: OrderedDict[tuple[str, int], _Held] = OrderedDict()  # oldest first
-        self._expiry: list[tuple[float, tuple[str, int]]] = []  # lazily pruned
+        self._expiry = _Expiry()
+        self._senders: OrderedDict[str, _Sender] = OrderedDict()  # least recently heard first
+        self._by_node: dict[str, list[float]] = {}  # node id -> [peers' tokens held there, notes held there]
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
-        self.stats = dict.fromkeys(("sent", "dropped", "send_failures", "received", "done", "expired", "unknown_engine"), 0)
+        self.stats = dict.fromkeys(
+            (
+                "sent",
+                "dropped",
+                "send_failures",
+                "received",
+                "done",
+                "expired",
+                "unknown_engine",
+                "clamped",
+                "refused",
+                "replayed",
+                "evicted",
+            ),
+            0,
+        )
+        self._warned: set[str] = set()  # the kinds of refusal already logged (once each)
         if metrics is not None:
             metrics.register(self)
 
@@ -195,57 +316,137 @@ class PeerNotes(Collector):
 
     # -- receiving
 
+    def note_tokens_limit(self, engine: EngineState) -> int:
+        """The most tokens one note for `engine` may count: the longest prompt it takes."""
+        return engine.max_model_len or self.registry.max_model_len or self.max_prompt_tokens
+
     def receive(self, batch: NoteBatch, now: float) -> None:
-        """Fold a peer's batch in: its notes add their tokens to the engines here, its dones take them off."""
+        """Fold a peer's batch in: its notes add their tokens to the engines here (within the bounds), its dones
+        take them off. Raises a 429 `GatewayError` (after taking the dones) when the sender's notes are refused
+        whole: over its rate, or a new sender while `max_senders` others are remembered."""
         if batch.sender == self.id:  # this gateway listed among its own peers
             return
         self.expire(now)
+        if batch.notes:
+            sender = self._sender(batch.sender, now)
+            refusal: tuple[str, str] | None = None  # (kind, why)
+            if sender is None:
+                refusal = ("senders", f"this gateway hears at most {self.max_senders} peer senders at once; try again later")
+            else:
+                # Refill the sender's allowance: note_rate a second, up to note_burst.
+                sender.allowance = min(self.note_burst, sender.allowance + (now - sender.stamp) * self.note_rate)
+                sender.stamp = now
+                if len(batch.notes) > sender.allowance:
+                    refusal = ("rate", f"a peer may send at most {self.note_rate:g} notes a second")
+                else:
+                    sender.allowance -= len(batch.notes)
+                    self._fold(batch, sender, now)
+            if refusal is not None:
+                kind, why = refusal
+                self.stats["refused"] += len(batch.notes)
+                self._done(batch)
+                self._warn(kind, f"peer notes refused: {why} (kvdir_gateway_peer_refused_total)")
+                raise GatewayError(
+                    429, f"{len(batch.notes)} peer notes refused: {why}", "rate_limit_error", "rate_limit_exceeded"
+                )
+        self._done(batch)
+
+    def _sender(self, name: str, now: float) -> _Sender | None:
+        """The sender's state, made for a new one while there is room (forgetting one that holds no note and
+        was silent for a TTL); None when there is none."""
+        s = self._senders.get(name)
+        if s is not None:
+            self._senders.move_to_end(name)
+            return s
+        if len(self._senders) >= self.max_senders:
+            idle = next(
+                (k for k, v in self._senders.items() if v.notes == 0 and now - v.stamp > self.ttl_s),
+                None,
+            )
+            if idle is None:
+                return None
+            del self._senders[idle]
+        s = self._senders[name] = _Sender(last_id=-1, allowance=self.note_burst, stamp=now)
+        return s
+
+    def _fold(self, batch: NoteBatch, sender: _Sender, now: float) -> None:
         engines = self.registry.engines
         held = self._held
+        stats = self.stats
         for n in batch.notes:
-            key = (batch.sender, n.id)
-            if key in held:
+            if n.id <= sender.last_id:  # seen already: repeated, or sent again after its done or expiry
+                stats["replayed"] += 1
                 continue
-            while len(held) >= self.max_notes:
-                self._remove(next(iter(held)))
+            sender.last_id = n.id
             e = engines.get(n.node)
             if e is None or e.epoch != n.epoch:  # not known here (yet), or another incarnation: nothing to add to
-                self.stats["unknown_engine"] += 1
+                stats["unknown_engine"] += 1
                 continue
-            e.pending_prefill_tokens += n.tokens
+            if sender.notes >= self.max_sender_notes:
+                stats["refused"] += 1
+                self._warn("sender", f"a peer holds {self.max_sender_notes} notes here: more are refused")
+                continue
+            on_node = self._by_node.get(n.node)
+            room = self.max_engine_tokens - (on_node[0] if on_node else 0.0)
+            tokens = min(n.tokens, float(self.note_tokens_limit(e)), room)
+            if tokens <= 0:
+                stats["refused"] += 1
+                self._warn("engine", f"peers' notes hold {self.max_engine_tokens:g} tokens on engine {n.node}: more are refused")
+                continue
+            ttl = min(n.ttl_s, self.ttl_s)
+            if tokens < n.tokens or ttl < n.ttl_s:
+                stats["clamped"] += 1
+            while len(held) >= self.max_notes:
+                self._remove(next(iter(held)))
+                stats["evicted"] += 1
+            e.pending_prefill_tokens += tokens
             if self.on_note is not None:
-                self.on_note(n.node, n.tokens)
-            h = _Held(e, n.node, n.tokens, now + n.ttl_s)
-            held[key] = h
-            heapq.heappush(self._expiry, (h.expires, key))
-        self.stats["received"] += len(batch.notes)
+                self.on_note(n.node, tokens)
+            key = (batch.sender, n.id)
+            h = held[key] = _Held(key, e, n.node, tokens, now + ttl)
+            self._expiry.push(h)
+            sender.notes += 1
+            if on_node is None:
+                self._by_node[n.node] = [tokens, 1.0]
+            else:
+                on_node[0] += tokens
+                on_node[1] += 1
+        stats["received"] += len(batch.notes)
+
+    def _done(self, batch: NoteBatch) -> None:
         for i in batch.done:
             if self._remove((batch.sender, i)):
                 self.stats["done"] += 1
 
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:  # once per kind: a flood must not flood the log too
+            self._warned.add(kind)
+            log.warning("%s", message)
+
     def expire(self, now: float) -> None:
         """Take off the notes whose ``done`` never came."""
-        heap = self._expiry
-        while heap and heap[0][0] <= now:
-            _, key = heapq.heappop(heap)
-            if self._remove(key):
-                self.stats["expired"] += 1
-        if not self._held:
-            heap.clear()
+        while (h := self._expiry.first()) is not None and h.expires <= now:
+            self._remove(h.key)
+            self.stats["expired"] += 1
 
     def _remove(self, key: tuple[str, int]) -> bool:
         h = self._held.pop(key, None)
         if h is None:
             return False
         h.engine.pending_prefill_tokens -= h.tokens
+        self._expiry.remove(h)
+        self._senders[key[0]].notes -= 1
+        on_node = self._by_node[h.node]
+        on_node[1] -= 1
+        if on_node[1] <= 0:
+            del self._by_node[h.node]  # also ends the float residue of the sums
+        else:
+            on_node[0] -= h.tokens
         return True
 
     def pending(self) -> dict[str, float]:
         """Peers' pending prefill tokens folded in, by node id."""
-        out: dict[str, float] = {}
-        for h in self._held.values():
-            out[h.node] = out.get(h.node, 0.0) + h.tokens
-        return out
+        return {node: tokens for node, (tokens, _) in self._by_node.items()}
 
     def status(self) -> dict[str, Any]:
         """What `GET /v1/peers` answers."""
@@ -255,6 +456,7 @@ class PeerNotes(Collector):
             "peers": [str(p) for p in self.peers],
             "queued": [q.qsize() for q in self._queues],
             "notes": len(self._held),
+            "senders": len(self._senders),
             "pending_tokens": self.pending(),
             **self.stats,
         }
@@ -266,6 +468,10 @@ class PeerNotes(Collector):
             ("send_failures", "Batches a peer did not take (unreachable, refused)"),
             ("received", "Notes received from peers"),
             ("expired", "Peers' notes that expired before their done"),
+            ("clamped", "Peers' notes counted for fewer tokens or a shorter time than they asked"),
+            ("refused", "Peers' notes refused: over a sender's rate or count, an engine's tokens, the senders"),
+            ("replayed", "Peers' notes refused as seen before (repeated, or sent again after their done)"),
+            ("evicted", "Peers' notes dropped, oldest first, to make room for new ones"),
         ):
             yield CounterMetricFamily(f"kvdir_gateway_peer_{name}", what, value=self.stats[name])
         yield GaugeMetricFamily("kvdir_gateway_peer_notes", "Peers' notes counted now", value=len(self._held))

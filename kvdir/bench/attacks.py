@@ -7,7 +7,11 @@ whether any replica's Raft term moved (an election) and what the attacked proces
 - *raft flood*: connections to the leader's Raft port that announce a 2 GiB frame and then stream
   zeros, reopened whenever the replica drops them;
 - *header flood*: one request to a replica's `/healthz` with a 50 MiB header;
-- *oversized publishes*: 8 concurrent 7 MiB publishes of 250,000 blocks (the limit is 16,384).
+- *oversized publishes*: 8 concurrent 7 MiB publishes of 250,000 blocks (the limit is 16,384);
+- *peer notes* (issue #29): a gateway with ``--peers`` and a peer token, in front of 2 worker stubs, is sent
+  one POST of 512 notes asking 1e9 tokens for 600 s on one engine, the same again (a replay), then the
+  same from 200 invented senders; reported: the pending tokens and notes it holds, the statuses, its
+  memory growth and how long until the notes are gone.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import httpx
 
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
-from kvdir.launcher import Cluster, free_ports
+from kvdir.launcher import Cluster, Gateway, Workers, free_ports
 
 
 def _terms(c: Cluster) -> list[int]:
@@ -153,6 +157,58 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
     }
 
 
+def peer_notes(c: Cluster, tmp: Path, ttl_s: float, senders: int = 200) -> dict[str, Any]:
+    token = "bench-attacks-peer-token"
+    (tmp / "peer_token").write_text(token + "\n")
+    ports = free_ports(4)  # 2 workers, the gateway, its peer (never started: nothing else posts notes)
+    (tmp / "peer-workers").mkdir()
+    workers = Workers(tmp / "peer-workers", ports[:2], c.replica_urls, extra_args=("--heartbeat-interval-s", "0.3"))
+    gateway: Gateway | None = None
+    try:
+        workers.start()
+        epochs = workers.wait_ready(60)
+        (tmp / "peer-gateway").mkdir()
+        args = ("--peers", f"http://127.0.0.1:{ports[3]}", "--peer-token-file", str(tmp / "peer_token"))
+        gateway = Gateway(tmp / "peer-gateway", ports[2], c.replica_urls, extra_args=(*args, "--peer-note-ttl-s", f"{ttl_s:g}"))
+        gateway.wait_ready(60, engines=2)
+        url, pid = gateway.url, gateway.proc.pid
+        node, epoch = workers.node_ids[0], epochs[0]
+        notes = [{"id": i, "node": node, "epoch": epoch, "tokens": 1e9, "ttl_s": 600.0} for i in range(512)]
+        headers = {"authorization": f"Bearer {token}"}
+        out: dict[str, Any] = {"notes_per_post": 512, "asked_tokens_per_post": 512 * 1e9, "ttl_s": ttl_s}
+        with httpx.Client(timeout=10, headers=headers) as http:
+            rss, cpu, started = rss_mib(pid), cpu_s(pid), time.monotonic()
+            out["first_post_status"] = http.post(url + "/v1/peers/notes", json={"sender": "evil", "notes": notes}).status_code
+            s = http.get(url + "/v1/peers").json()
+            out["pending_tokens_after_one_post"], out["notes_after_one_post"] = s["pending_tokens"].get(node, 0.0), s["notes"]
+            http.post(url + "/v1/peers/notes", json={"sender": "evil", "notes": notes})
+            out["replayed"] = http.get(url + "/v1/peers").json()["replayed"]
+            statuses: dict[str, int] = {}
+            for k in range(senders):
+                code = http.post(url + "/v1/peers/notes", json={"sender": f"evil{k}", "notes": notes}).status_code
+                statuses[str(code)] = statuses.get(str(code), 0) + 1
+            s = http.get(url + "/v1/peers").json()
+            out.update(
+                invented_senders=senders,
+                invented_sender_statuses=statuses,
+                pending_tokens_after_invented_senders=s["pending_tokens"].get(node, 0.0),
+                notes_after_invented_senders=s["notes"],
+                senders_remembered=s["senders"],
+                refused=s["refused"],
+                gateway_rss_growth_mib=rss_mib(pid) - rss,
+                gateway_cpu_s=cpu_s(pid) - cpu,
+            )
+            deadline = started + 600.0
+            while http.get(url + "/v1/peers").json()["notes"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            out["notes_gone_after_s"] = time.monotonic() - started
+        return out
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        workers.stop()
+
+
 def main(*, as_json: bool, quick: bool) -> int:
     results: dict[str, Any] = header(quick)
     seconds = 5.0 if quick else 20.0
@@ -179,6 +235,11 @@ def main(*, as_json: bool, quick: bool) -> int:
             results["header_flood"] = header_flood(c)
             say("oversized publishes: 8 concurrent 250,000-block bodies...")
             results["oversized_publishes"] = oversized_publishes(c)
+            ttl = 2.0 if quick else 10.0
+            say(
+                f"peer notes: 512 notes of 1e9 tokens for 600 s at a gateway (--peer-note-ttl-s {ttl:g}), replayed, from 200 senders..."
+            )
+            results["peer_notes"] = peer_notes(c, Path(tmp), ttl)
         finally:
             c.stop()
     emit(results, as_json)
