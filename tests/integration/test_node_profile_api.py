@@ -13,12 +13,9 @@ import httpx
 import pytest
 
 from directory.client import DirectoryClient
-from directory.config import DirectorySettings
 from directory.errors import AuthError
-from directory.replica import Replica
 from directory.schemas import NodeInfo, RegisterResponse
-from directory.state import NodeProfile, Register
-from kvdir.launcher import Cluster, free_ports
+from kvdir.launcher import Cluster
 from tests.support.cluster import leader_index
 from tests.support.wait import wait_for
 
@@ -218,37 +215,3 @@ def test_the_token_decides_the_tenant_and_only_an_unconfined_one_registers_share
         },
         token=ADMIN,
     )
-
-
-# -- a snapshot on disk -----------------------------------------------------------------------------
-
-
-def test_a_profile_survives_a_snapshot_written_and_reloaded(tmp_path: Path) -> None:
-    """A real single-replica Raft node compacts its log into a snapshot; a new one loads the profile from it."""
-    http, raft = free_ports(2)
-    args: dict[str, Any] = {"http": f"127.0.0.1:{http}", "raft": f"127.0.0.1:{raft}", "data_dir": tmp_path, "fsync": False}
-    settings = DirectorySettings(**args)
-    profile = NodeProfile(("m", "m:lora"), "fp-1", "acme", False)
-    replica = Replica(settings)
-    try:
-        wait_for(lambda: replica.is_leader, timeout=30.0, what="a leader")
-        cmds = [
-            Register("a", "inc", "http://127.0.0.1:9", epoch_base=1 << 31, profile=profile),
-            Register("b", "inc", "http://127.0.0.1:10", profile=None),
-        ]
-        assert [r.status for r in replica.sm.apply_batch(cmds, sync=True, timeout=10)] == ["ok", "ok"]
-        replica.raft.forceLogCompaction()
-        wait_for(
-            lambda: (tmp_path / "raft.dump").exists() and replica.raft.getStatus()["log_len"] <= 2,
-            timeout=30.0,
-            what="a snapshot",
-        )
-    finally:
-        replica.raft.destroy()
-    again = Replica(settings)
-    try:
-        wait_for(lambda: set(again.state.nodes) == {"a", "b"}, timeout=30.0, what="the state restored from the snapshot")
-        assert again.state.nodes["a"].profile == profile
-        assert again.state.nodes["b"].profile is None
-    finally:
-        again.raft.destroy()

@@ -9,13 +9,15 @@ import numpy as np
 
 from directory.config import DirectorySettings
 from directory.replica import Replica
-from directory.state import Publish, Register
+from directory.state import NodeProfile, Publish, Register
 from kvdir.launcher import free_ports
 from tests.support.wait import wait_for
 
+PROFILE = NodeProfile(("m", "m-lora"), "fp-1", "acme", False)  # what a registration says of its engine (§2.1)
+
 
 def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path: Path) -> None:
-    """A real single-replica Raft node compacts its log into a snapshot, and a new one loads it."""
+    """A real single-replica Raft node compacts its log into a snapshot, and a new one loads it (node profiles too)."""
     http, raft = free_ports(2)
     settings = DirectorySettings(http=f"127.0.0.1:{http}", raft=f"127.0.0.1:{raft}", data_dir=tmp_path, fsync=False)
     replica = Replica(settings)
@@ -23,7 +25,17 @@ def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path:
         wait_for(lambda: replica.is_leader, timeout=30.0, what="a leader")
         assert (
             replica.sm.apply_batch(
-                [Register("n", "inc", "http://127.0.0.1:9", regions=({"base": 4096, "rkey": "k"},), epoch_base=1 << 31)],
+                [
+                    Register(
+                        "n",
+                        "inc",
+                        "http://127.0.0.1:9",
+                        regions=({"base": 4096, "rkey": "k"},),
+                        epoch_base=1 << 31,
+                        profile=PROFILE,
+                    ),
+                    Register("old", "inc", "http://127.0.0.1:10"),  # a registration of before profiles
+                ],
                 sync=True,
                 timeout=10,
             )[0].status
@@ -48,5 +60,6 @@ def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path:
     try:
         wait_for(lambda: again.state.digest() == digest, timeout=30.0, what="the state restored from the snapshot")
         assert again.state.nodes["n"].epoch == epoch
+        assert again.state.nodes["n"].profile == PROFILE and again.state.nodes["old"].profile is None
     finally:
         again.raft.destroy()

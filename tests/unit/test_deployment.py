@@ -167,6 +167,10 @@ def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:
     }
     assert {k: interpolate(v, {"KVDIR_VLLM_BLOCK_SIZE": "32"}) for k, v in sizes.items()} == dict.fromkeys(sizes, "32")
     assert "deploy" not in doc["services"]["vllm1"]  # the GPU reservation lives in deploy/docker-compose.gpu.yml
+    # The adapter hashes under the model name requests use (the KV identity, docs/protocol.md §1.1): vLLM's served name.
+    served = doc["services"]["vllm1"]["command"].split("--served-model-name ")[1].split()[0]
+    model = doc["services"]["vllm1-events"]["environment"]["KVDIR_MODEL"]
+    assert interpolate(served, {"KVDIR_VLLM_MODEL": "m"}) == interpolate(model, {"KVDIR_VLLM_MODEL": "m"}) == "m"
 
 
 def test_compose_interpolation_as_compose_does_it() -> None:

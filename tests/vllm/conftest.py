@@ -7,6 +7,7 @@ Engines (kvdir.vllm_engines, shared with `kvdir bench vllm`) run a tiny random L
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from kvdir.launcher import Cluster, Gateway, free_ports
 from kvdir.vllm_engines import BLOCK, MODEL, VllmEngine, make_tiny_model
 
-__all__ = ["BLOCK", "MODEL", "PROMPT", "Engine", "start_gateway", "vllm_venv"]
+__all__ = ["BLOCK", "MODEL", "PROMPT", "Engine", "running_directory", "start_gateway", "vllm_venv"]
 
 Engine = VllmEngine
 PROMPT = "the quick brown fox jumps over the lazy dog while a support assistant answers briefly " * 20
@@ -67,9 +68,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(vllm_venv(), tmp_path_factory.mktemp("model") / MODEL)
 
 
-@pytest.fixture(scope="session")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    data = tmp_path_factory.mktemp("directory")
+@contextlib.contextmanager
+def running_directory(data: Path) -> Iterator[Cluster]:
+    """Three directory replicas (a 3 s lease: a killed engine's entries go soon) in `data`, stopped on exit."""
     ports = free_ports(6)
     cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
     try:
@@ -78,6 +79,12 @@ def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_directory(tmp_path_factory.mktemp("directory")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

@@ -43,13 +43,12 @@ def _served(engine: Engine, directory: Cluster, prompt: str = PROMPT) -> tuple[l
     out = engine.complete(prompt)
     hashes = identity_hashes(_tokens(engine, prompt), KvIdentity(model=MODEL), BLOCK)
     assert out["usage"]["prompt_tokens"] // BLOCK == len(hashes)
-    wait_for(
-        lambda: (h := _holder(directory, hashes, engine.name)) is not None and h["matched_blocks"] == len(hashes),
+    # The holder entry the wait saw (a second lookup could meet an election on two busy cores: a 503).
+    holder: dict[str, Any] = wait_for(
+        lambda: h if (h := _holder(directory, hashes, engine.name)) is not None and h["matched_blocks"] == len(hashes) else None,
         what=f"{engine.name}'s blocks of the prompt in the directory",
         timeout=30,
     )
-    holder = _holder(directory, hashes, engine.name)
-    assert holder is not None
     return hashes, holder
 
 
