@@ -203,6 +203,12 @@ class ConnectorSettings(DirectoryClientSettings):
         "127.0.0.1", min_length=1, description="address the transfer engine serves this engine's KV memory on (a private one)"
     )
     transfer_timeout_s: float = Field(5.0, gt=0, le=60, description="a pull that has not finished by then fails (recompute)")
+    peer_refresh_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="how often the worker re-reads the directory's node list of pull sources (off the engine step)",
+    )
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat period (keep well under the lease TTL)")
     publish_interval_s: float = Field(0.05, gt=0, le=10, description="new and evicted blocks are sent this often")
     metrics: HostPort | None = Field(None, description="HOST:PORT to serve the connector's Prometheus metrics on")

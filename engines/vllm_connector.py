@@ -187,6 +187,71 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
+PeerInfo = tuple[str, KvLayout, str | None]
+"""A pull source as the directory lists it: its transfer session, its KV layout and its KV fingerprint."""
+
+
+class _PeerCache:
+    """The directory's nodes as pull sources, refreshed in the background, so that no engine step waits on the
+    directory (issue #29): a load whose source epoch is not in the last list is recomputed at once.
+
+    The list is read every `peer_refresh_s` and at once after a miss; while the directory does not answer,
+    the last list stays (a source that restarted has a new epoch, so a stale entry is never its memory).
+    """
+
+    def __init__(self, s: ConnectorSettings) -> None:
+        self.s = s
+        self._known: dict[tuple[str, int], PeerInfo] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvdir-peers", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def get(self, node_id: str, epoch: int) -> PeerInfo | None:
+        """The source if the last list has it at `epoch`; else None, and a refresh is asked for (never waited for)."""
+        peer = self._known.get((node_id, epoch))
+        if peer is None:
+            self._wake.set()
+        return peer
+
+    def _run(self) -> None:
+        asyncio.run(self._loop())
+
+    async def _loop(self) -> None:
+        async with DirectoryClient(
+            self.s.directory_urls, deadline=self.s.peer_refresh_s * 4, token=self.s.directory_token, tenant=self.s.tenant
+        ) as client:
+            while not self._stop.is_set():
+                try:
+                    nodes: list[NodeInfo] = await client.nodes()
+                except DirectoryError as exc:
+                    log.debug("directory node list unavailable (%s): pull sources as last seen", exc)
+                else:
+                    self._known = self._index(nodes)  # replaced whole: readers see one list or the next
+                await asyncio.to_thread(self._wake.wait, self.s.peer_refresh_s)
+                self._wake.clear()
+
+    @staticmethod
+    def _index(nodes: list[NodeInfo]) -> dict[tuple[str, int], PeerInfo]:
+        out: dict[tuple[str, int], PeerInfo] = {}
+        for n in nodes:
+            if not n.transfer_url:
+                continue
+            try:
+                layout = KvLayout.from_regions(n.regions)
+            except PlanError:  # not a connector engine (a worker stub, an events-fed engine): never a source here
+                continue
+            out[(n.node_id, n.epoch)] = (n.transfer_url, layout, n.fingerprint)
+        return out
+
+
 class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
     """See the module docstring."""
 
@@ -444,10 +509,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._report = KvdirWorkerMeta()
-        # (node, epoch) -> (transfer session, layout, registered KV fingerprint)
-        self._peers: dict[tuple[str, int], tuple[str, KvLayout, str | None]] = {}
-        self._wloop: _Loop | None = None
-        self._client: DirectoryClient | None = None
+        self._peers = _PeerCache(self.s)  # the sources' sessions and layouts, kept fresh off the engine step
         self._orphans: list[np.ndarray] = []  # destinations of abandoned reads (see `_pull`)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -476,6 +538,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         for lo, hi in merged:
             self._transfer.register(lo, hi - lo)
         self._transfer.register(self._tags.ctypes.data, self._tags.nbytes)
+        self._peers.start()
         log.info(
             "kvdir connector: %d layers, %d blocks registered at %s", len(layers), self._tags.shape[0], self._transfer.session
         )
@@ -513,23 +576,6 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                 self._report.failed_pulls += 1
             self._report.pulled_blocks += len(load.dst_blocks) - len(bad)
 
-    def _peer(self, node_id: str, epoch: int) -> tuple[str, KvLayout, str | None] | None:
-        """The source's transfer session, layout and registered KV fingerprint if it still has `epoch` (cached per epoch)."""
-        key = (node_id, epoch)
-        if key not in self._peers:
-            if self._wloop is None:
-                self._wloop = _Loop("kvdir-peers")
-                self._client = DirectoryClient(
-                    self.s.directory_urls, deadline=3.0, token=self.s.directory_token, tenant=self.s.tenant
-                )
-            assert self._client is not None
-            nodes: list[NodeInfo] = self._wloop.run(self._client.nodes(), timeout=5.0)
-            peer = next((n for n in nodes if n.node_id == node_id and n.epoch == epoch and n.transfer_url), None)
-            if peer is None:
-                return None  # not cached: the node may register that epoch soon
-            self._peers[key] = (peer.transfer_url or "", KvLayout.from_regions(peer.regions), peer.fingerprint)
-        return self._peers[key]
-
     def _pull(self, load: Load) -> list[int]:
         """Read the load's pages (tags, pages, tags) into a staging buffer, copy them into the destination
         blocks; the destination blocks that are not known good.
@@ -545,9 +591,9 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         tags = np.zeros((2, n, 2), dtype="<u8")
         staging = np.empty(0, dtype=np.uint8)
         try:
-            peer = self._peer(load.source_node, load.source_epoch)
+            peer = self._peers.get(load.source_node, load.source_epoch)
             if peer is None:
-                raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered")
+                raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered (as last seen)")
             session, theirs, fingerprint = peer
             if fingerprint != self.fingerprint:  # another model's, revision's or layout's KV (docs/protocol.md §2.1)
                 raise PlanError(
@@ -618,6 +664,8 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         return report
 
     def shutdown(self) -> None:
+        if getattr(self, "_peers", None) is not None:
+            self._peers.stop()
         if getattr(self, "_transfer", None) is not None:
             assert self._transfer is not None
             self._transfer.close()

@@ -8,6 +8,7 @@ runs this file first, and its engines stop before the session's start: at most t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, free_ports
+from kvdir.launcher import Cluster, Gateway
 from tests.support.wait import wait_for
-from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, start_gateway, vllm_venv
+from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory, start_gateway, vllm_venv
 from tests.vllm.test_connector import FAILED, PULL, _decisions, _gateway_running, _node, _plan, _served
 
 
@@ -44,15 +45,8 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def own_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    data = tmp_path_factory.mktemp("first-pull-directory")
-    ports = free_ports(6)
-    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
-    try:
-        cluster.start()
-        cluster.wait_ready(60)
+    with running_directory(tmp_path_factory.mktemp("first-pull-directory")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -132,4 +126,30 @@ def test_a_fresh_engines_first_request_can_be_a_gateway_pull(pair: Pair, tmp_pat
     pullable = min(len(hashes), (out["usage"]["prompt_tokens"] - 1) // BLOCK)
     assert (b.metric(PULL), b.metric(FAILED)) == (pullable, 0), b.log_lines("pull of")
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK
+    _alive(b)
+
+
+def test_with_the_directory_down_a_pull_waits_on_nothing(pair: Pair) -> None:
+    """Issue #29 (item 5): the worker reads pull sources from a list it keeps fresh in the background, never on the
+    engine step. With every replica stopped, a plan naming a source of the last list is still pulled, and one
+    naming an epoch no list had is recomputed at once (before: a blocking node-list call, 3-5 s, on the step)."""
+    a, b = pair.a, pair.b
+    assert b is not None
+    _, holder = _served(a, pair.directory)
+    other = "an unrelated prompt of about the same length, computed from scratch " * 12
+    t0 = time.monotonic()
+    b.complete(other)
+    plain_s = time.monotonic() - t0
+    pair.directory.stop()
+    b.reset_cache()
+    pulled, failed = b.metric(PULL), b.metric(FAILED)
+    out = b.complete(PROMPT, kv_transfer_params=_plan(holder))
+    assert b.metric(PULL) > pulled and out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    b.reset_cache()
+    t0 = time.monotonic()
+    b.complete(PROMPT, kv_transfer_params=_plan(holder, epoch=holder["epoch"] + 1))
+    unknown_s = time.monotonic() - t0
+    assert b.metric(FAILED) > failed and b.log_lines("is not registered (as last seen)")
+    # An order of magnitude, not a speed target: the old blocking call alone waited out a 3 s deadline.
+    assert unknown_s < plain_s + 1.5, (unknown_s, plain_s)
     _alive(b)
