@@ -48,6 +48,7 @@ from directory.errors import CommitTimeout
 from directory.hashing import KvIdentity, identity_hashes
 from directory.http_limits import BodyLimit
 from directory.metrics import DirectoryMetrics
+from directory.rate_limit import TokenBuckets, retry_after
 from directory.replica import NodeView, Replica
 from directory.schemas import (
     MAX_LOAD_LABELS,
@@ -97,8 +98,9 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, detail: object = None) -> None:
+    def __init__(self, status: int, error: str, detail: object = None, *, retry_after_s: float | None = None) -> None:
         self.status, self.error, self.detail = status, error, detail
+        self.retry_after_s = retry_after_s  # sent as Retry-After (503s say 1 s without it)
 
 
 def _error(status: int, error: str, detail: object = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -133,6 +135,24 @@ def _may_write(request: Request, node_id: str) -> None:
     if principal is None or not principal.may_write(node_id):
         role = principal.role if principal is not None else "no"
         raise ApiError(403, "forbidden", f"this {role} token may not write node {node_id!r}")
+
+
+def _may_append(request: Request) -> None:
+    """429 once the request's token has used up its linearizable lookups (each appends a Raft entry); never
+    for an admin's token, nor with auth off (anyone may write then anyway)."""
+    buckets: TokenBuckets | None = request.app.state.linearizable_buckets
+    principal: Principal | None = request.scope.get(PRINCIPAL)
+    if buckets is None or principal is None or principal.role == "admin":
+        return
+    wait = buckets.take(principal.line)
+    if wait > 0:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"this token's linearizable lookups are limited to {buckets.rate:g} per second on this replica "
+            f"(--linearizable-lookups-per-s; each appends a Raft entry): retry in {wait:.2f}s, or look up locally",
+            retry_after_s=wait,
+        )
 
 
 def _tenant(request: Request, requested: str | None) -> str:
@@ -280,7 +300,7 @@ async def register(request: Request, replica: Replica = Depends(_replica)) -> An
         regions=tuple(msgspec.structs.asdict(r) for r in body.regions),
         capacity_blocks=body.capacity_blocks,
         block_size=body.block_size,
-        epoch_base=st.new_epoch_base(secrets.randbits(st.EPOCH_BASE_BITS), shard_index),
+        epoch_base=st.new_epoch_base(secrets.randbits(st.EPOCH_RANDOM_BITS), shard_index),
         profile=profile,
     )
     res = await _commit(replica, cmd)
@@ -321,7 +341,9 @@ async def _shard_index(replica: Replica) -> int:
     return names.index(committed.shard) if committed.shard in names else 0
 
 
-@router.post("/v1/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse, openapi_extra=_body_doc(HeartbeatRequest))
+# `{node_id:path}`: a node id may hold "/" (schemas.NODE_ID_PATTERN), which a client sends percent-encoded
+# (directory.client) and the server decodes before routing, so the id spans path segments.
+@router.post("/v1/nodes/{node_id:path}/heartbeat", response_model=HeartbeatResponse, openapi_extra=_body_doc(HeartbeatRequest))
 async def heartbeat(request: Request, node_id: str, replica: Replica = Depends(_replica)) -> Any:
     body = await _decode(request, HeartbeatRequest, Counted("load", Counted.MAPPING, MAX_LOAD_LABELS, "load_labels"))
     _may_write(request, node_id)
@@ -329,11 +351,21 @@ async def heartbeat(request: Request, node_id: str, replica: Replica = Depends(_
     return JSONResponse({"node_id": node_id, "epoch": res.value})
 
 
-@router.delete("/v1/nodes/{node_id}", response_model=DeregisterResponse)
-async def deregister(request: Request, node_id: str, replica: Replica = Depends(_replica)) -> Any:
+@router.delete("/v1/nodes/{node_id:path}", response_model=DeregisterResponse)
+async def deregister(
+    request: Request,
+    node_id: str,
+    epoch: int | None = Query(
+        None,
+        ge=1,
+        le=(1 << 63) - 1,
+        description="the registration it ends: 409 if the node has registered again since; omitted: whatever is current",
+    ),
+    replica: Replica = Depends(_replica),
+) -> Any:
     _may_write(request, node_id)
     try:
-        res = await _commit(replica, st.Deregister(node_id))
+        res = await _commit(replica, st.Deregister(node_id, epoch))
     except ApiError as exc:
         if exc.error == st.UNKNOWN_NODE:
             raise ApiError(404, "not_found", exc.detail) from exc
@@ -370,7 +402,7 @@ async def nodes(replica: Replica = Depends(_replica)) -> Any:
     return JSONResponse({"nodes": [_node_info(v) for v in await replica.nodes()]})
 
 
-@router.get("/v1/nodes/{node_id}", response_model=NodeInfo)
+@router.get("/v1/nodes/{node_id:path}", response_model=NodeInfo)
 async def node(node_id: str, replica: Replica = Depends(_replica)) -> Any:
     view = await replica.node(node_id)
     if view is None:
@@ -480,6 +512,7 @@ async def lookup(
     keys = _keys(request, hashes, tenant)
     mode = consistency or body.consistency
     if mode == "linearizable":
+        _may_append(request)
         await _commit(replica, st.Noop())
     elif not replica.has_leader:
         # Cut off from the leader (a partition, an election): this replica's view may be falling
@@ -516,7 +549,15 @@ async def lookup(
     responses={200: {"content": {watch_codec.MEDIA_TYPE: {}}, "description": "a stream of frames (docs/protocol.md §3.2)"}},
 )
 async def watch_changes(
-    request: Request, from_: int | None = Query(None, alias="from", ge=0), replica: Replica = Depends(_replica)
+    request: Request,
+    from_: int | None = Query(None, alias="from", ge=0),
+    group: int | None = Query(
+        None,
+        ge=1,
+        le=watch_codec.MAX_INT,
+        description="the group the consumer followed (a snapshot's or tick's `group`): 410 foreign_group for another's",
+    ),
+    replica: Replica = Depends(_replica),
 ) -> Response:
     """A snapshot and every committed change after it (or the changes after position `from`): directory.watch."""
     principal: Principal | None = request.scope.get(PRINCIPAL)
@@ -528,7 +569,11 @@ async def watch_changes(
             "every tenant's entries: use POST /v1/lookup",
         )
     try:
-        return await watch.open_stream(replica, from_)
+        return await watch.open_stream(replica, from_, group)
+    except watch.ForeignGroup as exc:
+        raise ApiError(410, "foreign_group", f"{exc}: watch again without `from` for a snapshot") from exc
+    except watch.FuturePosition as exc:
+        raise ApiError(410, "future_position", f"{exc}: watch again without `from` for a snapshot, or name the group") from exc
     except Compacted as exc:
         raise ApiError(410, "compacted", f"{exc}: watch again without `from` for a snapshot") from exc
 
@@ -634,6 +679,8 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
     )
     tokens = settings.auth_tokens
     app.state.auth = tokens is not None
+    rate = settings.linearizable_lookups_per_s
+    app.state.linearizable_buckets = TokenBuckets(rate, max(1.0, rate)) if tokens is not None and rate > 0 else None
     app.state.tenancy = settings.tenancy
     if tokens is not None:
         # Added last, so outermost: an unauthenticated request is refused before its body is read.
@@ -656,7 +703,10 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         count(request, exc.error)
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        if exc.retry_after_s is not None:
+            headers: dict[str, str] | None = {"Retry-After": retry_after(exc.retry_after_s)}
+        else:
+            headers = {"Retry-After": "1"} if exc.status == 503 else None
         return _error(exc.status, exc.error, exc.detail, headers)
 
     @app.exception_handler(RequestValidationError)

@@ -10,6 +10,12 @@ The feed keeps at most `max_bytes` of batches (by `command_size`; at least the n
 watcher that falls further behind, or a replica that installs a snapshot from its leader (which
 skips batches this replica never saw), makes older positions unavailable, and the watcher
 re-snapshots (410 on `GET /v1/watch?from=N`).
+
+A position beyond the feed's is `Ahead`: either the replica lags the one the watcher followed, or the
+watcher followed another directory (one rebuilt from empty data dirs, a reused shard name) whose
+history this one never had. Only the group's identity (directory.watch_codec.group_of) tells the two
+apart: the stream (directory.watch) waits for a lagging replica of the watcher's own group and
+refuses every other future position (410).
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from directory.state import Command, command_size
 
 class Compacted(LookupError):
     """The changes after a position are no longer kept: take a snapshot."""
+
+
+class Ahead(Compacted):
+    """A position this replica has not reached: from its own future, or from another directory's history."""
 
 
 def _weight(commands: list[Command]) -> int:
@@ -58,11 +68,16 @@ class ChangeFeed:
         self.start = self.position = position
         self._wake()
 
-    def after(self, position: int) -> list[tuple[int, list[Command]]]:
-        """The batches that follow `position` (under the state lock); Compacted if some are gone."""
+    def after(self, position: int, *, wait_ahead: bool = False) -> list[tuple[int, list[Command]]]:
+        """The batches that follow `position` (under the state lock); Compacted if some are gone, Ahead if
+        `position` is beyond this feed's (none yet with `wait_ahead`: the caller knows it will come)."""
         if position < self.start:
             raise Compacted(f"position {position} is no longer kept (the oldest kept is {self.start})")
-        if position >= self.position:
+        if position > self.position:
+            if wait_ahead:
+                return []
+            raise Ahead(f"position {position} is beyond this replica's ({self.position})")
+        if position == self.position:
             return []
         # Batches are in order, and a watcher asks for the newest ones: scan from the newest end.
         out: list[tuple[int, list[Command]]] = []

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import random
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -49,6 +50,11 @@ from directory.shardmap import ShardMap
 _RETRY_STATUS = {502, 503, 504}
 T = TypeVar("T")
 log = logging.getLogger("kvdir.client")
+
+
+def _segment(node_id: str) -> str:
+    """`node_id` as one path segment: percent-encoded, "/" included (the directory's node routes accept it)."""
+    return urllib.parse.quote(node_id, safe="")
 
 
 class DirectoryClient:
@@ -260,10 +266,16 @@ class DirectoryClient:
         self, node_id: str, epoch: int, load: Mapping[str, float] | None = None, *, deadline: float | None = None
     ) -> None:
         body = {"epoch": epoch, "load": dict(load) if load else None}
-        await self._node_request(node_id, "POST", f"/v1/nodes/{node_id}/heartbeat", body, deadline=deadline)
+        await self._node_request(node_id, "POST", f"/v1/nodes/{_segment(node_id)}/heartbeat", body, deadline=deadline)
 
-    async def deregister(self, node_id: str, *, deadline: float | None = None) -> int:
-        removed: int = (await self._node_request(node_id, "DELETE", f"/v1/nodes/{node_id}", deadline=deadline))["removed"]
+    async def deregister(self, node_id: str, epoch: int | None, *, deadline: float | None = None) -> int:
+        """End the registration of `epoch` (the node's entries go with it); the number of entries dropped.
+
+        A registration made since is left alone (409, `StaleEpochError`), so a retried or late deregistration never
+        drops a newer one. `epoch=None` ends whatever registration is current: for an operator, never an engine.
+        """
+        path = f"/v1/nodes/{_segment(node_id)}" + ("" if epoch is None else f"?epoch={int(epoch)}")
+        removed: int = (await self._node_request(node_id, "DELETE", path, deadline=deadline))["removed"]
         return removed
 
     async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:

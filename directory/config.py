@@ -75,6 +75,13 @@ class DirectorySettings(BaseSettings):
         None,
         description="file of bearer tokens, one ROLE[@TENANT]:NODE_PATTERN:TOKEN a line (default: auth off, for loopback and dev only)",
     )
+    linearizable_lookups_per_s: float = Field(
+        50.0,
+        ge=0,
+        description="with auth on, linearizable lookups (each appends a Raft entry) each token but an admin's may make "
+        "per second on this replica, in bursts of as many (at least 1); above it 429 rate_limited with Retry-After; "
+        "0: no limit",
+    )
     tenant_secret_file: Path | None = Field(
         None,
         description="file holding the secret that tenants' directory keys derive from (the same on every replica); "

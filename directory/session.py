@@ -383,6 +383,6 @@ class NodeSession:
         if self.epoch is None:
             return
         try:
-            await self.client.deregister(self.node_id, deadline=deadline)
+            await self.client.deregister(self.node_id, self.epoch, deadline=deadline)
         except DirectoryError as exc:
             self.log.info("could not deregister %s on shutdown: %s", self.node_id, exc)

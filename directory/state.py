@@ -79,19 +79,32 @@ class Register:
 
 
 EPOCH_BASE_BITS = 31
-"""Epochs are `base + n` with a random base below 2**62: unique across directory incarnations with
-probability about 1 - 2**-30 each, and still exact as an int64."""
+"""An epoch is `high << EPOCH_BASE_BITS | low`, exact as an int64 (below 2**63): `high` (32 bits) is a group's
+SHARD_BITS shard index under `EPOCH_HIGH_RANDOM_BITS` random bits, fixed by its first registration (its identity,
+directory.watch_codec.group_of); `low` starts at a random offset below 2**EPOCH_OFFSET_BITS and counts
+registrations."""
+EPOCH_HIGH_RANDOM_BITS = 32 - SHARD_BITS
+EPOCH_OFFSET_BITS = EPOCH_BASE_BITS - 1
+EPOCH_RANDOM_BITS = EPOCH_HIGH_RANDOM_BITS + EPOCH_OFFSET_BITS
+"""The random bits an epoch base takes (54): two directory incarnations (or two groups of one shard index)
+hand out a common epoch only if their `high` parts are equal (2**-24) and their counted ranges overlap,
+which for incarnations that each registered at most R times is about 2*R / 2**30: 2**-34 for R = 1,000
+registrations each, 2**-44 for one registration each. Every guarantee holds for up to 2**30 registrations
+per group (then `low` could carry into `high` and, on the largest base, past an int64)."""
 
 
 def new_epoch_base(random_bits: int, shard_index: int = 0) -> int:
-    """The epoch base for `EPOCH_BASE_BITS` random bits (drawn outside the state machine).
+    """The epoch base for `EPOCH_RANDOM_BITS` random bits (drawn outside the state machine; more are ignored).
 
-    The low SHARD_BITS of the base's high part are the shard's index in the shard map, the random
-    bits above them, so two shards of one map never hand out the same epoch (docs/scale-out.md §4):
-    a writer fenced by a node's move to another shard cannot match the epoch the node gets there.
+    The low EPOCH_HIGH_RANDOM_BITS random bits go into the high part, above the SHARD_BITS that hold the
+    shard's index in the shard map, so two shards of one map never hand out the same epoch (docs/scale-out.md
+    §4): a writer fenced by a node's move to another shard cannot match the epoch the node gets there. The
+    next EPOCH_OFFSET_BITS are the counter's starting offset. (Below 2**23 random bits, the base is the one
+    of before offsets.)
     """
-    mask = (1 << EPOCH_BASE_BITS) - 1
-    return (((random_bits << SHARD_BITS) | shard_index) & mask) << EPOCH_BASE_BITS
+    high = (random_bits & ((1 << EPOCH_HIGH_RANDOM_BITS) - 1)) << SHARD_BITS
+    offset = (random_bits >> EPOCH_HIGH_RANDOM_BITS) & ((1 << EPOCH_OFFSET_BITS) - 1)
+    return (high | (shard_index & ((1 << SHARD_BITS) - 1))) << EPOCH_BASE_BITS | offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +117,15 @@ class Heartbeat:
 @dataclass(frozen=True, slots=True)
 class Deregister:
     node_id: str
+    epoch: int | None = None
+    """The registration it ends: refused (STALE_EPOCH) if the node has registered again since, so a retried or
+    resent deregistration never drops a newer registration. None: whatever registration is current (an admin's
+    deregistration, or a Raft entry written before deregistrations named an epoch)."""
+
+    def __setstate__(self, state: list[Any]) -> None:
+        """Unpickle a Raft entry of any version: one written before `epoch` existed has one field."""
+        for f, value in zip(fields(self), [*state, None][: len(fields(self))]):
+            object.__setattr__(self, f.name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +378,14 @@ class DirectoryState:
         node = self.nodes.get(cmd.node_id)
         if node is None:
             return Result(UNKNOWN_NODE, detail=f"node {cmd.node_id!r} is not registered")
+        if cmd.epoch is not None and node.epoch != cmd.epoch:
+            # A deregistration of an earlier registration (retried, or resent after the node registered again):
+            # the current registration and its entries stay.
+            return Result(
+                STALE_EPOCH,
+                node.epoch,
+                f"epoch {cmd.epoch} of node {cmd.node_id!r} is not current ({node.epoch}): nothing deregistered",
+            )
         return Result(OK, self._drop(node))
 
     def _drop(self, node: Node) -> int:

@@ -8,10 +8,17 @@ shared by the replica (which encodes) and the gateway's mirror (which decodes); 
 pickle, so a consumer never runs code chosen by whoever sends it bytes.
 
 Frames (msgpack maps; `k` names the kind):
-- `{"k": "snapshot", "position": P, "state": {...}}`: the whole state at position P.
+- `{"k": "snapshot", "position": P, "group": G, "state": {...}}`: the whole state at position P.
 - `{"k": "batch", "position": P, "commands": [...]}`: the commands that brought the state to P.
-- `{"k": "tick", "position": P, "fresh": bool, "bound_s": float}`: nothing new up to P; `fresh` says
-  whether the sending replica was caught up with a leader within its staleness bound `bound_s`.
+- `{"k": "tick", "position": P, "fresh": bool, "bound_s": float, "group": G}`: nothing new up to P; `fresh`
+  says whether the sending replica was caught up with a leader within its staleness bound `bound_s`.
+`G` is the group's identity (`group_of`), nil before its first registration.
+
+Everything decoded is checked (`WireError` else): the frames' fields, every command's types and ranges,
+and a snapshot's internal consistency (node indices within its bounds and at most `MAX_NODES`, every
+holder a registered node, every slot within its node's capacity, each (key, node) pair once), so that
+whoever can send a consumer bytes cannot make it fail outside `WireError` or allocate by a number it
+chose (a node index near 2**32 sized the index's per-node counts at tens of GB).
 
 Commands are lists led by a one-letter tag; hashes are packed little-endian uint64 bytes and slots
 uint32, so a publish of n blocks costs two byte strings, not n objects.
@@ -19,6 +26,7 @@ uint32, so a publish of n blocks costs two byte strings, not n objects.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -26,6 +34,7 @@ import msgspec
 import numpy as np
 
 from directory.state import (
+    EPOCH_BASE_BITS,
     AnnounceReplica,
     AssignShards,
     Clear,
@@ -45,6 +54,10 @@ from directory.state import (
 HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
 MEDIA_TYPE = "application/x-kvdir-watch"
+MAX_NODES = 1 << 16
+"""The most node indices a decoded state may hold (`max_nodes`): a consumer's index allocates per node index
+on every lookup. A directory run with a larger --max-nodes cannot be mirrored (the gateway asks it over REST)."""
+MAX_INT = (1 << 63) - 1  # epochs, counts and positions are int64 on every replica
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -54,13 +67,97 @@ class WireError(ValueError):
     """A frame that does not decode to a command, batch or snapshot."""
 
 
+def group_of(s: DirectoryState) -> int | None:
+    """The Raft group's identity: the high bits of its epoch counter, which are the random epoch base its
+    first registration committed (directory.state.new_epoch_base: drawn by the replica that took it, the
+    same on every replica, and never changed by later registrations). None until a node registers.
+
+    A directory rebuilt from empty data dirs, and a group that reuses a shard's name, draw a new base: a
+    watcher that knows the group it followed can tell the replica it resumes on is another directory."""
+    return _group(s.epoch_counter)
+
+
+def _group(epoch_counter: int) -> int | None:
+    return (epoch_counter >> EPOCH_BASE_BITS) or None
+
+
+# -- checks: what a frame holds, before it is used -----------------------------------------------
+
+
+def _int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int:
+    if type(v) is not int:  # a bool is no count
+        raise TypeError(f"an integer was due, not {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _opt_int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int | None:
+    return None if v is None else _int(v, lo, hi)
+
+
+def _str(v: Any) -> str:
+    if type(v) is not str:
+        raise TypeError(f"a string was due, not {type(v).__name__}")
+    return v
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise TypeError(f"a boolean was due, not {type(v).__name__}")
+    return v
+
+
+def _list(v: Any) -> list[Any]:
+    if type(v) is not list:
+        raise TypeError(f"a list was due, not {type(v).__name__}")
+    return v
+
+
+def _number(v: Any) -> float | int:
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise ValueError(f"a finite number was due, not {v!r:.40}")
+    return v  # type: ignore[no-any-return]
+
+
+def _load(v: Any) -> dict[str, float]:
+    if type(v) is not dict:
+        raise TypeError(f"a load map was due, not {type(v).__name__}")
+    return {_str(k): _number(x) for k, x in v.items()}
+
+
+def _regions(v: Any) -> tuple[dict[str, Any], ...]:
+    out = []
+    for r in _list(v):
+        if type(r) is not dict:
+            raise TypeError(f"a region map was due, not {type(r).__name__}")
+        for k, x in r.items():
+            _str(k)
+            if x is not None and type(x) not in (int, str, bool, float):
+                raise TypeError(f"a region's {k!r} is a {type(x).__name__}")
+        out.append(dict(r))
+    return tuple(out)
+
+
+def _bytes(v: Any) -> bytes:
+    if type(v) is not bytes:
+        raise TypeError(f"packed bytes were due, not {type(v).__name__}")
+    return v
+
+
 def _u64(b: bytes) -> np.ndarray:
+    b = _bytes(b)
     if len(b) % 8:
         raise WireError(f"a uint64 array of {len(b)} bytes")
     return np.frombuffer(b, dtype="<u8").astype(np.uint64, copy=True)
 
 
 def _u32(b: bytes) -> np.ndarray:
+    b = _bytes(b)
     if len(b) % 4:
         raise WireError(f"a uint32 array of {len(b)} bytes")
     return np.frombuffer(b, dtype="<u4").astype(np.uint32, copy=True)
@@ -79,10 +176,8 @@ def _profile(p: NodeProfile) -> list[Any]:
 
 
 def _unprofile(v: Any) -> NodeProfile:
-    models, fingerprint, tenant, shared = v
-    return NodeProfile(
-        tuple(str(m) for m in models), None if fingerprint is None else str(fingerprint), str(tenant), bool(shared)
-    )
+    models, fingerprint, tenant, shared = _list(v)
+    return NodeProfile(tuple(_str(m) for m in _list(models)), _opt_str(fingerprint), _str(tenant), _bool(shared))
 
 
 def encode_command(c: Command) -> list[Any]:
@@ -107,7 +202,7 @@ def encode_command(c: Command) -> list[Any]:
             None if c.profile is None else _profile(c.profile),
         ]
     if isinstance(c, Deregister):
-        return ["D", c.node_id]
+        return ["D", c.node_id, c.epoch]
     if isinstance(c, Clear):
         return ["C", c.node_id, c.epoch]
     if isinstance(c, Expire):
@@ -122,41 +217,54 @@ def encode_command(c: Command) -> list[Any]:
 
 
 def decode_command(v: Any) -> Command:
-    """The command `encode_command` made `v` from; WireError for anything else."""
+    """The command `encode_command` made `v` from, its fields checked; WireError for anything else."""
     try:
-        tag, *f = v
+        tag, *f = _list(v)
         if tag == "P":
             hashes, slots = _u64(f[2]), _u32(f[3])
             if len(hashes) != len(slots):
                 raise WireError(f"a publish of {len(hashes)} hashes and {len(slots)} slots")
-            return Publish(str(f[0]), int(f[1]), hashes, slots, f[4])
+            return Publish(_str(f[0]), _int(f[1]), hashes, slots, _opt_str(f[4]))
         if tag == "R":
-            return Remove(str(f[0]), int(f[1]), _u64(f[2]))
+            return Remove(_str(f[0]), _int(f[1]), _u64(f[2]))
         if tag == "H":
-            return Heartbeat(str(f[0]), int(f[1]), None if f[2] is None else dict(f[2]))
+            return Heartbeat(_str(f[0]), _int(f[1]), None if f[2] is None else _load(f[2]))
         if tag == "G":
             profile = _unprofile(f[8]) if len(f) > 8 and f[8] is not None else None  # absent: a replica of before profiles
-            return Register(str(f[0]), str(f[1]), str(f[2]), f[3], tuple(dict(r) for r in f[4]), f[5], f[6], int(f[7]), profile)
+            return Register(
+                _str(f[0]),
+                _str(f[1]),
+                _str(f[2]),
+                _opt_str(f[3]),
+                _regions(f[4]),
+                _opt_int(f[5]),
+                _opt_int(f[6], 1),
+                _int(f[7]),
+                profile,
+            )
         if tag == "D":
-            return Deregister(str(f[0]))
+            return Deregister(_str(f[0]), _opt_int(f[1]) if len(f) > 1 else None)  # absent: an older replica
         if tag == "C":
-            return Clear(str(f[0]), int(f[1]))
+            return Clear(_str(f[0]), _int(f[1]))
         if tag == "E":
-            return Expire(str(f[0]), int(f[1]), int(f[2]))
+            return Expire(_str(f[0]), _int(f[1]), _int(f[2]))
         if tag == "A":
-            return AnnounceReplica(str(f[0]), str(f[1]))
+            return AnnounceReplica(_str(f[0]), _str(f[1]))
         if tag == "S":
             return _assign_shards(f)
         if tag == "N":
             return Noop()
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise WireError(f"a malformed command: {exc}") from exc
-    raise WireError(f"an unknown command tag {tag!r}")
+    raise WireError(f"an unknown command tag {tag!r:.40}")
 
 
 def _assign_shards(f: list[Any]) -> AssignShards:
-    names, pins = tuple(str(n) for n in f[2]), tuple((str(a), str(b)) for a, b in f[3])
-    return AssignShards(int(f[0]), str(f[1]), names, pins, str(f[4]), bool(f[5]) if len(f) > 5 else False)
+    names = tuple(_str(n) for n in _list(f[2]))
+    pins = tuple((_str(a), _str(b)) for a, b in (_list(p) for p in _list(f[3])))
+    if not names:
+        raise ValueError("a shard map of no shards")
+    return AssignShards(_int(f[0]), _str(f[1]), names, pins, _str(f[4]), _bool(f[5]) if len(f) > 5 else False)
 
 
 # -- snapshots ---------------------------------------------------------------------------------
@@ -198,44 +306,79 @@ def snapshot_of(s: DirectoryState) -> dict[str, Any]:
 
 
 def state_from(snap: dict[str, Any], merge_threshold: int = 16384) -> DirectoryState:
-    """A state equal to the one `snapshot_of` described; WireError if `snap` is malformed."""
+    """A state equal to the one `snapshot_of` described; WireError if `snap` is malformed or inconsistent."""
     try:
-        s = DirectoryState(int(snap["max_nodes"]), int(snap["max_entries"]), merge_threshold)
-        s.applied = int(snap["applied"])
-        s.epoch_counter = int(snap["epoch_counter"])
-        s._free_idx = [int(i) for i in snap["free_idx"]]
-        s._next_idx = int(snap["next_idx"])
-        s.replicas = {str(k): str(v) for k, v in snap["replicas"].items()}
-        if snap.get("shard_map") is not None:
-            s.shard_map = _assign_shards(snap["shard_map"])
-        for f in snap["nodes"]:
-            n = Node(
-                str(f[0]),
-                int(f[1]),
-                int(f[2]),
-                str(f[3]),
-                str(f[4]),
-                f[5],
-                tuple(dict(r) for r in f[6]),
-                f[7],
-                f[8],
-                dict(f[9]),
-                int(f[10]),
-                _unprofile(f[11]) if len(f) > 11 and f[11] is not None else None,
-            )
-            s.nodes[n.node_id] = n
-            s.by_idx[n.idx] = n
-        keys, holders, slots = _u64(snap["keys"]), _u32(snap["holders"]), _u32(snap["slots"])
-        if not len(keys) == len(holders) == len(slots):
-            raise WireError("a snapshot whose keys, holders and slots differ in length")
-        unknown = set(np.unique(holders).tolist()) - set(s.by_idx)
-        if unknown:
-            raise WireError(f"a snapshot with entries of unregistered node indices {sorted(unknown)[:5]}")
-        s.index.load(keys, holders, slots)
+        return _state_from(snap, merge_threshold)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        if isinstance(exc, WireError):
-            raise
         raise WireError(f"a malformed snapshot: {exc}") from exc
+
+
+def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
+    if type(snap) is not dict:
+        raise TypeError(f"a snapshot is a map, not {type(snap).__name__}")
+    max_nodes = _int(snap["max_nodes"], 1)
+    if max_nodes > MAX_NODES:
+        raise ValueError(f"max_nodes {max_nodes}: a mirror holds at most {MAX_NODES} nodes")
+    s = DirectoryState(max_nodes, _int(snap["max_entries"], 1), merge_threshold)
+    s.applied = _int(snap["applied"])
+    s.epoch_counter = _int(snap["epoch_counter"])
+    s._next_idx = _int(snap["next_idx"], 0, max_nodes)
+    s._free_idx = [_int(i, 0, s._next_idx - 1) for i in _list(snap["free_idx"])]
+    replicas = snap["replicas"]
+    if type(replicas) is not dict:
+        raise TypeError(f"replicas are a map, not {type(replicas).__name__}")
+    s.replicas = {_str(k): _str(v) for k, v in replicas.items()}
+    if snap.get("shard_map") is not None:
+        s.shard_map = _assign_shards(_list(snap["shard_map"]))
+    for f in _list(snap["nodes"]):
+        f = _list(f)
+        n = Node(
+            _str(f[0]),
+            _int(f[1], 0, s._next_idx - 1),
+            _int(f[2], 0, s.epoch_counter),
+            _str(f[3]),
+            _str(f[4]),
+            _opt_str(f[5]),
+            _regions(f[6]),
+            _opt_int(f[7]),
+            _opt_int(f[8], 1),
+            _load(f[9]),
+            _int(f[10]),
+            _unprofile(f[11]) if len(f) > 11 and f[11] is not None else None,
+        )
+        if n.node_id in s.nodes or n.idx in s.by_idx:
+            raise ValueError(f"node {n.node_id!r:.40} or its index {n.idx} is listed twice")
+        s.nodes[n.node_id] = n
+        s.by_idx[n.idx] = n
+    if len(s.nodes) > max_nodes:
+        raise ValueError(f"{len(s.nodes)} nodes, over the snapshot's max_nodes {max_nodes}")
+    # Every index below next_idx is a node's or free, exactly once: what registrations take indices from.
+    if len(s._free_idx) + len(s.by_idx) != s._next_idx or set(s._free_idx) & set(s.by_idx):
+        raise ValueError(f"node indices and free indices do not partition [0, {s._next_idx})")
+    keys, holders, slots = _u64(snap["keys"]), _u32(snap["holders"]), _u32(snap["slots"])
+    if not len(keys) == len(holders) == len(slots):
+        raise ValueError("keys, holders and slots differ in length")
+    if len(keys) > s.max_entries:
+        raise ValueError(f"{len(keys)} entries, over the snapshot's max_entries {s.max_entries}")
+    if len(keys):
+        # Per node index (at most MAX_NODES), so these arrays are small whatever the holders say.
+        registered = np.zeros(max(s._next_idx, 1), dtype=bool)
+        capacity = np.full(max(s._next_idx, 1), 1 << 32, dtype=np.int64)
+        for n in s.nodes.values():
+            registered[n.idx] = True
+            if n.capacity_blocks is not None:
+                capacity[n.idx] = n.capacity_blocks
+        beyond = holders >= len(registered)
+        if beyond.any() or not registered[holders].all():
+            unknown = np.unique(holders[beyond | ~registered[np.minimum(holders, len(registered) - 1)]])
+            raise ValueError(f"entries of unregistered node indices {unknown[:5].tolist()}")
+        if (slots.astype(np.int64) >= capacity[holders]).any():
+            raise ValueError("a slot beyond its node's capacity_blocks")
+        order = np.lexsort((holders, keys))  # the order `load` sorts in: given sorted, its sort is a pass
+        keys, holders, slots = keys[order], holders[order], slots[order]
+        if ((keys[1:] == keys[:-1]) & (holders[1:] == holders[:-1])).any():
+            raise ValueError("a (key, node) entry listed twice")
+    s.index.load(keys, holders, slots)
     return s
 
 
@@ -249,19 +392,49 @@ def frame(obj: dict[str, Any]) -> bytes:
 
 def snapshot_message(snap: dict[str, Any]) -> dict[str, Any]:
     """The snapshot frame's message for `snapshot_of`'s result (encode it with `frame`, off the state lock)."""
-    return {"k": "snapshot", "position": snap["applied"], "state": snap}
+    return {"k": "snapshot", "position": snap["applied"], "group": _group(snap["epoch_counter"]), "state": snap}
 
 
 def batch_frame(position: int, commands: list[Command]) -> bytes:
     return frame({"k": "batch", "position": position, "commands": [encode_command(c) for c in commands]})
 
 
-def tick_frame(position: int, fresh: bool, bound_s: float) -> bytes:
-    return frame({"k": "tick", "position": position, "fresh": fresh, "bound_s": bound_s})
+def tick_frame(position: int, fresh: bool, bound_s: float, *, group: int | None) -> bytes:
+    return frame({"k": "tick", "position": position, "fresh": fresh, "bound_s": bound_s, "group": group})
+
+
+def decode_batch(f: dict[str, Any]) -> tuple[int, list[Command]]:
+    """A batch frame's position and commands, every one decoded and checked before any is applied."""
+    return f["position"], [decode_command(c) for c in f["commands"]]
+
+
+def _check(obj: Any) -> dict[str, Any]:
+    """`obj` if it is a frame whose fields have their types and ranges (a batch's commands and a snapshot's
+    state are checked when decoded: `decode_batch`, `state_from`)."""
+    if type(obj) is not dict or obj.get("k") not in ("snapshot", "batch", "tick"):
+        raise WireError("a frame that is not a snapshot, batch or tick")
+    kind = obj["k"]
+    try:
+        _int(obj["position"])
+        if kind == "tick":
+            _bool(obj["fresh"])
+            if _number(obj["bound_s"]) < 0:
+                raise ValueError(f"a negative bound_s {obj['bound_s']}")
+        elif kind == "batch":
+            _list(obj["commands"])
+        elif type(obj["state"]) is not dict:
+            raise TypeError(f"a snapshot's state is a map, not {type(obj['state']).__name__}")
+        if "group" in obj:  # absent: a replica of before group identities
+            _opt_int(obj["group"])
+    except KeyError as exc:
+        raise WireError(f"a {kind} frame without {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"a malformed {kind} frame: {exc}") from exc
+    return obj
 
 
 class FrameReader:
-    """Splits a byte stream into decoded frames (dicts), whatever the chunking."""
+    """Splits a byte stream into decoded frames (dicts, their fields checked: `_check`), whatever the chunking."""
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
@@ -282,7 +455,5 @@ class FrameReader:
                 obj = _decoder.decode(body)
             except msgspec.DecodeError as exc:
                 raise WireError(f"a frame that is not msgpack: {exc}") from exc
-            if not isinstance(obj, dict) or obj.get("k") not in ("snapshot", "batch", "tick"):
-                raise WireError("a frame that is not a snapshot, batch or tick")
-            out.append(obj)
+            out.append(_check(obj))
         return out

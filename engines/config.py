@@ -118,6 +118,13 @@ class EventsSettings(DirectoryClientSettings):
         description="a round carries at most this many changes, and is sent at once, before the window ends, when this many are pending",
     )
     replay_timeout_s: float = Field(2.0, gt=0, le=60, description="a replay that has not ended by then counts as failed")
+    max_message_bytes: int = Field(
+        32 << 20,
+        ge=4096,
+        le=1 << 31,
+        description="the largest ZMQ message part taken from the engine (its events and replay sockets): a larger one is "
+        "dropped and its sender disconnected (the engine reconnects; the batch is a gap, replayed or resynced)",
+    )
     max_entries: int = Field(1 << 20, ge=1, description="engine blocks remembered (LRU): more than the engine's pool")
     log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")
     engines: str | None = Field(

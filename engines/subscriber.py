@@ -258,6 +258,8 @@ class EventsSubscriber:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        # A bound socket takes messages from whoever connects: a part over the cap is never buffered whole.
+        sub.setsockopt(zmq.MAXMSGSIZE, self.s.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.s.topic.encode())
         try:
             if self.s.bind:
@@ -415,6 +417,7 @@ class EventsSubscriber:
         assert self._ctx is not None and self.s.replay
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.s.max_message_bytes)
         got: dict[int, Batch] = {}
         ended = False
         try:

@@ -43,6 +43,7 @@ _RESOLVE_TIMEOUT_S = 5.0
 _RESOLVE_RETRY_S = 30.0  # an engine whose name did not resolve is tried again after this long
 _MODELS_RETRY_S = 5.0  # an engine that did not list its models is asked again after this long
 _MODELS_REFRESH_S = 30.0  # an engine that did is asked again after this long (adapters load and unload at run time)
+REFRESH_RETRY_MAX_S = 30.0  # refreshes that keep raising are retried at most this far apart
 
 
 class EngineRefused(ValueError):
@@ -159,6 +160,7 @@ class EngineRegistry:
         self._probes: set[asyncio.Task[None]] = set()
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
         self._foreign: set[str] = set()  # engines of other tenants, not routed to (logged once each)
+        self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `_loop`)
 
     @property
     def max_model_len(self) -> int | None:
@@ -303,8 +305,21 @@ class EngineRegistry:
             log.info("engine %s serves up to %d tokens of context", e.node_id, e.max_model_len)
 
     async def _loop(self) -> None:
+        """`refresh` every `refresh_s`, for as long as the gateway runs: a refresh that fails unexpectedly (a bug,
+        a malformed answer) is logged with its traceback and counted (`refresh_failures`), and the next one comes
+        after a backoff (doubling while refreshes keep failing, from `refresh_s` to REFRESH_RETRY_MAX_S), so
+        the engine list is never left frozen by a task that died."""
+        delay = self.refresh_s
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # anything but a cancellation (stop): a loop that dies freezes the engine list
+                self.refresh_failures += 1
+                log.exception("engine refresh failed (%d so far): retrying in %.1fs", self.refresh_failures, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max(self.refresh_s, REFRESH_RETRY_MAX_S))
+                continue
+            delay = self.refresh_s
             await asyncio.sleep(self.refresh_s)
 
     def mark_unhealthy(self, node_id: str) -> None:

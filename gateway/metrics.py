@@ -61,6 +61,11 @@ class GatewayMetrics:
         Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
             lambda: 1 if registry.directory_ok else 0
         )
+        Gauge(
+            "kvdir_gateway_engine_refresh_failures",
+            "Engine list refreshes that failed unexpectedly (logged with a traceback, retried after a backoff)",
+            registry=r,
+        ).set_function(lambda: registry.refresh_failures)
 
     def watch_mirror(self, mirror: Mirror | None) -> None:
         """Gauges of the directory mirror's freshness (absent when the gateway keeps none)."""

@@ -6,8 +6,14 @@ mirror holds a `DirectoryState` per Raft group (the same code the replicas run, 
 the stream's commands change it) and answers lookups in-process.
 
 A `Feed` follows one group: one replica at a time, failing over to the next of that group on any
-error and resuming from its log position (positions are the same on every replica of a group); a
-position no longer kept (410) or a stream it cannot apply makes it re-snapshot. A `Mirror` keeps one
+error and resuming from its log position (positions are the same on every replica of a group) and the
+group's identity (watch_codec.group_of: a rebuilt directory, or a reused shard name, is another group);
+a position the replica will not resume (410: no longer kept, another group's, or a future one) makes
+it re-snapshot. The stream is not trusted: every frame is checked as it is decoded (watch_codec), and a
+frame that fails, or a batch that does not bring the state to the position it names, drops the state
+and that source: the feed re-snapshots from the next replica. The feed's task is supervised: any other
+failure is logged with its traceback and counted (`restarts`), and the feed starts again from a
+snapshot of the next replica after a backoff. A `Mirror` keeps one
 feed for an unsharded directory and one per shard for a sharded one (docs/scale-out.md §6): it reads
 the shard map with the gateway's `DirectoryClient`, runs a lookup on every shard's state and merges
 the holders (a node lives in one shard, its home), and follows the map when a shard commits a newer one.
@@ -44,7 +50,7 @@ from directory.index import warm_up
 from directory.schemas import Holder
 from directory.shardmap import ShardMap
 from directory.state import DirectoryState
-from directory.watch_codec import FrameReader, WireError, decode_command, state_from
+from directory.watch_codec import FrameReader, WireError, decode_command, group_of, state_from
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -52,6 +58,11 @@ RETRY_S = (0.05, 2.0)  # wait before trying the next replica: first, and at most
 SNAPSHOT_WAIT_S = 60.0  # longest wait for a stream's first frame (a snapshot of a big state takes a while)
 MIN_WAIT_S = 0.3  # shortest silence taken for a lost source: 3 ticks
 MAP_CHECK_S = 0.5  # how often the mirror looks for a shard map newer than the one its feeds follow
+STABLE_S = 10.0  # a supervised task that ran this long before failing starts again at the first backoff
+
+
+class SourceLost(WireError):
+    """The source stopped answering or ended the stream: what was applied from it still stands."""
 
 
 class Fresher(WireError):
@@ -83,6 +94,9 @@ class Feed:
         self.fresh_at = float("-inf")  # monotonic time of the last fresh tick, everything before it applied
         self.snapshots = 0
         self.failovers = 0
+        self.rejected = 0  # streams dropped for a frame that failed its checks
+        self.restarts = 0  # times the feed's task failed and was started again (`_supervise`)
+        self._source = 0  # the index in `urls` of the replica followed (or tried next)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         # Batches are applied on a thread, under this lock, so that an index merge never stalls the event loop
@@ -123,14 +137,15 @@ class Feed:
             return self._lookup(keys)
 
     def _lookup(self, keys: np.ndarray) -> list[Holder] | None:
-        if self.state is None:
+        state = self.state  # read once: a failure on the loop may drop it meanwhile
+        if state is None:
             return None
-        found = self.state.lookup(keys, with_slots=True)
+        found = state.lookup(keys, with_slots=True)
         return [Holder.model_construct(node_id=h.node_id, epoch=h.epoch, matched_blocks=h.matched, slots=h.slots) for h in found]
 
     # -- following -----------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._task = asyncio.create_task(self._supervise())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -142,15 +157,42 @@ class Feed:
                 await asyncio.wait({self._task}, timeout=0.1)
         await self._http.aclose()
 
-    async def _run(self) -> None:
-        # Loading the index's compiled kernels takes ~0.3 s (seconds where they must be compiled): left to the
-        # first batches, it held their application, and the mirror's lag, as long.
-        await asyncio.to_thread(warm_up)
+    def _drop(self) -> None:
+        """Forget the state (lookups go over REST until the next snapshot is in)."""
+        self.state, self.position = None, -1
+
+    async def _supervise(self) -> None:
+        """`_run`, started again whatever ends it but a refusal or `stop`: a failure is logged with its
+        traceback, counted, and followed by a snapshot from the next replica, after a backoff (doubling
+        while the feed fails within STABLE_S of its start, at most RETRY_S[1])."""
         delay = RETRY_S[0]
-        i = 0
         while not self._stopping:
-            url = self.urls[i % len(self.urls)]
-            applied_before = self.position
+            started = time.monotonic()
+            try:
+                # Loading the index's compiled kernels takes ~0.3 s (seconds where they must be compiled): left to
+                # the first batches, it held their application, and the mirror's lag, as long.
+                await asyncio.to_thread(warm_up)
+                await self._run()
+                return
+            except Exception:  # anything: a feed that dies silently leaves the gateway on REST for good
+                if self._stopping:
+                    return
+                self.restarts += 1
+                self.failovers += 1
+                url = self.urls[self._source % len(self.urls)] if self.urls else None
+                log.exception(
+                    "mirror: the feed from %s failed (restart %d); re-snapshotting from the next replica", url, self.restarts
+                )
+                self._drop()
+                self._source += 1
+            delay = RETRY_S[0] if time.monotonic() - started >= STABLE_S else min(delay * 2, RETRY_S[1])
+            await asyncio.sleep(delay)
+
+    async def _run(self) -> None:
+        delay = RETRY_S[0]
+        while not self._stopping:
+            url = self.urls[self._source % len(self.urls)]
+            before = (self.position, self.snapshots)  # no progress while every source fails: back off
             try:
                 await self._follow(url)
             except MirrorRefused as exc:
@@ -159,34 +201,46 @@ class Feed:
             except Fresher as exc:
                 log.info("mirror: leaving %s (%s) for %s", url, exc, exc.url)
                 self.failovers += 1
-                i = self.urls.index(exc.url) if exc.url in self.urls else i + 1
+                self._source = self.urls.index(exc.url) if exc.url in self.urls else self._source + 1
                 delay = RETRY_S[0]
                 continue  # it answered just now: no wait
-            except (httpx.HTTPError, WireError, OSError) as exc:
+            except (httpx.HTTPError, SourceLost, OSError) as exc:
                 log.info("mirror: stream from %s ended (%s: %s); trying the next replica", url, type(exc).__name__, exc)
+            except WireError as exc:  # a frame that failed its checks: nothing from this stream is trusted
+                self.rejected += 1
+                log.warning("mirror: %s sent %s; dropping the state for a snapshot from the next replica", url, exc)
+                self._drop()
             self.failovers += 1
-            i += 1
-            delay = RETRY_S[0] if self.position != applied_before else min(delay * 2, RETRY_S[1])
+            self._source += 1
+            delay = RETRY_S[0] if (self.position, self.snapshots) != before else min(delay * 2, RETRY_S[1])
             await asyncio.sleep(delay)
 
+    def _resume_params(self) -> dict[str, str]:
+        """The query that resumes this feed where it is, in the group it followed; none (a snapshot) if it holds
+        no state, or one of a group with no identity yet (no node registered: a snapshot is small)."""
+        state = self.state
+        group = None if state is None else group_of(state)
+        return {} if group is None else {"from": str(self.position), "group": str(group)}
+
     async def _follow(self, url: str) -> None:
-        params = {"from": str(self.position)} if self.state is not None else {}
+        params = self._resume_params()
         request = self._http.build_request("GET", f"{url}/v1/watch", params=params)
         # The headers come at once from a live replica (a snapshot is encoded after them): a replica that
         # accepts the connection but does not answer (stalled, half-partitioned) is given up within the bound.
         try:
             r = await asyncio.wait_for(self._http.send(request, stream=True), self._silence_s)
         except TimeoutError:
-            raise WireError(f"{url} did not answer within {self._silence_s:g} s") from None
+            raise SourceLost(f"{url} did not answer within {self._silence_s:g} s") from None
         try:
             await self._read(url, r, snapshot=not params)
         finally:
             await r.aclose()
 
     async def _read(self, url: str, r: httpx.Response, snapshot: bool) -> None:
-        if r.status_code == 410:
-            log.info("mirror: position %d is no longer kept at %s: taking a snapshot", self.position, url)
-            self.state, self.position = None, -1  # REST lookups until the snapshot is in
+        if r.status_code == 410:  # no longer kept, another group's, or a future position
+            detail = (await r.aread()).decode(errors="replace")[:300]
+            log.info("mirror: %s will not resume position %d (%s): taking a snapshot", url, self.position, detail)
+            self._drop()  # REST lookups until the snapshot is in
             return
         if r.status_code in (401, 403):
             detail = (await r.aread()).decode(errors="replace")[:300]
@@ -205,9 +259,9 @@ class Feed:
                 try:
                     chunk = await asyncio.wait_for(anext(chunks), wait_s)
                 except StopAsyncIteration:
-                    raise WireError(f"{url} ended the stream") from None
+                    raise SourceLost(f"{url} ended the stream") from None
                 except TimeoutError:
-                    raise WireError(f"{url} sent nothing for {wait_s:g} s") from None
+                    raise SourceLost(f"{url} sent nothing for {wait_s:g} s") from None
                 for f in reader.feed(chunk):
                     if f["k"] == "tick":
                         self._apply(f)
@@ -251,7 +305,7 @@ class Feed:
     async def _ticks_fresh(self, url: str) -> bool:
         """Whether `url`'s first tick after this feed's position says it is caught up (its batches are skipped:
         the stream followed after a switch sends them again)."""
-        async with self._http.stream("GET", f"{url}/v1/watch", params={"from": str(self.position)}) as r:
+        async with self._http.stream("GET", f"{url}/v1/watch", params=self._resume_params()) as r:
             if r.status_code != 200:
                 return False
             reader = FrameReader()
@@ -262,17 +316,25 @@ class Feed:
         return False
 
     def _apply_locked(self, f: dict[str, Any]) -> None:
+        # Decoded and checked outside the lock (lookups go on from the old state meanwhile), and wholly before
+        # any of it is applied: a malformed command never leaves a batch half applied.
         if f["k"] == "snapshot":
-            f["state"] = state_from(f["state"])  # outside the lock: lookups go on from the old state meanwhile
+            f = {**f, "state": state_from(f["state"])}
+        elif f["k"] == "batch":
+            f = {**f, "commands": [decode_command(c) for c in f["commands"]]}
         with self._lock:
             self._apply(f)
 
     def _apply(self, f: dict[str, Any]) -> None:
+        """Apply a frame whose fields FrameReader checked (a snapshot's state and a batch's commands decoded by
+        `_apply_locked`); WireError if it does not follow from what the feed holds."""
         kind = f["k"]
         if kind == "snapshot":
-            state: DirectoryState = f["state"]  # built by `_apply_locked`, off the lock
+            state: DirectoryState = f["state"]
             if state.applied != f["position"]:
                 raise WireError(f"a snapshot at position {f['position']} of a state at {state.applied}")
+            if "group" in f and f["group"] != group_of(state):
+                raise WireError(f"a snapshot of group {f['group']} of a state of group {group_of(state)}")
             if self.state is None:
                 log.info(
                     "mirror: snapshot at position %d, %d nodes, %d entries", state.applied, len(state.nodes), len(state.index)
@@ -282,14 +344,16 @@ class Feed:
         elif kind == "batch":
             if self.state is None:
                 raise WireError("a batch before any snapshot")
+            if f["position"] != self.state.applied + len(f["commands"]):
+                raise WireError(
+                    f"a batch of {len(f['commands'])} commands to position {f['position']} after position {self.state.applied}"
+                )
             for c in f["commands"]:
-                self.state.apply(decode_command(c))
-            if self.state.applied != f["position"]:
-                why = f"a batch to position {f['position']} left the mirror at {self.state.applied}"
-                self.state, self.position = None, -1  # diverged: start again from a snapshot
-                raise WireError(why)
+                self.state.apply(c)
             self.position = f["position"]
         elif kind == "tick":
+            if self.state is not None and "group" in f and f["group"] != group_of(self.state):
+                raise WireError(f"a tick of group {f['group']} to a mirror of group {group_of(self.state)}")
             if f["fresh"] and f["position"] == self.position:
                 self.fresh_at = time.monotonic()
 
@@ -320,6 +384,7 @@ class Mirror:
         self.feeds: Mapping[str, Feed] = {} if directory is not None else {"": self._feed(self.urls)}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._restarts = 0
 
     def _feed(self, urls: Sequence[str]) -> Feed:
         return Feed(urls, self._token, self.max_lag_s, self._connect_timeout_s)
@@ -373,6 +438,16 @@ class Mirror:
     def failovers(self) -> int:
         return sum(f.failovers for f in self.feeds.values())
 
+    @property
+    def rejected(self) -> int:
+        """Streams dropped, over every feed, for a frame that failed its checks."""
+        return sum(f.rejected for f in self.feeds.values())
+
+    @property
+    def restarts(self) -> int:
+        """Times a task of the mirror failed and was started again: the feeds' and the shard map's."""
+        return self._restarts + sum(f.restarts for f in self.feeds.values())
+
     async def lookup(self, hashes: list[int]) -> list[Holder] | None:
         """Holders of the longest prefixes of `hashes`, with slots, longest match first, over every shard;
         None if some feed holds no state (it is re-snapshotting: the caller asks REST).
@@ -405,7 +480,7 @@ class Mirror:
             for f in self.feeds.values():
                 f.start()
         else:
-            self._task = asyncio.create_task(self._run(self._directory))
+            self._task = asyncio.create_task(self._supervise(self._directory))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -415,6 +490,22 @@ class Mirror:
                 await asyncio.wait({self._task}, timeout=0.1)
         for f in self.feeds.values():
             await f.stop()
+
+    async def _supervise(self, directory: DirectoryClient) -> None:
+        """`_run`, started again (logged, counted, after a backoff) whatever but a refusal or `stop` ends it."""
+        delay = RETRY_S[0]
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self._run(directory)
+                return
+            except Exception:
+                if self._stopping:
+                    return
+                self._restarts += 1
+                log.exception("mirror: following the shard map failed (restart %d)", self._restarts)
+            delay = RETRY_S[0] if time.monotonic() - started >= STABLE_S else min(delay * 2, RETRY_S[1])
+            await asyncio.sleep(delay)
 
     async def _run(self, directory: DirectoryClient) -> None:
         """Read the shard map and follow it; read it again whenever a shard has committed a newer one."""

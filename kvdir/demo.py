@@ -91,8 +91,8 @@ async def _directory_demo(urls: Sequence[str], say: Callable[[str], None], token
             f"demo-a restarted (epoch {a2.epoch}): its old entries are gone; holders now "
             + ", ".join(f"{h.node_id}={h.matched_blocks}" for h in res.holders)
         )
-        await d.deregister("demo-a")
-        await d.deregister("demo-b")
+        await d.deregister("demo-a", a2.epoch)
+        await d.deregister("demo-b", b.epoch)
 
 
 async def _worker_demo(urls: Sequence[str], workers: Sequence[str], say: Callable[[str], None], token: str | None) -> None:

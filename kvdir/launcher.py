@@ -642,7 +642,9 @@ class Supervisor:
 
     The first restart waits `min_s`, each next one twice as long up to `max_s`; a process that
     stays up for `stable_s` starts again from `min_s`. Every death is logged with the tail of
-    the process's log, every restart with the new pid.
+    the process's log, every restart with the new pid. A restart that fails (the process cannot be
+    started: no memory, no file descriptors, its log unwritable) is logged with its traceback and
+    tried again after the next backoff: the rest of the cluster keeps running and being supervised.
     """
 
     def __init__(self, children: Sequence[Supervised], min_s: float = 0.5, max_s: float = 30.0, stable_s: float = 60.0) -> None:
@@ -660,6 +662,8 @@ class Supervisor:
                 continue
             code = proc.poll()
             if code is None:
+                if c.due is not None:  # a restart that raised started it after all
+                    c.due, c.since = None, now
                 if now - c.since >= self.stable_s:
                     c.delay_s = self.min_s
             elif c.due is None:
@@ -676,7 +680,13 @@ class Supervisor:
                 )
                 c.delay_s = min(2 * c.delay_s, self.max_s)
             elif now >= c.due:
-                c.start()
+                try:
+                    c.start()
+                except Exception:  # anything: one process that cannot start must not stop the others' supervision
+                    c.due = now + c.delay_s
+                    log.exception("%s could not be restarted; trying again in %.1fs", c.name, c.delay_s)
+                    c.delay_s = min(2 * c.delay_s, self.max_s)
+                    continue
                 c.due, c.since = None, now
                 restarted = c.proc()
                 log.warning("%s restarted (pid %s)", c.name, restarted.pid if restarted else "?")

@@ -189,7 +189,7 @@ def test_client_sends_its_token(secured) -> None:
             with pytest.raises(AuthError) as e:
                 await d.register("other-7", "http://127.0.0.1:9")
             assert e.value.status == 403 and e.value.error == "forbidden"
-            assert await d.deregister("worker-7") == 2
+            assert await d.deregister("worker-7", reg.epoch) == 2
         async with DirectoryClient(c.replica_urls, deadline=10) as anonymous:
             with pytest.raises(AuthError) as e:
                 await anonymous.lookup([1])

@@ -5,10 +5,12 @@ by load past that; it recovers without a restart."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import httpx
 
+from tests.support.metrics import mirror_gauges
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"
@@ -83,3 +85,48 @@ def test_without_the_mirror_lookups_go_to_a_replica(make_cluster, make_workers, 
     counts = _lookups(g.url)
     assert counts.get("rest", 0) == 1 and counts.get("mirror", 0) == 0, counts
     assert "kvdir_gateway_mirror_lag_seconds" not in httpx.get(g.url + "/metrics").text
+
+
+def _applied(url: str) -> int:
+    """The replica's position once every acknowledged write is applied (a linearizable barrier first)."""
+    assert httpx.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": []}, timeout=5).status_code == 200
+    return int(httpx.get(url + "/v1/digest", timeout=5).json()["applied"])
+
+
+def _register_and_publish(url: str, node_id: str, n: int) -> None:
+    epoch = httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:1"}, timeout=5).json()["epoch"]
+    for k in range(n):
+        body = {"node_id": node_id, "epoch": epoch, "blocks": [{"hash": 1000 + k, "slot": k}]}
+        assert httpx.post(url + "/v1/blocks", json=body, timeout=5).status_code == 200
+
+
+def test_a_directory_rebuilt_under_a_running_gateway_is_snapshotted_anew(make_cluster, make_gateway) -> None:
+    """The directory is stopped, its data dirs wiped and started again on the same addresses: a new group whose
+    positions start over. Before, the gateway's mirror resumed from its old position there, ticks called it
+    fresh, and it served the dead directory's state (then applied the new one's batches onto it)."""
+    c = make_cluster(1)
+    url = c.replica_urls[0]
+    g = make_gateway(c, 0)
+    _register_and_publish(url, "old", 25)
+    old = _applied(url)
+    wait_for(
+        lambda: (m := mirror_gauges(g.url))["position"] == old and m["lag_seconds"] <= 0.5 and m["snapshots"] == 1,
+        what="the mirror of the old directory",
+    )
+    c.stop()
+    for i in range(len(c.procs)):
+        shutil.rmtree(c.data_dir / f"replica{i + 1}")
+    c.start()
+    c.wait_ready(60)
+    _register_and_publish(url, "new", 3)
+    new = _applied(url)
+    assert new < old
+    wait_for(
+        lambda: (m := mirror_gauges(g.url))["snapshots"] == 2 and m["position"] == new and m["lag_seconds"] <= 0.5,
+        timeout=30,
+        what="a snapshot of the rebuilt directory",
+    )
+    _register_and_publish(url, "new", old)  # past the old position: applied onto the new state, no third snapshot
+    new = _applied(url)
+    assert new > old
+    wait_for(lambda: (m := mirror_gauges(g.url))["position"] == new and m["snapshots"] == 2, what="the mirror past it")

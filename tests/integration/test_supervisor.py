@@ -64,3 +64,66 @@ def test_restarts_back_off_exponentially_and_reset_once_stable(
     procs[-1].wait(30)
     supervisor.tick(now + 10.1)
     assert f"crasher (pid {procs[-1].pid}) was killed by SIGKILL; restarting it in 0.5s" in caplog.text
+
+
+def test_a_restart_that_fails_is_retried_with_backoff_and_the_others_stay_supervised(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #29 item 7e: a restart that raises (here OSError, as Popen does without memory or descriptors)
+    used to propagate out of `tick` and stop the whole cluster."""
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a_procs: list[subprocess.Popen[bytes]] = []
+    b_procs: list[subprocess.Popen[bytes]] = []
+    failures = {"left": 2}
+
+    def spawn(into: list[subprocess.Popen[bytes]], log: Path, script: str) -> None:
+        with open(log, "ab") as f:
+            p = subprocess.Popen([sys.executable, "-c", script, str(len(into))], stdout=f, stderr=subprocess.STDOUT)
+        into.append(p)
+        procs.append(p)
+
+    def start_a() -> None:
+        if a_procs and failures["left"]:
+            failures["left"] -= 1
+            raise OSError(24, "Too many open files")
+        spawn(a_procs, log_a, STAY if a_procs else CRASH)
+
+    def start_b() -> None:
+        spawn(b_procs, log_b, CRASH if len(b_procs) < 2 else STAY)
+
+    start_a()
+    start_b()
+    supervisor = Supervisor(
+        [
+            Supervised("a", lambda: a_procs[-1], start_a, log_a, since=0.0),
+            Supervised("b", lambda: b_procs[-1], start_b, log_b, since=0.0),
+        ],
+        min_s=0.5,
+        max_s=2.0,
+        stable_s=10.0,
+    )
+    caplog.set_level(logging.INFO, logger="kvdir.up")
+    a_procs[-1].wait(30)
+    b_procs[-1].wait(30)
+    supervisor.tick(0.0)  # both died: restarts due at 0.5
+    supervisor.tick(0.5)  # a's restart fails (retry in 1.0s); b's goes through, and crashes again
+    assert len(a_procs) == 1 and len(b_procs) == 2
+    assert "a could not be restarted; trying again in 1.0s" in caplog.text
+    failed = next(r for r in caplog.records if "a could not be restarted" in r.getMessage())
+    assert failed.exc_info is not None and "Too many open files" in caplog.text  # with its traceback
+    b_procs[-1].wait(30)
+    supervisor.tick(1.0)  # b's second death: restart due at 2.0; a not yet due (1.5)
+    supervisor.tick(1.5)  # a fails again: next try in 2.0s (doubled)
+    assert "a could not be restarted; trying again in 2.0s" in caplog.text and len(a_procs) == 1
+    supervisor.tick(2.0)  # b restarted, and stays up
+    assert len(b_procs) == 3 and b_procs[-1].poll() is None
+    supervisor.tick(3.4)
+    assert len(a_procs) == 1  # not before 3.5
+    supervisor.tick(3.5)  # a starts at last
+    assert len(a_procs) == 2 and a_procs[-1].poll() is None
+    assert f"a restarted (pid {a_procs[-1].pid})" in caplog.text
+    # a crash of the restarted process is supervised as usual, from the doubled delay
+    a_procs[-1].kill()
+    a_procs[-1].wait(30)
+    supervisor.tick(4.0)
+    assert f"a (pid {a_procs[-1].pid}) was killed by SIGKILL; restarting it in 2.0s" in caplog.text

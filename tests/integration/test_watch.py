@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import numpy as np
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
-from directory.watch_codec import FrameReader
+from directory.watch_codec import FrameReader, group_of
 from gateway.mirror import Mirror
 from kvdir.launcher import Cluster
 from tests.support.cluster import leader_index
@@ -196,3 +197,99 @@ def test_a_bad_position_is_a_422(make_cluster) -> None:
         r = httpx.get(cluster.replica_urls[0] + "/v1/watch", params={"from": bad}, timeout=5)
         assert r.status_code == 422, (bad, r.text)
         assert r.json()["error"] == "invalid_request"
+
+
+def _first_frames(url: str, params: dict[str, object], kinds: tuple[str, ...]) -> list[dict[str, object]]:
+    """The stream's frames up to and including the first of each of `kinds`."""
+    frames: list[dict[str, object]] = []
+    with httpx.stream("GET", url + "/v1/watch", params=params, timeout=5) as r:  # type: ignore[arg-type]
+        assert r.status_code == 200, r.read()
+        reader = FrameReader()
+        for chunk in r.iter_raw():
+            frames += reader.feed(chunk)
+            if all(any(f["k"] == k for f in frames) for k in kinds):
+                return frames
+    raise AssertionError(f"the stream ended before {kinds}")
+
+
+def test_a_foreign_group_or_a_future_position_answers_410(make_cluster) -> None:
+    cluster = make_cluster(1)
+    url = cluster.replica_urls[0]
+    assert httpx.post(url + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:1"}, timeout=5).status_code == 200
+    snap = _first_frames(url, {}, ("snapshot", "tick"))
+    group, applied = snap[0]["group"], int(snap[0]["position"])  # type: ignore[call-overload]
+    assert isinstance(group, int) and snap[-1]["group"] == group  # the snapshot and every tick carry it
+
+    def get(params: dict[str, object]) -> httpx.Response:
+        return httpx.get(url + "/v1/watch", params=params, timeout=5)  # type: ignore[arg-type]
+
+    # Before: a position the replica never reached was answered with ticks saying "fresh" (the consumer kept
+    # whatever it had as current), and no identity was checked.
+    r = get({"from": applied + 100})
+    assert r.status_code == 410 and r.json()["error"] == "future_position", r.text
+    r = get({"from": applied, "group": group + 1})
+    assert r.status_code == 410 and r.json()["error"] == "foreign_group", r.text
+    assert "without `from`" in r.json()["detail"]
+    for bad in ("x", "-1", "", str(2**64), "1" * 5000):
+        r = get({"from": applied, "group": bad})
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request", (bad, r.text)
+    # Its own group: resumed; a position ahead of this replica is one it will reach (a lagging replica): it waits.
+    (tick,) = _first_frames(url, {"from": applied, "group": group}, ("tick",))
+    assert tick["position"] == applied and tick["group"] == group
+    frames = _first_frames(url, {"from": applied + 1, "group": group}, ("tick",))
+    assert [f["k"] for f in frames] == ["tick"]
+    # A consumer that names no group still resumes from a position the replica has.
+    assert [f["k"] for f in _first_frames(url, {"from": applied}, ("tick",))] == ["tick"]
+
+
+def test_the_mirror_resnapshots_a_directory_rebuilt_from_empty_data_dirs(make_cluster) -> None:
+    """The directory is stopped, its data dirs wiped, and started again on the same addresses, under a running
+    mirror: a new group, at a position below the mirror's, then past it. Before, the mirror resumed from its
+    position on the new directory, was told it was fresh while it served the dead state, and then applied the
+    new directory's batches onto the dead state."""
+    cluster = make_cluster(1)
+
+    async def scenario() -> None:
+        mirror = Mirror(cluster.replica_urls, None, max_lag_s=0.5)
+        mirror.start()
+        client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+        try:
+            epochs = {f"old{i}": (await client.register(f"old{i}", "http://127.0.0.1:1")).epoch for i in range(3)}
+            for k in range(20):
+                node = f"old{k % 3}"
+                await client.publish(node, epochs[node], [(1000 + k, k)])
+            want = await _leader_digest(cluster)
+            await _until(lambda: mirror.fresh() and mirror.position == want["applied"], "the mirror of the old directory")
+            old_position, old_group = mirror.position, group_of(mirror.state)  # type: ignore[arg-type]
+            assert mirror.snapshots == 1 and old_group is not None
+
+            cluster.stop()
+            for i in range(len(cluster.procs)):
+                shutil.rmtree(cluster.data_dir / f"replica{i + 1}")
+            cluster.start()
+            cluster.wait_ready(60)
+            await client.aclose()
+            client = DirectoryClient(cluster.replica_urls, timeout=5.0)
+            epoch = (await client.register("new", "http://127.0.0.1:1")).epoch
+            await client.publish("new", epoch, [(7, 1), (8, 2)])
+            want = await _leader_digest(cluster)
+            assert int(want["applied"]) < old_position  # type: ignore[call-overload]
+            await _until(lambda: mirror.snapshots == 2 and mirror.fresh(), "a snapshot of the new directory")
+            await _until(lambda: mirror.position == want["applied"], f"the mirror at position {want['applied']}")
+            assert mirror.state is not None and group_of(mirror.state) not in (None, old_group)
+            assert mirror.state.digest() == want["digest"] and set(mirror.state.nodes) == {"new"}
+
+            # Past the old position: the new directory's batches, applied to its own state.
+            for k in range(old_position):
+                await client.publish("new", epoch, [(100 + k, k)])
+            want = await _leader_digest(cluster)
+            assert int(want["applied"]) > old_position  # type: ignore[call-overload]
+            await _until(lambda: mirror.fresh() and mirror.position == want["applied"], "the mirror past the old position")
+            assert mirror.state.digest() == want["digest"] and mirror.snapshots == 2
+            holders = await mirror.lookup([1000])
+            assert holders == []  # the dead directory's entries are gone
+        finally:
+            await client.aclose()
+            await mirror.stop()
+
+    asyncio.run(scenario())

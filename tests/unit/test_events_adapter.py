@@ -94,3 +94,61 @@ def test_the_model_is_shared_or_per_engine_and_registered_without_a_fingerprint(
     ]
     sub = EventsSubscriber(b, directory=Directory())  # type: ignore[arg-type]
     assert (sub.mapper.namespace, sub.mapper.model) == ("ns", "qwen")
+
+
+def test_a_message_over_max_message_bytes_is_dropped_and_the_subscriber_keeps_receiving() -> None:
+    """Issue #29 item 7c: the bound SUB socket takes whatever a peer sends; a part over --max-message-bytes is
+    dropped by ZMQ (its sender disconnected, and reconnecting by itself) instead of being buffered and decoded."""
+    import time
+
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from directory.client import DirectoryClient
+    from engines.kv_events import Batch
+
+    (port,) = free_ports(1)
+    settings = EventsSettings(directory="http://127.0.0.1:1", zmq=f"tcp://127.0.0.1:{port}", max_message_bytes=4096)
+    small = msgspec.msgpack.encode([0.0, [], 0])
+    big = msgspec.msgpack.encode([0.0, [["BlockRemoved", list(range(1000, 4000)), None]], 0])
+    assert len(big) > settings.max_message_bytes > len(small)
+    seen: list[int] = []
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        directory = DirectoryClient("http://127.0.0.1:1")
+        sub = EventsSubscriber(settings, directory=directory)
+
+        async def record(batch: Batch) -> None:
+            seen.append(batch.seq)
+
+        sub.on_batch = record  # type: ignore[method-assign]
+        sub.open(ctx)
+        assert sub._sub is not None
+        receiving = asyncio.create_task(sub._receive_loop(sub._sub))
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(settings.zmq)
+
+        async def send_until_seen(seq: int, what: str) -> None:
+            end = time.monotonic() + 10
+            while seq not in seen:  # PUB drops what it sends before (re)connecting: send again until one arrives
+                assert time.monotonic() < end, f"timed out waiting for {what}"
+                await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), small])
+                await asyncio.sleep(0.02)
+
+        try:
+            await send_until_seen(0, "the first small message")
+            await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), big])
+            await send_until_seen(2, "a small message after the oversized one")
+        finally:
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
+            pub.close(linger=0)
+            sub._sub.close(linger=0)
+            await directory.aclose()
+            ctx.term()
+
+    asyncio.run(main())
+    assert 1 not in seen and seen[-1] == 2

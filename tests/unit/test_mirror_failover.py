@@ -9,15 +9,22 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from directory.state import DirectoryState
-from directory.watch_codec import MEDIA_TYPE, frame, snapshot_message, snapshot_of, tick_frame
+from directory.state import DirectoryState, Register, new_epoch_base
+from directory.watch_codec import MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from gateway.mirror import Feed
 
 TICK_S = 0.05
 
 
+def _state() -> DirectoryState:
+    """A state with one node: a group with an identity (one without can only be followed from a snapshot)."""
+    state = DirectoryState()
+    state.apply(Register("n1", "i1", "http://127.0.0.1:1", epoch_base=new_epoch_base(12345)))
+    return state
+
+
 class FakeReplica:
-    """Answers `GET /v1/watch`: a snapshot of an empty state (without `from`), then ticks saying `fresh`."""
+    """Answers `GET /v1/watch`: a snapshot of a one-node state (without `from`), then ticks saying `fresh`."""
 
     def __init__(self, fresh: bool) -> None:
         self.fresh = fresh
@@ -46,11 +53,11 @@ class FakeReplica:
                 pass
             self.requests.append(target)
             writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {MEDIA_TYPE}\r\nConnection: close\r\n\r\n".encode())
-            state = DirectoryState()
+            state = _state()
             if "from=" not in target:
                 writer.write(frame(snapshot_message(snapshot_of(state))))
             while self._server is not None and self._server.is_serving():
-                writer.write(tick_frame(state.applied, self.fresh, 0.5))
+                writer.write(tick_frame(state.applied, self.fresh, 0.5, group=group_of(state)))
                 await writer.drain()
                 await asyncio.sleep(TICK_S)
         except (ConnectionError, IndexError):
@@ -99,8 +106,38 @@ def test_a_stale_source_is_left_for_a_replica_that_is_caught_up() -> None:
         try:
             await _until(feed.fresh, "a fresh feed, from B")
             assert feed.failovers == 1 and feed.snapshots == 1  # resumed from its position on B, no new snapshot
-            assert b.requests[-1] == "/v1/watch?from=0"
+            assert b.requests[-1] == f"/v1/watch?from=1&group={group_of(_state())}"
         finally:
             await feed.stop()
 
     _run(scenario, a_fresh=False, b_fresh=True)
+
+
+def test_a_failure_of_any_kind_restarts_the_feed_from_a_snapshot_and_is_counted(monkeypatch) -> None:
+    """An exception the feed does not expect (here the snapshot's decoding raising RuntimeError once) used to end
+    its task for good, the gateway on REST lookups until restarted; now it is logged, counted, and the feed
+    snapshots again from the next replica."""
+    import gateway.mirror
+
+    real, calls = gateway.mirror.state_from, []
+
+    def flaky(snap: dict[str, object]) -> DirectoryState:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("an unexpected failure")
+        return real(snap)
+
+    monkeypatch.setattr(gateway.mirror, "state_from", flaky)
+
+    async def scenario(a: FakeReplica, b: FakeReplica) -> None:
+        feed = Feed([a.url, b.url], None, max_lag_s=0.3)
+        feed.start()
+        try:
+            await _until(feed.fresh, "a fresh feed after the failure")
+            assert feed.restarts == 1 and feed.snapshots == 1 and len(calls) == 2
+            assert a.requests == ["/v1/watch"] and b.requests[0] == "/v1/watch"  # the next replica, from a snapshot
+            assert feed._task is not None and not feed._task.done()
+        finally:
+            await feed.stop()
+
+    _run(scenario, a_fresh=True, b_fresh=True)

@@ -11,6 +11,8 @@ import pytest
 from directory.shardmap import SHARD_BITS
 from directory.state import (
     EPOCH_BASE_BITS,
+    EPOCH_OFFSET_BITS,
+    EPOCH_RANDOM_BITS,
     INDEX_FULL,
     INVALID,
     NODE_LIMIT,
@@ -174,9 +176,27 @@ def test_a_rebuilt_directory_does_not_reuse_the_old_ones_epochs():
     assert view(new, [1]) == []
 
 
-def test_epoch_base_stays_below_2_to_the_62():
-    assert new_epoch_base((1 << 64) - 1) < 1 << 62
+def test_epoch_base_stays_an_int64_for_2_to_the_30_registrations():
+    top = new_epoch_base((1 << 64) - 1, (1 << SHARD_BITS) - 1)
+    assert top + (1 << 30) < 1 << 63
     assert new_epoch_base(0) == 0 and new_epoch_base(1) == 1 << (EPOCH_BASE_BITS + SHARD_BITS)
+    assert new_epoch_base(1 << (63 - EPOCH_BASE_BITS - SHARD_BITS)) == 1  # past the high part's: the offset
+
+
+def test_epoch_bases_use_every_random_bit_the_int64_format_leaves():
+    """Issue #29 item 7a: bases had 23 random bits (the shard index took 8 of the high part's 31, and the low
+    part was always 0). Every one of the EPOCH_RANDOM_BITS now changes the base, and none touches the shard
+    index's bits."""
+    assert EPOCH_RANDOM_BITS == 54 == 63 - EPOCH_BASE_BITS - SHARD_BITS + EPOCH_OFFSET_BITS
+    shard_bits = ((1 << SHARD_BITS) - 1) << EPOCH_BASE_BITS
+    bases = {new_epoch_base(1 << k, 3) for k in range(EPOCH_RANDOM_BITS)}
+    assert len(bases) == EPOCH_RANDOM_BITS and new_epoch_base(0, 3) not in bases
+    for b in bases:
+        assert b & shard_bits == 3 << EPOCH_BASE_BITS
+        assert b < 1 << 63
+    assert new_epoch_base(1 << EPOCH_RANDOM_BITS, 3) == new_epoch_base(0, 3)  # more bits are ignored
+    # The counter starts within the low half of its part: 2**30 registrations never reach the high part.
+    assert (new_epoch_base((1 << EPOCH_RANDOM_BITS) - 1, 3) & ((1 << EPOCH_BASE_BITS) - 1)) < 1 << EPOCH_OFFSET_BITS
 
 
 # -- fencing ---------------------------------------------------------------------------
@@ -453,6 +473,54 @@ def test_deregister(st):
     assert "a" not in st.nodes
     assert view(st, [1, 2, 3]) == [("b", eb, 2)]
     assert st.apply(Deregister("a")).status == UNKNOWN_NODE
+
+
+def test_deregister_names_the_epoch_it_ends(st):
+    e1 = reg(st, "a", "inc-1")
+    pub(st, "a", e1, [1, 2, 3])
+    r = st.apply(Deregister("a", e1))
+    assert r.ok and r.value == 3 and "a" not in st.nodes
+
+
+def test_a_delayed_deregister_of_an_old_epoch_spares_the_new_registration(st):
+    """Issue #29 item 6: register e1, its deregistration is delayed (a retry, a watchdog's resend), the node
+    registers again (e2) and publishes; when the old deregistration finally applies it is refused, and e2's
+    registration and acknowledged entries remain."""
+    e1 = reg(st, "a", "inc-1")
+    pub(st, "a", e1, [1, 2])
+    late = Deregister("a", e1)  # sent now, committed only after what follows
+    e2 = reg(st, "a", "inc-2")
+    assert e2 > e1
+    assert pub(st, "a", e2, [1, 2, 3], [5, 6, 7]).ok
+    before = st.digest()
+    r = st.apply(late)
+    assert r.status == STALE_EPOCH and r.value == e2
+    assert st.nodes["a"].epoch == e2
+    assert view(st, [1, 2, 3], with_slots=True) == [("a", e2, 3, [5, 6, 7])]
+    assert st.digest() == before
+    assert st.apply(late).status == STALE_EPOCH  # and again, if resent once more: idempotent
+    assert st.apply(Deregister("a", e2)).ok  # e2's own deregistration still works
+    assert "a" not in st.nodes
+
+
+def test_a_deregister_pickle_of_before_epochs_loads_as_whatever_is_current():
+    """A Raft entry written before `Deregister.epoch` existed (pinned bytes, pickle protocol 4 of
+    `Deregister("worker-1")` from the old directory/state.py) unpickles with epoch None and still
+    deregisters the current registration."""
+    from directory.raft_transport import safe_loads
+
+    old = bytes.fromhex(
+        "80049534000000000000008c0f6469726563746f72792e7374617465948c0a446572656769737465729493942981945d948c08776f"
+        "726b65722d319461622e"
+    )
+    for got in (pickle.loads(old), safe_loads(old)):
+        assert got == Deregister("worker-1") and got.epoch is None
+        s = DirectoryState()
+        e = reg(s, "worker-1")
+        pub(s, "worker-1", e, [1])
+        assert s.apply(got) == Result(OK, 1)
+    new = Deregister("worker-1", 7)
+    assert pickle.loads(pickle.dumps(new, 4)) == new
 
 
 def test_deregistered_index_reused_without_leaking(st):

@@ -95,8 +95,13 @@ class Model:
             self.nodes[cmd.node_id] = MNode(self.counter, cmd.incarnation, cmd.capacity_blocks)
             return (OK, self.counter)
         if isinstance(cmd, Deregister):
-            node = self.nodes.pop(cmd.node_id, None)
-            return (UNKNOWN_NODE, None) if node is None else (OK, len(node.entries))
+            node = self.nodes.get(cmd.node_id)
+            if node is None:
+                return (UNKNOWN_NODE, None)
+            if cmd.epoch is not None and cmd.epoch != node.epoch:
+                return (STALE_EPOCH, node.epoch)  # ends an earlier registration: the current one stays
+            del self.nodes[cmd.node_id]
+            return (OK, len(node.entries))
         if isinstance(cmd, Expire):
             node = self.nodes.get(cmd.node_id)
             if node is None or node.epoch != cmd.epoch or node.seen != cmd.seen:
@@ -160,7 +165,7 @@ heartbeat_op = st.tuples(st.just("heartbeat"), node_choice, epoch_choice)
 remove_op = st.tuples(st.just("remove"), node_choice, epoch_choice, hash_list)
 clear_op = st.tuples(st.just("clear"), node_choice, epoch_choice)
 expire_op = st.tuples(st.just("expire"), node_choice, epoch_choice, st.sampled_from(["before", "before", "cur"]))
-deregister_op = st.tuples(st.just("deregister"), node_choice)
+deregister_op = st.tuples(st.just("deregister"), node_choice, st.one_of(epoch_choice, st.none()))
 
 # the leader's view is current: this Expire does expire a registered node
 expire_now_op = st.tuples(st.just("expire"), st.integers(0, 3), st.just("cur"), st.just("cur"))
@@ -233,7 +238,7 @@ def resolve(op, state: DirectoryState, hist: History):
     if kind == "expire":
         seen = 0 if node is None else node.seen - (op[3] == "before")
         return Expire(node_id, epoch(op[2]), seen)
-    return Deregister(node_id)
+    return Deregister(node_id, None if op[2] is None else epoch(op[2]))  # None: an admin's, whatever is current
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -493,7 +498,7 @@ def test_long_random_sequences_against_model():
             elif kind == "expire":
                 op = (kind, node_id, ep, ["cur", "before", "before"][rng.integers(3)])
             elif kind == "deregister":
-                op = (kind, node_id)
+                op = (kind, node_id, [ep, None][rng.integers(2)])
             else:
                 op = (kind, node_id, ep)
             m._step(op, [[int(x) for x in rng.integers(0, 12, size=int(rng.integers(1, 7)))]])

@@ -3,13 +3,17 @@ encoded commands gives the same results and state as the replica, whatever the c
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from directory.changefeed import ChangeFeed, Compacted
+from directory.changefeed import Ahead, ChangeFeed, Compacted
 from directory.state import (
+    EPOCH_BASE_BITS,
     AnnounceReplica,
     Clear,
     Command,
@@ -22,14 +26,17 @@ from directory.state import (
     Register,
     Remove,
     command_size,
+    new_epoch_base,
 )
 from directory.watch_codec import (
+    MAX_NODES,
     FrameReader,
     WireError,
     batch_frame,
     decode_command,
     encode_command,
     frame,
+    group_of,
     snapshot_message,
     snapshot_of,
     state_from,
@@ -55,7 +62,7 @@ commands = st.one_of(
         st.sampled_from([0, 1 << 31]),
     ),
     st.builds(Heartbeat, node, epoch, st.sampled_from([None, {"running": 1.0, "waiting": 2}])),
-    st.builds(Deregister, node),
+    st.builds(Deregister, node, st.one_of(st.none(), epoch)),
     hashes.flatmap(
         lambda h: st.builds(
             Publish,
@@ -101,7 +108,7 @@ def test_a_mirror_from_a_snapshot_and_the_encoded_commands_equals_the_replica(cm
 
 
 def test_frames_split_anywhere_decode_the_same() -> None:
-    data = tick_frame(3, True, 0.5) + batch_frame(4, [Noop()]) + tick_frame(4, False, 0.5)
+    data = tick_frame(3, True, 0.5, group=None) + batch_frame(4, [Noop()]) + tick_frame(4, False, 0.5, group=7)
     for cut in range(len(data) + 1):
         reader = FrameReader()
         got = reader.feed(data[:cut]) + reader.feed(data[cut:])
@@ -149,3 +156,201 @@ def test_the_feed_keeps_a_bounded_tail_and_says_when_a_position_is_gone() -> Non
     assert feed.after(9) == [] and feed.start == 9
     with pytest.raises(Compacted):
         feed.after(5)
+
+
+def test_a_deregister_frame_carries_its_epoch_and_an_old_one_means_whatever_is_current():
+    assert encode_command(Deregister("w", 7)) == ["D", "w", 7]
+    assert decode_command(["D", "w", 7]) == Deregister("w", 7)
+    assert decode_command(["D", "w"]) == Deregister("w", None)  # from a replica of before epochs on deregistrations
+
+
+# -- the group's identity and positions beyond the feed (issue #29, item 3) -------------------------------
+
+
+def test_the_group_identity_is_the_first_registrations_random_epoch_base_and_snapshots_carry_it() -> None:
+    s = DirectoryState()
+    assert group_of(s) is None  # no node ever registered: no identity yet
+    s.apply(AnnounceReplica("127.0.0.1:9", "http://127.0.0.1:8"))
+    assert group_of(s) is None
+    base = new_epoch_base(0x5A5A5A, 3)
+    s.apply(Register("n1", "i1", "http://127.0.0.1:1", epoch_base=base))
+    group = group_of(s)
+    assert group == base >> EPOCH_BASE_BITS and group is not None
+    for i in range(5):  # later registrations draw other bases: the counter, and so the identity, keep the first
+        s.apply(Register(f"m{i}", "i1", "http://127.0.0.1:1", epoch_base=new_epoch_base(i + 1, 3)))
+    assert group_of(s) == group
+    assert group_of(DirectoryState()) != group_of(s)
+    (f,) = FrameReader().feed(frame(snapshot_message(snapshot_of(s))))
+    assert f["group"] == group and group_of(state_from(f["state"])) == group
+    (t,) = FrameReader().feed(tick_frame(s.applied, True, 0.5, group=group))
+    assert t["group"] == group
+
+
+def test_a_position_beyond_the_feed_is_ahead_not_an_empty_answer() -> None:
+    feed = ChangeFeed(max_bytes=1 << 20)
+    feed.append(1, [Noop()])
+    assert feed.after(1) == [] and [p for p, _ in feed.after(0)] == [1]
+    with pytest.raises(Ahead, match="beyond this replica's"):
+        feed.after(2)  # before: [] (as if caught up), and the stream ticked on
+    assert issubclass(Ahead, Compacted)
+    assert feed.after(2, wait_ahead=True) == []  # a consumer of this very group: it waits for position 2
+    feed.append(2, [Noop()])
+    feed.append(3, [Noop()])
+    assert [p for p, _ in feed.after(2, wait_ahead=True)] == [3]
+
+
+# -- every decoded frame is checked (issue #29, item 4) ----------------------------------------------------
+
+
+def _good_state() -> DirectoryState:
+    s = DirectoryState(max_nodes=8)
+    s.apply(Register("n1", "i1", "http://127.0.0.1:1", capacity_blocks=100, epoch_base=new_epoch_base(99)))
+    s.apply(Register("n2", "i1", "http://127.0.0.1:2", epoch_base=new_epoch_base(98)))
+    s.apply(Register("n3", "i1", "http://127.0.0.1:3", epoch_base=new_epoch_base(97)))
+    s.apply(Register("n4", "i1", "http://127.0.0.1:4", epoch_base=new_epoch_base(96)))
+    s.apply(Deregister("n2"))  # index 1 free
+    e1 = s.nodes["n1"].epoch
+    s.apply(Publish("n1", e1, np.asarray([1, 2, 3], np.uint64), np.asarray([0, 5, 99], np.uint32)))
+    s.apply(Publish("n3", s.nodes["n3"].epoch, np.asarray([2, 7], np.uint64), np.asarray([1, 2**32 - 1], np.uint32)))
+    return s
+
+
+def _snap() -> dict[str, object]:
+    snap = snapshot_of(_good_state())
+    assert state_from(snap).digest() == _good_state().digest()  # the unmodified snapshot passes every check
+    return snap
+
+
+def _node_row(snap: dict[str, object], node_id: str) -> list[object]:
+    return next(row for row in snap["nodes"] if row[0] == node_id)  # type: ignore[attr-defined]
+
+
+def _set_holder(snap: dict[str, object], i: int, idx: int) -> None:
+    holders = np.frombuffer(snap["holders"], "<u4").copy()  # type: ignore[arg-type]
+    holders[i] = idx
+    snap["holders"] = holders.tobytes()
+
+
+def _huge_index(snap: dict[str, object]) -> None:
+    """The attack of the issue: a node index near 2**32 (every bound that would admit it raised to match)."""
+    snap["max_nodes"] = snap["next_idx"] = 2**32
+    _node_row(snap, "n1")[1] = 2**32 - 1
+    snap["free_idx"] = []
+    _set_holder(snap, 0, 2**32 - 1)
+
+
+def _unregistered_holder(snap: dict[str, object]) -> None:
+    _set_holder(snap, 0, 1)  # n2's index, free since it deregistered
+
+
+def _slot_beyond_capacity(snap: dict[str, object]) -> None:
+    holders = np.frombuffer(snap["holders"], "<u4")  # type: ignore[arg-type]
+    slots = np.frombuffer(snap["slots"], "<u4").copy()  # type: ignore[arg-type]
+    slots[int(np.flatnonzero(holders == _node_row(snap, "n1")[1])[0])] = 100  # n1 has 100 slots
+    snap["slots"] = slots.tobytes()
+
+
+def _twice(snap: dict[str, object]) -> None:
+    for k in ("keys", "holders", "slots"):
+        snap[k] = snap[k] + snap[k][-(8 if k == "keys" else 4) :]  # type: ignore[operator]
+
+
+def _set(key: str, value: object) -> Callable[[dict[str, object]], None]:
+    return lambda snap: snap.__setitem__(key, value)
+
+
+def _row(node_id: str, i: int, value: object) -> Callable[[dict[str, object]], None]:
+    return lambda snap: _node_row(snap, node_id).__setitem__(i, value)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (_huge_index, "a mirror holds at most"),
+        (_set("max_nodes", MAX_NODES + 1), "a mirror holds at most"),
+        (_row("n1", 1, 7), "out of range"),  # an index at or past next_idx
+        (_row("n1", 1, -1), "out of range"),
+        (_row("n3", 1, 0), "listed twice"),  # two nodes on one index
+        (_set("free_idx", [1, 1]), "do not partition"),
+        (_set("free_idx", []), "do not partition"),
+        (_unregistered_holder, "unregistered node indices"),
+        (_slot_beyond_capacity, "beyond its node's capacity"),
+        (_twice, "listed twice"),
+        (_set("keys", b"\x00" * 7), "uint64 array"),
+        (_set("holders", [0, 0]), "packed bytes"),
+        (_set("max_entries", 2), "over the snapshot's max_entries"),
+        (_set("applied", "7"), "integer was due"),
+        (_set("applied", True), "integer was due"),
+        (_set("epoch_counter", -1), "out of range"),
+        (_row("n1", 2, 2**62), "out of range"),  # an epoch the counter never handed out
+        (_row("n1", 0, 5), "string was due"),
+        (_row("n1", 9, {"running": "many"}), "finite number"),
+        (_row("n1", 9, {"running": float("nan")}), "finite number"),
+        (_row("n1", 6, [{"rank": [0]}]), "region"),
+        (_row("n1", 7, "100"), "integer was due"),
+        (_set("replicas", []), "replicas are a map"),
+        (_set("nodes", {}), "list was due"),
+        (lambda snap: snap.pop("nodes"), "nodes"),
+        (_set("shard_map", [1, "s0", [], [], "{}", False]), "no shards"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else getattr(v, "__name__", "spoil"),
+)
+def test_a_malformed_snapshot_is_refused_before_anything_is_allocated_for_it(spoil, why: str) -> None:
+    snap = _snap()
+    spoil(snap)
+    started = time.monotonic()
+    with pytest.raises(WireError, match=f"malformed snapshot.*{why}"):
+        state_from(snap)
+    assert time.monotonic() - started < 1.0  # before: the huge index sized per-node arrays at 2**32 (tens of GB)
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (frame({"k": "tick", "position": 3, "bound_s": 0.5}), "tick frame without 'fresh'"),  # before: a KeyError
+        (frame({"k": "tick", "position": "3", "fresh": True, "bound_s": 0.5}), "integer was due"),
+        (frame({"k": "tick", "position": 3, "fresh": 1, "bound_s": 0.5}), "boolean was due"),
+        (frame({"k": "tick", "position": 3, "fresh": True, "bound_s": -1.0}), "negative bound_s"),
+        (frame({"k": "tick", "position": 3, "fresh": True, "bound_s": 0.5, "group": "g"}), "integer was due"),
+        (frame({"k": "tick", "position": -1, "fresh": True, "bound_s": 0.5}), "out of range"),
+        (frame({"k": "batch", "position": 3}), "batch frame without 'commands'"),
+        (frame({"k": "batch", "position": 3, "commands": 5}), "list was due"),
+        (frame({"k": "snapshot", "position": 3, "state": [1]}), "state is a map"),
+        (frame({"k": "snapshot", "state": {}}), "snapshot frame without 'position'"),
+        (frame([1, 2]), "not a snapshot, batch or tick"),  # type: ignore[arg-type]
+    ],
+)
+def test_frames_with_missing_or_mistyped_fields_are_refused(data: bytes, why: str) -> None:
+    with pytest.raises(WireError, match=why):
+        FrameReader().feed(data)
+
+
+@pytest.mark.parametrize(
+    "encoded",
+    [
+        ["P", "n0", "1", b"\x00" * 8, b"\x00" * 4, None],  # a string epoch
+        ["P", "n0", 1, b"\x00" * 8, b"\x00" * 4, 5],  # a medium that is no string
+        ["P", 7, 1, b"", b"", None],
+        ["P", "n0", -1, b"", b"", None],
+        ["P", "n0", 2**63, b"", b"", None],
+        ["R", "n0", 1, "not bytes"],
+        ["H", "n0", 1, {"running": "x"}],
+        ["H", "n0", 1, [1, 2]],
+        ["H", "n0", True, None],
+        ["G", "n0", "i", "http://x", None, {"rank": 0}, None, None, 0],  # regions as a map
+        ["G", "n0", "i", "http://x", None, [], -5, None, 0],  # a negative capacity
+        ["G", "n0", "i", "http://x", None, [], None, 0, 0],  # a block size of 0
+        ["G", "n0", "i", "http://x", 5, [], None, None, 0],
+        ["G", "n0", "i", "http://x", None, [], None, None, "0"],
+        ["C", "n0", None],
+        ["E", "n0", 1, 1.5],
+        ["A", "127.0.0.1:1", None],
+        ["S", 1, "s0", ["s0"], [["a"]], "{}", False],
+        ["S", "1", "s0", ["s0"], [], "{}", False],
+        [5, "n0"],
+        {"P": 1},
+    ],
+)
+def test_commands_with_mistyped_or_out_of_range_fields_are_refused(encoded: object) -> None:
+    with pytest.raises(WireError):
+        decode_command(encoded)

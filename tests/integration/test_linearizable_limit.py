@@ -1,0 +1,46 @@
+"""Linearizable lookups, which each append a Raft entry, are rate-limited per token (issue #29 item 7f)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+ENGINE, GATEWAY, ADMIN = "engine-tok-9a0b1c2d", "gateway-tok-3e4f5a6b", "admin-tok-7c8d9e0f1a"
+TOKENS = f"engine:worker-*:{ENGINE}\ngateway:*:{GATEWAY}\nadmin:*:{ADMIN}\n"
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_a_tokens_linearizable_lookups_are_limited_with_429_and_retry_after(make_cluster, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    tokens.chmod(0o600)
+    # 0.2 per second: a burst of one, the next one 5 s later (slow machines cannot refill it by accident).
+    args = ("--auth-tokens-file", str(tokens), "--linearizable-lookups-per-s", "0.2")
+    c = make_cluster(1, lease_ttl_s=300, extra_args=args, token=ADMIN)
+    url = c.replica_urls[0]
+
+    def lookup(token: str, consistency: str) -> httpx.Response:
+        return httpx.post(url + "/v1/lookup", json={"hashes": [1], "consistency": consistency}, headers=bearer(token))
+
+    def applied() -> int:
+        return int(httpx.get(url + "/v1/digest", headers=bearer(ADMIN)).json()["applied"])
+
+    assert lookup(GATEWAY, "linearizable").status_code == 200
+    before = applied()
+    r = lookup(GATEWAY, "linearizable")
+    assert r.status_code == 429 and r.json()["error"] == "rate_limited", r.text
+    assert "--linearizable-lookups-per-s" in r.json()["detail"]
+    assert 1 <= int(r.headers["Retry-After"]) <= 5
+    assert applied() == before  # refused before anything went through Raft
+    for _ in range(5):
+        assert lookup(GATEWAY, "local").status_code == 200  # local lookups append nothing: never limited
+    assert lookup(ENGINE, "linearizable").status_code == 200  # each token has its own allowance
+    assert lookup(ENGINE, "linearizable").status_code == 429
+    for _ in range(3):
+        assert lookup(ADMIN, "linearizable").status_code == 200  # an admin's are not limited
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kvdir_directory_requests_rejected_total{error="rate_limited"}' in metrics
