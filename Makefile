@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run lint test test-compose test-vllm vllm-install bench clean sysdeps
+.PHONY: install run lint test test-scale test-compose test-vllm vllm-install bench clean sysdeps
 
 install: $(STAMP)
 
@@ -39,8 +39,13 @@ lint: install
 # but the tests marked serial; then those alone. Exit status 5 is "no test selected" (an ARGS subset).
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial' $(ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -m serial $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not scale' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m 'serial and not scale' $(ARGS) || [ $$? -eq 5 ]
+
+# Tests at production scale (millions of entries: minutes each on 2 cores), run alone; `.ci/run` runs them after
+# `make test`, which they would push past its 10 minutes.
+test-scale: install
+	$(PY) -m pytest -m scale $(ARGS)
 
 # The docker-compose cluster, built, run and broken (tests/compose/run.sh: installs Docker from Debian's
 # packages and starts a daemon when needed, and stops what it started).

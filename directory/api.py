@@ -569,7 +569,14 @@ async def watch_changes(
             "every tenant's entries: use POST /v1/lookup",
         )
     try:
-        return await watch.open_stream(replica, from_, group)
+        key = (
+            f"token line {principal.line}"
+            if principal is not None
+            else f"address {request.client.host if request.client else '?'}"
+        )
+        return await watch.open_stream(replica, request.app.state.watchers, key, from_, group)
+    except watch.TooManyWatchers as exc:
+        raise ApiError(429, "too_many_watchers", str(exc), retry_after_s=5.0) from exc
     except watch.ForeignGroup as exc:
         raise ApiError(410, "foreign_group", f"{exc}: watch again without `from` for a snapshot") from exc
     except watch.FuturePosition as exc:
@@ -655,6 +662,9 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
         metrics = DirectoryMetrics(replica)
         await replica.start(on_commit=metrics.on_commit)
         app.state.replica, app.state.metrics = replica, metrics
+        app.state.watchers = watch.Watchers(
+            settings.watch_max_streams, settings.watch_max_streams_per_token, settings.watch_stall_s, metrics
+        )
         log.info("replica %s serving %s (peers: %s)", settings.raft, settings.url, settings.peers or "none")
         try:
             yield

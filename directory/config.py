@@ -47,6 +47,16 @@ class DirectorySettings(BaseSettings):
         description="bytes of committed changes kept for watchers (GET /v1/watch), about 12 per block; "
         "a watcher further behind re-snapshots",
     )
+    watch_max_streams: int = Field(64, ge=1, description="most watch streams (GET /v1/watch) open on this replica (429 above)")
+    watch_max_streams_per_token: int = Field(
+        8, ge=1, description="most watch streams one token (one client address with auth off) may hold open (429 above)"
+    )
+    watch_stall_s: float = Field(
+        10.0,
+        gt=0,
+        description="a watcher that accepts none of the next 256 KiB of its stream for this long is cut off "
+        "(a slow consumer: what is buffered for it stays bounded)",
+    )
     raft_password: SecretStr | None = Field(None, description="encrypts and authenticates Raft traffic (same on every replica)")
     raft_password_file: Path | None = Field(
         None, description="file holding the Raft password (e.g. a Docker or Kubernetes secret)"

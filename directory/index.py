@@ -52,6 +52,13 @@ index keeps every array referenced for as long as its address is in the
 table, re-points the table (`_publish`, `_relayout`) whenever it replaces
 one, and pickles arrays, never addresses.
 
+Why copy-on-write: a watch stream's snapshot must not hold the state lock for O(entries) (the Raft
+thread waits for that lock to apply, so 5M entries copied under it stalled heartbeats for 70-240 ms).
+`frozen` hands out the arrays themselves in O(partitions) and marks them shared; the one mutation
+that writes into arrays in place (slots updated, tombstones marked, `_store` and `_drop`) first copies
+the shared arrays it would write (`_own`), so a frozen view never changes under its reader. Every other
+mutation builds new arrays anyway.
+
 Removals mark an entry's node as DEAD (a tombstone) in the main level and
 delete it from the recent level; tombstones are compacted away when they make
 up a quarter of a partition. `digest`, `items` and `entries` depend only on
@@ -64,6 +71,7 @@ calls. Not thread-safe: the caller serialises mutations against reads.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -419,10 +427,11 @@ def _insert_sorted(
 class _Part:
     """The main level of the hashes in [lo, hi): CSR arrays sorted by hash and the probe table over them."""
 
-    __slots__ = ("hi", "lo", "mul", "nodes", "shift", "slots", "starts", "tkey", "trow", "ukeys")
+    __slots__ = ("hi", "lo", "mul", "nodes", "shared", "shift", "slots", "starts", "tkey", "trow", "ukeys")
 
     def __init__(self, lo: int, hi: int, main: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         self.lo, self.hi = lo, hi  # hi is exclusive: 2**64 for the last partition
+        self.shared = False  # `nodes` and `slots` are in a frozen view: copy them before writing (BlockIndex._own)
         ukeys, starts, nodes, slots = main or (_EMPTY_U64, np.zeros(2, dtype=np.int64), _EMPTY_U32, _EMPTY_U32)
         self.ukeys, self.starts, self.nodes, self.slots = ukeys, starts, nodes, slots
         # A hash's home slot: its offset in [lo, hi), cut to 32 bits, times the table size over the
@@ -439,9 +448,31 @@ class _Part:
 
     def live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Live entries as (hashes, nodes, slots), sorted by hash."""
-        keys = np.repeat(self.ukeys, np.diff(self.starts[:-1]))
-        live = self.nodes != DEAD
-        return keys[live], self.nodes[live], self.slots[live]
+        return _live(self.ukeys, self.starts, self.nodes, self.slots)
+
+
+def _live(
+    ukeys: np.ndarray, starts: np.ndarray, nodes: np.ndarray, slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A CSR level's live entries as (hashes, nodes, slots), sorted by hash."""
+    keys = np.repeat(ukeys, np.diff(starts[:-1]))
+    live = nodes != DEAD
+    return keys[live], nodes[live], slots[live]
+
+
+class FrozenEntries:
+    """The index's entries as they were when `BlockIndex.frozen` was called, readable on any thread
+    without the lock: the arrays are the index's own, which it copies before it writes into them."""
+
+    __slots__ = ("_main", "_recent", "size")
+
+    def __init__(self, main: Sequence[tuple[np.ndarray, ...]], recent: tuple[np.ndarray, ...], size: int) -> None:
+        self._main, self._recent, self.size = main, recent, size
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All live entries as (hashes, nodes, slots), in no particular order: O(entries), off the lock."""
+        levels = [_live(*m) for m in self._main] + [self._recent]
+        return tuple(np.concatenate(column) for column in zip(*levels))  # type: ignore[return-value]
 
 
 def _split(lo: int, hi: int, ukeys: np.ndarray, starts: np.ndarray, nodes: np.ndarray, slots: np.ndarray) -> list[_Part]:
@@ -479,6 +510,8 @@ class BlockIndex:
         self._rkeys: np.ndarray = _EMPTY_U64
         self._rnodes: np.ndarray = _EMPTY_U32
         self._rslots: np.ndarray = _EMPTY_U32
+        self._recent_shared = False  # `_rslots` is in a frozen view (`frozen`): copy it before writing
+        self._nshared = 0  # partitions marked shared: none on the hot path unless a view was frozen
         self._size = 0
         self._counts: dict[int, int] = {}
         self._node_bound = 0  # 1 + the largest node index ever stored
@@ -527,6 +560,7 @@ class BlockIndex:
         part = self._parts[i]
         a, b = self._recent_range(part)
         new = self._rebuilt(part, a, b)
+        self._nshared -= part.shared  # replaced by new arrays: a frozen view keeps the old ones
         if b > a:
             self._rkeys, self._rnodes, self._rslots = (
                 np.concatenate((r[:a], r[b:])) for r in (self._rkeys, self._rnodes, self._rslots)
@@ -618,8 +652,9 @@ class BlockIndex:
             slots = slots[::-1][last]
         slots = np.ascontiguousarray(slots, dtype=np.uint32)
         part, main, recent = self._locate(hashes, node)
-        _store(self._meta, _SLOTS, part, main, slots)
         in_recent = recent >= 0
+        self._own(part[main >= 0], bool(in_recent.any()))
+        _store(self._meta, _SLOTS, part, main, slots)
         self._rslots[recent[in_recent]] = slots[in_recent]
         new = (main < 0) & ~in_recent
         added = int(new.sum())
@@ -658,6 +693,7 @@ class BlockIndex:
         """Forget that `node` holds these hashes; unknown ones are ignored. Returns entries removed."""
         part, main, recent = self._locate(np.unique(hashes), node)
         in_main, in_recent = main >= 0, recent >= 0
+        self._own(part[in_main], False)
         _store(self._meta, _NODES, part, main, np.full(len(main), DEAD, dtype=np.uint32))
         np.add.at(self._dead, part[in_main], 1)
         if in_recent.any():
@@ -677,6 +713,8 @@ class BlockIndex:
         this leaves a quarter dead are compacted one a mutation, not all at once."""
         if not self._counts.pop(node, 0):
             return 0
+        # Its entries are spread over every partition by hash: the pass below reads all of them anyway.
+        self._own(np.arange(len(self._parts)), False)
         dropped = _drop(np.uint32(node), self._meta)
         self._dead += dropped
         gone = self._rnodes == node
@@ -690,6 +728,28 @@ class BlockIndex:
         self._rebuild_due(0)
         return removed
 
+    def _own(self, parts: np.ndarray, recent: bool) -> None:
+        """Copy the shared arrays an in-place write is about to touch: the main-level `nodes` and `slots` of
+        `parts`, the recent level's slots if `recent`; a frozen view (`frozen`) keeps the old ones."""
+        for i in np.unique(parts).tolist() if self._nshared and len(parts) else ():
+            p = self._parts[i]
+            if p.shared:
+                p.nodes, p.slots, p.shared = p.nodes.copy(), p.slots.copy(), False
+                self._nshared -= 1
+                self._publish(i)
+        if recent and self._recent_shared:
+            self._rslots, self._recent_shared = self._rslots.copy(), False
+
+    def frozen(self) -> FrozenEntries:
+        """The entries as they are now, in O(partitions) (under the caller's lock): a watch stream's snapshot
+        reads them off the lock while mutations go on (copy-on-write: `_own`)."""
+        for p in self._parts:
+            p.shared = True
+        self._nshared = len(self._parts)
+        self._recent_shared = True
+        main = [(p.ukeys, p.starts, p.nodes, p.slots) for p in self._parts]
+        return FrozenEntries(main, (self._rkeys, self._rnodes, self._rslots), self._size)
+
     def _uncount(self, node: int, n: int) -> None:
         left = self._counts.get(node, 0) - n
         if left > 0:
@@ -702,6 +762,7 @@ class BlockIndex:
         for `load`, tests and benchmarks; mutations merge a partition at a time."""
         self._parts = [q for p in self._parts for q in self._rebuilt(p, *self._recent_range(p))]
         self._rkeys, self._rnodes, self._rslots = _EMPTY_U64, _EMPTY_U32, _EMPTY_U32
+        self._nshared = 0
         self._dead = np.zeros(len(self._parts), dtype=np.int64)
         self._rcount = np.zeros(len(self._parts), dtype=np.int64)
         self._relayout()
@@ -738,6 +799,7 @@ class BlockIndex:
         self._parts = [_Part(int(lo), int(hi), main) for lo, hi, *main in state["parts"]]
         self._dead = state["dead"]
         self._rkeys, self._rnodes, self._rslots = state["recent"]
+        self._recent_shared, self._nshared = False, 0
         self._size = state["size"]
         self._counts = state["counts"]
         self._node_bound = state["node_bound"]

@@ -33,6 +33,13 @@ class DirectoryMetrics:
         self.commit_seconds = Histogram(
             "kvdir_directory_commit_seconds", "Time for a Raft command to commit", buckets=_LATENCY, registry=r
         )
+        self.watchers = Gauge("kvdir_directory_watchers", "Watch streams open on this replica", registry=r)
+        self.watch_refused = Counter(
+            "kvdir_directory_watch_refused_total", "Watch streams refused (429), by the cap hit", ["cap"], registry=r
+        )
+        self.watch_cut = Counter(
+            "kvdir_directory_watch_cut_total", "Watch streams this replica ended, by reason", ["reason"], registry=r
+        )
         self.lookups = Counter("kvdir_directory_lookups_total", "Lookups answered", ["consistency"], registry=r)
         self.lookup_seconds = Histogram(
             "kvdir_directory_lookup_seconds", "Time to answer a lookup (index part)", buckets=_LATENCY, registry=r

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from directory.index import FrozenEntries
 from directory.state import (
     EPOCH_BASE_BITS,
     AnnounceReplica,
@@ -271,8 +272,24 @@ def _assign_shards(f: list[Any]) -> AssignShards:
 
 
 def snapshot_of(s: DirectoryState) -> dict[str, Any]:
-    """Everything that decides the state's future results (call under the state lock)."""
-    keys, nodes, slots = s.index.entries()
+    """Everything that decides the state's future results (call under the state lock; O(entries): a watch
+    stream takes `capture` under the lock and `complete`s it off the lock)."""
+    return complete(*capture(s))
+
+
+def capture(s: DirectoryState) -> tuple[dict[str, Any], FrozenEntries]:
+    """The state's snapshot less its entries, and its entries frozen (copy-on-write, directory.index): under the
+    state lock, in O(nodes + partitions) rather than O(entries)."""
+    return _head(s), s.index.frozen()
+
+
+def complete(head: dict[str, Any], entries: FrozenEntries) -> dict[str, Any]:
+    """`snapshot_of`'s result from `capture`'s: O(entries), on any thread, without the state lock."""
+    keys, nodes, slots = entries.entries()
+    return {**head, "keys": _b64(keys), "holders": _b32(nodes), "slots": _b32(slots)}
+
+
+def _head(s: DirectoryState) -> dict[str, Any]:
     return {
         "applied": s.applied,
         "max_nodes": s.max_nodes,
@@ -299,9 +316,6 @@ def snapshot_of(s: DirectoryState) -> dict[str, Any]:
             ]
             for n in s.nodes.values()
         ],
-        "keys": _b64(keys),
-        "holders": _b32(nodes),
-        "slots": _b32(slots),
     }
 
 

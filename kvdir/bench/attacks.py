@@ -8,6 +8,9 @@ whether any replica's Raft term moved (an election) and what the attacked proces
   zeros, reopened whenever the replica drops them;
 - *header flood*: one request to a replica's `/healthz` with a 50 MiB header;
 - *oversized publishes*: 8 concurrent 7 MiB publishes of 250,000 blocks (the limit is 16,384);
+- *stalled watchers* (issue #29): the leader holds 5M entries (1M with ``--quick``) and 20 watch streams
+  that read their headers and then nothing; reported: the writer's view as above, the leader's memory
+  growth, and how many streams it cut off as slow consumers;
 - *peer notes* (issue #29): a gateway with ``--peers`` and a peer token, in front of 2 worker stubs, is sent
   one POST of 512 notes asking 1e9 tokens for 600 s on one engine, the same again (a replay), then the
   same from 200 invented senders; reported: the pending tokens and notes it holds, the statuses, its
@@ -16,18 +19,22 @@ whether any replica's Raft term moved (an election) and what the attacked proces
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
+from directory.client import DirectoryClient
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
@@ -157,6 +164,98 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
     }
 
 
+async def fill(url: str, entries: int, nodes: int = 8, batch: int = 16_384) -> None:
+    """`entries` random entries over `nodes` nodes (`fill0`...), in binary publishes of `batch` blocks, two at a time."""
+    rng = np.random.default_rng(29)
+    async with DirectoryClient(url, timeout=60, deadline=120, sharded=False) as client:
+        epochs = [(await client.register(f"fill{i}", "http://127.0.0.1:9", capacity_blocks=1 << 20)).epoch for i in range(nodes)]
+        per = entries // nodes
+        sem = asyncio.Semaphore(2)
+
+        async def one(i: int, a: int) -> None:
+            hashes = rng.integers(1, 2**63, min(batch, per - a), dtype=np.uint64).tolist()
+            async with sem:
+                await client.publish(f"fill{i}", epochs[i], zip(hashes, range(len(hashes))))
+
+        await asyncio.gather(*(one(i, a) for i in range(nodes) for a in range(0, per, batch)))
+
+
+@contextmanager
+def stalled_watchers(url: str, n: int) -> Iterator[list[bytes]]:
+    """`n` watch streams that read their answer's first bytes (yielded) and then nothing (4 KiB receive buffers,
+    so the replica's socket buffer fills at once); all closed at exit."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(30)
+            s.connect((host, int(port)))
+            s.sendall(f"GET /v1/watch HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        yield [s.recv(256) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def settle(c: Cluster, timeout: float = 180.0) -> None:
+    """Return once every replica has stood at the same position and term for a second: a fill's backlog applied
+    everywhere (on two cores, three replicas taking it in set off elections of their own while it lasts)."""
+    last: list[list[int]] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            seen = [_terms(c), [httpx.get(u + "/v1/digest", timeout=30).json()["applied"] for u in c.replica_urls]]
+        except (httpx.HTTPError, KeyError, ValueError):
+            seen = []  # a replica busy or between leaders: not settled
+        if seen and seen == last and len(set(seen[0])) == 1 and len(set(seen[1])) == 1:
+            return
+        last = seen
+        time.sleep(1.0)
+    raise TimeoutError(f"the cluster did not settle within {timeout:g} s")
+
+
+def _sample(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def watchers(c: Cluster, entries: int, seconds: float, n: int = 20) -> dict[str, Any]:
+    leader = c.wait_ready(60)
+    started, terms = time.monotonic(), _terms(c)
+    asyncio.run(fill(leader, entries))
+    filled_s = time.monotonic() - started
+    settle(c)
+    filling = sum(b - a for a, b in zip(terms, _terms(c)))
+    leader = c.wait_ready(60)  # the fill's backlog may have moved the leader on two cores
+    pid = c.procs[c.replica_urls.index(leader)].pid  # type: ignore[union-attr]
+    rss = rss_mib(pid)
+    cut = 'kvdir_directory_watch_cut_total{reason="slow_consumer"}'
+    cut_before = _sample(leader, cut)
+    heads: list[bytes] = []
+
+    def attack(stop: threading.Event) -> None:
+        with stalled_watchers(leader, n) as answers:
+            heads.extend(answers)
+            stop.wait()
+
+    out = _under_writes(c, seconds, attack)
+    out.update(
+        entries=entries,
+        fill_s=filled_s,
+        elections_while_filling=filling,
+        watchers=n,
+        admitted=sum(h.startswith(b"HTTP/1.1 200") for h in heads),
+        leader_rss_growth_mib=rss_mib(pid) - rss,
+        cut_off_as_slow=_sample(leader, cut) - cut_before,
+    )
+    return out
+
+
 def peer_notes(c: Cluster, tmp: Path, ttl_s: float, senders: int = 200) -> dict[str, Any]:
     token = "bench-attacks-peer-token"
     (tmp / "peer_token").write_text(token + "\n")
@@ -222,7 +321,8 @@ def main(*, as_json: bool, quick: bool) -> int:
             ports[3:],
             log_level="warning",
             lease_ttl_s=300,
-            extra_args=("--raft-password-file", str(password)),
+            # 20 watchers from one address (auth off: the address is the key): past the default 8, to load the snapshot path.
+            extra_args=("--raft-password-file", str(password), "--watch-max-streams-per-token", "32", "--watch-stall-s", "4"),
         )
         try:
             c.start()
@@ -235,6 +335,9 @@ def main(*, as_json: bool, quick: bool) -> int:
             results["header_flood"] = header_flood(c)
             say("oversized publishes: 8 concurrent 250,000-block bodies...")
             results["oversized_publishes"] = oversized_publishes(c)
+            entries = 1_000_000 if quick else 5_000_000
+            say(f"stalled watchers: {entries:,} entries at the leader, then 20 watch streams that stop reading, under writes...")
+            results["stalled_watchers"] = watchers(c, entries, max(seconds, 8.0))
             ttl = 2.0 if quick else 10.0
             say(
                 f"peer notes: 512 notes of 1e9 tokens for 600 s at a gateway (--peer-note-ttl-s {ttl:g}), replayed, from 200 senders..."

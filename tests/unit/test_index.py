@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import directory.index as index_module
@@ -725,3 +725,60 @@ def test_snapshot_of_one_level_index_loads(monkeypatch):
     assert matches(look(ix, [3, 5])) == [(0, 2)]
     again = safe_loads(dumps(ix))  # and the new shape goes through Raft's unpickler too
     assert again.digest({0: "a", 1: "b"}) == ix.digest({0: "a", 1: "b"})
+
+
+def _sorted(entries: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[tuple[int, int, int]]:
+    return sorted(zip(*(a.tolist() for a in entries)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "remove", "drop", "freeze"]), st.integers(0, 3), st.integers(0, 400)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_a_frozen_view_never_changes_under_its_reader(small_partitions, ops) -> None:
+    """`frozen` hands out the index's own arrays (a watch snapshot reads them off the state lock); every
+    in-place write afterwards (a slot updated, a tombstone, a node dropped) must copy first, and merges
+    must build new arrays: each view still reads exactly what the index held when it was taken, and the
+    index itself stays right."""
+    ix = BlockIndex(merge_threshold=8)  # many partitions (`small_partitions`), split and merged often
+    rng = np.random.default_rng(len(ops))
+    ix.put(0, rng.integers(1, 500, 300).astype(np.uint64), rng.integers(0, 99, 300).astype(np.uint32))
+    views = [(ix.frozen(), _sorted(ix.entries()))]
+    for op, node, x in ops:
+        hashes = rng.integers(1, 500, 1 + x % 97).astype(np.uint64)
+        if op == "put":
+            ix.put(node, hashes, rng.integers(0, 99, len(hashes)).astype(np.uint32))
+        elif op == "remove":
+            ix.remove(node, hashes)
+        elif op == "drop":
+            ix.drop_node(node)
+        else:
+            views.append((ix.frozen(), _sorted(ix.entries())))
+    for view, then in views:
+        assert _sorted(view.entries()) == then
+    fresh = BlockIndex()
+    fresh.load(*ix.entries())
+    assert ix.digest({}) == fresh.digest({}) and len(ix) == len(fresh)
+
+
+def test_freezing_costs_the_hot_path_nothing_until_it_happens() -> None:
+    """Without a frozen view no partition is shared, so a write copies nothing; after one, a write copies the
+    partitions it touches once, and the view keeps the old arrays."""
+    ix = BlockIndex()
+    ix.put(0, H(1, 2, 3), S(10, 20, 30))
+    ix.merge()
+    arrays = ix._parts[0].slots
+    ix.put(0, H(1), S(11))
+    assert ix._parts[0].slots is arrays and ix._nshared == 0  # written in place
+    view = ix.frozen()
+    ix.put(0, H(2), S(21))
+    assert ix._parts[0].slots is not arrays and ix._nshared == 0
+    copied = ix._parts[0].slots
+    ix.put(0, H(3), S(31))
+    assert ix._parts[0].slots is copied  # once
+    assert _sorted(view.entries()) == [(1, 0, 11), (2, 0, 20), (3, 0, 30)]
+    assert _sorted(ix.entries()) == [(1, 0, 11), (2, 0, 21), (3, 0, 31)]
