@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run lint test test-scale test-compose test-vllm vllm-install bench clean sysdeps
+.PHONY: install run lint test test-scale test-browser browser-deps test-compose test-vllm vllm-install bench clean sysdeps
 
 install: $(STAMP)
 
@@ -39,13 +39,25 @@ lint: install
 # but the tests marked serial; then those alone. Exit status 5 is "no test selected" (an ARGS subset).
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not scale' $(ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -m 'serial and not scale' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not scale and not browser' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m 'serial and not scale and not browser' $(ARGS) || [ $$? -eq 5 ]
 
 # Tests at production scale (millions of entries: minutes each on 2 cores), run alone; `.ci/run` runs them after
 # `make test`, which they would push past its 10 minutes.
 test-scale: install
 	$(PY) -m pytest -m scale $(ARGS)
+
+# Debian's chromium, for the status page's test in a real browser engine (tests/integration/test_status_browser.py).
+browser-deps:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium (Debian package) for the browser test"; \
+	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "warning: /usr/bin/chromium is missing and cannot be installed here (needs root and apt-get)"; fi
+
+# The status page rendered by headless Chromium, against a live gateway, with the directory up and then down.
+test-browser: install browser-deps
+	$(PY) -m pytest -m browser tests/integration/test_status_browser.py $(ARGS)
 
 # The docker-compose cluster, built, run and broken (tests/compose/run.sh: installs Docker from Debian's
 # packages and starts a daemon when needed, and stops what it started).

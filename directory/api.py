@@ -48,6 +48,7 @@ from directory.errors import CommitTimeout
 from directory.hashing import KvIdentity, identity_hashes
 from directory.http_limits import BodyLimit
 from directory.metrics import DirectoryMetrics
+from directory.offline_docs import add_offline_docs
 from directory.rate_limit import TokenBuckets, retry_after
 from directory.replica import NodeView, Replica
 from directory.schemas import (
@@ -671,8 +672,9 @@ def create_app(settings: DirectorySettings, replica_factory: Callable[[Directory
         finally:
             await replica.stop()
 
-    app = FastAPI(title="kvdir directory", version="1", lifespan=lifespan)
+    app = FastAPI(title="kvdir directory", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(router)
+    add_offline_docs(app)  # behind the bearer token with auth on, as the schema it renders (directory.auth)
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

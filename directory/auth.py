@@ -42,6 +42,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from directory.schemas import TENANT_MAX_LEN
 
 ROLES = ("engine", "gateway", "admin")
+# The paths probes and scrapers fetch without a token. Not the API docs: /docs and its assets (directory.offline_docs)
+# need one like /openapi.json, which they render and which would show anyone who reaches a replica every route to
+# try; an open page would only show the schema's 401. A browser or proxy that adds the header loads all three.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 READ_METHODS = frozenset({"GET", "HEAD"})
 READ_POSTS = frozenset({"/v1/lookup"})

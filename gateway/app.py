@@ -28,7 +28,6 @@ report (400), before anything is hashed, looked up or forwarded.
 from __future__ import annotations
 
 import asyncio
-import html
 import json
 import logging
 import random
@@ -44,16 +43,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from directory.client import DirectoryClient
 from directory.hashing import KvIdentity
 from directory.http_limits import BodyLimit
 from directory.index import warm_up
+from directory.offline_docs import add_offline_docs
+from directory.openai_errors import error_response, http_error
 from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
 from gateway.engines import EngineRegistry, EngineState
-from gateway.errors import GatewayError, error_response
+from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
@@ -62,6 +64,7 @@ from gateway.policy import KvdirPolicy, make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import KvRequest, Proxy
 from gateway.router import Router, cost_model
+from gateway.status import StatusBoard, render_page, status_json
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -190,6 +193,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
         )
         peers.start()
+        app.state.status = status = StatusBoard(metrics, registry, directory, settings.policy, mirror, peers)
+        status.start()
         # An idle connection is dropped after 4 s, before an engine's server drops it (uvicorn, and vLLM on it:
         # 5 s): one closed by the engine as a request goes out would fail a request the engine never saw.
         upstream = httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32, keepalive_expiry=4.0)
@@ -210,6 +215,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         try:
             yield
         finally:
+            await status.stop()
             await peers.stop()
             if mirror is not None:
                 await mirror.stop()
@@ -218,7 +224,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await http.aclose()
             await directory.aclose()
 
-    app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan)
+    app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    add_offline_docs(app)
     if settings.peer_urls:  # the notes route exists only on a gateway with peers (gateway.peers, issue #29)
         app.include_router(peer_routes())
 
@@ -232,6 +239,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
+
+    app.exception_handler(HTTPException)(http_error)  # an unknown path or method: OpenAI-shaped, naming the routes
 
     def max_prompt_tokens(request: Request) -> int:
         registry: EngineRegistry = request.app.state.registry
@@ -427,21 +436,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     async def status_page(request: Request) -> HTMLResponse:
-        registry: EngineRegistry = request.app.state.registry
-        rows = "".join(
-            f"<tr><td>{html.escape(e.node_id)}</td><td>{'yes' if e.healthy else 'no'}</td>"
-            f"<td>{e.running:.0f}</td><td>{e.waiting:.0f}</td><td>{e.inflight}</td><td>{e.served}</td>"
-            f"<td>{(e.cached_tokens / e.prompt_tokens * 100 if e.prompt_tokens else 0):.1f}%</td></tr>"
-            for e in sorted(registry.engines.values(), key=lambda e: e.node_id)
-        )
-        page = (
-            "<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
-            "<title>kvdir gateway</title><style>body{font-family:sans-serif}td,th{padding:4px 10px;text-align:left}</style></head>"
-            f"<body><h1>kvdir gateway</h1><p>policy <b>{html.escape(settings.policy)}</b>; directory "
-            f"<b>{'reachable' if registry.directory_ok else 'UNREACHABLE (routing by load)'}</b></p>"
-            "<table><tr><th>engine</th><th>healthy</th><th>running</th><th>waiting</th>"
-            f"<th>in flight</th><th>served</th><th>cached tokens</th></tr>{rows}</table></body></html>"
-        )
-        return HTMLResponse(page)
+        return HTMLResponse(render_page(await request.app.state.status.figures()))
+
+    @app.get("/v1/status")
+    async def status_figures(request: Request) -> JSONResponse:
+        return JSONResponse(status_json(await request.app.state.status.figures()))
 
     return app

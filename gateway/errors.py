@@ -5,12 +5,11 @@
 
 Upstream failures are not exceptions here: a connection refused is retried on
 the next-best engine (gateway.proxy), and an engine's own error response is
-relayed as it came.
+relayed as it came. The response body is made by directory.openai_errors,
+shared with the worker stub, which also answers routing's 404 and 405.
 """
 
 from __future__ import annotations
-
-from fastapi.responses import JSONResponse
 
 
 class GatewayError(Exception):
@@ -21,10 +20,3 @@ class GatewayError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-
-
-def error_response(
-    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
-) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)

@@ -6,7 +6,9 @@ Names follow `kvdir_gateway_<what>_<unit>`. The routing and forwarding code
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -16,6 +18,19 @@ from gateway.engines import EngineRegistry
 from gateway.mirror import Mirror
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+PULL_FAILURES_KEPT = 20  # the latest pull failures the status page lists
+
+
+@dataclass(frozen=True, slots=True)
+class PullFailure:
+    """A pull plan the engine did not serve wholly from the pulled KV (it recomputed the rest: never wrong data)."""
+
+    at: float  # monotonic time of the engine's answer
+    node_id: str  # the engine that pulled
+    source: str  # the holder it pulled from
+    predicted: int  # cached tokens the plan promised
+    reported: int | None  # cached tokens the engine reported (None: it reported none)
+    reason: str  # the engine's own words where it gives them (the worker stub's `kvdir.pull_failures`)
 
 
 class GatewayMetrics:
@@ -51,6 +66,14 @@ class GatewayMetrics:
             ["cause"],
             registry=r,
         )
+        self.pulls = Counter(
+            "kvdir_gateway_pulls_total",
+            "Pull plans sent, by outcome: full (the engine reported the predicted cached tokens), short (fewer, or it "
+            "named a failure: it recomputed the rest), unreported (its answer had no usage)",
+            ["outcome"],
+            registry=r,
+        )
+        self.pull_failures: deque[PullFailure] = deque(maxlen=PULL_FAILURES_KEPT)
         self.lookups = Counter(
             "kvdir_gateway_lookups_total",
             "Prefix lookups, by source: mirror (in-process), rest (a replica), mirror_stale (REST failed; the mirror, behind), none (routed by load)",
@@ -66,6 +89,19 @@ class GatewayMetrics:
             "Engine list refreshes that failed unexpectedly (logged with a traceback, retried after a backoff)",
             registry=r,
         ).set_function(lambda: registry.refresh_failures)
+
+    def pulled(
+        self, at: float, node_id: str, source: str, predicted: int, reported: int | None, engine_failures: Sequence[str]
+    ) -> None:
+        """Count the outcome of one pull plan, and keep it among the latest failures if it fell short."""
+        if reported is None and not engine_failures:
+            self.pulls.labels("unreported").inc()
+        elif engine_failures or (reported is not None and reported < predicted):
+            self.pulls.labels("short").inc()
+            reason = "; ".join(engine_failures) or f"the engine reported {reported} of {predicted} predicted cached tokens"
+            self.pull_failures.append(PullFailure(at, node_id, source, predicted, reported, reason[:300]))
+        else:
+            self.pulls.labels("full").inc()
 
     def watch_mirror(self, mirror: Mirror | None) -> None:
         """Gauges of the directory mirror's freshness (absent when the gateway keeps none)."""

@@ -112,6 +112,11 @@ class Feed:
     def fresh(self) -> bool:
         return self.state is not None and self.lag_s() <= self.max_lag_s
 
+    @property
+    def source(self) -> int:
+        """The index in `urls` of the replica followed (or tried next): the status page names it by that, not by address."""
+        return self._source % len(self.urls) if self.urls else -1
+
     def map_version(self) -> int:
         """The version of the shard map this group has committed (0: none, an unsharded directory)."""
         state = self.state

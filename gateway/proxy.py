@@ -133,12 +133,21 @@ def cached_tokens(payload: Any) -> int | None:
         return None
 
 
-def _usage_in_tail(tail: bytes) -> int | None:
-    """The cached tokens of the last server-sent event that carries `usage` (vLLM sends it in the final chunk)."""
+def pull_failures(payload: Any) -> list[str]:
+    """What the engine said went wrong with its pull (the worker stub's `kvdir.pull_failures`; none from others)."""
+    try:
+        failures = payload["kvdir"]["pull_failures"]
+    except (KeyError, TypeError):
+        return []
+    return [str(f) for f in failures] if isinstance(failures, list) else []
+
+
+def _usage_in_tail(tail: bytes) -> Any:
+    """The last server-sent event that carries `usage` (vLLM sends it in the final chunk), parsed; None if none does."""
     for line in reversed(tail.split(b"\n")):
         if line.startswith(b"data: {") and b'"usage"' in line:
             try:
-                return cached_tokens(json.loads(line[6:]))
+                return json.loads(line[6:])
             except ValueError:
                 return None
     return None
@@ -324,12 +333,23 @@ class Proxy:
         log.warning("engine %s failed: %s", engine.node_id, exc)
         return GatewayError(502, f"the engine failed: {exc}", "upstream_error", "engine_failed")
 
-    def _record(self, engine: EngineState, decision: Decision, reported: int | None) -> None:
-        """The cached tokens the engine reported, against the prediction."""
+    def _record(self, engine: EngineState, decision: Decision, payload: Any) -> None:
+        """The cached tokens the engine reported (in `payload`, its parsed answer), against the prediction; for a
+        pull plan, whether the engine served it (the status page lists those that fell short)."""
+        reported = cached_tokens(payload)
         if reported is not None:
             engine.cached_tokens += reported
             self.metrics.reported.inc(reported)
             self.metrics.prediction_error.observe(abs(decision.predicted_cached_tokens - reported))
+        if decision.pull_from is not None:
+            self.metrics.pulled(
+                time.monotonic(),
+                engine.node_id,
+                decision.pull_from,
+                decision.predicted_cached_tokens,
+                reported,
+                pull_failures(payload),
+            )
 
     async def _buffered(
         self,
@@ -348,13 +368,13 @@ class Proxy:
             finally:
                 ticket.first_byte()
                 await upstream.aclose()
-            reported = None
+            payload = None
             if upstream.status < 400:
                 try:
-                    reported = cached_tokens(json.loads(content))
+                    payload = json.loads(content)
                 except ValueError:
                     pass
-            self._record(engine, decision, reported)
+            self._record(engine, decision, payload)
         return Response(
             content,
             status_code=upstream.status,

@@ -8,6 +8,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+PLOTTED = ("vllm", "gateway", "mirror")  # the bench targets that draw figures (--plot)
+
 
 def _parser() -> argparse.ArgumentParser:
     from kvdir.roles import ROLES, add_settings_flags
@@ -50,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    b.add_argument(
+        "--plot",
+        metavar="DIR",
+        help=f"{', '.join(PLOTTED)}: also write PNG figures into DIR (vllm: TTFT by path and prefix size; gateway: "
+        "latency CDFs by path; mirror: lag over time and its CDF)",
+    )
     b.add_argument(
         "--minutes",
         type=float,
@@ -120,10 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 2
 
                 return soak_main(minutes=args.minutes, replicas=args.replicas, as_json=args.json, shards=args.shards)
+            if args.plot is not None and args.target not in PLOTTED:
+                print(f"kvdir bench {args.target}: --plot is for {', '.join(PLOTTED)}", file=sys.stderr)
+                return 2
             if args.target == "mirror":
                 from kvdir.bench.mirror import main as mirror_main
 
-                return mirror_main(as_json=args.json, quick=args.quick, minutes=args.minutes)
+                return mirror_main(as_json=args.json, quick=args.quick, minutes=args.minutes, plot=args.plot)
             if args.target == "shards":
                 from kvdir.bench.shards import main as shards_main
 
@@ -132,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from kvdir.bench.events import main as events_main
 
                 return events_main(as_json=args.json, quick=args.quick, engines_per_adapter=args.engines_per_adapter)
-            return run_bench(args.target, as_json=args.json, quick=args.quick)
+            return run_bench(args.target, as_json=args.json, quick=args.quick, plot=args.plot)
     except ValidationError as exc:
         for e in exc.errors():
             loc = ".".join(str(x) for x in e["loc"])

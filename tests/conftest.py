@@ -40,6 +40,7 @@ SERIAL = {
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serial: run alone, after the parallel pass (tests/conftest.py says why)")
     config.addinivalue_line("markers", "scale: production-sized state, minutes on 2 cores: `make test-scale`, not `make test`")
+    config.addinivalue_line("markers", "browser: needs Debian's chromium: `make test-browser`, not `make test`")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist; unset otherwise
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker.startswith("gw") and count > 1:

@@ -2,7 +2,9 @@
 
 Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for invalid requests (bad JSON, wrong types, prompt too long), 404 for an
-unknown model, 413 for an oversized body, 429 when the queue is full.
+unknown model or path, 405 for a method a path does not take (both messages list
+the routes: directory.openai_errors), 413 for an oversized body, 429 when the
+queue is full. `/docs` is served with its assets from this host (directory.offline_docs).
 `/tokenize` refuses a prompt over `max_model_len` (as vLLM does) before the
 work it would cost: more messages than that, or (with the bytes tokenizer) more
 characters than that, is refused unparsed and untokenized.
@@ -32,6 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from directory.client import DirectoryClient
 from directory.hashing import KvIdentity
 from directory.http_limits import BodyLimit
+from directory.offline_docs import add_offline_docs
+from directory.openai_errors import error_response, http_error
 from directory.schemas import PullPlan
 from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from kvtransfer.engines import create_engine
@@ -81,12 +85,6 @@ class OpenAIError(Exception):
         self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
     ) -> None:
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-
-
-def _error(
-    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
-) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
 class WorkerMetrics:
@@ -170,31 +168,30 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             await directory.aclose()
             transfer.close()
 
-    app = FastAPI(title="kvdir worker stub", version="1", lifespan=lifespan)
+    app = FastAPI(title="kvdir worker stub", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    add_offline_docs(app)
     app.add_middleware(
         BodyLimit,
         limit=settings.max_body_bytes,
-        too_large=lambda limit: _error(413, f"request bodies are limited to {limit} bytes", code="body_too_large"),
+        too_large=lambda limit: error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large"),
     )
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.code, exc.param)
+        return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return _error(400, "the request body is not valid JSON", code="invalid_json")
+            return error_response(400, "the request body is not valid JSON", code="invalid_json")
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=".".join(loc) or None)
+        return error_response(
+            400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=".".join(loc) or None
+        )
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 413:
-            return _error(413, str(exc.detail), code="body_too_large")
-        return _error(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    app.exception_handler(StarletteHTTPException)(http_error)  # an unknown path or method: naming the routes
 
     adapters = settings.adapter_names
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
+def run_bench(target: str, *, as_json: bool, quick: bool, plot: str | None = None) -> int:
+    """Run the `target` bench; `plot`: the folder for the figures of those that draw some (gateway, vllm)."""
     if target == "attacks":
         from kvdir.bench.attacks import main as attacks_main
 
@@ -23,11 +24,11 @@ def run_bench(target: str, *, as_json: bool, quick: bool) -> int:
     if target == "gateway":
         from kvdir.bench.gateway import main as gateway_main
 
-        return gateway_main(as_json=as_json, quick=quick)
+        return gateway_main(as_json=as_json, quick=quick, plot=plot)
     if target == "vllm":
         from kvdir.bench.vllm import main as vllm_main
 
-        return vllm_main(as_json=as_json, quick=quick)
+        return vllm_main(as_json=as_json, quick=quick, plot=plot)
     if target == "worker":
         from kvdir.bench.worker import main as worker_main
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
@@ -25,10 +24,11 @@ from directory.errors import DirectoryUnavailable
 from directory.hashing import block_hashes, chain_hashes, seed_for
 from directory.index import BlockIndex
 from directory.state import DirectoryState, Publish, Register
-from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.loadgen import LoadSpec, load_in_process
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
+from kvdir.progress import clocked, stderr_meter
 
 SEED = seed_for("")
 
@@ -225,15 +225,18 @@ def bench_mutation_stall(entries: int) -> dict[str, Any]:
     slots = np.arange(64, dtype=np.uint32)
     worst = total = 0.0
     published: list[np.ndarray] = []
-    for i in range(entries // 64):
-        hashes = rng.integers(0, 2**64 - 1, 64, dtype=np.uint64, endpoint=True)
-        if i % 64 == 0:
-            published.append(hashes)
-        t0 = time.process_time()
-        ix.put(i % 16, hashes, slots)
-        took = time.process_time() - t0
-        total += took
-        worst = max(worst, took)
+    with stderr_meter("  index growth", entries // 64 * 64, unit="entries") as meter:
+        for i in range(entries // 64):
+            hashes = rng.integers(0, 2**64 - 1, 64, dtype=np.uint64, endpoint=True)
+            if i % 64 == 0:
+                published.append(hashes)
+                meter.update(i * 64, time.monotonic())
+            t0 = time.process_time()
+            ix.put(i % 16, hashes, slots)
+            took = time.process_time() - t0
+            total += took
+            worst = max(worst, took)
+        meter.update(entries // 64 * 64, time.monotonic())
     t0 = time.process_time()
     ix.drop_node(0)
     drop = time.process_time() - t0
@@ -257,12 +260,17 @@ def bench_mutation_stall(entries: int) -> dict[str, Any]:
 
 
 def rest_load(
-    urls: list[str], mode: str, duration: float, nodes: list[str], epochs: list[int], **kw: Any
+    urls: list[str],
+    mode: str,
+    duration: float,
+    nodes: list[str],
+    epochs: list[int],
+    progress: Callable[[float], None] | None = None,
+    **kw: Any,
 ) -> tuple[int, list[float], int]:
-    """One load process with 16 keep-alive connections spread over `urls`: (items, latencies, errors)."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        r = pool.apply(run_load, (LoadSpec(urls, mode, duration, 16, 0, nodes, epochs, **kw),))
+    """One load process with 16 keep-alive connections spread over `urls`: (items, latencies, errors);
+    `progress(seconds elapsed)` while it runs."""
+    r = load_in_process(LoadSpec(urls, mode, duration, 16, 0, nodes, epochs, **kw), progress)
     return r["items"], r["latencies"], r["errors"]
 
 
@@ -310,7 +318,8 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
         say(
             f"  looking up 256-hash queries for {duration:.0f}s (index of {httpx.get(urls[0] + '/v1/digest').json()['entries']:,} entries)..."
         )
-        items, lat, errors = rest_load(urls, "lookup", duration, nodes, epochs, lookup_queries=queries)
+        with stderr_meter("  lookups", duration, unit="s") as meter:
+            items, lat, errors = rest_load(urls, "lookup", duration, nodes, epochs, clocked(meter), lookup_queries=queries)
         out.update(
             rest_lookup_per_s=items / duration,
             rest_lookup_p50_ms=pct(lat, 50) * 1e3,
@@ -319,7 +328,11 @@ def bench_rest(quick: bool, queries_tail: list[list[int]]) -> dict[str, Any]:
         )
         rounds = 2 if quick else 5
         say(f"  failover: SIGKILL the leader under a steady writer, {rounds} times...")
-        out["failover_runs_s"] = [asyncio.run(_failover_once(c)) for _ in range(rounds)]
+        with stderr_meter("  failover", rounds, unit="kills") as meter:
+            out["failover_runs_s"] = []
+            for k in range(rounds):
+                out["failover_runs_s"].append(asyncio.run(_failover_once(c)))
+                meter.update(k + 1, time.monotonic())
         out["failover_s"] = statistics.median(out["failover_runs_s"])
         return out
 
@@ -347,16 +360,25 @@ def _publish_json_vs_msgpack(
     say(
         f"  publishing batches of {batch} blocks, JSON and msgpack bodies, {duration:.0f}s each (16 connections over 3 replicas)..."
     )
-    for encoding in ("json", "msgpack", "msgpack", "json"):
-        cpu = sum(map(cpu_s, pids))
-        items, lat, errors = rest_load(
-            c.replica_urls, "publish", duration / 2, nodes, epochs, blocks_per_request=batch, encoding=encoding
-        )
-        t = tallies[encoding]
-        t.replica_cpu_s += sum(map(cpu_s, pids)) - cpu
-        t.items += items
-        t.errors += errors
-        t.latencies += lat
+    with stderr_meter(f"  batches of {batch}", 2 * duration, unit="s") as meter:
+        for k, encoding in enumerate(("json", "msgpack", "msgpack", "json"), 1):
+            cpu = sum(map(cpu_s, pids))
+            meter.stage(f"{encoding} {k}/4", duration / 2, time.monotonic())
+            items, lat, errors = rest_load(
+                c.replica_urls,
+                "publish",
+                duration / 2,
+                nodes,
+                epochs,
+                clocked(meter),
+                blocks_per_request=batch,
+                encoding=encoding,
+            )
+            t = tallies[encoding]
+            t.replica_cpu_s += sum(map(cpu_s, pids)) - cpu
+            t.items += items
+            t.errors += errors
+            t.latencies += lat
     out: dict[str, Any] = {}
     for encoding, t in tallies.items():
         name = key if encoding == "json" else f"{key}_msgpack"
@@ -387,9 +409,11 @@ def bench_fsync(quick: bool) -> dict[str, Any]:
             ("no_fsync", ("--no-fsync",)),
             ("raft_password", ("--raft-password-file", str(password))),
         ):
-            with _publishing_cluster(args) as (c, nodes, epochs):
+            with _publishing_cluster(args) as (c, nodes, epochs), stderr_meter("  publish", duration, unit="s") as meter:
                 say(f"  publishing batches of 64 blocks for {duration:.0f}s, {mode.replace('_', ' ')}...")
-                items, lat, _ = rest_load(c.replica_urls, "publish", duration, nodes, epochs, blocks_per_request=64)
+                items, lat, _ = rest_load(
+                    c.replica_urls, "publish", duration, nodes, epochs, clocked(meter), blocks_per_request=64
+                )
                 out[f"publish_{mode}_blocks_per_s"] = items / duration
                 out[f"publish_{mode}_p50_ms"] = pct(lat, 50) * 1e3
     return out

@@ -3,7 +3,6 @@ tokenize + hash times, the policy's decision time, and the floor its HTTP stack 
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import tempfile
 import time
@@ -19,10 +18,12 @@ from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import make_candidate
 from kvdir.bench.http_stack import bench_http_stack, floor_proxy
-from kvdir.bench.loadgen import LoadResult, LoadSpec, run_load
+from kvdir.bench.loadgen import LoadResult, LoadSpec, load_in_process
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvdir.plots import latency_cdf
+from kvdir.progress import Meter, clocked, stderr_meter
 
 
 def bench_tokenize_hash() -> dict[str, Any]:
@@ -77,10 +78,11 @@ def bench_policy_choose() -> dict[str, Any]:
     return {"policy_choose_16_candidates_us": best * 1e6}
 
 
-def _load(url: str, duration: float, rate: float) -> LoadResult:
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(run_load, (LoadSpec([url], "complete", duration, 8, 3, [], [], rate=rate),))
+def _load(url: str, duration: float, rate: float, meter: Meter, stage: str) -> LoadResult:
+    """One load run of `duration` seconds at `rate` requests/s, as the next stage of `meter`."""
+    meter.stage(stage, duration, time.monotonic())
+    spec = LoadSpec([url], "complete", duration, 8, 3, [], [], rate=rate)
+    return load_in_process(spec, clocked(meter))
 
 
 def _added_buckets(metrics: str) -> str | None:
@@ -102,14 +104,15 @@ def _lookup_sources(metrics: str) -> dict[str, float]:
     }
 
 
-def bench_added_latency(quick: bool) -> dict[str, Any]:
+def bench_added_latency(quick: bool) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Added latency over calling the worker directly, with the gateway's lookups answered by its mirror
     of the directory (the default) and by a replica over REST (--no-mirror), and through a proxy that does
     nothing but receive and forward on the gateway's HTTP stack (`http_stack.floor_proxy`: the least any
     gateway on these libraries adds), interleaved on one machine.
 
     Each proxy's CPU seconds per 1,000 requests (its process's, over its load windows, background work
-    included) is the steadier figure on a shared machine: latency there moves with whatever else runs."""
+    included) is the steadier figure on a shared machine: latency there moves with whatever else runs.
+    Also returns every request's latency (seconds) by path (`direct` and each proxy), for the figures."""
     duration, rate = (3.0, 200.0) if quick else (10.0, 200.0)
     ports = free_ports(6)
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
@@ -135,15 +138,16 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
                 lat: dict[str, list[float]] = {name: [] for name in ("direct", *proxies)}
                 cpu = dict.fromkeys(proxies, 0.0)
                 sent = dict.fromkeys(proxies, 0)
-                for _ in range(2):  # interleaved, so all see the same machine
-                    say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through each proxy...")
-                    lat["direct"] += _load(w.urls[0], duration, rate)["latencies"]
-                    for name, (url, pid) in proxies.items():
-                        before = cpu_s(pid)
-                        res = _load(url, duration, rate)
-                        cpu[name] += cpu_s(pid) - before
-                        sent[name] += len(res["latencies"]) + res["errors"]
-                        lat[name] += res["latencies"]
+                say(f"  {rate:.0f} requests/s for {duration:.0f}s straight to the worker, then through each proxy, twice...")
+                with stderr_meter("added latency", 2 * len(lat) * duration, unit="s of load") as meter:
+                    for r in (1, 2):  # interleaved, so all see the same machine
+                        lat["direct"] += _load(w.urls[0], duration, rate, meter, f"{r}/2 direct")["latencies"]
+                        for name, (url, pid) in proxies.items():
+                            before = cpu_s(pid)
+                            res = _load(url, duration, rate, meter, f"{r}/2 {name}")
+                            cpu[name] += cpu_s(pid) - before
+                            sent[name] += len(res["latencies"]) + res["errors"]
+                            lat[name] += res["latencies"]
             metrics = {name: httpx.get(g.url + "/metrics").text for name, g in gateways.items()}
         finally:
             for g in gateways.values():
@@ -166,10 +170,19 @@ def bench_added_latency(quick: bool) -> dict[str, Any]:
         out[f"{name}_added_over_floor_p50_ms"] = (pct(lat[name], 50) - pct(lat["floor"], 50)) * 1e3
         out[f"{name}_internal_added_p50_le_s"] = _added_buckets(metrics[name])
         out[f"{name}_lookup_sources"] = _lookup_sources(metrics[name])
-    return out
+    return out, lat
 
 
-def main(*, as_json: bool, quick: bool) -> int:
+PATHS = {  # a request's path in the latency figure, by the bench's name for it
+    "direct": "straight to the worker",
+    "floor": "do-nothing proxy (the HTTP stack's floor)",
+    "mirror": "gateway, lookups from its mirror",
+    "rest": "gateway, lookups over REST (--no-mirror)",
+}
+
+
+def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
+    """The bench; with `plot`, also gateway_latency_cdf.png there (each path's latency CDF)."""
     results: dict[str, Any] = header(quick)
     say("tokenize + hash, 1k / 10k / 100k tokens...")
     results.update(bench_tokenize_hash())
@@ -179,10 +192,19 @@ def main(*, as_json: bool, quick: bool) -> int:
         "added latency of the gateway (mirror lookups, then REST lookups) and of a do-nothing proxy on its HTTP stack,"
         " vs the worker directly (3 replicas, 1 worker at --time-scale 0)..."
     )
-    results.update(bench_added_latency(quick))
+    figures, latencies = bench_added_latency(quick)
+    results.update(figures)
     say(
         "the HTTP stack's own CPU per request: httpcore (and httpx) forwarding, uvicorn + FastAPI receiving (kvdir/bench/http_stack.py)..."
     )
     results.update(bench_http_stack(quick))
     emit(results, as_json)
+    if plot:
+        latency_cdf(
+            Path(plot) / "gateway_latency_cdf.png",
+            {PATHS[name]: values for name, values in latencies.items()},
+            title="Request latency by path: 1-token completions, 200 requests/s,\none worker at --time-scale 0",
+            xlabel="latency",
+        )
+        say(f"wrote gateway_latency_cdf.png into {plot}")
     return 0

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 from urllib.parse import urlsplit
@@ -47,6 +49,20 @@ class LoadResult(TypedDict):
 def run_load(spec: LoadSpec) -> LoadResult:
     """Entry point for a load process; returns counts and latencies (seconds)."""
     return asyncio.run(_run(spec))
+
+
+def load_in_process(spec: LoadSpec, progress: Callable[[float], None] | None = None) -> LoadResult:
+    """`run_load(spec)` in a process of its own (spawned: the client must not share this one's CPU or state);
+    `progress(seconds since the start)` about twice a second while it runs, for the benches' bars."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        pending = pool.apply_async(run_load, (spec,))
+        start = time.monotonic()
+        while not pending.ready():
+            pending.wait(0.5)
+            if progress is not None:
+                progress(time.monotonic() - start)
+        return pending.get()
 
 
 class Conn:

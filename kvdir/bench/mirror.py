@@ -26,11 +26,14 @@ import numpy as np
 
 from directory.client import DirectoryClient
 from directory.errors import DirectoryError
+from directory.state import Publish
 from gateway.config import GatewaySettings
 from gateway.lookup import HolderLookup
 from gateway.mirror import Feed, Mirror
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
+from kvdir.plots import LagSeries, lag_over_time, latency_cdf
+from kvdir.progress import Meter, stderr_meter
 
 BATCH = 256
 
@@ -52,9 +55,9 @@ class _TimedMirror(Feed):
         super()._apply(f)
         if f["k"] == "batch":
             now = time.monotonic()
-            for c in f["commands"]:
-                if c[0] == "P" and len(c[3]) >= 8:  # a publish; its first hash, read from the packed array
-                    self.applied_at[int(np.frombuffer(c[3], "<u8", count=1)[0])] = now
+            for c in f["commands"]:  # decoded by Feed._apply_locked
+                if isinstance(c, Publish) and len(c.hashes):
+                    self.applied_at[int(c.hashes[0])] = now
 
 
 class _TimedGatewayMirror(Mirror):
@@ -64,7 +67,10 @@ class _TimedGatewayMirror(Mirror):
         return _TimedMirror(urls, None, self.max_lag_s)
 
 
-async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int) -> dict[str, Any]:
+async def _run(
+    cluster: Cluster, seconds: float, blocks_per_s: float, kills: int, meter: Meter
+) -> tuple[dict[str, Any], LagSeries]:
+    """One phase: its figures, and each publish's lag by when it was acknowledged (for the figures)."""
     defaults = GatewaySettings.model_fields
     max_lag_s = defaults["mirror_max_lag_s"].default
     gateway_mirror = _TimedGatewayMirror(cluster.replica_urls, None, max_lag_s)
@@ -103,13 +109,16 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
         cpu = time.process_time()
         start = time.monotonic()
         kill_at = [start + seconds * (k + 0.5) / max(kills, 1) for k in range(kills)]
+        killed_at: list[float] = []
         period = BATCH / blocks_per_s
         sent = 0
         while (now := time.monotonic()) < start + seconds:
+            meter.update(now - start, now)
             if kill_at and now >= kill_at[0]:
                 kill_at.pop(0)
                 leader = await _leader(cluster)
-                say(f"  killing the leader (replica {leader}) and restarting it")
+                meter.note(f"  killing the leader (replica {leader}) and restarting it")
+                killed_at.append(time.monotonic() - start)
                 cluster.kill(leader, signal.SIGKILL)
                 cluster.start_replica(leader)
             hashes = rng.integers(1, 2**63, BATCH, dtype=np.uint64)
@@ -133,9 +142,13 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
         await client.aclose()
         await gateway_client.aclose()
         await gateway_mirror.stop()
-    lags = [mirror.applied_at[h] - t for h, t in acked.items() if h in mirror.applied_at]
+    applied = [(t, mirror.applied_at[h] - t) for h, t in acked.items() if h in mirror.applied_at]
+    lags = [lag for _, lag in applied]
     missing = sum(1 for h in acked if h not in mirror.applied_at)
-    return {
+    series = LagSeries(
+        f"{seconds:.0f} s, {kills} leader kill{'s' * (kills != 1)}", [t - start for t, _ in applied], lags, killed_at
+    )
+    figures = {
         "published_blocks_per_s": len(acked) * BATCH / elapsed,
         "target_blocks_per_s": blocks_per_s,
         "leader_kills": kills,
@@ -153,27 +166,43 @@ async def _run(cluster: Cluster, seconds: float, blocks_per_s: float, kills: int
         "mirror_applies_over_50ms": sum(1 for t in mirror.apply_s if t > 0.05),
         "bench_process_cpu_s_per_s": cpu / elapsed,
     }
+    return figures, series
 
 
 async def _leader(cluster: Cluster) -> int:
     return await asyncio.to_thread(lambda: cluster.replica_urls.index(cluster.wait_ready(30)))
 
 
-def main(*, as_json: bool, quick: bool, minutes: float = 10.0) -> int:
-    """A minute without faults, then `minutes` with 3 leader kills (15 s each with `quick`)."""
+def main(*, as_json: bool, quick: bool, minutes: float = 10.0, plot: str | None = None) -> int:
+    """A minute without faults, then `minutes` with 3 leader kills (15 s each with `quick`); with `plot`, also
+    mirror_lag.png (lag over time, kills marked) and mirror_lag_cdf.png there."""
     results: dict[str, Any] = header(quick)
     rate = 20_000.0
+    phases = ((0, 15.0 if quick else 60.0), (3, 15.0 if quick else 60.0 * minutes))
+    series: list[LagSeries] = []
     ports = free_ports(6)
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
         cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
         try:
             cluster.start()
             cluster.wait_ready(60)
-            for kills, seconds in ((0, 15.0 if quick else 60.0), (3, 15.0 if quick else 60.0 * minutes)):
-                say(f"publishing {rate:,.0f} blocks/s for {seconds:.0f} s with {kills} leader kills...")
-                run = asyncio.run(_run(cluster, seconds, rate, kills))
-                results.update({f"{k}{'' if kills == 0 else '_with_kills'}": v for k, v in run.items()})
+            with stderr_meter("mirror", sum(seconds for _, seconds in phases), unit="s") as meter:
+                for kills, seconds in phases:
+                    meter.note(f"publishing {rate:,.0f} blocks/s for {seconds:.0f} s with {kills} leader kills...")
+                    meter.stage(f"{kills} kills", seconds, time.monotonic())
+                    run, lagged = asyncio.run(_run(cluster, seconds, rate, kills, meter))
+                    results.update({f"{k}{'' if kills == 0 else '_with_kills'}": v for k, v in run.items()})
+                    series.append(lagged)
         finally:
             cluster.stop()
     emit(results, as_json)
+    if plot:
+        lag_over_time(Path(plot) / "mirror_lag.png", series, target_s=0.1)
+        latency_cdf(
+            Path(plot) / "mirror_lag_cdf.png",
+            {s.name: s.lag_s for s in series},
+            title=f"Mirror lag at {rate:,.0f} blocks/s\n(negative: streamed before the acknowledgement arrived)",
+            xlabel="lag",
+        )
+        say(f"wrote mirror_lag.png and mirror_lag_cdf.png into {plot}")
     return 0

@@ -28,6 +28,7 @@ from kvdir.bench.directory import rest_load
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster
+from kvdir.progress import clocked, stderr_meter
 from kvdir.sharded import ShardedCluster
 
 SHARD_COUNTS = (1, 2, 4)
@@ -70,7 +71,8 @@ def bench_shards(shards: int, replicas: int, duration: float) -> dict[str, Any]:
             )
             rss0 = {name: [rss_mib(p) for p in _pids(sc.shard(name))] for name in sc.names}
             cpu0 = {name: sum(map(cpu_s, _pids(sc.shard(name)))) for name in sc.names}
-            with ThreadPoolExecutor(shards) as pool:  # one load process per shard, all at once
+            # One load process per shard, all at once; the first one's time is the bar's.
+            with ThreadPoolExecutor(shards) as pool, stderr_meter(f"  {shards} shards", duration, unit="s") as meter:
                 runs = {
                     name: pool.submit(
                         rest_load,
@@ -79,11 +81,11 @@ def bench_shards(shards: int, replicas: int, duration: float) -> dict[str, Any]:
                         duration,
                         homed[name],
                         [epochs[n] for n in homed[name]],
+                        clocked(meter) if k == 0 else None,
                         blocks_per_request=BATCH,
                         encoding="msgpack",
                     )
-                    for name in sc.names
-                    if homed[name]
+                    for k, name in enumerate(name for name in sc.names if homed[name])
                 }
                 loads = {name: run.result() for name, run in runs.items()}
             cpu = {name: sum(map(cpu_s, _pids(sc.shard(name)))) - cpu0[name] for name in sc.names}

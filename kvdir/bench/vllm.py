@@ -20,6 +20,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from directory.schemas import RegionInfo
 from engines.vllm_plan import KvLayout, LayerRegion, page_pieces
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster, free_ports
+from kvdir.plots import ttft_by_prefix
+from kvdir.progress import clocked, stderr_meter
 from kvdir.vllm_engines import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
 from kvtransfer.engines import create_engine
 
@@ -124,15 +127,26 @@ def raw_reads(session: str, layout: KvLayout, slots: list[int], repeats: int) ->
 
 
 def bench_size(
-    directory: str, a: VllmEngine, b: VllmEngine, n: int, rounds: int, rng: np.random.Generator, vocab: tuple[int, int]
-) -> dict[str, Any]:
-    """Medians over `rounds` of the three TTFTs for an `n`-token prefix, the pull and the raw read bandwidth."""
+    directory: str,
+    a: VllmEngine,
+    b: VllmEngine,
+    n: int,
+    rounds: int,
+    rng: np.random.Generator,
+    vocab: tuple[int, int],
+    progress: Callable[[float], None] | None = None,
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Medians over `rounds` of the three TTFTs for an `n`-token prefix, the pull and the raw read bandwidth; and
+    each round's TTFTs (seconds) by path, for the figures. `progress(rounds done)` after each round."""
     prefix = [int(x) for x in rng.integers(*vocab, n)]
     blocks = n // BLOCK
     holder = _held(directory, a, prefix)
     plan = {"kvdir_pull": {"source_node": a.name, "source_epoch": holder["epoch"], "slots": holder["slots"]}}
-    pulled, local, recomputed, bandwidth, read_s = [], [], [], [], []
-    for _ in range(rounds):
+    pulled: list[float] = []
+    local: list[float] = []
+    recomputed: list[float] = []
+    bandwidth, read_s = [], []
+    for done in range(1, rounds + 1):
         prompt = [*prefix, *(int(x) for x in rng.integers(*vocab, TAIL))]
         b.reset_cache()
         before = _counters(b)
@@ -154,6 +168,8 @@ def bench_size(
         if cached:
             raise RuntimeError(f"{n}-token recompute: {cached} tokens cached after a reset")
         recomputed.append(t)
+        if progress is not None:
+            progress(done)
     session, layout = _pages_of(directory, holder)
     raw, pieces = raw_reads(session, layout, holder["slots"], max(5, rounds * 4))
     page_bytes = sum(r.page_bytes for r in layout.layers) * blocks
@@ -172,10 +188,11 @@ def bench_size(
         f"p{n}_raw_read_gbps": page_bytes / med(raw) / 1e9,
     }
     out[f"p{n}_pull_vs_raw"] = out[f"p{n}_pull_gbps"] / out[f"p{n}_raw_read_gbps"]
-    return out
+    return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
-def main(*, as_json: bool, quick: bool) -> int:
+def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
+    """The bench; with `plot`, also vllm_ttft.png there (TTFT by path and prefix size)."""
     results: dict[str, Any] = header(quick)
     try:
         venv = vllm_venv()
@@ -185,6 +202,7 @@ def main(*, as_json: bool, quick: bool) -> int:
     rounds = 2 if quick else 5
     results.update(model="tiny random Llama (2 layers, 1 KV head, head_dim 64, bf16)", block_size=BLOCK, rounds=rounds)
     tmp = tempfile.mkdtemp(prefix="kvdir-bench-vllm-")
+    ttfts: dict[int, dict[str, list[float]]] = {}
     ok = False
     try:
         say("making the tiny model...")
@@ -210,9 +228,12 @@ def main(*, as_json: bool, quick: bool) -> int:
             for e in engines:
                 e.complete([int(x) for x in rng.integers(*vocab, 40)], max_tokens=1)
             bench_size(directory, a, b, 64, 1, rng, vocab)
-            for n in SIZES:
-                say(f"{n}-token prefix: pulled, local and recomputed TTFT, {rounds} rounds...")
-                results.update(bench_size(directory, a, b, n, rounds, rng, vocab))
+            say(f"pulled, local and recomputed TTFT, {rounds} rounds per prefix size...")
+            with stderr_meter("vllm TTFT", len(SIZES) * rounds, unit="rounds") as meter:
+                for n in SIZES:
+                    meter.stage(f"{n}-token prefix", rounds, time.monotonic())
+                    figures, ttfts[n] = bench_size(directory, a, b, n, rounds, rng, vocab, clocked(meter))
+                    results.update(figures)
         finally:
             for e in engines:
                 e.stop()
@@ -224,4 +245,11 @@ def main(*, as_json: bool, quick: bool) -> int:
         else:
             say(f"kvdir bench vllm: the engines' and replicas' logs are kept in {tmp}")
     emit(results, as_json)
+    if plot:
+        ttft_by_prefix(
+            Path(plot) / "vllm_ttft.png",
+            ttfts,
+            title=f"vLLM CPU, tiny model: TTFT on engine B by path\n(bars: medians of {rounds} rounds; dots: each round)",
+        )
+        say(f"wrote vllm_ttft.png into {plot}")
     return 0

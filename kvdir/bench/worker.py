@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvdir.bench.loadgen import LoadSpec, run_load
+from kvdir.bench.loadgen import LoadSpec, load_in_process, run_load
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Workers, free_ports
+from kvdir.progress import clocked, stderr_meter
 from worker_stub.transfer_bench import measure_read_bandwidth
 
 
@@ -135,8 +136,8 @@ def bench_publish_and_overhead(tmp: Path, c: Cluster, quick: bool) -> dict[str, 
             publish_background_requests_per_s=load["items"] / duration,
         )
         say(f"  worker requests/s at --time-scale 0 for {duration:.0f}s...")
-        with ctx.Pool(1) as pool:
-            res = pool.apply(run_load, (LoadSpec([w.urls[0]], "complete", duration, 16, 2, [], []),))
+        with stderr_meter("  worker load", duration, unit="s") as meter:
+            res = load_in_process(LoadSpec([w.urls[0]], "complete", duration, 16, 2, [], []), clocked(meter))
         out.update(
             worker_requests_per_s=res["items"] / duration,
             worker_p50_ms=pct(res["latencies"], 50) * 1e3,

@@ -12,7 +12,6 @@ as the simulation.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvdir.progress import stderr_meter
 from kvdir.replay.trace import TraceRequest
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -50,6 +50,7 @@ async def _replay(
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    meter = stderr_meter("live replay", len(requests), unit="answered") if progress else None
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         start = time.monotonic()
         t0 = requests[0].arrival_s if requests else 0.0
@@ -72,14 +73,12 @@ async def _replay(
                     predicted=int(r.headers.get("x-kvdir-predicted-cached-tokens", 0)),
                 )
             results.append(row)
-            if progress:
-                done = len(results)
-                bar = "#" * (30 * done // len(requests))
-                print(f"\r  live [{bar:30s}] {done}/{len(requests)}", end="", file=sys.stderr, flush=True)
+            if meter is not None:
+                meter.update(len(results), time.monotonic())
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-        if progress:
-            print(file=sys.stderr)
+        if meter is not None:
+            meter.close(time.monotonic())
     return sorted(results, key=lambda r: r["i"])
 
 

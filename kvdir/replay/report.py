@@ -1,7 +1,7 @@
 """`kvdir replay`: run policies over a trace or a synthetic workload, print a table, write JSON and plots.
 
-Over 400 lines: the CLI's arguments, the table, the JSON and the plots of one report, which change
-together.
+Over 400 lines: the CLI's arguments, the table and the JSON of one report, which change together (the
+figures are drawn by `kvdir.plots`, with the benchmarks').
 
 Wiring into a CLI::
 
@@ -23,11 +23,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
 from gateway.policy import POLICIES
+from kvdir.plots import replay_plots
+from kvdir.progress import clocked, stderr_meter
 from kvdir.replay import trace as tr
 from kvdir.replay.sim import SimParams, describe_params, oracle_hit_rate, pooled_lru, simulate, ttft_floor
 
@@ -213,16 +215,15 @@ def _params(args: argparse.Namespace) -> SimParams:
     )
 
 
-def _progress(name: str, out: TextIO) -> Callable[[int, int], None]:
-    def show(done: int, total: int) -> None:
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        out.write(f"\r{name:<13} [{bar:<30}] {int(frac * 100):3d}% {done}/{total}")
-        if done >= total:
-            out.write("\n")
-        out.flush()
-
-    return show
+def simulate_all(requests: list[tr.TraceRequest], names: list[str], params: SimParams) -> dict[str, dict[str, Any]]:
+    """Each policy's simulation of `requests`, in turn, under one progress bar (stderr): a full trace takes a while."""
+    results: dict[str, dict[str, Any]] = {}
+    with stderr_meter("replay", len(names) * len(requests), unit="requests") as meter:
+        tick = clocked(meter)
+        for k, name in enumerate(names, 1):
+            meter.stage(f"{name} {k}/{len(names)}", len(requests), time.monotonic())
+            results[name] = simulate(requests, name, params, progress=lambda done, _: tick(done))
+    return results
 
 
 def _fmt_s(x: float) -> str:
@@ -282,76 +283,6 @@ def format_table(results: dict[str, dict[str, Any]], oracle_tokens: float) -> st
     return "\n".join(lines)
 
 
-def write_plots(directory: str | Path, results: dict[str, dict[str, Any]], oracle_tokens: float) -> list[Path]:
-    """hit_rate.png, ttft.png and load_<policy>.png (prefill-busy fraction per node over time); the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    names = list(results)
-    labels = [LABELS.get(n, n) for n in names]
-    x = np.arange(len(names))
-    written = []
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names)), 4))
-    local = [100 * results[n]["local_hit_rate"] for n in names]
-    pulled = [100 * results[n]["pulled_hit_rate"] for n in names]
-    ax.bar(x, local, label="local")
-    ax.bar(x, pulled, bottom=local, label="pulled")
-    ax.axhline(100 * oracle_tokens, color="k", linestyle="--", label=f"oracle {100 * oracle_tokens:.1f}%")
-    ax.set_xticks(x, labels, rotation=20, ha="right")
-    ax.set_ylabel("prompt tokens cached (%)")
-    ax.set_ylim(0, 1.3 * max(100 * oracle_tokens, *(a + b for a, b in zip(local, pulled)), 1.0))
-    ax.set_title("Hit rate per policy")
-    ax.legend(loc="upper right", ncols=3)
-    fig.tight_layout()
-    written.append(d / "hit_rate.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names)), 4))
-    w = 0.27
-    for k, (key, lab) in enumerate([("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"), ("ttft_p99_s", "p99")]):
-        ax.bar(x + (k - 1) * w, [max(results[n][key], 1e-6) for n in names], w, label=lab)
-    ax.set_yscale("log")
-    ax.set_xticks(x, labels, rotation=20, ha="right")
-    ax.set_ylabel("TTFT (s, log)")
-    ax.set_title("Time to first token per policy")
-    ax.legend()
-    fig.tight_layout()
-    written.append(d / "ttft.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    for n in names:
-        tl = results[n]["load_timeline"]
-        busy = np.array(tl["busy"])
-        fig, ax = plt.subplots(figsize=(9, 0.35 * busy.shape[0] + 1.6))
-        span = tl["bucket_s"] * busy.shape[1]
-        im = ax.imshow(
-            busy,
-            aspect="auto",
-            interpolation="nearest",
-            vmin=0.0,
-            vmax=1.0,
-            cmap="viridis",
-            extent=(0.0, span if span > 0 else 1.0, busy.shape[0] - 0.5, -0.5),
-        )
-        ax.set_xlabel("simulated time (s)")
-        ax.set_ylabel("node")
-        ax.set_title(f"{LABELS.get(n, n)}: prefill-busy fraction per node (imbalance {results[n]['imbalance']:.3f})")
-        fig.colorbar(im, ax=ax, label="busy")
-        fig.tight_layout()
-        written.append(d / f"load_{n}.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
-
-
 def run_replay(args: argparse.Namespace) -> int:
     """Run the replay the parsed `args` (from `add_arguments`) describe; 0 on success, 2 on bad input."""
     err = sys.stderr
@@ -393,10 +324,8 @@ def run_replay(args: argparse.Namespace) -> int:
     pooled_hit, pooled_ttft = pooled_lru(requests, params)
     pooled = {"hit_rate": pooled_hit, **_percentiles(pooled_ttft)}
 
-    results: dict[str, dict[str, Any]] = {}
     t1 = time.perf_counter()
-    for name in names:
-        results[name] = simulate(requests, name, params, progress=_progress(name, err))
+    results = simulate_all(requests, names, params)
     sim_s = time.perf_counter() - t1
 
     print(f"{len(requests)} requests ({', '.join(f'{k} {v}' for k, v in source.items())}); {describe_params(params)}")
@@ -428,7 +357,7 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         try:
-            paths = write_plots(args.plot, results, oracle_tokens)
+            paths = replay_plots(args.plot, results, oracle_tokens, LABELS)
         except ImportError as exc:
             print(f"kvdir replay: --plot needs matplotlib ({exc})", file=err)
             return 2
@@ -466,8 +395,7 @@ def _run_live(
     )
     sims: dict[str, dict[str, Any]] = {}
     if args.compare_sim:
-        for name in names:
-            sims[name] = simulate(requests, name, params, progress=_progress(name, err))
+        sims = simulate_all(requests, names, params)
         print("simulation of the same requests:")
         print(format_table(sims, oracle_tokens))
     if args.json:
