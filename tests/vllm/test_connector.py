@@ -7,7 +7,6 @@ the same request recomputed on the same engine after `/reset_prefix_cache`.
 
 from __future__ import annotations
 
-import re
 from contextlib import ExitStack
 from typing import Any
 
@@ -149,10 +148,9 @@ def test_a_stale_plan_is_recomputed_and_counted(engines: dict[str, Engine], dire
 
 
 def _gateway_running(gateway: Gateway, node_id: str) -> int | None:
-    """The engine's running requests as the gateway last read them (its status page), None if it lists no such engine."""
-    page = httpx.get(gateway.url + "/", timeout=5).text
-    m = re.search(rf"<tr><td>{re.escape(node_id)}</td><td>\w+</td><td>(\d+)</td>", page)
-    return int(m.group(1)) if m else None
+    """The engine's running requests as the gateway last read them (`GET /v1/status`), None if it lists no such engine."""
+    engines = httpx.get(gateway.url + "/v1/status", timeout=5).json()["engines"]
+    return next((int(e["running"]) for e in engines if e["node_id"] == node_id), None)
 
 
 def _decisions(gateway: Gateway) -> str:
