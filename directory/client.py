@@ -217,7 +217,10 @@ class DirectoryClient:
                         body = resp.json()
                     except ValueError:
                         body = {"error": "http_error", "detail": resp.text[:500]}
-                    raise rejection(resp.status_code, body.get("error", "http_error"), body.get("detail"))
+                    # A replica's rate limit (linearizable lookups, per token and replica) is not a refusal of the
+                    # request: another replica may take it now, this one after its Retry-After; the deadline holds.
+                    if not (resp.status_code == 429 and isinstance(body, dict) and body.get("error") == "rate_limited"):
+                        raise rejection(resp.status_code, body.get("error", "http_error"), body.get("detail"))
                 last = f"{url}: {resp.status_code} {resp.text[:200]}"
             attempt += 1
             if time.monotonic() >= end:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 
 ENGINE, GATEWAY, ADMIN = "engine-tok-9a0b1c2d", "gateway-tok-3e4f5a6b", "admin-tok-7c8d9e0f1a"
 TOKENS = f"engine:worker-*:{ENGINE}\ngateway:*:{GATEWAY}\nadmin:*:{ADMIN}\n"
@@ -44,3 +46,28 @@ def test_a_tokens_linearizable_lookups_are_limited_with_429_and_retry_after(make
         assert lookup(ADMIN, "linearizable").status_code == 200  # an admin's are not limited
     metrics = httpx.get(url + "/metrics").text
     assert 'kvdir_directory_requests_rejected_total{error="rate_limited"}' in metrics
+
+
+def test_the_client_waits_out_a_rate_limit_within_its_deadline(make_cluster, tmp_path: Path) -> None:
+    """The compose test's verifier (a burst of linearizable lookups after a leader kill) met the limit as an
+    error: a rate limit is no refusal, so the client retries it (another replica, or this one later) until its
+    deadline, and only then fails."""
+    from directory.client import DirectoryClient
+    from directory.errors import DirectoryUnavailable
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKENS)
+    args = ("--auth-tokens-file", str(tokens), "--linearizable-lookups-per-s", "2")
+    c = make_cluster(1, lease_ttl_s=300, extra_args=args, token=ADMIN)
+
+    async def run() -> None:
+        async with DirectoryClient(c.replica_urls, token=GATEWAY, deadline=10, sharded=False) as client:
+            for _ in range(6):  # a burst of 2, then 2 per second: about 2 s of waiting in all
+                await client.lookup([1], linearizable=True)
+        # A deadline shorter than the refill (0.5 s): the third lookup in a row cannot be answered in time.
+        async with DirectoryClient(c.replica_urls, token=ENGINE, deadline=0.3, sharded=False) as client:
+            with pytest.raises(DirectoryUnavailable, match="429"):
+                for _ in range(3):
+                    await client.lookup([1], linearizable=True)
+
+    asyncio.run(run())
