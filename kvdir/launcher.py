@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TextIO, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -57,7 +57,7 @@ from directory.addresses import is_wildcard
 from directory.logs import LogLevel
 from gateway.config import PolicyName
 from kvdir.listeners import listens, taken_ports
-from kvdir.progress import Progress, StartState
+from kvdir.progress import Progress, StartState, on_terminal
 from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")
@@ -863,10 +863,6 @@ def _has_text(path: Path) -> bool:
         return False
 
 
-def _on_terminal(stream: TextIO) -> bool:
-    return stream.isatty() and os.environ.get("TERM") != "dumb"
-
-
 def run_up(settings: UpSettings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -920,7 +916,7 @@ def run_up(settings: UpSettings) -> int:
     )
     up = _Launch(clusters, workers)
     progress = Progress(
-        StartState(len(replica_urls), settings.workers, settings.gateway), sys.stderr, live=_on_terminal(sys.stderr)
+        StartState(len(replica_urls), settings.workers, settings.gateway), sys.stderr, live=on_terminal(sys.stderr)
     )
     evidence: list[str] = []  # what died: then a temporary data dir holds the only copy of its log, and is kept
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -40,7 +40,8 @@ from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
 
 
-def _terms(c: Cluster) -> list[int]:
+def raft_terms(c: Cluster) -> list[int]:
+    """Every replica's Raft term (their sum's growth counts elections)."""
     return [httpx.get(u + "/v1/cluster", timeout=5).json()["term"] for u in c.replica_urls]
 
 
@@ -50,7 +51,7 @@ def _under_writes(c: Cluster, seconds: float, attack: Callable[[threading.Event]
     reg = httpx.post(
         leader + "/v1/nodes", json={"node_id": f"w{time.monotonic_ns()}", "api_url": "http://127.0.0.1:9"}, timeout=10
     ).json()
-    terms = _terms(c)
+    terms = raft_terms(c)
     stop = threading.Event()
     attacker = threading.Thread(target=attack, args=(stop,), daemon=True)
     attacker.start()
@@ -84,7 +85,7 @@ def _under_writes(c: Cluster, seconds: float, attack: Callable[[threading.Event]
         "writes_acked": acked,
         "writes_failed": failed,
         "longest_gap_s": longest,
-        "elections": sum(b - a for a, b in zip(terms, _terms(c))),
+        "elections": sum(b - a for a, b in zip(terms, raft_terms(c))),
     }
 
 
@@ -145,7 +146,7 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
         + ",".join(f'{{"hash":{i + 1},"slot":{i % 4096}}}' for i in range(blocks))
         + "]}"
     ).encode()
-    terms, cpu = _terms(c), cpu_s(pid)
+    terms, cpu = raft_terms(c), cpu_s(pid)
 
     def post(_: int) -> tuple[int, float]:
         started = time.monotonic()
@@ -160,7 +161,7 @@ def oversized_publishes(c: Cluster, n: int = 8, blocks: int = 250_000) -> dict[s
         "statuses": sorted({s for s, _ in results}),
         "slowest_s": max(t for _, t in results),
         "leader_cpu_s": cpu_s(pid) - cpu,
-        "elections": sum(b - a for a, b in zip(terms, _terms(c))),
+        "elections": sum(b - a for a, b in zip(terms, raft_terms(c))),
     }
 
 
@@ -207,7 +208,7 @@ def settle(c: Cluster, timeout: float = 180.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
-            seen = [_terms(c), [httpx.get(u + "/v1/digest", timeout=30).json()["applied"] for u in c.replica_urls]]
+            seen = [raft_terms(c), [httpx.get(u + "/v1/digest", timeout=30).json()["applied"] for u in c.replica_urls]]
         except (httpx.HTTPError, KeyError, ValueError):
             seen = []  # a replica busy or between leaders: not settled
         if seen and seen == last and len(set(seen[0])) == 1 and len(set(seen[1])) == 1:
@@ -217,7 +218,8 @@ def settle(c: Cluster, timeout: float = 180.0) -> None:
     raise TimeoutError(f"the cluster did not settle within {timeout:g} s")
 
 
-def _sample(url: str, name: str) -> float:
+def sample(url: str, name: str) -> float:
+    """One unlabelled (or fully labelled) sample's value from `url`'s /metrics, 0 if it has none yet."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
@@ -226,16 +228,16 @@ def _sample(url: str, name: str) -> float:
 
 def watchers(c: Cluster, entries: int, seconds: float, n: int = 20) -> dict[str, Any]:
     leader = c.wait_ready(60)
-    started, terms = time.monotonic(), _terms(c)
+    started, terms = time.monotonic(), raft_terms(c)
     asyncio.run(fill(leader, entries))
     filled_s = time.monotonic() - started
     settle(c)
-    filling = sum(b - a for a, b in zip(terms, _terms(c)))
+    filling = sum(b - a for a, b in zip(terms, raft_terms(c)))
     leader = c.wait_ready(60)  # the fill's backlog may have moved the leader on two cores
     pid = c.procs[c.replica_urls.index(leader)].pid  # type: ignore[union-attr]
     rss = rss_mib(pid)
     cut = 'kvdir_directory_watch_cut_total{reason="slow_consumer"}'
-    cut_before = _sample(leader, cut)
+    cut_before = sample(leader, cut)
     heads: list[bytes] = []
 
     def attack(stop: threading.Event) -> None:
@@ -251,7 +253,7 @@ def watchers(c: Cluster, entries: int, seconds: float, n: int = 20) -> dict[str,
         watchers=n,
         admitted=sum(h.startswith(b"HTTP/1.1 200") for h in heads),
         leader_rss_growth_mib=rss_mib(pid) - rss,
-        cut_off_as_slow=_sample(leader, cut) - cut_before,
+        cut_off_as_slow=sample(leader, cut) - cut_before,
     )
     return out
 

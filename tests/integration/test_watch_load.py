@@ -10,25 +10,12 @@ import time
 import httpx
 import pytest
 
-from kvdir.bench.attacks import fill, settle, stalled_watchers
+from kvdir.bench.attacks import fill, raft_terms, sample, settle, stalled_watchers
 from kvdir.bench.proc import rss_mib
-from kvdir.launcher import Cluster
 from tests.support.cluster import leader_index
 from tests.support.wait import wait_for
 
 ENTRIES = 5_000_000
-
-
-def _metric(url: str, name: str) -> float:
-    """One sample's value from a replica's /metrics (0 if it has none yet)."""
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def _terms(c: Cluster) -> list[int]:
-    return [httpx.get(u + "/v1/cluster", timeout=10).json()["term"] for u in c.replica_urls]
 
 
 @pytest.mark.scale
@@ -42,12 +29,12 @@ def test_twenty_stalled_watchers_of_five_million_entries_leave_raft_alone(make_c
     asyncio.run(fill(leader, ENTRIES))
     settle(c)  # every replica caught up under one leader
     pid = c.procs[c.replica_urls.index(leader)].pid  # type: ignore[union-attr]
-    rss_before, terms = rss_mib(pid), _terms(c)
+    rss_before, terms = rss_mib(pid), raft_terms(c)
     reg = httpx.post(leader + "/v1/nodes", json={"node_id": "writer", "api_url": "http://127.0.0.1:9"}, timeout=10).json()
     acked = failed = 0
     with stalled_watchers(leader, 20) as heads, httpx.Client(timeout=10) as http:
         assert all(h.startswith(b"HTTP/1.1 200") for h in heads), heads
-        wait_for(lambda: _metric(leader, "kvdir_directory_watchers") == 20, what="20 streams open")
+        wait_for(lambda: sample(leader, "kvdir_directory_watchers") == 20, what="20 streams open")
         end = time.monotonic() + 8.0
         while time.monotonic() < end:
             blocks = [{"hash": (time.monotonic_ns() + j) & (2**63 - 1), "slot": j} for j in range(64)]
@@ -55,15 +42,15 @@ def test_twenty_stalled_watchers_of_five_million_entries_leave_raft_alone(make_c
             acked, failed = acked + (r.status_code == 200), failed + (r.status_code != 200)
         growth = rss_mib(pid) - rss_before
         wait_for(
-            lambda: _metric(leader, 'kvdir_directory_watch_cut_total{reason="slow_consumer"}') == 20,
+            lambda: sample(leader, 'kvdir_directory_watch_cut_total{reason="slow_consumer"}') == 20,
             timeout=60,
             what="every stalled stream cut off",
         )
     assert failed == 0 and acked > 0, (acked, failed)
-    assert _terms(c) == terms, "an election happened while the watchers stalled"
+    assert raft_terms(c) == terms, "an election happened while the watchers stalled"
     # One shared 80 MB frame and its entry arrays, not twenty (3.2 GB): generous for allocator slack.
     assert growth < 800, f"the leader grew by {growth:.0f} MiB"
-    wait_for(lambda: _metric(leader, "kvdir_directory_watchers") == 0, what="the cut streams released")
+    wait_for(lambda: sample(leader, "kvdir_directory_watchers") == 0, what="the cut streams released")
 
 
 def test_watch_streams_are_capped_per_token_and_in_total(make_cluster) -> None:
@@ -76,10 +63,10 @@ def test_watch_streams_are_capped_per_token_and_in_total(make_cluster) -> None:
             assert r.status_code == 429 and r.json()["error"] == "too_many_watchers", r.text
             assert "--watch-max-streams-per-token" in r.json()["detail"] and "retry-after" in r.headers
         # Both closed: the address may watch again.
-        wait_for(lambda: _metric(url, "kvdir_directory_watchers") == 0, what="the closed streams released")
+        wait_for(lambda: sample(url, "kvdir_directory_watchers") == 0, what="the closed streams released")
         with http.stream("GET", url + "/v1/watch") as again:
             assert again.status_code == 200
-    assert _metric(url, 'kvdir_directory_watch_refused_total{cap="per_token"}') == 1
+    assert sample(url, 'kvdir_directory_watch_refused_total{cap="per_token"}') == 1
 
 
 def test_the_total_cap_counts_every_token(make_cluster, tmp_path) -> None:
@@ -100,7 +87,7 @@ def test_the_total_cap_counts_every_token(make_cluster, tmp_path) -> None:
         finally:
             a.close()
             b.close()
-    assert _metric(url, 'kvdir_directory_watch_refused_total{cap="streams"}') == 1
+    assert sample(url, 'kvdir_directory_watch_refused_total{cap="streams"}') == 1
 
 
 def test_a_watcher_that_stops_reading_is_cut_off_and_released(make_cluster) -> None:
@@ -112,9 +99,9 @@ def test_a_watcher_that_stops_reading_is_cut_off_and_released(make_cluster) -> N
     with stalled_watchers(url, 1) as heads:
         assert heads[0].startswith(b"HTTP/1.1 200"), heads
         wait_for(
-            lambda: _metric(url, 'kvdir_directory_watch_cut_total{reason="slow_consumer"}') == 1,
+            lambda: sample(url, 'kvdir_directory_watch_cut_total{reason="slow_consumer"}') == 1,
             timeout=30,
             what="the stalled stream cut off",
         )
-        wait_for(lambda: _metric(url, "kvdir_directory_watchers") == 0, what="its slot released")
+        wait_for(lambda: sample(url, "kvdir_directory_watchers") == 0, what="its slot released")
     assert "cut off: it accepted none of the next" in c.log_path(0).read_text()
