@@ -71,7 +71,7 @@ class Watchers:
     the feed still holds the changes after it, so twenty watchers joining at once cost one frame, not twenty.
     """
 
-    def __init__(self, max_streams: int, max_per_key: int, stall_s: float, metrics: DirectoryMetrics | None = None) -> None:
+    def __init__(self, max_streams: int, max_per_key: int, stall_s: float, metrics: DirectoryMetrics) -> None:
         self.max_streams, self.max_per_key, self.stall_s = max_streams, max_per_key, stall_s
         self._metrics = metrics
         self._open: dict[str, int] = {}
@@ -85,16 +85,16 @@ class Watchers:
         """Count a stream for `key`; TooManyWatchers over a cap."""
         held = self._open.get(key, 0)
         if len(self) >= self.max_streams:
-            self._refused("streams")
+            self._metrics.watch_refused.labels("streams").inc()
             raise TooManyWatchers(f"this replica serves at most {self.max_streams} watch streams (--watch-max-streams)")
         if held >= self.max_per_key:
-            self._refused("per_token")
+            self._metrics.watch_refused.labels("per_token").inc()
             raise TooManyWatchers(
                 f"this token (or address) holds {held} watch streams already, the most it may "
                 "(--watch-max-streams-per-token): one per mirror is enough"
             )
         self._open[key] = held + 1
-        self._gauge()
+        self._metrics.watchers.set(len(self))
 
     def leave(self, key: str) -> None:
         left = self._open.pop(key) - 1
@@ -102,19 +102,10 @@ class Watchers:
             self._open[key] = left
         elif not self._open:
             self._shared = None  # nobody to share it with: its bytes go (a stream still sending holds its own reference)
-        self._gauge()
+        self._metrics.watchers.set(len(self))
 
     def cut(self, reason: str) -> None:
-        if self._metrics is not None:
-            self._metrics.watch_cut.labels(reason).inc()
-
-    def _refused(self, cap: str) -> None:
-        if self._metrics is not None:
-            self._metrics.watch_refused.labels(cap).inc()
-
-    def _gauge(self) -> None:
-        if self._metrics is not None:
-            self._metrics.watchers.set(len(self))
+        self._metrics.watch_cut.labels(reason).inc()
 
     async def snapshot(self, replica: Replica) -> tuple[bytes, int]:
         """A snapshot frame and its position: the shared one if it is recent and still resumable, else a new one."""
