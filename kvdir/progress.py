@@ -75,6 +75,39 @@ def _columns(stream: TextIO) -> int:
         return 80
 
 
+class _LiveLine:
+    """The one line a terminal shows in place, rewritten with \\r: `Progress` and `Meter` both draw theirs here."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.shown = ""  # the line on screen, "" when none
+
+    def draw(self, line: str) -> None:
+        """Put `line` in place of the shown one, cut to the terminal's width (a wrapped line cannot be rewritten)."""
+        line = line[: _columns(self.stream) - 1]
+        if line != self.shown:
+            self.shown = line
+            self.stream.write("\r" + line + "\x1b[K")
+            self.stream.flush()
+
+    def above(self, say: Callable[[], object]) -> None:
+        """`say()` a line above the shown one, which is redrawn below it."""
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        say()
+        if self.shown:
+            self.stream.write(self.shown)
+            self.stream.flush()
+
+    def end(self) -> None:
+        """Leave the shown line on screen and go on below it."""
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = ""
+
+
 class Progress:
     """Says start-up's progress: `update()` on every poll (cheap when nothing changed), `close()` before other output."""
 
@@ -84,7 +117,7 @@ class Progress:
         self.live = live
         self.clock = clock
         self.t0 = clock()
-        self._shown = ""  # the live line on screen, "" when none
+        self._line = _LiveLine(stream)
 
     @property
     def elapsed(self) -> float:
@@ -96,32 +129,18 @@ class Progress:
         for name, value in changes.items():
             setattr(self.state, name, value)
         if self.live:
-            line = status_line(self.state, self.elapsed)
-            width = _columns(self.stream) - 1  # a wrapped line cannot be rewritten with \r
-            if line[:width] != self._shown:
-                self._shown = line[:width]
-                self.stream.write("\r" + self._shown + "\x1b[K")
-                self.stream.flush()
+            self._line.draw(status_line(self.state, self.elapsed))
             return
         for event in events(before, self.state):
             log.info("%s %s", stamp(self.elapsed), event)
 
     def note(self, text: str) -> None:
         """Say one line (a stage beginning) with its time stamp; on a terminal above the live line, which is redrawn."""
-        if self._shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-        log.info("%s %s", stamp(self.elapsed), text)
-        if self._shown:
-            self.stream.write(self._shown)
-            self.stream.flush()
+        self._line.above(lambda: log.info("%s %s", stamp(self.elapsed), text))
 
     def close(self, final: str | None = None) -> None:
         """End the live line (leaving it on screen), then say `final` if given."""
-        if self._shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._shown = ""
+        self._line.end()
         if final is not None:
             log.info("%s %s", stamp(self.elapsed), final)
 
@@ -183,7 +202,7 @@ class Meter:
         self.t0 = self._now = self._said_at = now
         self._said_frac = 0.0
         self._drawn_at = float("-inf")
-        self._shown = ""  # the live line on screen, "" when none
+        self._line = _LiveLine(stream)
         self._base = 0.0  # the whole's work in the stages already ended
         self._stage: tuple[str, float, float] | None = None  # name, total, start
         self._stage_done = 0.0
@@ -208,7 +227,7 @@ class Meter:
         if self.live:
             if now - self._drawn_at >= self.redraw_s or finished:
                 self._drawn_at = now
-                self._draw(self.bar_line(now))
+                self._line.draw(self.bar_line(now))
             return
         if finished:
             return  # the summary line of `close` says it
@@ -221,21 +240,15 @@ class Meter:
 
     def note(self, text: str) -> None:
         """Say one line (an event within the work) above the live bar, which is redrawn below it."""
-        shown = self._shown
-        if shown:
-            self.stream.write("\r\x1b[K")
-        self.stream.write(text + "\n")
-        if shown:
-            self.stream.write(shown)
+        self._line.above(lambda: self.stream.write(text + "\n"))
         self.stream.flush()
 
     def close(self, now: float | None = None) -> None:
         """End with one summary line (in place of the live bar); `now` defaults to the last update's."""
         line = self.summary_line(self._now if now is None else now)
         if self.live:
-            self._draw(line)
-            self.stream.write("\n")
-            self._shown = ""
+            self._line.draw(line)
+            self._line.end()
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
@@ -246,9 +259,8 @@ class Meter:
     def __exit__(self, kind: object, *_: object) -> None:
         if kind is None:
             self.close()
-        elif self._shown:  # an error: leave the bar where it got to, and the traceback below it
-            self.stream.write("\n")
-            self.stream.flush()
+        else:  # an error: leave the bar where it got to, and the traceback below it
+            self._line.end()
 
     # -- the lines, pure functions of the state and `now`
 
@@ -291,14 +303,6 @@ class Meter:
     def summary_line(self, now: float) -> str:
         """The last line: `label: 100% (1,000/1,000 units) in 29s`."""
         return f"{self.label}: {self._percent().strip()} ({self._counts()}) in {clock_text(now - self.t0)}"
-
-    def _draw(self, line: str) -> None:
-        """Put `line` in place of the live one, cut to the terminal's width (a wrapped line cannot be rewritten)."""
-        line = line[: _columns(self.stream) - 1]
-        if line != self._shown:
-            self._shown = line
-            self.stream.write("\r" + line + "\x1b[K")
-            self.stream.flush()
 
 
 def clocked(meter: Meter) -> Callable[[float], None]:
