@@ -58,6 +58,7 @@ from directory.logs import LogLevel
 from gateway.config import PolicyName
 from kvdir.listeners import listens, taken_ports
 from kvdir.progress import Progress, StartState, on_terminal
+from kvtransfer.engines import mooncake_rpc_ports
 from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")
@@ -116,6 +117,12 @@ class UpSettings(BaseSettings):
         top = max(port for port, _ in up_ports(self))
         if top > 65535:
             raise ValueError(f"--base-port {self.base_port} with {self.shards} shards needs port {top}: choose a lower one")
+        if clash := mooncake_clashes(self):
+            port, what = clash[0]
+            raise ValueError(
+                f"--base-port {self.base_port} puts the {what} on port {port}, in the range the workers' Mooncake "
+                f"engines bind in at random ({_range_text(mooncake_rpc_ports())}): choose another base port"
+            )
         return self
 
 
@@ -133,7 +140,8 @@ of them picked but has not bound yet is then never the other's pick."""
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports that were free a moment ago, below the kernel's ephemeral range (or in `PORT_RANGE`).
+    """n distinct ports that were free a moment ago, below the kernel's ephemeral range (or in `PORT_RANGE`),
+    outside the range a Mooncake transfer engine binds in at random (`kvtransfer.engines.mooncake_rpc_ports`).
 
     Not port 0's pick: that comes from the ephemeral range, where any outgoing connection on the
     machine can be given the port as its source port before the server binds it, and a Raft link
@@ -142,12 +150,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """
     low, high = PORT_RANGE or (10000, _ephemeral_low())
     high = max(high, low + 4 * n)
+    mooncake = mooncake_rpc_ports()
+    if mooncake.start <= low and high <= mooncake.stop:
+        raise ValueError(f"no ports to pick: {low}..{high - 1} lies in Mooncake's ({mooncake.start}..{mooncake.stop - 1})")
     rng = random.SystemRandom()
     ports: list[int] = []
     with _HANDED_OUT_LOCK:
         while len(ports) < n:
             port = rng.randrange(low, high)
-            if port in ports or port in _handed_out:
+            if port in ports or port in _handed_out or port in mooncake:
                 continue
             with socket.socket() as sock:
                 try:
@@ -742,12 +753,29 @@ def up_ports(s: UpSettings) -> list[tuple[int, str]]:
     return ports
 
 
+def mooncake_clashes(s: UpSettings) -> list[tuple[int, str]]:
+    """The ports of `up_ports` a worker's Mooncake engine could take first (none with the tcp transfer)."""
+    if s.workers == 0 or s.worker_transfer != "mooncake":
+        return []
+    mooncake = mooncake_rpc_ports()
+    return [(port, what) for port, what in up_ports(s) if port in mooncake]
+
+
+def _range_text(r: range) -> str:
+    return f"{r.start}-{r.stop - 1}"
+
+
 def _free_base_port(s: UpSettings) -> int | None:
     """A base port whose every port `kvdir up` would bind is free now (a suggestion for the clash message)."""
     offsets = [port - s.base_port for port, _ in up_ports(s)]
     for base in free_ports(20, s.host):
         base -= 110  # free_ports' picks lie in 10000..the ephemeral range; the offsets go up to +107 (more with shards)
-        if base >= 1024 and not taken_ports(s.host, [(base + d, "") for d in offsets], who=False):
+        ports = [(base + d, "") for d in offsets]
+        if (
+            base >= 1024
+            and not mooncake_clashes(s.model_copy(update={"base_port": base}))
+            and not taken_ports(s.host, ports, who=False)
+        ):
             return base
     return None
 

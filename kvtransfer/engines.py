@@ -31,7 +31,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvtransfer.socket_filter import EarlyConnectionError, confine_listeners, own_tcp_listeners
@@ -43,11 +43,29 @@ __all__ = [
     "TransferEngine",
     "TransferError",
     "create_engine",
+    "mooncake_rpc_ports",
 ]
 
 DEFAULT_TIMEOUT_S = 10.0
 
 log = logging.getLogger(__name__)
+
+
+def mooncake_rpc_ports(env: Mapping[str, str] = os.environ) -> range:
+    """The ports a Mooncake engine may bind at random when it starts (its handshake port and, for
+    protocol tcp, its data port): `MC_MIN_RPC_PORT`..`MC_MAX_RPC_PORT`, with Mooncake's misspelt
+    `MC_*_PRC_PORT` fallbacks, 15000-17000 by default. A server port picked in it can be taken by a
+    worker's transfer engine before the server binds it (a CI run's worker exited at start-up so)."""
+
+    def read(name: str, misspelt: str, default: int) -> int:
+        try:
+            return int(env.get(name, env.get(misspelt, default)))
+        except ValueError:
+            return default
+
+    low = read("MC_MIN_RPC_PORT", "MC_MIN_PRC_PORT", 15000)
+    high = read("MC_MAX_RPC_PORT", "MC_MAX_PRC_PORT", 17000)
+    return range(low, high + 1) if 0 < low <= high <= 65535 else range(15000, 17001)
 
 
 class TransferError(Exception):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvdir import launcher
 from kvdir.launcher import free_ports
+from kvtransfer.engines import mooncake_rpc_ports
 
 
 def port_free(port: int) -> bool:
@@ -22,10 +23,13 @@ def port_free(port: int) -> bool:
 
 def free_base_port(offsets: Sequence[int]) -> int:
     """A base port for `kvdir up` such that base+offset is free now for every offset, all inside this
-    process's port range when it has one (a parallel test worker's: tests/conftest.py)."""
+    process's port range when it has one (a parallel test worker's: tests/conftest.py), and none where the
+    workers' Mooncake engines bind."""
     low, high = launcher.PORT_RANGE or (1025, 65536)
+    mooncake = mooncake_rpc_ports()
     for _ in range(50):
         base = free_ports(1)[0] - 200
-        if base >= low and base + max(offsets) < high and all(port_free(base + d) for d in offsets):
+        ports = [base + d for d in offsets]
+        if base >= low and base + max(offsets) < high and all(p not in mooncake and port_free(p) for p in ports):
             return base
     raise RuntimeError("no free port range found")

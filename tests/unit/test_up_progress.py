@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kvdir import launcher
 from kvdir.cli import main
-from kvdir.launcher import UpSettings, log_tail, up_ports
+from kvdir.launcher import UpSettings, free_ports, log_tail, up_ports
 from kvdir.listeners import listening_inodes
 from kvdir.progress import Progress, StartState, events, status_line
+from kvtransfer.engines import mooncake_rpc_ports
 
 
 class Clock:
@@ -110,6 +112,32 @@ def test_up_checks_every_port_it_binds() -> None:
         9012: "worker-2 HTTP",
     }
     assert 9000 not in dict(up_ports(UpSettings(base_port=9000, gateway=False)))
+
+
+def test_mooncake_binds_in_its_rpc_range_set_as_mooncake_reads_it() -> None:
+    assert mooncake_rpc_ports({}) == range(15000, 17001)
+    assert mooncake_rpc_ports({"MC_MIN_RPC_PORT": "20000", "MC_MAX_RPC_PORT": "20100"}) == range(20000, 20101)
+    assert mooncake_rpc_ports({"MC_MIN_PRC_PORT": "18000", "MC_MAX_PRC_PORT": "18010"}) == range(18000, 18011)
+    assert mooncake_rpc_ports({"MC_MIN_RPC_PORT": "x"}) == range(15000, 17001)
+    assert mooncake_rpc_ports({"MC_MIN_RPC_PORT": "17500"}) == range(15000, 17001)  # min above max: the default
+
+
+def test_free_ports_never_picks_one_a_mooncake_engine_may_take_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI run's worker exited at start-up: its HTTP port, picked in 15000-17000, was another worker's
+    Mooncake port by the time it bound it."""
+    monkeypatch.setattr(launcher, "PORT_RANGE", (14990, 17020))
+    ports = free_ports(25)
+    assert len(set(ports)) == 25 and all(p < 15000 or p > 17000 for p in ports)
+    monkeypatch.setattr(launcher, "PORT_RANGE", (15100, 16000))
+    with pytest.raises(ValueError, match="no ports to pick"):
+        free_ports(1)
+
+
+def test_up_refuses_a_base_port_whose_ports_a_workers_mooncake_engine_may_take() -> None:
+    with pytest.raises(ValueError, match=r"replica 1 Raft on port 15001, in the range .* \(15000-17000\)"):
+        UpSettings(base_port=14900)
+    assert UpSettings(base_port=14900, worker_transfer="tcp").base_port == 14900
+    assert UpSettings(base_port=14900, workers=0).base_port == 14900
 
 
 # /proc/net/tcp as Linux writes it: 127.0.0.1:8101 listening (0A) as inode 5001, a connection to it, and
