@@ -9,10 +9,11 @@ RUN apt-get update \
 
 RUN useradd --create-home --uid 10001 kvdir
 COPY pyproject.toml README.md /src/
+COPY kvproto /src/kvproto
 COPY directory /src/directory
 COPY gateway /src/gateway
 COPY worker_stub /src/worker_stub
-COPY engines /src/engines
+COPY adapters /src/adapters
 COPY kvtransfer /src/kvtransfer
 COPY kvdir /src/kvdir
 # Installed, then the sources removed: a copy of a package beside the installed one would be imported
@@ -31,7 +32,7 @@ RUN missing=$(find "$(python -c 'import sysconfig; print(sysconfig.get_paths()["
 # The index's numba kernels are compiled here, into a cache the image carries, so that a replica's
 # first start loads them (a replica logs "N loaded from numba's cache, 0 compiled") instead of
 # spending seconds compiling them (kvdir bench elections, BENCHMARKS.md).
-RUN python -c "from directory.index import warm_up; assert warm_up()[1] > 0" && chown -R kvdir "$NUMBA_CACHE_DIR"
+RUN python -c "from kvproto.index import warm_up; assert warm_up()[1] > 0" && chown -R kvdir "$NUMBA_CACHE_DIR"
 
 USER kvdir
 # Each role probes its own endpoint: set KVDIR_HEALTH_URL per service (docker-compose.yml does).

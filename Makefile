@@ -65,7 +65,7 @@ test-compose: install
 	bash tests/compose/run.sh $(ARGS)
 
 # vLLM's CPU build in its own venv (its pins, e.g. numba and fastapi, differ from kvdir's), with kvdir installed
-# there without its dependencies plus what the connector (engines/vllm_connector.py) imports. torch's CPU
+# there without its dependencies plus what the connector (adapters/vllm_connector.py) imports. torch's CPU
 # build must come from pip's configured sources or TORCH_INDEX (deploy/vllm-cpu/Dockerfile does the same).
 VLLM_VENV    ?= .venv-vllm
 VLLM_STAMP   := $(VLLM_VENV)/.installed-stamp

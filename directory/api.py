@@ -14,7 +14,7 @@ role, node or tenant the token may not use (directory.auth).
 
 Entries are keyed per tenant (directory.tenancy): publish, remove and lookup
 map their hashes to the tenant's keys here, before anything goes through Raft.
-Those three also take binary batches (directory.binary), chosen by Content-Type.
+Those three also take binary batches (kvproto.binary), chosen by Content-Type.
 """
 
 from __future__ import annotations
@@ -37,21 +37,23 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from directory import binary, shardmap, watch, watch_codec
-from directory import state as st
-from directory.addresses import is_loopback, parse_hostport
+from directory import watch
 from directory.auth import PRINCIPAL, BearerAuth, Principal
-from directory.binary import LookupBatch, PublishBatch, RemoveBatch
 from directory.changefeed import Compacted
 from directory.config import DirectorySettings
-from directory.errors import CommitTimeout
-from directory.hashing import KvIdentity, identity_hashes
-from directory.http_limits import BodyLimit
 from directory.metrics import DirectoryMetrics
-from directory.offline_docs import add_offline_docs
-from directory.rate_limit import TokenBuckets, retry_after
 from directory.replica import NodeView, Replica
-from directory.schemas import (
+from directory.tenancy import Tenancy
+from kvproto import binary, shardmap, watch_codec
+from kvproto import state as st
+from kvproto.addresses import is_loopback, parse_hostport
+from kvproto.binary import LookupBatch, PublishBatch, RemoveBatch
+from kvproto.errors import CommitTimeout
+from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.http_limits import BodyLimit
+from kvproto.offline_docs import add_offline_docs
+from kvproto.rate_limit import TokenBuckets, retry_after
+from kvproto.schemas import (
     MAX_LOAD_LABELS,
     ClearRequest,
     DeregisterResponse,
@@ -70,7 +72,6 @@ from directory.schemas import (
     RemoveResponse,
     request_schemas,
 )
-from directory.tenancy import Tenancy
 
 log = logging.getLogger("kvdir.directory")
 
@@ -343,7 +344,7 @@ async def _shard_index(replica: Replica) -> int:
 
 
 # `{node_id:path}`: a node id may hold "/" (schemas.NODE_ID_PATTERN), which a client sends percent-encoded
-# (directory.client) and the server decodes before routing, so the id spans path segments.
+# (kvproto.client) and the server decodes before routing, so the id spans path segments.
 @router.post("/v1/nodes/{node_id:path}/heartbeat", response_model=HeartbeatResponse, openapi_extra=_body_doc(HeartbeatRequest))
 async def heartbeat(request: Request, node_id: str, replica: Replica = Depends(_replica)) -> Any:
     body = await _decode(request, HeartbeatRequest, Counted("load", Counted.MAPPING, MAX_LOAD_LABELS, "load_labels"))

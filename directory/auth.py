@@ -39,10 +39,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from directory.schemas import TENANT_MAX_LEN
+from kvproto.schemas import TENANT_MAX_LEN
 
 ROLES = ("engine", "gateway", "admin")
-# The paths probes and scrapers fetch without a token. Not the API docs: /docs and its assets (directory.offline_docs)
+# The paths probes and scrapers fetch without a token. Not the API docs: /docs and its assets (kvproto.offline_docs)
 # need one like /openapi.json, which they render and which would show anyone who reaches a replica every route to
 # try; an open page would only show the schema's 401. A browser or proxy that adds the header loads all three.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -52,7 +52,7 @@ PRINCIPAL = "kvdir.principal"
 """The ASGI scope key under which the middleware leaves the request's `Principal`."""
 
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an Authorization header can carry
-_TENANT = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_MAX_LEN}}}")  # directory.schemas.TENANT_PATTERN, non-empty
+_TENANT = re.compile(rf"[A-Za-z0-9._-]{{1,{TENANT_MAX_LEN}}}")  # kvproto.schemas.TENANT_PATTERN, non-empty
 
 
 @dataclass(frozen=True)

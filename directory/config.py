@@ -7,13 +7,13 @@ from pathlib import Path
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.addresses import HostPort, is_loopback, parse_hostport
 from directory.auth import TokenTable, load_tokens
-from directory.client_settings import read_secret_file
-from directory.logs import LogLevel
-from directory.shardmap import ShardMap, ShardMapError
-from directory.shardmap import load as load_shard_map
 from directory.tenancy import Tenancy
+from kvproto.addresses import HostPort, is_loopback, parse_hostport
+from kvproto.client_settings import read_secret_file
+from kvproto.logs import LogLevel
+from kvproto.shardmap import ShardMap, ShardMapError
+from kvproto.shardmap import load as load_shard_map
 
 
 class DirectorySettings(BaseSettings):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from directory.state import Command, DirectoryState, Result
+from kvproto.state import Command, DirectoryState, Result
 
 if TYPE_CHECKING:
     from directory.replica import Replica

@@ -1,7 +1,7 @@
 """A directory replica: the state machine replicated with pysyncobj, plus group commit and leases.
 
 Over 400 lines: the pysyncobj wrapper with its group commit and lease keeper, which run on its
-threads and share its lock; state logic is in directory.state.
+threads and share its lock; state logic is in kvproto.state.
 
 Threads: pysyncobj applies commands on its own thread; the HTTP server runs
 on an asyncio loop. `StateMachine.lock` serialises the two around the state,
@@ -36,11 +36,12 @@ import anyio.to_thread
 import numpy as np
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, SyncObjException, replicated
 
-from directory import index, journal, raft_transport
+from directory import journal, raft_transport
 from directory.changefeed import ChangeFeed
 from directory.config import DirectorySettings
-from directory.errors import CommitTimeout
-from directory.state import (
+from kvproto import index
+from kvproto.errors import CommitTimeout
+from kvproto.state import (
     AnnounceReplica,
     AssignShards,
     Command,
@@ -548,7 +549,7 @@ class Replica:
 
         Every replica of the group tries; the state machine keeps the first and ignores the rest, whatever
         their versions (`AssignShards.bootstrap`). A group that already has a map keeps it: changes go
-        through PUT /v1/shards, in the order that keeps fencing exact (directory.shardmap.apply_order),
+        through PUT /v1/shards, in the order that keeps fencing exact (kvproto.shardmap.apply_order),
         never through a restart with a new file.
         """
         wanted, shard = self.settings.shard_map, self.settings.shard

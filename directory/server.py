@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from directory.api import create_app
 from directory.config import DirectorySettings
-from directory.http_limits import serve_app
+from kvproto.http_limits import serve_app
 
 
 def serve(settings: DirectorySettings) -> None:

@@ -3,7 +3,7 @@
 The block hash names content (docs/protocol.md §1, seeded by the hash namespace); the
 tenant names who may see it. The API layer turns each hash into the key
 `mix(hash, tenant)` before a command goes through Raft, so the replicated
-state machine (directory.state) knows nothing of tenants. For each tenant,
+state machine (kvproto.state) knows nothing of tenants. For each tenant,
 `mix` is a bijection of the 64-bit space: an xor with the tenant's key, then
 the splitmix64 finaliser (xorshifts and multiplications by odd constants are
 all invertible modulo 2**64), so distinct hashes of one tenant never share a

@@ -7,7 +7,7 @@ resuming, here or on another replica: positions are the same on every replica). 
 after N are no longer kept (directory.changefeed), the answer is 410 and the consumer asks again
 without `from`. While nothing changes, a tick every `TICK_S` says the replica's position and whether
 it is caught up with a leader (its staleness bound), so a consumer knows how fresh its mirror is.
-The frames are directory.watch_codec's.
+The frames are kvproto.watch_codec's.
 
 Positions number one group's log only. A consumer resuming says which group it followed (`group=G`,
 watch_codec.group_of, which the snapshot and every tick carry): another group's position (a directory
@@ -36,13 +36,13 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from directory.changefeed import Ahead, Compacted
-from directory.index import FrozenEntries
 from directory.replica import Replica
-from directory.state import Command, DirectoryState
+from kvproto.index import FrozenEntries
+from kvproto.state import Command, DirectoryState
 
 if TYPE_CHECKING:
     from directory.metrics import DirectoryMetrics
-from directory.watch_codec import MEDIA_TYPE, batch_frame, capture, complete, frame, group_of, snapshot_message, tick_frame
+from kvproto.watch_codec import MEDIA_TYPE, batch_frame, capture, complete, frame, group_of, snapshot_message, tick_frame
 
 log = logging.getLogger("kvdir.directory")
 

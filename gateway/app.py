@@ -45,16 +45,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from directory.client import DirectoryClient
-from directory.hashing import KvIdentity
-from directory.http_limits import BodyLimit
-from directory.index import warm_up
-from directory.offline_docs import add_offline_docs
-from directory.openai_errors import error_response, http_error
-from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
-from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 from gateway.config import GatewaySettings
-from gateway.engines import EngineRegistry, EngineState
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
@@ -65,6 +57,14 @@ from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import KvRequest, Proxy
 from gateway.router import Router, cost_model
 from gateway.status import StatusBoard, render_page, status_json
+from kvproto.client import DirectoryClient
+from kvproto.hashing import KvIdentity
+from kvproto.http_limits import BodyLimit
+from kvproto.index import warm_up
+from kvproto.offline_docs import add_offline_docs
+from kvproto.openai_errors import error_response, http_error
+from kvproto.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
+from kvproto.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -167,7 +167,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.metrics = metrics = GatewayMetrics(registry)
         mirror = None
         if settings.mirror and not settings.tenant:
-            # The index kernels the mirror runs, loaded now: startup's end freezes what they built (directory.heap).
+            # The index kernels the mirror runs, loaded now: startup's end freezes what they built (kvproto.heap).
             await asyncio.to_thread(warm_up)
             # One feed per shard of a sharded directory (the map is read with `directory`), else one on these URLs.
             mirror = Mirror(settings.directory_urls, settings.directory_token, settings.mirror_max_lag_s, directory=directory)

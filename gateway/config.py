@@ -8,11 +8,11 @@ from typing import Literal, get_args
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.addresses import HostPort, is_loopback, parse_hostport, url_list
-from directory.client_settings import DirectoryClientSettings, read_secret_file
-from directory.logs import LogLevel
-from gateway.engines import Network, parse_networks, parse_origin
+from gateway.engine_registry import Network, parse_networks, parse_origin
 from gateway.policy import POLICIES
+from kvproto.addresses import HostPort, is_loopback, parse_hostport, url_list
+from kvproto.client_settings import DirectoryClientSettings, read_secret_file
+from kvproto.logs import LogLevel
 
 # The routing policies by name: the keys of gateway.policy.POLICIES, spelt out for type checkers.
 PolicyName = Literal["kvdir", "round_robin", "least_loaded", "sglang", "dynamo", "local_only"]

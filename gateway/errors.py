@@ -5,7 +5,7 @@
 
 Upstream failures are not exceptions here: a connection refused is retried on
 the next-best engine (gateway.proxy), and an engine's own error response is
-relayed as it came. The response body is made by directory.openai_errors,
+relayed as it came. The response body is made by kvproto.openai_errors,
 shared with the worker stub, which also answers routing's 404 and 405.
 """
 

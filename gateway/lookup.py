@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
-from directory.schemas import Holder
 from gateway.mirror import Mirror
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.schemas import Holder
 
 
 class Found(NamedTuple):

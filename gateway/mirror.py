@@ -44,13 +44,13 @@ import httpx
 import numpy as np
 from pydantic import SecretStr
 
-from directory.client import DirectoryClient
-from directory.errors import AuthError, DirectoryError
-from directory.index import warm_up
-from directory.schemas import Holder
-from directory.shardmap import ShardMap
-from directory.state import DirectoryState
-from directory.watch_codec import FrameReader, WireError, decode_command, group_of, state_from
+from kvproto.client import DirectoryClient
+from kvproto.errors import AuthError, DirectoryError
+from kvproto.index import warm_up
+from kvproto.schemas import Holder
+from kvproto.shardmap import ShardMap
+from kvproto.state import DirectoryState
+from kvproto.watch_codec import FrameReader, WireError, decode_command, group_of, state_from
 
 log = logging.getLogger("kvdir.gateway")
 

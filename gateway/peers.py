@@ -65,9 +65,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import SecretStr
 
-from directory.schemas import Origin, parse_origin
-from gateway.engines import EngineRegistry, EngineState
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
+from kvproto.schemas import Origin, parse_origin
 
 __all__ = ["NOTES_PATH", "STATUS_PATH", "Note", "NoteBatch", "PeerNotes", "routes"]
 

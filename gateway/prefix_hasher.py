@@ -19,7 +19,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from directory.hashing import KvIdentity, chain_hashes, local_hashes, seed_for
+from kvproto.hashing import KvIdentity, chain_hashes, local_hashes, seed_for
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _PACKS_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"  # `array` can pack the protocol's tokens
@@ -77,7 +77,7 @@ class PrefixHasher:
         return out
 
     def _local_hashes(self, tokens: list[int], n_blocks: int, key: str, seed: int) -> list[int]:
-        """`directory.hashing.local_hashes` of a short prompt, packed by `array` rather than numpy: numpy's
+        """`kvproto.hashing.local_hashes` of a short prompt, packed by `array` rather than numpy: numpy's
         fixed cost per call is most of the work for the few blocks of a typical prompt."""
         try:
             packed = array.array("I", tokens[: n_blocks * self.block_size]) if _PACKS_U32 else None

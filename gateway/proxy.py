@@ -40,17 +40,17 @@ from typing import Any
 import httpcore
 from fastapi.responses import Response, StreamingResponse
 
-from directory.client import DirectoryClient
-from directory.hashing import KvIdentity
-from directory.schemas import Origin
 from gateway.cost import Decision, RouteRequest
-from gateway.engines import EngineRegistry, EngineState
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.lookup import HolderLookup
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
 from gateway.router import HolderView, NoEngineAvailable, Route, Router
+from kvproto.client import DirectoryClient
+from kvproto.hashing import KvIdentity
+from kvproto.schemas import Origin
 
 log = logging.getLogger("kvdir.gateway")
 

@@ -10,7 +10,7 @@ The flow for one request (gateway.proxy does the I/O around it):
 2. the caller asks the directory which engines hold how much of it (holders);
 3. `Router.route` builds candidates, lets the policy choose and returns a
    `Route`: the decision (reason `fallback` when the lookup failed), the pull
-   plan (`directory.schemas.PullPlan`) for the upstream body, and the prompt
+   plan (`kvproto.schemas.PullPlan`) for the upstream body, and the prompt
    tokens the engine will compute (its pending prefill);
 4. `Router.routed` tells the policy where the request went, once it was sent.
 """
@@ -23,13 +23,13 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from directory.hashing import KvIdentity
-from directory.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD, PullPlan
 from gateway.config import GatewaySettings
 from gateway.cost import Candidate, CostModel, Decision, RouteRequest
 from gateway.inflight import InflightPrefixes
 from gateway.policy import Policy
 from gateway.prefix_hasher import PrefixHasher
+from kvproto.hashing import KvIdentity
+from kvproto.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD, PullPlan
 
 __all__ = [
     "EngineView",
@@ -53,7 +53,7 @@ REPORTED_GBPS_MAX = 1000.0
 
 
 class EngineView(Protocol):
-    """What routing reads of an engine (gateway.engines.EngineState has it all)."""
+    """What routing reads of an engine (gateway.engine_registry.EngineState has it all)."""
 
     @property
     def node_id(self) -> str: ...
@@ -86,7 +86,7 @@ class EngineView(Protocol):
 
 
 class HolderView(Protocol):
-    """What routing reads of a lookup answer's holder (directory.schemas.Holder)."""
+    """What routing reads of a lookup answer's holder (kvproto.schemas.Holder)."""
 
     @property
     def epoch(self) -> int: ...

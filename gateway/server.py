@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from directory.http_limits import serve_app
 from gateway.app import create_app
 from gateway.config import GatewaySettings
+from kvproto.http_limits import serve_app
 
 
 def serve(settings: GatewaySettings) -> None:

@@ -34,12 +34,12 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError, DirectoryUnavailable, RequestRejected
-from gateway.engines import EngineRegistry
+from gateway.engine_registry import EngineRegistry
 from gateway.metrics import GatewayMetrics, PullFailure
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError, DirectoryUnavailable, RequestRejected
 
 log = logging.getLogger("kvdir.gateway")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from directory.client import DirectoryClient
-from directory.hashing import KvIdentity, block_hashes, identity_hashes
+from kvproto.client import DirectoryClient
+from kvproto.hashing import KvIdentity, block_hashes, identity_hashes
 
 SYSTEM = "You are a helpful assistant for an LLM inference cluster. Answer briefly. " * 4
 TURN1 = "User: how does prefix caching cut time to first token?\n"

@@ -53,12 +53,12 @@ import httpx
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.addresses import is_wildcard
-from directory.logs import LogLevel
 from gateway.config import PolicyName
 from kvdir.listeners import listens, taken_ports
 from kvdir.progress import Progress, StartState, on_terminal
-from kvtransfer.engines import mooncake_rpc_ports
+from kvproto.addresses import is_wildcard
+from kvproto.logs import LogLevel
+from kvtransfer.backends import mooncake_rpc_ports
 from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")
@@ -141,7 +141,7 @@ of them picked but has not bound yet is then never the other's pick."""
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """n distinct ports that were free a moment ago, below the kernel's ephemeral range (or in `PORT_RANGE`),
-    outside the range a Mooncake transfer engine binds in at random (`kvtransfer.engines.mooncake_rpc_ports`).
+    outside the range a Mooncake transfer engine binds in at random (`kvtransfer.backends.mooncake_rpc_ports`).
 
     Not port 0's pick: that comes from the ephemeral range, where any outgoing connection on the
     machine can be given the port as its source port before the server binds it, and a Raft link

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic_settings import BaseSettings, EnvSettingsSource
 
+from adapters.config import EventsSettings
 from directory.config import DirectorySettings
-from engines.config import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import UpSettings
 from worker_stub.config import WorkerSettings
@@ -59,7 +59,7 @@ ROLES: dict[str, Role] = {
             "events",
             "feed the directory from one vLLM/SGLang engine's KV-cache events (ZMQ)",
             EventsSettings,
-            "engines.subscriber:serve",
+            "adapters.subscriber:serve",
         ),
         Role(
             "up",

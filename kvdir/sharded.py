@@ -12,8 +12,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from directory.shardmap import ShardMap
 from kvdir.launcher import Cluster, free_ports
+from kvproto.shardmap import ShardMap
 
 
 def shard_names(n: int) -> list[str]:

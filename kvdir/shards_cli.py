@@ -1,6 +1,6 @@
 """`kvdir shards show|apply`: read a sharded directory's map, or change it without downtime (docs/scale-out.md §5).
 
-`apply FILE` reads every shard's committed map and registered nodes, asks `directory.shardmap.apply_order`
+`apply FILE` reads every shard's committed map and registered nodes, asks `kvproto.shardmap.apply_order`
 for the order that never lets two groups hold one node, and commits the new map (`PUT /v1/shards`) to
 each shard in that order, retrying a shard without a leader until the deadline. A change with no safe
 order (a shard that would both give and take nodes) is refused before anything is written. A shard
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from pydantic import Field
 
-from directory.client import DirectoryClient
-from directory.client_settings import DirectoryClientSettings
-from directory.errors import DirectoryError
-from directory.shardmap import ShardMap, ShardMapError, UnsafeChange, apply_order, load
 from kvdir.roles import Role, add_settings_flags, build_settings
+from kvproto.client import DirectoryClient
+from kvproto.client_settings import DirectoryClientSettings
+from kvproto.errors import DirectoryError
+from kvproto.shardmap import ShardMap, ShardMapError, UnsafeChange, apply_order, load
 
 
 class ShardsSettings(DirectoryClientSettings):

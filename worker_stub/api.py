@@ -3,8 +3,8 @@
 Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for invalid requests (bad JSON, wrong types, prompt too long), 404 for an
 unknown model or path, 405 for a method a path does not take (both messages list
-the routes: directory.openai_errors), 413 for an oversized body, 429 when the
-queue is full. `/docs` is served with its assets from this host (directory.offline_docs).
+the routes: kvproto.openai_errors), 413 for an oversized body, 429 when the
+queue is full. `/docs` is served with its assets from this host (kvproto.offline_docs).
 `/tokenize` refuses a prompt over `max_model_len` (as vLLM does) before the
 work it would cost: more messages than that, or (with the bytes tokenizer) more
 characters than that, is refused unparsed and untokenized.
@@ -31,18 +31,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from directory.client import DirectoryClient
-from directory.hashing import KvIdentity
-from directory.http_limits import BodyLimit
-from directory.offline_docs import add_offline_docs
-from directory.openai_errors import error_response, http_error
-from directory.schemas import PullPlan
-from directory.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
-from kvtransfer.engines import create_engine
+from kvproto.client import DirectoryClient
+from kvproto.hashing import KvIdentity
+from kvproto.http_limits import BodyLimit
+from kvproto.offline_docs import add_offline_docs
+from kvproto.openai_errors import error_response, http_error
+from kvproto.schemas import PullPlan
+from kvproto.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
+from kvtransfer.backends import create_engine
 from worker_stub.config import WorkerSettings
-from worker_stub.engine import Engine, QueueFull, RequestStats
 from worker_stub.pool import KVPool
 from worker_stub.publisher import Publisher
+from worker_stub.stub_engine import Engine, QueueFull, RequestStats
 
 log = logging.getLogger("kvdir.worker")
 
@@ -53,7 +53,7 @@ class _Req(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI parameters (temperature, ...) are accepted and ignored
     model: str
     stream: bool = False
-    kvdir_pull: dict[str, Any] | None = None  # a directory.schemas.PullPlan, decoded by `run`
+    kvdir_pull: dict[str, Any] | None = None  # a kvproto.schemas.PullPlan, decoded by `run`
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a KV identity of its own
 
 

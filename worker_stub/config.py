@@ -15,16 +15,16 @@ import xxhash
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.addresses import HostPort, is_wildcard
-from directory.client_settings import DirectoryClientSettings
-from directory.logs import LogLevel
-from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
-from kvtransfer.engines import ENGINES
+from kvproto.addresses import HostPort, is_wildcard
+from kvproto.client_settings import DirectoryClientSettings
+from kvproto.logs import LogLevel
+from kvproto.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
+from kvtransfer.backends import ENGINES
 
-# The KV transfer engines by name: the keys of kvtransfer.engines.ENGINES, spelt out for type checkers.
+# The KV transfer engines by name: the keys of kvtransfer.backends.ENGINES, spelt out for type checkers.
 TransferName = Literal["mooncake", "tcp"]
 if set(get_args(TransferName)) != set(ENGINES):
-    raise RuntimeError(f"TransferName {get_args(TransferName)} differs from kvtransfer.engines.ENGINES {tuple(ENGINES)}")
+    raise RuntimeError(f"TransferName {get_args(TransferName)} differs from kvtransfer.backends.ENGINES {tuple(ENGINES)}")
 
 
 class WorkerSettings(DirectoryClientSettings):

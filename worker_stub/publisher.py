@@ -16,9 +16,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator
 
-from directory.client import DirectoryClient
-from directory.schemas import Region
-from directory.session import NodeSession
+from kvproto.client import DirectoryClient
+from kvproto.schemas import Region
+from kvproto.session import NodeSession
 from worker_stub.pool import KVPool
 
 log = logging.getLogger("kvdir.worker")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from directory.http_limits import serve_app
+from kvproto.http_limits import serve_app
 from worker_stub.api import create_app
 from worker_stub.config import WorkerSettings
 

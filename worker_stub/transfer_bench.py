@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from kvtransfer.engines import TransferEngine, create_engine
+from kvtransfer.backends import TransferEngine, create_engine
 
 __all__ = ["PeerProcess", "measure_read_bandwidth", "pattern"]
 

@@ -34,10 +34,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from directory.client import DirectoryClient
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvproto.client import DirectoryClient
 
 
 def raft_terms(c: Cluster) -> list[int]:

@@ -19,16 +19,16 @@ from typing import Any
 import httpx
 import numpy as np
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryUnavailable
-from directory.hashing import block_hashes, chain_hashes, seed_for
-from directory.index import BlockIndex
-from directory.state import DirectoryState, Publish, Register
 from kvdir.bench.loadgen import LoadSpec, load_in_process
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
 from kvdir.progress import clocked, stderr_meter
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryUnavailable
+from kvproto.hashing import block_hashes, chain_hashes, seed_for
+from kvproto.index import BlockIndex
+from kvproto.state import DirectoryState, Publish, Register
 
 SEED = seed_for("")
 

@@ -29,10 +29,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from directory.hashing import block_hashes
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
+from kvproto.hashing import block_hashes
 
 BS = 16
 BLOCKS_PER_EVENT = 64

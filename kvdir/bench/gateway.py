@@ -11,8 +11,6 @@ from typing import Any
 
 import httpx
 
-from directory.hashing import block_hashes
-from directory.tokenizer import ByteTokenizer
 from gateway.cost import RouteRequest
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
@@ -24,6 +22,8 @@ from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, Gateway, Workers, free_ports
 from kvdir.plots import latency_cdf
 from kvdir.progress import Meter, clocked, stderr_meter
+from kvproto.hashing import block_hashes
+from kvproto.tokenizer import ByteTokenizer
 
 
 def bench_tokenize_hash() -> dict[str, Any]:

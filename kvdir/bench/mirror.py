@@ -24,9 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
-from directory.state import Publish
 from gateway.config import GatewaySettings
 from gateway.lookup import HolderLookup
 from gateway.mirror import Feed, Mirror
@@ -34,6 +31,9 @@ from kvdir.bench.report import emit, header, pct, say
 from kvdir.launcher import Cluster, free_ports
 from kvdir.plots import LagSeries, lag_over_time, latency_cdf
 from kvdir.progress import Meter, stderr_meter
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.state import Publish
 
 BATCH = 256
 

@@ -27,15 +27,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from directory.hashing import KvIdentity, identity_hashes
-from directory.schemas import RegionInfo
-from engines.vllm_plan import KvLayout, LayerRegion, page_pieces
+from adapters.vllm_plan import KvLayout, LayerRegion, page_pieces
 from kvdir.bench.report import emit, header, say
 from kvdir.launcher import Cluster, free_ports
 from kvdir.plots import ttft_by_prefix
 from kvdir.progress import clocked, stderr_meter
-from kvdir.vllm_engines import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
-from kvtransfer.engines import create_engine
+from kvdir.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
+from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.schemas import RegionInfo
+from kvtransfer.backends import create_engine
 
 SIZES = (256, 1024, 1792)
 TAIL = 8

@@ -34,13 +34,13 @@ from typing import Any
 
 import httpx
 
-from directory.shardmap import ShardMap, home_of
 from kvdir.faults import checker, netns
 from kvdir.faults.history import OK, WRITES, Fault, History, seq_hashes
 from kvdir.faults.load import Load, node_ids
 from kvdir.faults.proxy import ProxyNetwork
 from kvdir.launcher import Cluster, free_ports, write_raft_password
 from kvdir.sharded import shard_names
+from kvproto.shardmap import ShardMap, home_of
 
 log = logging.getLogger("kvdir.faults")
 

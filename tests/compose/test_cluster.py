@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
 from tests.compose.conftest import (
     MODEL,
     REPLICAS,

@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 
-from directory.hashing import block_hashes
+from kvproto.hashing import block_hashes
 from tests.support.cluster import leader_index
 from tests.support.wait import wait_for
 

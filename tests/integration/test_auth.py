@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import AuthError
-from directory.hashing import block_hashes
+from kvproto.client import DirectoryClient
+from kvproto.errors import AuthError
+from kvproto.hashing import block_hashes
 from tests.support.wait import wait_for
 
 ENGINE, GATEWAY, ADMIN = "engine-tok-3f9a1c0d2b", "gateway-tok-77aa01bc", "admin-tok-5e5e1234abcd"

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryUnavailable, InvalidRequestError, StaleEpochError
 from kvdir.launcher import free_ports
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryUnavailable, InvalidRequestError, StaleEpochError
 from tests.support.ports import free_base_port, port_free
 
 

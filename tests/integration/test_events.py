@@ -1,6 +1,6 @@
 """The KV-events subscriber against a real 3-replica directory, a real ZMQ publisher and a fake engine's /health.
 
-The subscriber runs in its own process (`engines.subscriber.serve`), so
+The subscriber runs in its own process (`adapters.subscriber.serve`), so
 the test only talks to it over sockets: it plays the engine (an XPUB socket
 that connects to the subscriber's bound SUB, as vLLM's PUB does, plus a tiny
 HTTP server for /health and, in one test, a ROUTER replay socket) and reads
@@ -207,7 +207,7 @@ class Subscriber:
                 [
                     sys.executable,
                     "-c",
-                    "from engines.config import EventsSettings; from engines.subscriber import serve; serve(EventsSettings())",
+                    "from adapters.config import EventsSettings; from adapters.subscriber import serve; serve(EventsSettings())",
                 ],
                 cwd=ROOT,
                 env=env,

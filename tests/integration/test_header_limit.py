@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from directory.http_limits import MAX_HEAD_BYTES
+from kvproto.http_limits import MAX_HEAD_BYTES
 
 HUGE = 16 * 2**20  # a 16 MiB header: without the cap a replica spent seconds on it, then answered 200
 

@@ -1,4 +1,4 @@
-"""`directory.index.warm_up()` compiles every kernel signature a replica uses, checked in a fresh interpreter
+"""`kvproto.index.warm_up()` compiles every kernel signature a replica uses, checked in a fresh interpreter
 (numba's compiled signatures are per process, so the check cannot share the test process)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 _WARM_UP_CHECK = """
 import pickle
 import numpy as np
-from directory import index
-from directory.state import DirectoryState, Publish, Register, Remove, new_epoch_base
+from kvproto import index
+from kvproto.state import DirectoryState, Publish, Register, Remove, new_epoch_base
 
 kernels = (index._home, index._main_row, index._locate, index._prefix_match)
 index.warm_up()

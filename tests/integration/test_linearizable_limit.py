@@ -52,8 +52,8 @@ def test_the_client_waits_out_a_rate_limit_within_its_deadline(make_cluster, tmp
     """The compose test's verifier (a burst of linearizable lookups after a leader kill) met the limit as an
     error: a rate limit is no refusal, so the client retries it (another replica, or this one later) until its
     deadline, and only then fails."""
-    from directory.client import DirectoryClient
-    from directory.errors import DirectoryUnavailable
+    from kvproto.client import DirectoryClient
+    from kvproto.errors import DirectoryUnavailable
 
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS)

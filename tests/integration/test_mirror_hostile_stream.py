@@ -1,5 +1,5 @@
 """A gateway whose directory URLs lead to a hostile watch stream (issue #29, item 4): a real gateway process,
-and two small HTTP servers on 127.0.0.1 that speak the watch stream's wire format (directory.watch_codec)
+and two small HTTP servers on 127.0.0.1 that speak the watch stream's wire format (kvproto.watch_codec)
 and send, one connection after the other, frames malformed in every way a frame can be, then a good stream.
 
 The gateway must refuse each malformed frame, drop the state it had from that source and snapshot again
@@ -19,9 +19,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from directory.state import DirectoryState, Publish, Register, new_epoch_base
-from directory.watch_codec import HEADER, MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from kvdir.launcher import Gateway, free_ports
+from kvproto.state import DirectoryState, Publish, Register, new_epoch_base
+from kvproto.watch_codec import HEADER, MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from tests.support.metrics import mirror_gauges
 from tests.support.wait import wait_for
 
@@ -223,7 +223,7 @@ def test_every_malformed_frame_drops_its_source_and_the_gateway_snapshots_from_t
 def test_the_fake_speaks_the_real_format() -> None:
     """The good stream the fake sends decodes to the state it was made from (the test above is about the
     malformed ones only)."""
-    from directory.watch_codec import FrameReader, state_from
+    from kvproto.watch_codec import FrameReader, state_from
 
     (f,) = FrameReader().feed(_snap())
     assert state_from(f["state"]).digest() == STATE.digest() and f["group"] == G

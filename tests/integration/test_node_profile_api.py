@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import AuthError
-from directory.schemas import NodeInfo, RegisterResponse
 from kvdir.launcher import Cluster
+from kvproto.client import DirectoryClient
+from kvproto.errors import AuthError
+from kvproto.schemas import NodeInfo, RegisterResponse
 from tests.support.cluster import leader_index
 from tests.support.wait import wait_for
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import StaleEpochError
 from kvdir.launcher import Cluster
+from kvproto.client import DirectoryClient
+from kvproto.errors import StaleEpochError
 
 
 def _register(url: str, node_id: str, incarnation: str) -> int:

@@ -9,8 +9,8 @@ import numpy as np
 
 from directory.config import DirectorySettings
 from directory.replica import Replica
-from directory.state import NodeProfile, Publish, Register
 from kvdir.launcher import free_ports
+from kvproto.state import NodeProfile, Publish, Register
 from tests.support.wait import wait_for
 
 PROFILE = NodeProfile(("m", "m-lora"), "fp-1", "acme", False)  # what a registration says of its engine (§2.1)

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from directory.client import DirectoryClient
 from directory.config import DirectorySettings
-from directory.errors import DirectoryUnavailable
-from directory.hashing import chain_hashes, seed_for
 from kvdir.bench.elections import publish_until
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryUnavailable
+from kvproto.hashing import chain_hashes, seed_for
 from tests.support.cluster import digests, leader_index
 from tests.support.wait import wait_for
 

@@ -1,4 +1,4 @@
-"""A real server process freezes its startup heap once its lifespan startup is over (directory.heap, wired in by
+"""A real server process freezes its startup heap once its lifespan startup is over (kvproto.heap, wired in by
 `serve_app` for every kvdir server): a replica's log says so after its Raft node and index kernels are up."""
 
 from __future__ import annotations

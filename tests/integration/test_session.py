@@ -8,9 +8,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from directory.client import DirectoryClient
-from directory.schemas import Region
-from directory.session import NodeSession
+from kvproto.client import DirectoryClient
+from kvproto.schemas import Region
+from kvproto.session import NodeSession
 
 NODE = "session-1"
 API = "http://127.0.0.1:9"

@@ -12,10 +12,10 @@ import asyncio
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import StaleEpochError
-from directory.session import NodeSession
-from directory.shardmap import ShardMap, apply_order
+from kvproto.client import DirectoryClient
+from kvproto.errors import StaleEpochError
+from kvproto.session import NodeSession
+from kvproto.shardmap import ShardMap, apply_order
 
 pytestmark = pytest.mark.timeout(120)
 

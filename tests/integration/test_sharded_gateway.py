@@ -11,9 +11,9 @@ import time
 
 import httpx
 
-from directory.client import DirectoryClient
-from directory.shardmap import ShardMap
 from gateway.mirror import Mirror
+from kvproto.client import DirectoryClient
+from kvproto.shardmap import ShardMap
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import StaleEpochError
-from directory.shardmap import SHARD_BITS, ShardMap
-from directory.state import EPOCH_BASE_BITS
 from kvdir.cli import main
+from kvproto.client import DirectoryClient
+from kvproto.errors import StaleEpochError
+from kvproto.shardmap import SHARD_BITS, ShardMap
+from kvproto.state import EPOCH_BASE_BITS
 
 NODES = [f"node-{i}" for i in range(6)]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from directory.tokenizer import render_chat
+from kvproto.tokenizer import render_chat
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.browser

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.errors import AuthError
-from directory.hashing import block_hashes
-from directory.watch_codec import FrameReader
 from kvdir.launcher import Workers, free_ports
+from kvproto.client import DirectoryClient
+from kvproto.errors import AuthError
+from kvproto.hashing import block_hashes
+from kvproto.watch_codec import FrameReader
 from tests.support.wait import wait_for
 
 ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d", "engine-bravo-1f2e3d4c"

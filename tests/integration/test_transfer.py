@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvtransfer.engines import (
+from kvtransfer.backends import (
     ENGINES,
     MooncakeEngine,
     TcpEngine,

@@ -2,7 +2,7 @@
 
 The worker runs with the Mooncake transfer engine and transfer host 127.0.0.1.
 Its listeners are read from /proc/<pid>/net/tcp{,6} (parsed here, independently
-of kvtransfer.engines). Mooncake binds two of them to the wildcard address,
+of kvtransfer.backends). Mooncake binds two of them to the wildcard address,
 which the worker must confine: 127.0.0.2, also loopback but not the transfer
 host, must not get a connection through to any of them.
 """

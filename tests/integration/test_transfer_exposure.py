@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtransfer.engines import ENGINES, create_engine
+from kvtransfer.backends import ENGINES, create_engine
 from kvtransfer.socket_filter import EarlyConnectionError, TcpListener, confine_listeners, own_tcp_listeners
 
 HOST = "127.0.0.1"
@@ -97,7 +97,7 @@ def test_a_wildcard_host_cannot_be_confined(wildcard_listener) -> None:
 def test_mooncake_listeners_are_confined_to_the_transfer_host(caplog) -> None:
     """Both of Mooncake's listeners (P2P handshake, TCP data) are bound to the wildcard and must refuse 127.0.0.2."""
     before = {li.inode for li in own_tcp_listeners()}
-    with caplog.at_level(logging.INFO, logger="kvtransfer.engines"):
+    with caplog.at_level(logging.INFO, logger="kvtransfer.backends"):
         engine = create_engine("mooncake", HOST, timeout_s=1.0)
     try:
         mine = [li for li in own_tcp_listeners() if li.inode not in before]
@@ -107,7 +107,7 @@ def test_mooncake_listeners_are_confined_to_the_transfer_host(caplog) -> None:
             assert not reaches(ELSEWHERE, li.port), li
             assert reaches(HOST, li.port), li
         assert f"accept only connections addressed to {HOST}" in caplog.text
-        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "kvtransfer.engines"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "kvtransfer.backends"]
     finally:
         engine.close()
 
@@ -115,12 +115,12 @@ def test_mooncake_listeners_are_confined_to_the_transfer_host(caplog) -> None:
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_a_wildcard_transfer_host_logs_a_warning_naming_the_ports(name: str, caplog) -> None:
     before = {li.inode for li in own_tcp_listeners()}
-    with caplog.at_level(logging.WARNING, logger="kvtransfer.engines"):
+    with caplog.at_level(logging.WARNING, logger="kvtransfer.backends"):
         engine = create_engine(name, "0.0.0.0", timeout_s=1.0)
     try:
         ports = [li.port for li in own_tcp_listeners() if li.inode not in before]
         assert ports
-        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvtransfer.engines"]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvtransfer.backends"]
         assert len(warnings) == 1, warnings
         assert "all interfaces" in warnings[0] and all(str(p) in warnings[0] for p in ports), warnings[0]
     finally:

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from directory.hashing import KvIdentity, identity_hashes
-from directory.shardmap import load
 from kvdir.launcher import UpSettings, up_ports
+from kvproto.client import DirectoryClient
+from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.shardmap import load
 from tests.support.launcher import Up
 from tests.support.ports import free_base_port, port_free
 from tests.support.wait import wait_for

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
-from directory.watch_codec import FrameReader, group_of
 from gateway.mirror import Mirror
 from kvdir.launcher import Cluster
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.watch_codec import FrameReader, group_of
 from tests.support.cluster import leader_index
 
 WAIT_S = 30.0

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from directory.hashing import block_hashes
-from directory.schemas import PULL_GBPS_LABEL
+from kvproto.hashing import block_hashes
+from kvproto.schemas import PULL_GBPS_LABEL
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"
@@ -102,7 +102,7 @@ def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers)
     # The recomputed blocks are good: worker-2 now serves them from its own cache.
     again = _complete(w.urls[1], PROMPT)
     assert again["kvdir"]["local_cached_tokens"] == 25 * 16
-    # A malformed plan (the wire type is directory.schemas.PullPlan) is a 400 naming it, never a 500.
+    # A malformed plan (the wire type is kvproto.schemas.PullPlan) is a 400 naming it, never a 500.
     for bad in ({"source_node": "worker-1", "source_epoch": 0, "slots": []}, {"source_node": "worker-1", "slots": ["a"]}):
         r = httpx.post(w.urls[1] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "kvdir_pull": bad}, timeout=60)
         assert r.status_code == 400 and "kvdir_pull" in r.json()["error"]["message"], r.text

@@ -15,7 +15,7 @@ import numpy as np
 
 from directory.config import DirectorySettings
 from directory.replica import Digest
-from directory.state import Command, DirectoryState, Holder, Register, Result
+from kvproto.state import Command, DirectoryState, Holder, Register, Result
 
 T = TypeVar("T")
 

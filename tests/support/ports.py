@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvdir import launcher
 from kvdir.launcher import free_ports
-from kvtransfer.engines import mooncake_rpc_ports
+from kvtransfer.backends import mooncake_rpc_ports
 
 
 def port_free(port: int) -> bool:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from adapters.config import EventsSettings
 from directory.auth import Principal, bearer_token, load_tokens
 from directory.config import DirectorySettings
 from directory.tenancy import Tenancy
-from engines.config import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import AuthFiles
 from worker_stub.config import WorkerSettings

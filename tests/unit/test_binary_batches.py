@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from directory.api import create_app
-from directory.client import DirectoryClient
 from directory.config import DirectorySettings
-from directory.errors import InvalidRequestError
-from directory.hashing import block_hashes
-from directory.session import NodeSession
-from directory.state import Publish
+from kvproto.client import DirectoryClient
+from kvproto.errors import InvalidRequestError
+from kvproto.hashing import block_hashes
+from kvproto.session import NodeSession
+from kvproto.state import Publish
 from tests.support.memory_replica import MemoryReplica
 
 MSGPACK = {"content-type": "application/msgpack"}

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from directory.addresses import parse_hostport
 from kvdir.check_config import check, compose_auth_problems, compose_services, interpolate
 from kvdir.launcher import UpSettings
+from kvproto.addresses import parse_hostport
 from tests.support.deployment import COMPOSE, ROOT, stand_in_services
 
 

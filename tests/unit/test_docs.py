@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from adapters.config import EventsSettings
 from directory.config import DirectorySettings
-from engines.config import EventsSettings
 from gateway.config import GatewaySettings
 from kvdir.launcher import UpSettings
 from worker_stub.config import WorkerSettings

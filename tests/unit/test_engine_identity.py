@@ -1,4 +1,4 @@
-"""The adapters' side of KV identity (engines/kv_identity.py): the name requests are hashed under, the multimodal
+"""The adapters' side of KV identity (adapters/kv_identity.py): the name requests are hashed under, the multimodal
 extra keys, and the engine fingerprint that gates pulls (docs/protocol.md §1.1, §2.1)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from directory.hashing import KvIdentity, identity_hashes, multimodal_extra_keys
-from engines.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name, weights_digest
+from adapters.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name, weights_digest
+from kvproto.hashing import KvIdentity, identity_hashes, multimodal_extra_keys
 
 BASE = {"model": "/models/m", "revision": None, "dtype": "bfloat16", "kv_cache_dtype": "auto", "block_size": 32}
 

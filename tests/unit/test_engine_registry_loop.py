@@ -8,9 +8,9 @@ import logging
 import httpx
 import pytest
 
-from directory.client import DirectoryClient
-from gateway.engines import EngineRegistry
+from gateway.engine_registry import EngineRegistry
 from gateway.metrics import GatewayMetrics
+from kvproto.client import DirectoryClient
 
 
 def test_an_exception_in_a_refresh_does_not_end_the_refresh_loop(

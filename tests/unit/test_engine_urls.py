@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
-from gateway.engines import EngineRefused, Origin, admit, parse_networks, parse_origin
+from gateway.engine_registry import EngineRefused, Origin, admit, parse_networks, parse_origin
 from gateway.proxy import _target
 
 HIJACK = "http://127.0.0.1:47900/internal/admin/action?x="  # the registration that made the gateway POST prompts there

@@ -1,4 +1,4 @@
-"""One `kvdir events` process, several engines (engines.subscriber.Adapter): a subscriber that fails is
+"""One `kvdir events` process, several engines (adapters.subscriber.Adapter): a subscriber that fails is
 started again on its own, the others untouched."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from directory.schemas import RegisterResponse
-from engines.config import EventsSettings
-from engines.subscriber import Adapter, EventsSubscriber
+from adapters.config import EventsSettings
+from adapters.subscriber import Adapter, EventsSubscriber
 from kvdir.launcher import free_ports
+from kvproto.schemas import RegisterResponse
 
 
 def test_a_failed_subscriber_is_started_again_and_the_other_engine_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,8 +105,8 @@ def test_a_message_over_max_message_bytes_is_dropped_and_the_subscriber_keeps_re
     import zmq
     import zmq.asyncio
 
-    from directory.client import DirectoryClient
-    from engines.kv_events import Batch
+    from adapters.kv_events import Batch
+    from kvproto.client import DirectoryClient
 
     (port,) = free_ports(1)
     settings = EventsSettings(directory="http://127.0.0.1:1", zmq=f"tcp://127.0.0.1:{port}", max_message_bytes=4096)

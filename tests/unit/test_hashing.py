@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from directory.hashing import (
+from kvproto.hashing import (
     BASE_SEED,
     DEFAULT_BLOCK_SIZE,
     block_hashes,

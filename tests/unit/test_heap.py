@@ -1,4 +1,4 @@
-"""A server's startup heap is frozen out of the cyclic collector once its lifespan startup is over (directory.heap):
+"""A server's startup heap is frozen out of the cyclic collector once its lifespan startup is over (kvproto.heap):
 what startup built is skipped by full collections, what requests build later is collected as before."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from directory.heap import frozen_after_startup
+from kvproto.heap import frozen_after_startup
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from directory.hashing import (
+from gateway.prefix_hasher import PrefixHasher
+from kvproto.hashing import (
     KvIdentity,
     block_hashes,
     extra_key_bytes,
@@ -22,7 +23,6 @@ from directory.hashing import (
     multimodal_extra_keys,
     seed_for,
 )
-from gateway.prefix_hasher import PrefixHasher
 
 TOKENS_1_40 = list(range(1, 41))
 U64 = 2**64

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import directory.index as index_module
-from directory.index import DEAD, BlockIndex
+import kvproto.index as index_module
 from directory.raft_transport import dumps, safe_loads
+from kvproto.index import DEAD, BlockIndex
 
 MODES = ["delta", "merged", "t4", "mixed"]
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from directory.hashing import KvIdentity, block_hashes, identity_hashes, multimodal_extra_keys
-from engines.config import EventsSettings
-from engines.kv_events import (
+from adapters.config import EventsSettings
+from adapters.kv_events import (
     END_SEQ,
     Cleared,
     DecodeError,
@@ -29,6 +28,7 @@ from engines.kv_events import (
     parse_seq,
     raw_key,
 )
+from kvproto.hashing import KvIdentity, block_hashes, identity_hashes, multimodal_extra_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = ROOT / "tests" / "data" / "vllm_kv_events"  # a copy of shared/data/vllm_kv_events (vLLM 0.32 captures)
@@ -748,7 +748,7 @@ class FakeDirectory:
 
 
 def _subscriber():
-    from engines.subscriber import EventsSubscriber
+    from adapters.subscriber import EventsSubscriber
 
     fake = FakeDirectory()
     sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake)  # type: ignore[arg-type]
@@ -757,7 +757,7 @@ def _subscriber():
 
 
 def _batch(seq: int, *events, ts: float = 1.0):
-    from engines.kv_events import Batch
+    from adapters.kv_events import Batch
 
     return Batch(seq, ts, tuple(events))
 
@@ -795,7 +795,7 @@ def test_subscriber_orders_batches_duplicates_gaps_and_restarts() -> None:
 def test_subscriber_flushes_clear_then_removals_then_stores_and_keeps_failed_rounds() -> None:
     import asyncio
 
-    from directory.errors import DirectoryUnavailable
+    from kvproto.errors import DirectoryUnavailable
 
     sub, fake = _subscriber()
     session = sub.session
@@ -859,8 +859,8 @@ def test_after_a_409_everything_is_published_again_even_under_the_same_epoch_num
     very epoch number we had. The 409 already said our entries are gone, so all of them go out again."""
     import asyncio
 
-    from directory.errors import StaleEpochError
-    from directory.schemas import RegisterResponse
+    from kvproto.errors import StaleEpochError
+    from kvproto.schemas import RegisterResponse
 
     sub, fake = _subscriber()
     session = sub.session

@@ -9,9 +9,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from directory.state import DirectoryState, Register, new_epoch_base
-from directory.watch_codec import MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from gateway.mirror import Feed
+from kvproto.state import DirectoryState, Register, new_epoch_base
+from kvproto.watch_codec import MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 
 TICK_S = 0.05
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from directory.raft_transport import PICKLE_PROTOCOL, safe_loads
-from directory.state import OK, DirectoryState, Node, NodeProfile, Publish, Register, command_size
-from directory.watch_codec import (
+from directory.raft_transport import PICKLE_PROTOCOL, safe_loads, write_wire_names
+from kvproto.state import OK, DirectoryState, Node, NodeProfile, Publish, Register, command_size
+from kvproto.watch_codec import (
     FrameReader,
     WireError,
     batch_frame,
@@ -124,6 +124,11 @@ def test_a_snapshot_of_an_older_replica_has_nodes_without_profiles() -> None:
 # -- pickles: Raft entries and snapshots --------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _as_a_replica_pickles() -> None:
+    write_wire_names()  # idempotent and process-wide, as in every replica
+
+
 def _loads_both(data: bytes) -> list[Any]:
     """Unpickled by plain pickle and by the replicas' guarded unpickler."""
     return [pickle.loads(data), safe_loads(data)]
@@ -148,7 +153,7 @@ def test_state_pickle_round_trip_keeps_profiles() -> None:
         assert clone.nodes["worker-1"].profile == PROFILE
 
 
-# Written by directory/state.py as it was before profiles (pickle protocol 4, as Raft pickles):
+# Written by directory/state.py (now kvproto/state.py) as it was before profiles (pickle protocol 4, as Raft pickles):
 # Register("worker-1", "inc-1", "http://127.0.0.1:9", "tcp://127.0.0.1:10", ({"rank": 0, "base_addr": 4096},), 64, 16, 1 << 31)
 OLD_REGISTER = bytes.fromhex(
     "8004958e000000000000008c0f6469726563746f72792e7374617465948c0852656769737465729493942981945d94288c08776f726b65722d"
@@ -222,7 +227,8 @@ def _old_pickle(obj: Any) -> bytes:
 
 
 def test_the_old_pickler_writes_what_the_old_classes_wrote() -> None:
-    """The bytes pinned above, from the old directory/state.py, are what `_OldPickler` writes for those values."""
+    """The bytes pinned above, from the old directory/state.py, are what `_OldPickler` writes for those values in a replica
+    (which writes the wire names of before: `write_wire_names`)."""
     old = Register(
         "worker-1", "inc-1", "http://127.0.0.1:9", "tcp://127.0.0.1:10", ({"rank": 0, "base_addr": 4096},), 64, 16, 1 << 31
     )

@@ -9,13 +9,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from directory.client import DirectoryClient
-from directory.schemas import Origin
 from gateway.config import GatewaySettings
-from gateway.engines import EngineRegistry, EngineState
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.peers import MAX_BATCH, Note, NoteBatch, PeerNotes
 from kvdir.launcher import free_ports
+from kvproto.client import DirectoryClient
+from kvproto.schemas import Origin
 
 
 def registry(http: httpx.AsyncClient, *ids: str) -> EngineRegistry:

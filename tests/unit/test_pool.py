@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from directory.hashing import block_hashes
+from kvproto.hashing import block_hashes
 from worker_stub.pool import KVPool, Lease, PoolFull, Region
 
 M64 = 2**64 - 1

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from directory.hashing import block_hashes
 from gateway.prefix_hasher import PrefixHasher
+from kvproto.hashing import block_hashes
 
 
 @pytest.mark.parametrize("namespace", ["", "tenant-a"])

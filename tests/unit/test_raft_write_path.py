@@ -14,7 +14,7 @@ import pytest
 from pysyncobj.poller import createPoller
 
 from directory import raft_transport
-from directory.state import Publish
+from kvproto.state import Publish
 
 
 def test_entries_pickle_bytes_raw_and_still_decode_with_the_allow_list() -> None:

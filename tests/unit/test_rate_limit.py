@@ -1,10 +1,10 @@
-"""directory.rate_limit.TokenBuckets with the clock passed in (issue #29 item 7f)."""
+"""kvproto.rate_limit.TokenBuckets with the clock passed in (issue #29 item 7f)."""
 
 from __future__ import annotations
 
 import pytest
 
-from directory.rate_limit import TokenBuckets, retry_after
+from kvproto.rate_limit import TokenBuckets, retry_after
 
 
 def test_buckets_allow_a_burst_then_the_rate_per_key() -> None:

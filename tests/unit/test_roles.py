@@ -7,21 +7,21 @@ from typing import get_args
 
 import pytest
 
-from directory.logs import LogLevel
 from gateway import config as gateway_config
 from gateway.policy import POLICIES
 from kvdir import launcher
 from kvdir.check_config import check
 from kvdir.cli import _parser, main
 from kvdir.roles import ENV_PREFIX, ROLES, build_settings, choices
-from kvtransfer.engines import ENGINES
+from kvproto.logs import LogLevel
+from kvtransfer.backends import ENGINES
 from worker_stub import config as worker_config
 
 
 def test_choices_are_the_registries() -> None:
     assert set(get_args(gateway_config.PolicyName)) == set(POLICIES)
     assert set(get_args(worker_config.TransferName)) == set(ENGINES)
-    # Every role (and `kvdir up`) takes the same log levels: directory.logs.LogLevel.
+    # Every role (and `kvdir up`) takes the same log levels: kvproto.logs.LogLevel.
     assert {role.settings.model_fields["log_level"].annotation for role in ROLES.values()} == {LogLevel}
     assert choices(launcher.UpSettings.model_fields["policy"].annotation) == get_args(gateway_config.PolicyName)
 

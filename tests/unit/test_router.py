@@ -15,12 +15,9 @@ import httpx
 import msgspec
 import pytest
 
-from directory.client import DirectoryClient
-from directory.hashing import KvIdentity, identity_hashes
-from directory.schemas import PULL_GBPS_LABEL, PULL_PLAN_FIELD, Holder, NodeInfo, Origin, PullPlan
 from gateway.config import GatewaySettings
 from gateway.cost import CostModel, RouteRequest, evaluate, slot_interval_seconds, ttft_breakdown
-from gateway.engines import EngineRegistry, EngineState
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.policy import SGLangPolicy, make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import InflightTicket, cached_tokens
@@ -34,11 +31,14 @@ from gateway.router import (
     make_candidate,
     reported_link,
 )
+from kvproto.client import DirectoryClient
+from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.schemas import PULL_GBPS_LABEL, PULL_PLAN_FIELD, Holder, NodeInfo, Origin, PullPlan
 
 
 @dataclass
 class Engine:
-    """An engine as routing sees it (the fields of gateway.engines.EngineState it reads)."""
+    """An engine as routing sees it (the fields of gateway.engine_registry.EngineState it reads)."""
 
     node_id: str
     epoch: int = 1

@@ -1,4 +1,4 @@
-"""The shard map (directory.shardmap) and how a group's state machine applies it (docs/scale-out.md)."""
+"""The shard map (kvproto.shardmap) and how a group's state machine applies it (docs/scale-out.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from directory import shardmap, watch_codec
-from directory.shardmap import ShardMap, ShardMapError, UnsafeChange, apply_order
-from directory.state import (
+from kvproto import shardmap, watch_codec
+from kvproto.shardmap import ShardMap, ShardMapError, UnsafeChange, apply_order
+from kvproto.state import (
     EPOCH_BASE_BITS,
     OK,
     STALE_EPOCH,

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from directory.shardmap import ShardMap
-from directory.state import OK, AssignShards, DirectoryState, Publish, Register, new_epoch_base
 from gateway.mirror import Feed, Mirror
+from kvproto.shardmap import ShardMap
+from kvproto.state import OK, AssignShards, DirectoryState, Publish, Register, new_epoch_base
 
 URLS = {"s0": ["http://127.0.0.1:9"], "s1": ["http://127.0.0.1:10"]}  # never connected: the feeds are not started
 MAP = ShardMap(version=1, shards=URLS)

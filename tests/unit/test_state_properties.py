@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from directory.state import (
+from kvproto.state import (
     INDEX_FULL,
     INVALID,
     NODE_LIMIT,

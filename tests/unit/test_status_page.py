@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 
-from directory.client import DirectoryClient
 from gateway.cost import REASONS
 from gateway.metrics import GatewayMetrics, PullFailure
 from gateway.proxy import _usage_in_tail, pull_failures
@@ -33,6 +32,7 @@ from gateway.status import (
     render_page,
     status_json,
 )
+from kvproto.client import DirectoryClient
 
 NOW = 1000.0
 HOSTILE = "<script>alert('x')</script>&\""

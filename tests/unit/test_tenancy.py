@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from directory.hashing import U64_MAX, block_hashes
 from directory.tenancy import Tenancy, mix
+from kvproto.hashing import U64_MAX, block_hashes
 
 M = 2**64
 

@@ -14,7 +14,7 @@ from kvdir.cli import main
 from kvdir.launcher import UpSettings, free_ports, log_tail, up_ports
 from kvdir.listeners import listening_inodes
 from kvdir.progress import Progress, StartState, events, status_line
-from kvtransfer.engines import mooncake_rpc_ports
+from kvtransfer.backends import mooncake_rpc_ports
 
 
 class Clock:

@@ -1,11 +1,10 @@
-"""The vLLM connector's pure logic (engines/vllm_plan.py): which blocks to pull, plans, layouts, tag validation."""
+"""The vLLM connector's pure logic (adapters/vllm_plan.py): which blocks to pull, plans, layouts, tag validation."""
 
 from __future__ import annotations
 
 import pytest
 
-from directory.schemas import PullPlan, RegionInfo
-from engines.vllm_plan import (
+from adapters.vllm_plan import (
     TAG_RKEY,
     KvLayout,
     LayerRegion,
@@ -16,6 +15,7 @@ from engines.vllm_plan import (
     page_pieces,
     plan_from_params,
 )
+from kvproto.schemas import PullPlan, RegionInfo
 
 
 @pytest.mark.parametrize(

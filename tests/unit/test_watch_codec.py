@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directory.changefeed import Ahead, ChangeFeed, Compacted
-from directory.state import (
+from kvproto.state import (
     EPOCH_BASE_BITS,
     AnnounceReplica,
     Clear,
@@ -28,7 +28,7 @@ from directory.state import (
     command_size,
     new_epoch_base,
 )
-from directory.watch_codec import (
+from kvproto.watch_codec import (
     MAX_NODES,
     FrameReader,
     WireError,

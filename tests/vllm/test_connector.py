@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from directory.hashing import KvIdentity, identity_hashes
 from kvdir.launcher import Cluster, Gateway
-from kvtransfer.engines import create_engine
+from kvproto.hashing import KvIdentity, identity_hashes
+from kvtransfer.backends import create_engine
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine
 

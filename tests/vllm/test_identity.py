@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from directory.hashing import KvIdentity, identity_hashes
 from kvdir.launcher import Cluster, Gateway, free_ports
-from kvdir.vllm_engines import make_tiny_model
+from kvdir.vllm_launcher import make_tiny_model
+from kvproto.hashing import KvIdentity, identity_hashes
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, Engine, vllm_venv
 

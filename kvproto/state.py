@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import xxhash
 
-from directory.index import BlockIndex
-from directory.shardmap import SHARD_BITS, home_of
+from kvproto.index import BlockIndex
+from kvproto.shardmap import SHARD_BITS, home_of
 
 if TYPE_CHECKING:
-    from directory.shardmap import ShardMap
+    from kvproto.shardmap import ShardMap
 
 # -- commands -------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ class Register:
 EPOCH_BASE_BITS = 31
 """An epoch is `high << EPOCH_BASE_BITS | low`, exact as an int64 (below 2**63): `high` (32 bits) is a group's
 SHARD_BITS shard index under `EPOCH_HIGH_RANDOM_BITS` random bits, fixed by its first registration (its identity,
-directory.watch_codec.group_of); `low` starts at a random offset below 2**EPOCH_OFFSET_BITS and counts
+kvproto.watch_codec.group_of); `low` starts at a random offset below 2**EPOCH_OFFSET_BITS and counts
 registrations."""
 EPOCH_HIGH_RANDOM_BITS = 32 - SHARD_BITS
 EPOCH_OFFSET_BITS = EPOCH_BASE_BITS - 1
@@ -165,7 +165,7 @@ class AnnounceReplica:
 
 @dataclass(frozen=True, slots=True)
 class AssignShards:
-    """Commit a shard map (directory.shardmap) in this group, which is shard `shard` of it.
+    """Commit a shard map (kvproto.shardmap) in this group, which is shard `shard` of it.
 
     Applied only if `version` is newer than the group's map, and a `bootstrap` command only if the group
     has no map at all. The group then drops every node the map homes elsewhere, exactly as an expiry does,
@@ -177,11 +177,11 @@ class AssignShards:
     names: tuple[str, ...]
     pins: tuple[tuple[str, str], ...]
     document: str
-    """The map's canonical JSON (directory.shardmap.ShardMap.document), served on GET /v1/shards."""
+    """The map's canonical JSON (kvproto.shardmap.ShardMap.document), served on GET /v1/shards."""
     bootstrap: bool = False
     """A replica's --shard-map-file: the group's first map, never a change to one. Replicas started with
     different versions of the file race to commit it; whichever commits first is kept, so a file edited
-    between restarts never bypasses the safe order of PUT /v1/shards (directory.shardmap.apply_order)."""
+    between restarts never bypasses the safe order of PUT /v1/shards (kvproto.shardmap.apply_order)."""
 
     @classmethod
     def of(cls, m: ShardMap, shard: str, bootstrap: bool = False) -> AssignShards:

@@ -5,14 +5,14 @@ moving on when one is down. Writes may go to any replica (followers forward
 to the Raft leader) and are retried with backoff on the next replica when a
 replica is unreachable or answers 503: every write is idempotent, so a retry
 after an unknown outcome is safe. 4xx answers are raised at once as
-`RequestRejected` subclasses (see directory.errors). With `token`, every
+`RequestRejected` subclasses (see kvproto.errors). With `token`, every
 request carries `Authorization: Bearer TOKEN` (the directory's auth_tokens_file).
 With `tenant`, publishes, removals and lookups act in that tenant
 (directory.tenancy); without it, in the token's tenant if it is confined to
 one, else in the shared tenant "".
 
 Publishes, removals and lookups go as binary batches (msgpack with packed
-arrays, directory.binary: no JSON number per hash for either side to parse);
+arrays, kvproto.binary: no JSON number per hash for either side to parse);
 `binary=False` sends JSON as humans and older replicas read it. A value out
 of range is refused before sending, as the directory would refuse it in JSON
 (InvalidRequestError 422).
@@ -40,12 +40,12 @@ import msgspec
 import numpy as np
 from pydantic import SecretStr
 
-from directory import binary
-from directory.binary import LookupBatch, PublishBatch, RemoveBatch
-from directory.errors import DirectoryError, DirectoryUnavailable, InvalidRequestError, NotFoundError, WrongShardError, rejection
-from directory.hashing import KvIdentity
-from directory.schemas import Consistency, LookupResponse, NodeInfo, Region, RegisterResponse
-from directory.shardmap import ShardMap
+from kvproto import binary
+from kvproto.binary import LookupBatch, PublishBatch, RemoveBatch
+from kvproto.errors import DirectoryError, DirectoryUnavailable, InvalidRequestError, NotFoundError, WrongShardError, rejection
+from kvproto.hashing import KvIdentity
+from kvproto.schemas import Consistency, LookupResponse, NodeInfo, Region, RegisterResponse
+from kvproto.shardmap import ShardMap
 
 _RETRY_STATUS = {502, 503, 504}
 T = TypeVar("T")

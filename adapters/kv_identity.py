@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from directory.hashing import KvIdentity, multimodal_extra_keys
+from kvproto.hashing import KvIdentity, multimodal_extra_keys
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 

@@ -22,7 +22,7 @@ import httpx
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from directory.hashing import U32_MAX, U64_MAX
+from kvproto.hashing import U32_MAX, U64_MAX
 
 TENANT_MAX_LEN = 64
 TENANT_PATTERN = r"^[A-Za-z0-9._-]*$"
@@ -254,7 +254,7 @@ PULL_PLAN_FIELD = "kvdir_pull"
 """The completion-body field that carries a `PullPlan` (written by the gateway only: it drops one a client sent)."""
 KV_TRANSFER_PARAMS_FIELD = "kv_transfer_params"
 """vLLM's per-request connector field: the gateway also puts the plan there, under `PULL_PLAN_FIELD`, for
-engines/vllm_connector.py (vLLM hands connectors nothing else of the body)."""
+adapters/vllm_connector.py (vLLM hands connectors nothing else of the body)."""
 
 
 class PullPlan(_Body):

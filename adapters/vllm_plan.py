@@ -1,4 +1,4 @@
-"""The vLLM connector's pure logic (engines/vllm_connector.py), importable and testable without vLLM.
+"""The vLLM connector's pure logic (adapters/vllm_connector.py), importable and testable without vLLM.
 
 * **Which blocks to pull** (`blocks_to_pull`): only those the engine lacks locally, never the block
   holding the prompt's last token (vLLM always computes that token to sample from it).
@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from directory.schemas import PULL_PLAN_FIELD, PullPlan, Region
+from kvproto.schemas import PULL_PLAN_FIELD, PullPlan, Region
 
 TAG_RKEY = "kvdir-tags"
 """The `rkey` of the region holding the per-block tags (the KV regions have rkey 0)."""

@@ -11,10 +11,10 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from directory.addresses import HostPort
-from directory.client_settings import DirectoryClientSettings
-from directory.logs import LogLevel
-from directory.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
+from kvproto.addresses import HostPort
+from kvproto.client_settings import DirectoryClientSettings
+from kvproto.logs import LogLevel
+from kvproto.schemas import NODE_ID_MAX_LEN, NODE_ID_PATTERN
 
 
 class EngineSpec(BaseModel):
@@ -186,7 +186,7 @@ class EventsSettings(DirectoryClientSettings):
 
 
 class ConnectorSettings(DirectoryClientSettings):
-    """The vLLM connector (engines/vllm_connector.py): `kv_connector_extra_config` keys, or KVDIR_* env vars."""
+    """The vLLM connector (adapters/vllm_connector.py): `kv_connector_extra_config` keys, or KVDIR_* env vars."""
 
     model_config = SettingsConfigDict(env_prefix="KVDIR_", extra="forbid")
 
@@ -205,7 +205,7 @@ class ConnectorSettings(DirectoryClientSettings):
         max_length=128,
         description="KV fingerprint to register (default: a digest of the model, revision, weight files, dtypes and KV layout)",
     )
-    transfer: Literal["mooncake", "tcp"] = Field("mooncake", description="KV transfer engine (kvtransfer.engines)")
+    transfer: Literal["mooncake", "tcp"] = Field("mooncake", description="KV transfer engine (kvtransfer.backends)")
     transfer_host: str = Field(
         "127.0.0.1", min_length=1, description="address the transfer engine serves this engine's KV memory on (a private one)"
     )

@@ -1,7 +1,7 @@
 """One node's session with the directory: what every publisher of KV blocks shares.
 
 Used by the worker stub (`worker_stub.publisher`), the engine events adapter
-(`engines.subscriber`) and the vLLM connector to come, so that the rules below
+(`adapters.subscriber`) and the vLLM connector to come, so that the rules below
 are written once:
 
 * **Register by incarnation.** One incarnation per process (or engine) start:
@@ -36,9 +36,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError, RequestRejected, StaleEpochError, WrongShardError
-from directory.schemas import Region
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError, RequestRejected, StaleEpochError, WrongShardError
+from kvproto.schemas import Region
 
 CHUNK = 4096  # entries per publish/remove request (the directory accepts 16384 by default)
 

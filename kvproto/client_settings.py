@@ -7,8 +7,8 @@ from pathlib import Path
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from directory.addresses import url_list
-from directory.schemas import TENANT_MAX_LEN, TENANT_PATTERN
+from kvproto.addresses import url_list
+from kvproto.schemas import TENANT_MAX_LEN, TENANT_PATTERN
 
 
 def read_secret_file(path: Path | None, what: str) -> SecretStr | None:

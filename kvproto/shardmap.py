@@ -3,7 +3,7 @@
 The directory splits by node: a node's registration, epoch, lease and entries live in one group,
 its home shard, so fencing stays exactly the single-group argument. The map is a small versioned
 document, written by an operator or by `kvdir up --shards N`, committed into every shard's log
-(`directory.state.AssignShards`) and served by every replica on `GET /v1/shards`:
+(`kvproto.state.AssignShards`) and served by every replica on `GET /v1/shards`:
 
     {"version": 2,
      "shards": {"s0": ["http://10.0.0.1:8001", ...], "s1": [...]},
@@ -28,7 +28,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 MAX_SHARDS = 256
-"""At most this many shards: a shard's index goes into its epoch base (`directory.state.new_epoch_base`)."""
+"""At most this many shards: a shard's index goes into its epoch base (`kvproto.state.new_epoch_base`)."""
 
 SHARD_BITS = 8
 

@@ -1,7 +1,7 @@
 """`KvdirConnector`: a vLLM (v1) KV connector that publishes block slots to kvdir and pulls prefixes from peers.
 
 Load it with ``--kv-transfer-config '{"kv_connector": "KvdirConnector", "kv_connector_module_path":
-"engines.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+"adapters.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
 "kv_connector_extra_config": {"node_id": ..., "api_url": ..., "directory": ...}}'`` (keys: `ConnectorSettings`;
 docs/engines.md). Only this module imports vLLM. vLLM runs the *scheduler* half in the EngineCore process and
 the *worker* half in the worker process; they share only what vLLM passes between them:
@@ -13,7 +13,7 @@ the *worker* half in the worker process; they share only what vLLM passes betwee
 * scheduler -> worker, per step: `KvdirMeta` (blocks written this step, blocks complete after it, loads).
 * worker -> scheduler, per step: `KvdirWorkerMeta` (blocks whose KV is now complete, load failures).
 
-**Holder.** The worker registers the KV allocation with the transfer engine (kvtransfer.engines) plus a tag
+**Holder.** The worker registers the KV allocation with the transfer engine (kvtransfer.backends) plus a tag
 array of 16 bytes per block, `(kvdir hash, generation)`. One registration per engine: the scheduler half
 registers the node (a fresh incarnation per start, so a restart gets a new epoch), heartbeats it and
 publishes `(kvdir chained XXH3 hash, vLLM block id)` for each block the worker reports complete, from a
@@ -22,7 +22,7 @@ background thread compares the published blocks with the block pool's hashes (an
 loses its hash), since KV events carry no block ids and a second registrant (`kvdir events`) would fight
 over the node id. Do not run `kvdir events` for an engine with this connector.
 
-**Puller.** The gateway's plan arrives in `kv_transfer_params["kvdir_pull"]` (`directory.schemas.PullPlan`).
+**Puller.** The gateway's plan arrives in `kv_transfer_params["kvdir_pull"]` (`kvproto.schemas.PullPlan`).
 `get_num_new_matched_tokens` claims the planned blocks past the local hit, never the prompt's last token;
 `update_state_after_alloc` pairs them with their destination blocks; `start_load_kv` reads every layer's
 pages of them in one batched transfer (runs of consecutive blocks as one piece per layer) into a staging
@@ -66,14 +66,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
-from directory.hashing import identity_hashes
-from directory.schemas import PULL_GBPS_LABEL, NodeInfo
-from directory.session import NodeSession
-from engines.config import ConnectorSettings
-from engines.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name
-from engines.vllm_plan import (
+from adapters.config import ConnectorSettings
+from adapters.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name
+from adapters.vllm_plan import (
     TAG_BYTES,
     KvLayout,
     LayerRegion,
@@ -84,8 +79,13 @@ from engines.vllm_plan import (
     page_pieces,
     plan_from_params,
 )
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.hashing import identity_hashes
+from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo
+from kvproto.session import NodeSession
+from kvtransfer.backends import TransferEngine, TransferError, create_engine
 from kvtransfer.bandwidth import PullBandwidth
-from kvtransfer.engines import TransferEngine, TransferError, create_engine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -581,7 +581,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         blocks; the destination blocks that are not known good.
 
         Staged, because a read the transfer engine's watchdog abandoned may still write into its destination
-        until Mooncake gives up (kvtransfer.engines.MooncakeEngine): written into the KV blocks, it could land
+        until Mooncake gives up (kvtransfer.backends.MooncakeEngine): written into the KV blocks, it could land
         after vLLM recomputed them. The buffers of an abandoned read are kept alive until none is in flight.
         """
         assert self._transfer is not None and self._layout is not None

@@ -5,7 +5,7 @@ h11), and httptools joins the pieces of a header that arrives over many reads wi
 50 MB header to `/healthz` cost a replica 3.3 s of CPU on its event loop. This module imports
 only uvicorn and starlette, so the gateway and the worker can use it without the directory's
 server side. `serve_app` runs every kvdir HTTP server the same way, with these caps and with
-what its startup built frozen out of the cyclic garbage collector (`directory.heap`).
+what its startup built frozen out of the cyclic garbage collector (`kvproto.heap`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from directory.addresses import parse_hostport
-from directory.heap import frozen_after_startup
-from directory.logs import configure_logging
+from kvproto.addresses import parse_hostport
+from kvproto.heap import frozen_after_startup
+from kvproto.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class BodyLimit:
 def serve_app(make_app: Callable[[], ASGIApp], http: str, log_level: str) -> None:
     """Serve the app `make_app` builds on HOST:PORT until SIGINT/SIGTERM: the head cap, uvloop, no access log
     (one line per request is noise), 5 s for open requests to finish at shutdown, and what startup built
-    frozen out of the cyclic garbage collector once the lifespan startup is over (`directory.heap`).
+    frozen out of the cyclic garbage collector once the lifespan startup is over (`kvproto.heap`).
 
     Logging is set up before the app is built, so what building it logs (auth on, tenant keys) is not lost.
     """

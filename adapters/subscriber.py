@@ -1,7 +1,7 @@
 """Feeds the directory from one real engine's KV events (vLLM, SGLang; docs/protocol.md §5).
 
 Over 400 lines: the ZMQ receive loop, replay after gaps, restarts, batching and the engine health
-gate are one ordering problem; the directory side is directory.session.
+gate are one ordering problem; the directory side is kvproto.session.
 
 One subscriber per engine (per data-parallel rank: each rank publishes on
 its own port); one process runs one or several of them (`--engines`, `Adapter`
@@ -17,7 +17,7 @@ at the end: shared directory client, event loop and metrics). It
   never pulls nor is pulled from: docs/protocol.md §2.1) and heartbeats
   for it only while the engine's ``GET /health`` answers 200: a dead engine's
   lease runs out and its entries go with it;
-* turns events into our block hashes (`engines.kv_events.HashMapper`) and
+* turns events into our block hashes (`adapters.kv_events.HashMapper`) and
   sends the net change in batches, one round per ``batch_window_s``
   (50 ms), or sooner once ``batch_max_blocks`` changes are pending; a
   round carries at most that many, and a full remainder goes at once:
@@ -66,7 +66,7 @@ first: a restart there looks like a gap (a resync) followed by that clear,
 which ends in the same place.
 
 Registration, heartbeats, the pending changes and their flushing are a
-`directory.session.NodeSession`. If the directory answers 409 (the lease
+`kvproto.session.NodeSession`. If the directory answers 409 (the lease
 lapsed, or the directory lost the node), the session registers again and
 republishes everything the hash map holds; if the engine was down in between,
 it may have restarted, so the map is dropped instead and rebuilt from new
@@ -91,12 +91,8 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from directory.addresses import parse_hostport
-from directory.client import DirectoryClient
-from directory.errors import RequestRejected, StaleEpochError
-from directory.session import NodeSession
-from engines.config import EventsSettings
-from engines.kv_events import (
+from adapters.config import EventsSettings
+from adapters.kv_events import (
     END_SEQ,
     Batch,
     Cleared,
@@ -109,6 +105,10 @@ from engines.kv_events import (
     decode_replay_reply,
     encode_seq,
 )
+from kvproto.addresses import parse_hostport
+from kvproto.client import DirectoryClient
+from kvproto.errors import RequestRejected, StaleEpochError
+from kvproto.session import NodeSession
 
 log = logging.getLogger("kvdir.events")
 

@@ -95,7 +95,7 @@ class VllmEngine:
         }
         config = {
             "kv_connector": "KvdirConnector",
-            "kv_connector_module_path": "engines.vllm_connector",
+            "kv_connector_module_path": "adapters.vllm_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,

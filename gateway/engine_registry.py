@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from directory import schemas
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
-from directory.schemas import PULL_GBPS_LABEL, NodeInfo, Origin
+from kvproto import schemas
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, Origin
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -51,7 +51,7 @@ class EngineRefused(ValueError):
 
 
 def parse_origin(url: str) -> Origin:
-    """`url` as an origin (`directory.schemas.parse_origin`); EngineRefused for anything more or less."""
+    """`url` as an origin (`kvproto.schemas.parse_origin`); EngineRefused for anything more or less."""
     try:
         return schemas.parse_origin(url)
     except ValueError as exc:

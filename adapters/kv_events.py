@@ -3,7 +3,7 @@
 Over 400 lines: both wire encodings of vLLM's and SGLang's events and the hash mapper that consumes
 them, tested together against captured frames.
 
-Pure code: no sockets, no clocks. `engines.subscriber` feeds it ZMQ
+Pure code: no sockets, no clocks. `adapters.subscriber` feeds it ZMQ
 frames and sends what it returns to the directory.
 
 Wire format
@@ -110,7 +110,7 @@ field. vLLM carries the LoRA adapter and the salt inside the per-block ``extra_k
   chain is hashed under the salted identity, as the gateway hashes the salted request;
 * ``("mm", identifier, offset)``: a multimodal input the block covers, starting ``offset`` tokens
   after the block's first token (negative: before). It is our extra key ``mm:IDENTIFIER:OFFSET``,
-  folded into the block's local hash (``directory.hashing.mix_extra``), so such a block hashes
+  folded into the block's local hash (``kvproto.hashing.mix_extra``), so such a block hashes
   exactly as ``identity_hashes(..., extra=multimodal_extra_keys(...))`` would;
 * anything else (``("prompt_embeds", digest)``, kinds nobody here knows) is folded in as the key
   ``raw:`` + the hex of its msgpack: no gateway lookup ever names it, so the block and every later
@@ -140,7 +140,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from directory.hashing import U32_MAX, KvIdentity, chain_hashes, extra_key_bytes, local_hashes, mix_extra, seed_for
+from kvproto.hashing import U32_MAX, KvIdentity, chain_hashes, extra_key_bytes, local_hashes, mix_extra, seed_for
 
 EngineHash = int | bytes
 """An engine's block hash: opaque, compared for equality only."""
@@ -649,7 +649,7 @@ class HashMapper:
         except (OverflowError, TypeError):
             self.stats.unsupported += 1
             return MapResult(unsupported="token ids are not unsigned 32-bit integers")
-        # directory.hashing.identity_hashes(tokens, ident, ours_b, extra, prev), with the seed remembered
+        # kvproto.hashing.identity_hashes(tokens, ident, ours_b, extra, prev), with the seed remembered
         key, seed = self._seed(ident)
         local = local_hashes(tokens, ours_b, key)
         if extra:

@@ -4,7 +4,7 @@ A JSON body spells every hash as a number that the server parses and checks one 
 binary batch the bulk fields are msgpack bin values holding packed little-endian arrays (hashes
 uint64, slots and tokens uint32), which each side turns into or out of a numpy array in one
 copy, with no Python object per element. The other fields are the JSON bodies' own, with the
-same validation (directory.schemas).
+same validation (kvproto.schemas).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-from directory.schemas import BlockSize, Consistency, Epoch, IdentityPart, Label, Namespace, NodeId, Tenant
+from kvproto.schemas import BlockSize, Consistency, Epoch, IdentityPart, Label, Namespace, NodeId, Tenant
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"

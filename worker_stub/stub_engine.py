@@ -18,12 +18,12 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from directory.client import DirectoryClient
-from directory.errors import DirectoryError
-from directory.hashing import KvIdentity, identity_hashes
-from directory.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
+from kvtransfer.backends import TransferEngine, TransferError
 from kvtransfer.bandwidth import PullBandwidth
-from kvtransfer.engines import TransferEngine, TransferError
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool, Lease, PoolFull
 

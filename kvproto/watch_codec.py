@@ -33,8 +33,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from directory.index import FrozenEntries
-from directory.state import (
+from kvproto.index import FrozenEntries
+from kvproto.state import (
     EPOCH_BASE_BITS,
     AnnounceReplica,
     AssignShards,
@@ -70,7 +70,7 @@ class WireError(ValueError):
 
 def group_of(s: DirectoryState) -> int | None:
     """The Raft group's identity: the high bits of its epoch counter, which are the random epoch base its
-    first registration committed (directory.state.new_epoch_base: drawn by the replica that took it, the
+    first registration committed (kvproto.state.new_epoch_base: drawn by the replica that took it, the
     same on every replica, and never changed by later registrations). None until a node registers.
 
     A directory rebuilt from empty data dirs, and a group that reuses a shard's name, draw a new base: a
@@ -278,7 +278,7 @@ def snapshot_of(s: DirectoryState) -> dict[str, Any]:
 
 
 def capture(s: DirectoryState) -> tuple[dict[str, Any], FrozenEntries]:
-    """The state's snapshot less its entries, and its entries frozen (copy-on-write, directory.index): under the
+    """The state's snapshot less its entries, and its entries frozen (copy-on-write, kvproto.index): under the
     state lock, in O(nodes + partitions) rather than O(entries)."""
     return _head(s), s.index.frozen()
 
