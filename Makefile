@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run lint test test-scale test-browser browser-deps test-compose test-vllm vllm-install bench clean sysdeps
+.PHONY: install run lint test test-faults test-scale test-browser browser-deps test-compose test-vllm vllm-install bench clean sysdeps
 
 install: $(STAMP)
 
@@ -39,8 +39,14 @@ lint: install
 # but the tests marked serial; then those alone. Exit status 5 is "no test selected" (an ARGS subset).
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not scale and not browser' $(ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -m 'serial and not scale and not browser' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not scale and not browser and not faults' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -m 'serial and not scale and not browser and not faults' $(ARGS) || [ $$? -eq 5 ]
+
+# The fault harness (tests/faults: kills, pauses, partitions, power loss and full restarts of real replicas under
+# load, checked for lost writes and stale reads), one run at a time: about 3 minutes on 2 cores, which `make test`
+# cannot spare; `.ci/run` runs it after `make test`.
+test-faults: install
+	$(PY) -m pytest -m faults tests/faults $(ARGS)
 
 # Tests at production scale (millions of entries: minutes each on 2 cores), run alone; `.ci/run` runs them after
 # `make test`, which they would push past its 10 minutes.

@@ -12,8 +12,9 @@ request never fails because the directory is down.
 Response headers say what happened: `x-kvdir-node`, `x-kvdir-decision`,
 `x-kvdir-predicted-cached-tokens`.
 
-This module is the FastAPI wiring: routes, request parsing and size checks,
-middleware, metrics and lifespan. Choosing the engine is gateway.router (pure:
+This module is the FastAPI wiring: routes, middleware, metrics and lifespan;
+the request shapes, their parsing and size checks are kvproto.openai_api's
+(shared with the worker stub, so both answer a bad request alike). Choosing the engine is gateway.router (pure:
 request -> candidates -> decision); sending, retrying, streaming and counting
 the gateway's own load on each engine is gateway.proxy.
 
@@ -28,21 +29,18 @@ report (400), before anything is hashed, looked up or forwarded.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from gateway.config import GatewaySettings
@@ -62,40 +60,31 @@ from kvproto.hashing import KvIdentity
 from kvproto.http_limits import BodyLimit
 from kvproto.index import warm_up
 from kvproto.offline_docs import add_offline_docs
-from kvproto.openai_errors import error_response, http_error
+from kvproto.openai_api import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    OpenAIRequest,
+    chat_prompt,
+    check_prompt_chars,
+    check_prompt_tokens,
+    check_sizes,
+    error_response,
+    http_error,
+    openai_error,
+    openapi_body,
+    parse_request,
+)
 from kvproto.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD
-from kvproto.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
+from kvproto.tokenizer import load_tokenizer, max_chars_per_token
 
 log = logging.getLogger("kvdir.gateway")
 
-TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+_Request = TypeVar("_Request", bound=OpenAIRequest)
 
 
-class _Body(BaseModel):
-    """What the gateway must understand of a request; everything else is forwarded untouched."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
-    stream: bool = False
-    max_tokens: int | None = Field(None, ge=0)
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-
-
-class CompletionBody(_Body):
-    prompt: str | list[TokenId]
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = ""
-
-
-class ChatBody(_Body):
-    messages: list[_Message] = Field(min_length=1)
-
-
-def _unhashable(raw: dict[str, Any], messages: list[_Message] | None = None) -> str | None:
+def _unhashable(raw: dict[str, Any], messages: list[ChatMessage] | None = None) -> str | None:
     """Why the gateway cannot hash this prompt as the engine will (None: it can).
 
     An engine's block hashes cover the multimodal inputs a block holds (docs/protocol.md §1.1), which the
@@ -107,37 +96,6 @@ def _unhashable(raw: dict[str, Any], messages: list[_Message] | None = None) -> 
         if isinstance(m.content, list) and any(isinstance(p, dict) and p.get("type", "text") != "text" for p in m.content):
             return "a message has non-text content parts (images, audio, ...)"
     return None
-
-
-class _PromptSize(msgspec.Struct):
-    """What the size check reads of a completion body: the prompt as raw JSON (everything else is skipped unparsed)."""
-
-    prompt: msgspec.Raw = msgspec.Raw()
-
-
-_NUMBER_ARRAY_BYTES = b"0123456789,[] \t\r\n"
-
-
-def _request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """An OpenAPI `requestBody` for a route that reads the raw request (its schema inlined, no `$defs`).
-
-    The routes parse bodies themselves (everything unknown is forwarded as is),
-    so FastAPI cannot infer them; this tells clients and fuzzers what is expected.
-    """
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -236,85 +194,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, too_large=too_large)
 
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
-
+    app.exception_handler(OpenAIError)(openai_error)  # GatewayError's and the request checks' (kvproto.openai_api)
     app.exception_handler(HTTPException)(http_error)  # an unknown path or method: OpenAI-shaped, naming the routes
 
     def max_prompt_tokens(request: Request) -> int:
         registry: EngineRegistry = request.app.state.registry
         return registry.max_model_len or settings.max_prompt_tokens
 
-    def check_tokens(request: Request, n: int, param: str) -> None:
-        limit = max_prompt_tokens(request)
-        if n > limit:
-            raise GatewayError(
-                400,
-                f"This model's maximum context length is {limit} tokens; the prompt has {n}",
-                code="context_length_exceeded",
-                param=param,
-            )
-
-    def check_chars(request: Request, text: str, param: str) -> None:
-        """Refuse a text that is provably over the token limit before tokenizing it."""
-        if chars_per_token is not None and len(text) > max_prompt_tokens(request) * chars_per_token:
-            raise GatewayError(
-                400,
-                f"This model's maximum context length is {max_prompt_tokens(request)} tokens; the prompt "
-                f"has {len(text)} characters, which is more",
-                code="context_length_exceeded",
-                param=param,
-            )
-
-    def check_sizes(request: Request, body: bytes, model: type[_Body]) -> None:
-        """Count a token-array prompt or the chat messages on the raw JSON, so no list of millions is built or validated.
-
-        A token array's element count is one more than its commas (checked only on
-        arrays of plain numbers, where that is exact); messages are counted by a
-        parse that keeps only their roles and stops at the first message without
-        one (a body of millions of bad messages would otherwise get millions of
-        validation errors).
-        """
-        try:
-            if model is ChatBody:
-                n = count_messages(body)
-                if n > settings.max_messages:
-                    raise GatewayError(
-                        400,
-                        f"'messages' has {n} messages; at most {settings.max_messages} are accepted",
-                        code="array_above_max_length",
-                        param="messages",
-                    )
-                return
-            prompt = bytes(msgspec.json.decode(body, type=_PromptSize).prompt).strip()
-        except msgspec.ValidationError as exc:
-            raise GatewayError(400, f"the request body is invalid: {exc}") from exc
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
-        if prompt.startswith(b"[") and not prompt.translate(None, _NUMBER_ARRAY_BYTES):
-            check_tokens(request, prompt.count(b",") + (1 if prompt.strip(b"[] \t\r\n") else 0), "prompt")
-
-    async def parse(request: Request, model: type[_Body]) -> tuple[dict[str, Any], Any]:
+    async def parse(request: Request, model: type[_Request]) -> tuple[dict[str, Any], _Request]:
         body = await request.body()  # at most max_body_bytes: BodyLimit refused more (413) before reading it
-        check_sizes(request, body, model)
-        try:
-            raw = json.loads(body)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's limit
-            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from exc
-        if not isinstance(raw, dict):
-            raise GatewayError(400, "the request body must be a JSON object")
+        check_sizes(body, model is ChatRequest, settings.max_messages, max_prompt_tokens(request))
+        raw, parsed = parse_request(body, model)
         raw.pop(PULL_PLAN_FIELD, None)  # only the gateway writes pull plans
         if isinstance(raw.get(KV_TRANSFER_PARAMS_FIELD), dict):
             raw[KV_TRANSFER_PARAMS_FIELD].pop(PULL_PLAN_FIELD, None)
-        try:
-            return raw, model.model_validate(raw)
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            loc = ".".join(str(x) for x in e["loc"])
-            raise GatewayError(400, f"{loc}: {e['msg']}", param=loc or None) from exc
+        return raw, parsed
 
-    def kv_request(request: Request, raw: dict[str, Any], body: _Body, messages: list[_Message] | None = None) -> KvRequest:
+    def kv_request(
+        request: Request, raw: dict[str, Any], body: OpenAIRequest, messages: list[ChatMessage] | None = None
+    ) -> KvRequest:
         """The request's model and KV identity (docs/protocol.md §1.1); 404 `model_not_found` when engines are
         known and none serves its model (checked before the prompt is tokenized)."""
         registry: EngineRegistry = request.app.state.registry
@@ -361,10 +259,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
         raise GatewayError(503, "no engine is available to tokenize", "service_unavailable", "no_engine")
 
-    @app.post("/v1/completions", openapi_extra=_request_body(CompletionBody))
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         t = time.perf_counter()
-        raw, body = await parse(request, CompletionBody)
+        raw, body = await parse(request, CompletionRequest)
         kv = kv_request(request, raw, body)
         t_tok = time.perf_counter()
         if not isinstance(body.prompt, str):
@@ -372,26 +270,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         elif tokenizer is None:
             tokens = await engine_tokens(request, body.model, {"model": body.model, "prompt": body.prompt})
         else:
-            check_chars(request, body.prompt, "prompt")
+            check_prompt_chars(body.prompt, max_prompt_tokens(request), chars_per_token, "prompt")
             tokens = tokenizer.encode(body.prompt)
-        check_tokens(request, len(tokens), "prompt")
+        check_prompt_tokens(len(tokens), max_prompt_tokens(request), "prompt")
         proxy: Proxy = request.app.state.proxy
         return await proxy.complete("/v1/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok, kv)
 
-    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatBody))
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
     async def chat(request: Request) -> Response:
         t = time.perf_counter()
-        raw, body = await parse(request, ChatBody)
+        raw, body = await parse(request, ChatRequest)
         kv = kv_request(request, raw, body, body.messages)
         t_tok = time.perf_counter()
-        messages = [m.model_dump() for m in body.messages]
         if tokenizer is None:
             tokens = await engine_tokens(request, body.model, {"model": body.model, "messages": raw["messages"]})
         else:
-            text = render_chat(messages)
-            check_chars(request, text, "messages")
+            text = chat_prompt(body.messages)
+            check_prompt_chars(text, max_prompt_tokens(request), chars_per_token, "messages")
             tokens = tokenizer.encode(text)
-        check_tokens(request, len(tokens), "messages")
+        check_prompt_tokens(len(tokens), max_prompt_tokens(request), "messages")
         proxy: Proxy = request.app.state.proxy
         return await proxy.complete("/v1/chat/completions", raw, tokens, body.stream, t, time.perf_counter() - t_tok, kv)
 

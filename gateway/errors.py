@@ -5,18 +5,14 @@
 
 Upstream failures are not exceptions here: a connection refused is retried on
 the next-best engine (gateway.proxy), and an engine's own error response is
-relayed as it came. The response body is made by kvproto.openai_errors,
-shared with the worker stub, which also answers routing's 404 and 405.
+relayed as it came. The error and its body are kvproto.openai_api's, shared
+with the worker stub, which also answers routing's 404 and 405.
 """
 
 from __future__ import annotations
 
+from kvproto.openai_api import OpenAIError
 
-class GatewayError(Exception):
+
+class GatewayError(OpenAIError):
     """An error response: status, message and OpenAI's `type`, `code` and `param`."""
-
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param

@@ -1,7 +1,7 @@
-"""`kvdir up`: a local cluster on loopback, each component in its own process.
+"""`kvdir up`: a local cluster on loopback, each component in its own process (kvdir.local_cluster).
 
-Over 400 lines: `kvdir up`'s settings, the three kinds of child processes, their supervisor and the
-start-up sequence, which one command drives together.
+This module holds what is `kvdir up`'s own: its settings and ports, the supervisor that restarts a
+process that dies, and the start-up sequence.
 
 Replica i (1-based) serves HTTP on base_port+i and Raft on base_port+100+i; with `--shards N`
 (docs/scale-out.md) replica i of shard k (0-based, named sk) serves on base_port+200k+i and
@@ -12,18 +12,12 @@ SIGTERM, restarting any process that dies (with backoff, its log's tail on
 stderr); then it stops every process it started, whatever happened.
 
 Before it starts anything it checks every port it will bind, and refuses with the holder of a taken
-one; while it starts it says its progress on stderr (kvdir.progress), and counts only answers from
-the processes it started (kvdir.listeners): another cluster on the same ports once passed for this
-one. A process that dies while starting ends the launch with its log's tail on stderr; a temporary
-DATA_DIR that holds the log of a process that died is kept, and its path said. Ctrl-C while
-starting stops what was started and exits 130.
+one; while it starts it says its progress on stderr (kvdir.progress). A process that dies while
+starting ends the launch with its log's tail on stderr; a temporary DATA_DIR that holds the log of a
+process that died is kept, and its path said. Ctrl-C while starting stops what was started and exits 130.
 
-It always writes a fresh Raft password into DATA_DIR/secrets (mode 0600): without
-one pysyncobj unpickles whatever reaches a Raft port. With `auth` it also writes
-fresh random tokens there and hands every process the path of its own: the
-replicas' tokens file, one engine token per worker confined to its node id, a
-read-only token for the gateway. Only paths go on command lines, which `ps`
-shows to every user of the machine.
+It always writes a fresh Raft password into DATA_DIR/secrets; with `auth` also fresh random tokens, one
+engine token per worker confined to its node id and a read-only token for the gateway.
 """
 
 from __future__ import annotations
@@ -31,30 +25,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import random
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import cast
-from urllib.parse import urlsplit
 
-import httpx
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.config import PolicyName
-from kvdir.listeners import listens, taken_ports
+from kvdir.listeners import taken_ports
+from kvdir.local_cluster import (
+    AuthFiles,
+    ChildExited,
+    Cluster,
+    Gateway,
+    NotReady,
+    Workers,
+    exit_reason,
+    free_ports,
+    log_tail,
+    worker_node_ids,
+    write_raft_password,
+)
 from kvdir.progress import Progress, StartState, on_terminal
 from kvproto.addresses import is_wildcard
 from kvproto.logs import LogLevel
@@ -126,515 +126,6 @@ class UpSettings(BaseSettings):
         return self
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-PORT_RANGE: tuple[int, int] | None = None
-"""Where `free_ports` picks: None for 10000 up to the kernel's ephemeral range. Processes that start servers
-side by side (the test suite's parallel workers, tests/conftest.py) each set a range of their own: a port one
-of them picked but has not bound yet is then never the other's pick."""
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports that were free a moment ago, below the kernel's ephemeral range (or in `PORT_RANGE`),
-    outside the range a Mooncake transfer engine binds in at random (`kvtransfer.backends.mooncake_rpc_ports`).
-
-    Not port 0's pick: that comes from the ephemeral range, where any outgoing connection on the
-    machine can be given the port as its source port before the server binds it, and a Raft link
-    that does so holds it for good. That was the suspected cause of a CI run in which one replica
-    never bound its Raft port; below the range no connect() can take it.
-    """
-    low, high = PORT_RANGE or (10000, _ephemeral_low())
-    high = max(high, low + 4 * n)
-    mooncake = mooncake_rpc_ports()
-    if mooncake.start <= low and high <= mooncake.stop:
-        raise ValueError(f"no ports to pick: {low}..{high - 1} lies in Mooncake's ({mooncake.start}..{mooncake.stop - 1})")
-    rng = random.SystemRandom()
-    ports: list[int] = []
-    with _HANDED_OUT_LOCK:
-        while len(ports) < n:
-            port = rng.randrange(low, high)
-            if port in ports or port in _handed_out or port in mooncake:
-                continue
-            with socket.socket() as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
-            ports.append(port)
-        for port in ports:
-            _handed_out[port] = None
-        while len(_handed_out) > min(_HANDED_OUT_MAX, (high - low) // 2):  # half a range stays to pick from
-            del _handed_out[next(iter(_handed_out))]
-    return ports
-
-
-# Ports free_ports gave out lately, never given again while remembered: a port handed to a process
-# that has not bound it yet still looks free, and a second caller given it (a test's metrics port
-# equal to its engine's ZMQ port) made one of the two fail to bind.
-_HANDED_OUT_MAX = 4096
-_handed_out: dict[int, None] = {}
-_HANDED_OUT_LOCK = threading.Lock()
-
-
-def worker_node_ids(n: int) -> list[str]:
-    """The node ids of n worker stubs started by `Workers`."""
-    return [f"worker-{i}" for i in range(1, n + 1)]
-
-
-def _write_secret(path: Path, text: str) -> None:
-    """Write `text` to a fresh file that only its owner can read (never briefly readable by others)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-def _secrets_dir(directory: Path) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    directory.chmod(0o700)
-
-
-def write_raft_password(directory: Path) -> Path:
-    """Write a fresh random Raft password to `directory`/raft_password (dir 0700, file 0600); returns the path.
-
-    Pass the path as `Cluster(raft_password_file=...)`: a cluster without a password accepts
-    pickled commands from anyone who reaches a Raft port.
-    """
-    _secrets_dir(directory)
-    path = directory / "raft_password"
-    _write_secret(path, secrets.token_urlsafe(32) + "\n")
-    return path
-
-
-@dataclass(frozen=True)
-class AuthFiles:
-    """The secret files of `kvdir up --auth`: paths only, which may appear on command lines."""
-
-    dir: Path
-    tokens: Path  # the replicas' --auth-tokens-file
-    raft_password: Path
-    admin: Path
-    gateway: Path
-    engines: dict[str, Path]  # node id -> that worker's engine token
-
-    @classmethod
-    def generate(cls, directory: Path, node_ids: Sequence[str]) -> AuthFiles:
-        """Fresh secrets in `directory` (mode 0700): one admin, one gateway, one engine token per node id, a Raft password.
-
-        Each engine token may write only its own node (the pattern is the exact
-        id), so one compromised worker cannot publish entries for another.
-        """
-        _secrets_dir(directory)
-        files = cls(
-            directory,
-            directory / "tokens",
-            write_raft_password(directory),
-            directory / "admin.token",
-            directory / "gateway.token",
-            {n: directory / f"{n}.token" for n in node_ids},
-        )
-        lines = ["# role:node pattern:token, written by `kvdir up --auth` (fresh on every start)"]
-        for role, pattern, path in [
-            ("admin", "*", files.admin),
-            ("gateway", "*", files.gateway),
-            *(("engine", n, p) for n, p in files.engines.items()),
-        ]:
-            token = secrets.token_urlsafe(32)
-            _write_secret(path, token + "\n")
-            lines.append(f"{role}:{pattern}:{token}")
-        _write_secret(files.tokens, "\n".join(lines) + "\n")
-        return files
-
-    @property
-    def replica_args(self) -> list[str]:
-        """The replicas' auth flags; the Raft password goes to `Cluster(raft_password_file=...)`."""
-        return ["--auth-tokens-file", str(self.tokens)]
-
-    def admin_token(self) -> str:
-        return self.admin.read_text().strip()
-
-
-class ChildExited(RuntimeError):
-    """A started process exited while the launcher waited for it to become ready."""
-
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.name, self.pid, self.code, self.log = name, proc.pid, cast(int, proc.returncode), log
-        super().__init__(f"{name} (pid {proc.pid}) {_exit_reason(self.code)} during start-up; see {log}")
-
-
-class NotReady(TimeoutError):
-    """Start-up timed out; `logs` are those of the processes that were not ready, (name, path) each."""
-
-    def __init__(self, reason: str, logs: Sequence[tuple[str, Path]], see: str) -> None:
-        super().__init__(f"{reason}; see {see}")
-        self.reason = reason  # without the pointer to the logs, which `kvdir up` may not keep
-        self.logs = list(logs)
-
-
-def _answered_by(proc: subprocess.Popen[bytes] | None, url: str, verified: set[int]) -> bool:
-    """Whether what answered at `url` was `proc`, the process started to serve it (as far as /proc can tell).
-
-    Another cluster on the same ports answers as well as this one would: its answers must not count.
-    A pid found listening (or one /proc cannot tell about) goes into `verified`, so each is looked up once.
-    """
-    if proc is None or proc.poll() is not None:
-        return False
-    if proc.pid in verified:
-        return True
-    if listens(proc.pid, cast(int, urlsplit(url).port)) is False:
-        return False
-    verified.add(proc.pid)
-    return True
-
-
-class Cluster:
-    """Directory replica processes on one host; `stop()` ends them all (SIGTERM, then SIGKILL)."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        http_ports: Sequence[int],
-        raft_ports: Sequence[int],
-        *,
-        host: str = "127.0.0.1",
-        lease_ttl_s: float = 10.0,
-        log_level: str = "warning",
-        extra_args: Sequence[str] = (),
-        token: str | None = None,
-        hosts: Sequence[str] | None = None,
-        prefix: Callable[[int], list[str]] | None = None,
-        peers: Callable[[int], list[str]] | None = None,
-        raft_password_file: Path | None = None,
-    ) -> None:
-        """`hosts` gives each replica its own address, `prefix(i)` a command prefix and `peers(i)` its
-        Raft peers (the fault harness runs replicas in network namespaces or behind link proxies);
-        by default all share `host` and each peers with the others' Raft addresses.
-        `raft_password_file` (see `write_raft_password`) is passed to every replica."""
-        self.data_dir = data_dir
-        self.raft_password_file = raft_password_file
-        self.token = token  # bearer token for wait_ready when the replicas run with an auth tokens file
-        self.lease_ttl_s = lease_ttl_s
-        self.log_level = log_level
-        self.extra_args = list(extra_args)
-        hosts = list(hosts) if hosts is not None else [host] * len(http_ports)
-        self.replica_urls = [f"http://{h}:{p}" for h, p in zip(hosts, http_ports)]
-        self.raft_addrs = [f"{h}:{p}" for h, p in zip(hosts, raft_ports)]
-        self._prefix = prefix
-        self._peers = peers
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
-        self._verified: set[int] = set()  # pids seen listening on their replica's HTTP port
-
-    @classmethod
-    def from_settings(cls, s: UpSettings, data_dir: Path, raft_password_file: Path, auth: AuthFiles | None = None) -> Cluster:
-        n = range(1, s.replicas + 1)
-        return cls(
-            data_dir,
-            [s.base_port + i for i in n],
-            [s.base_port + 100 + i for i in n],
-            host=s.host,
-            lease_ttl_s=s.lease_ttl_s,
-            log_level=s.log_level,
-            raft_password_file=raft_password_file,
-            extra_args=auth.replica_args if auth else (),
-            token=auth.admin_token() if auth else None,
-        )
-
-    def log_path(self, i: int) -> Path:
-        return self.data_dir / f"replica{i + 1}.log"
-
-    def start(self) -> None:
-        for i in range(len(self.procs)):
-            self.start_replica(i)
-
-    def start_replica(self, i: int) -> None:
-        """Start replica i (0-based) from its data dir; it catches up from the others."""
-        raft = self.raft_addrs[i]
-        peers = ",".join(self._peers(i) if self._peers else [a for a in self.raft_addrs if a != raft])
-        cmd = [
-            *(self._prefix(i) if self._prefix else []),
-            sys.executable,
-            "-m",
-            "kvdir",
-            "directory",
-            "--http",
-            self.replica_urls[i].removeprefix("http://"),
-            "--raft",
-            raft,
-            "--peers",
-            peers,
-            "--data-dir",
-            str(self.data_dir / f"replica{i + 1}"),
-            "--lease-ttl-s",
-            str(self.lease_ttl_s),
-            "--log-level",
-            self.log_level,
-            *(["--raft-password-file", str(self.raft_password_file)] if self.raft_password_file else []),
-            *self.extra_args,
-        ]
-        with open(self.log_path(i), "ab") as logf:
-            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            if sig == signal.SIGKILL:
-                proc.wait()
-
-    def alive(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
-
-    def wait_ready(
-        self, timeout: float, among: Sequence[int] | None = None, progress: Callable[[int, str | None], None] | None = None
-    ) -> str:
-        """Poll until the running replicas (or `among`) agree on a leader whose URL they know; returns it.
-
-        Only answers from the processes started here count. `progress(up, leader)` is called on every
-        poll with how many replicas answered and the leader they agree on, if any.
-        """
-        end = time.monotonic() + timeout
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        with httpx.Client(timeout=1.0, headers=headers) as http:
-            while time.monotonic() < end:
-                for i, p in enumerate(self.procs):
-                    if p is not None and p.poll() not in (None, -signal.SIGKILL):
-                        raise ChildExited(f"replica {i + 1}", p, self.log_path(i))
-                leaders: set[str | None] = set()
-                up = 0  # replicas that answered, as the processes started here
-                for i in self.alive() if among is None else among:
-                    try:
-                        view = http.get(self.replica_urls[i] + "/v1/cluster").json()
-                    except (httpx.HTTPError, ValueError):
-                        view = None
-                    if view is None or not _answered_by(self.procs[i], self.replica_urls[i], self._verified):
-                        leaders.add(None)
-                    else:
-                        leaders.add(view.get("leader_url"))
-                        up += 1
-                agreed = next(iter(leaders)) if len(leaders) == 1 else None
-                if progress is not None:
-                    progress(up, agreed)
-                if agreed is not None:
-                    return agreed
-                time.sleep(0.05)
-        logs = [(f"replica {i + 1}", self.log_path(i)) for i in range(len(self.procs))]
-        raise NotReady(f"no leader elected within {timeout}s", logs, f"{self.data_dir}/replica*.log")
-
-    def wait_caught_up(self, i: int, timeout: float) -> None:
-        """Poll until replica i follows a leader and has applied what that leader had committed when asked."""
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        with httpx.Client(timeout=1.0, headers=headers) as http:
-            target = http.get(self.wait_ready(timeout) + "/v1/cluster").json()["commit_index"]
-            end = time.monotonic() + timeout
-            while time.monotonic() < end:
-                try:
-                    view = http.get(self.replica_urls[i] + "/v1/cluster").json()
-                    if view["leader_url"] and view["last_applied"] >= target:
-                        return
-                except (httpx.HTTPError, ValueError):
-                    pass  # not listening yet
-                time.sleep(0.05)
-        raise TimeoutError(f"replica {i} did not catch up within {timeout}s; see {self.data_dir}/replica{i + 1}.log")
-
-    def stop(self, grace: float = 5.0) -> None:
-        _stop_all([p for p in self.procs if p is not None], grace)
-
-
-class Workers:
-    """Worker stub processes registered with a directory; `stop()` ends them all."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        http_ports: Sequence[int],
-        directory_urls: Sequence[str],
-        *,
-        host: str = "127.0.0.1",
-        log_level: str = "warning",
-        extra_args: Sequence[str] = (),
-        token_files: Mapping[str, Path] | None = None,
-    ) -> None:
-        self.data_dir = data_dir
-        self.urls = [f"http://{host}:{p}" for p in http_ports]
-        self.node_ids = worker_node_ids(len(http_ports))
-        self.directory_urls = list(directory_urls)
-        self.log_level = log_level
-        self.extra_args = list(extra_args)
-        self.token_files = dict(token_files or {})  # node id -> file of its directory token
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
-        self._verified: set[int] = set()  # pids seen listening on their worker's HTTP port
-
-    def start(self) -> None:
-        for i in range(len(self.procs)):
-            self.start_worker(i)
-
-    def log_path(self, i: int) -> Path:
-        return self.data_dir / f"{self.node_ids[i]}.log"
-
-    def start_worker(self, i: int, *extra: str) -> None:
-        token_file = self.token_files.get(self.node_ids[i])
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvdir",
-            "worker",
-            "--node-id",
-            self.node_ids[i],
-            "--http",
-            self.urls[i].removeprefix("http://"),
-            "--directory",
-            ",".join(self.directory_urls),
-            "--log-level",
-            self.log_level,
-            *(["--directory-token-file", str(token_file)] if token_file else []),
-            *self.extra_args,
-            *extra,
-        ]
-        with open(self.log_path(i), "ab") as logf:
-            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            proc.wait()
-
-    def wait_ready(self, timeout: float, progress: Callable[[int], None] | None = None) -> list[int]:
-        """Poll until every worker answers /health with its node id and a directory epoch; returns the epochs.
-
-        Only answers from the processes started here count; `progress(registered)` is called on every poll.
-        """
-        end = time.monotonic() + timeout
-        epochs: list[int | None] = []
-        with httpx.Client(timeout=1.0) as http:
-            while time.monotonic() < end:
-                for i, p in enumerate(self.procs):
-                    if p is not None and p.poll() not in (None, -signal.SIGKILL):
-                        raise ChildExited(self.node_ids[i], p, self.log_path(i))
-                epochs = [self._epoch(http, i) for i in range(len(self.urls))]
-                if progress is not None:
-                    progress(sum(e is not None for e in epochs))
-                if None not in epochs:
-                    return cast(list[int], epochs)
-                time.sleep(0.05)
-        logs = [(node, self.log_path(i)) for i, node in enumerate(self.node_ids) if epochs and epochs[i] is None]
-        raise NotReady(f"workers not registered within {timeout}s", logs, f"{self.data_dir}/worker-*.log")
-
-    def _epoch(self, http: httpx.Client, i: int) -> int | None:
-        """Worker i's directory epoch if it registered, and answered as the process started here; else None."""
-        try:
-            health = http.get(self.urls[i] + "/health").json()
-        except (httpx.HTTPError, ValueError):
-            return None
-        if health.get("node_id") != self.node_ids[i] or not _answered_by(self.procs[i], self.urls[i], self._verified):
-            return None
-        return cast(int | None, health.get("epoch"))
-
-    def stop(self, grace: float = 5.0) -> None:
-        _stop_all([p for p in self.procs if p is not None], grace)
-
-
-class Gateway:
-    """One gateway process in front of the workers."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        port: int,
-        directory_urls: Sequence[str],
-        *,
-        host: str = "127.0.0.1",
-        log_level: str = "warning",
-        extra_args: Sequence[str] = (),
-        token_file: Path | None = None,
-    ) -> None:
-        self.url = f"http://{host}:{port}"
-        self._cmd = [
-            sys.executable,
-            "-m",
-            "kvdir",
-            "gateway",
-            "--http",
-            f"{host}:{port}",
-            "--directory",
-            ",".join(directory_urls),
-            "--log-level",
-            log_level,
-            *(["--directory-token-file", str(token_file)] if token_file else []),
-            *extra_args,
-        ]
-        self.data_dir = data_dir
-        self.log_path = data_dir / "gateway.log"
-        self.proc: subprocess.Popen[bytes]
-        self._verified: set[int] = set()  # pids seen listening on the gateway's port
-        self.start()
-
-    def start(self) -> None:
-        """Start the process (again)."""
-        with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(self._cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float, engines: int, progress: Callable[[], None] | None = None) -> None:
-        """Poll until the gateway started here answers and knows `engines` engines; `progress()` on every poll."""
-        end = time.monotonic() + timeout
-        with httpx.Client(timeout=1.0) as http:
-            while time.monotonic() < end:
-                if self.proc.poll() is not None:
-                    raise ChildExited("gateway", self.proc, self.log_path)
-                try:
-                    known = http.get(self.url + "/health").json().get("engines", -1)
-                except (httpx.HTTPError, ValueError):
-                    known = -1
-                if known >= engines and _answered_by(self.proc, self.url, self._verified):
-                    return
-                if progress is not None:
-                    progress()
-                time.sleep(0.05)
-        raise NotReady(f"the gateway was not ready within {timeout}s", [("gateway", self.log_path)], str(self.log_path))
-
-    def stop(self, grace: float = 5.0) -> None:
-        _stop_all([self.proc], grace)
-
-
-def _stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM every process, then SIGKILL those still running after `grace` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    end = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    """The last `lines` lines of a log file, indented (read from its end: logs of long runs grow large)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-            tail = f.read().splitlines()[-lines:]
-    except OSError as exc:
-        return f"  (cannot read {path}: {exc})"
-    return "\n".join("  | " + line.decode(errors="replace") for line in tail) if tail else "  (the log is empty)"
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 @dataclass
 class Supervised:
     """One process `kvdir up` keeps running: how to find it, start it again, and read its log."""
@@ -684,7 +175,7 @@ class Supervisor:
                     "%s (pid %d) %s; restarting it in %.1fs. Last lines of %s:\n%s",
                     c.name,
                     proc.pid,
-                    _exit_reason(code),
+                    exit_reason(code),
                     c.delay_s,
                     c.log,
                     log_tail(c.log),
@@ -811,10 +302,26 @@ class _Launch:
             c.stop()
 
 
+def _unsharded(s: UpSettings, data_dir: Path, raft_password_file: Path, auth: AuthFiles | None) -> Cluster:
+    """The one Raft group of `kvdir up` without shards: replica i on BASE_PORT+i, Raft on BASE_PORT+100+i."""
+    n = range(1, s.replicas + 1)
+    return Cluster(
+        data_dir,
+        [s.base_port + i for i in n],
+        [s.base_port + 100 + i for i in n],
+        host=s.host,
+        lease_ttl_s=s.lease_ttl_s,
+        log_level=s.log_level,
+        raft_password_file=raft_password_file,
+        extra_args=auth.replica_args if auth else (),
+        token=auth.admin_token() if auth else None,
+    )
+
+
 def _directory(s: UpSettings, data_dir: Path, raft_password: Path, auth: AuthFiles | None) -> tuple[list[Cluster], Path | None]:
     """The directory's groups, one per shard, and the shard map file (None unsharded: today's single group)."""
     if s.shards == 1:
-        return [Cluster.from_settings(s, data_dir, raft_password, auth)], None
+        return [_unsharded(s, data_dir, raft_password, auth)], None
     from kvdir.sharded import ShardedCluster  # it builds on this module's Cluster
 
     http, raft = replica_ports(s)
@@ -999,7 +506,7 @@ def run_up(settings: UpSettings) -> int:
             log.error("kvdir up: interrupted; stopped %d process%s", n, "" if n == 1 else "es")
             return 128 + caught[0]
         assert isinstance(exc, ChildExited)
-        said = f"kvdir up: {exc.name} (pid {exc.pid}) {_exit_reason(exc.code)} during start-up"
+        said = f"kvdir up: {exc.name} (pid {exc.pid}) {exit_reason(exc.code)} during start-up"
         if _has_text(exc.log):
             evidence = [exc.name]
             log.error("%s. Last lines of %s:\n%s", said, exc.log, log_tail(exc.log))

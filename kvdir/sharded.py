@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 from kvproto.shardmap import ShardMap
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 
 __all__ = ["BLOCK", "MODEL", "VllmEngine", "make_tiny_model", "vllm_venv"]
 

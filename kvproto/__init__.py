@@ -1,7 +1,8 @@
 """What every kvdir process speaks and shares: the protocol package (docs/architecture.md, "Import layers").
 
 - The wire: `hashing` (chained block hashes, the KV identity), `schemas` (the REST bodies), `binary` (the
-  msgpack batches), `errors`, `shardmap`, `addresses`, and `openai_errors` (the OpenAI error body).
+  msgpack batches), `errors`, `shardmap`, `addresses`, and `openai_api` (the OpenAI request shapes, their
+  parsing and limit checks, and the OpenAI error body).
 - The replicated state machine and its stream: `state` and `index` (pure and deterministic: the directory
   replicates them under Raft, the gateway's mirror applies the same commands) and `watch_codec`.
 - The directory's client: `client`, `session`, `client_settings`.

@@ -55,7 +55,7 @@ def mooncake_rpc_ports(env: Mapping[str, str] = os.environ) -> range:
     """The ports a Mooncake engine may bind at random when it starts (its handshake port and, for
     protocol tcp, its data port): `MC_MIN_RPC_PORT`..`MC_MAX_RPC_PORT`, with Mooncake's misspelt
     `MC_*_PRC_PORT` fallbacks, 15000-17000 by default. A server port picked in it can be taken by a
-    worker's transfer engine before the server binds it (a CI run's worker exited at start-up so)."""
+    worker's transfer engine before the server binds it."""
 
     def read(name: str, misspelt: str, default: int) -> int:
         try:

@@ -7,7 +7,7 @@ or restarted follower, a hostile client or an oversized body causes *no* electio
 something happens within a bound of about a second. Next to another worker's clusters on 2
 cores, a leader can miss its heartbeats for CPU, not for the fault under test.
 
-Under xdist each worker picks server ports from a range of its own (kvdir.launcher.PORT_RANGE),
+Under xdist each worker picks server ports from a range of its own (kvdir.local_cluster.PORT_RANGE),
 so a port one worker picked but has not bound yet is never the other's pick.
 """
 
@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from kvdir import launcher
+from kvdir import local_cluster
 
 _LOW, _HIGH = 10000, 32000  # below Linux's ephemeral range (32768-60999)
 
@@ -41,16 +41,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serial: run alone, after the parallel pass (tests/conftest.py says why)")
     config.addinivalue_line("markers", "scale: production-sized state, minutes on 2 cores: `make test-scale`, not `make test`")
     config.addinivalue_line("markers", "browser: needs Debian's chromium: `make test-browser`, not `make test`")
+    config.addinivalue_line(
+        "markers", "faults: the fault harness's runs (tests/faults), minutes of replicas under faults: `make test-faults`"
+    )
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist; unset otherwise
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker.startswith("gw") and count > 1:
         i = int(worker[2:])
         width = (_HIGH - _LOW) // count
-        launcher.PORT_RANGE = (_LOW + i * width, _LOW + (i + 1) * width)
+        local_cluster.PORT_RANGE = (_LOW + i * width, _LOW + (i + 1) * width)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = item.nodeid.split("::")[0]
+        if path.startswith("tests/faults/"):
+            item.add_marker(pytest.mark.faults)
         if path in SERIAL or item.nodeid in SERIAL:
             item.add_marker(pytest.mark.serial)

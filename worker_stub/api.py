@@ -1,10 +1,11 @@
 """The worker stub's OpenAI-compatible API: completions, chat completions, models, streaming.
 
-Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
-400 for invalid requests (bad JSON, wrong types, prompt too long), 404 for an
-unknown model or path, 405 for a method a path does not take (both messages list
-the routes: kvproto.openai_errors), 413 for an oversized body, 429 when the
-queue is full. `/docs` is served with its assets from this host (kvproto.offline_docs).
+The request shapes, their parsing and limit checks are kvproto.openai_api's, shared
+with the gateway, so both answer a bad request alike. Errors follow OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`: 400 for invalid requests (bad JSON,
+wrong types, prompt too long), 404 for an unknown model or path, 405 for a method a
+path does not take (both messages list the routes), 413 for an oversized body, 429
+when the queue is full. `/docs` is served with its assets from this host (kvproto.offline_docs).
 `/tokenize` refuses a prompt over `max_model_len` (as vLLM does) before the
 work it would cost: more messages than that, or (with the bytes tokenizer) more
 characters than that, is refused unparsed and untokenized.
@@ -21,23 +22,38 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal, cast
+from typing import Any, cast
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity
 from kvproto.http_limits import BodyLimit
 from kvproto.offline_docs import add_offline_docs
-from kvproto.openai_errors import error_response, http_error
-from kvproto.schemas import PullPlan
-from kvproto.tokenizer import count_messages, load_tokenizer, max_chars_per_token, render_chat
+from kvproto.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    OpenAIRequest,
+    TokenizeRequest,
+    chat_prompt,
+    check_context,
+    check_prompt_chars,
+    check_prompt_tokens,
+    context_length_exceeded,
+    error_response,
+    http_error,
+    message_count,
+    openai_error,
+    openapi_body,
+    parse_request,
+)
+from kvproto.schemas import PULL_PLAN_FIELD, PullPlan
+from kvproto.tokenizer import load_tokenizer, max_chars_per_token
 from kvtransfer.backends import create_engine
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool
@@ -45,46 +61,6 @@ from worker_stub.publisher import Publisher
 from worker_stub.stub_engine import Engine, QueueFull, RequestStats
 
 log = logging.getLogger("kvdir.worker")
-
-TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
-
-
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI parameters (temperature, ...) are accepted and ignored
-    model: str
-    stream: bool = False
-    kvdir_pull: dict[str, Any] | None = None  # a kvproto.schemas.PullPlan, decoded by `run`
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a KV identity of its own
-
-
-class CompletionRequest(_Req):
-    prompt: str | list[TokenId]
-    max_tokens: int = Field(16, ge=0, le=1 << 20)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] = ""
-
-
-class ChatRequest(_Req):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, le=1 << 20)
-    max_completion_tokens: int | None = Field(None, ge=0, le=1 << 20)
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # `model` and other vLLM fields are accepted
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-
-
-class OpenAIError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
-    ) -> None:
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
 
 class WorkerMetrics:
@@ -176,26 +152,12 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         too_large=lambda limit: error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large"),
     )
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, exc.code, exc.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "the request body is not valid JSON", code="invalid_json")
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return error_response(
-            400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=".".join(loc) or None
-        )
-
+    app.exception_handler(OpenAIError)(openai_error)  # the request checks' and the routes' (kvproto.openai_api)
     app.exception_handler(StarletteHTTPException)(http_error)  # an unknown path or method: naming the routes
 
     adapters = settings.adapter_names
 
-    def identity(body: _Req) -> KvIdentity:
+    def identity(body: OpenAIRequest) -> KvIdentity:
         """The request's KV identity (docs/protocol.md §1.1); 404 for a model or adapter this engine does not serve."""
         if body.model != settings.model and body.model not in adapters:
             served = ", ".join(f"`{m}`" for m in [settings.model, *adapters])
@@ -208,23 +170,16 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         adapter = body.model if body.model != settings.model else ""
         return KvIdentity(settings.namespace, settings.model, adapter, body.cache_salt or "")
 
-    def check_length(n_prompt: int, max_tokens: int) -> None:
-        if n_prompt + max_tokens > settings.max_model_len:
-            raise OpenAIError(
-                400,
-                f"This model's maximum context length is {settings.max_model_len} tokens; the request has "
-                f"{n_prompt} prompt tokens and asks for {max_tokens} more",
-                code="context_length_exceeded",
-            )
-
-    async def run(request: Request, body: _Req, kv: KvIdentity, tokens: list[int], max_tokens: int, chat: bool) -> Response:
+    async def run(request: Request, body: OpenAIRequest, kv: KvIdentity, tokens: list[int], chat: bool) -> Response:
         engine: Engine = request.app.state.engine
         metrics: WorkerMetrics = request.app.state.metrics
-        check_length(len(tokens), max_tokens)
+        max_tokens = body.completion_tokens()
+        check_context(len(tokens), max_tokens, settings.max_model_len)
         plan = None
-        if body.kvdir_pull is not None:
+        pull = (body.model_extra or {}).get(PULL_PLAN_FIELD)  # the gateway's pull plan, if any
+        if pull is not None:
             try:
-                plan = msgspec.convert(body.kvdir_pull, PullPlan)
+                plan = msgspec.convert(pull, PullPlan)
             except msgspec.ValidationError as exc:
                 raise OpenAIError(400, f"kvdir_pull: {exc}", param="kvdir_pull") from exc
         stats = RequestStats()
@@ -309,55 +264,35 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        _, body = parse_request(await request.body(), CompletionRequest)
         kv = identity(body)
         tokens = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await run(request, body, kv, tokens, body.max_tokens, chat=False)
+        return await run(request, body, kv, tokens, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatRequest) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
+    async def chat_completions(request: Request) -> Response:
+        _, body = parse_request(await request.body(), ChatRequest)
         kv = identity(body)
-        tokens = tokenizer.encode(render_chat([m.model_dump() for m in body.messages]))
-        max_tokens = (
-            body.max_completion_tokens
-            if body.max_completion_tokens is not None
-            else (body.max_tokens if body.max_tokens is not None else 16)
-        )
-        return await run(request, body, kv, tokens, max_tokens, chat=True)
+        return await run(request, body, kv, tokenizer.encode(chat_prompt(body.messages)), chat=True)
 
-    def too_long(what: str) -> OpenAIError:
-        return OpenAIError(
-            400,
-            f"This model's maximum context length is {settings.max_model_len} tokens; the request has {what}",
-            code="context_length_exceeded",
-        )
-
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         raw = await request.body()
         # Counted before validation: each message renders to at least one token, and a body of a million
         # messages would otherwise be validated (and tokenized) in full first.
-        try:
-            n_messages = count_messages(raw)
-        except msgspec.ValidationError as exc:
-            raise OpenAIError(400, f"the request body is invalid: {exc}") from exc
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from exc
-        if n_messages > settings.max_model_len:
-            raise too_long(f"{n_messages} messages")
-        try:
-            body = TokenizeRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
+        limit = settings.max_model_len
+        if (n_messages := message_count(raw)) > limit:
+            raise context_length_exceeded(limit, f"the request has {n_messages} messages", "messages")
+        _, body = parse_request(raw, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of `prompt` or `messages`")
-        text = body.prompt if body.prompt is not None else render_chat([m.model_dump() for m in body.messages or []])
-        if chars_per_token is not None and len(text) > settings.max_model_len * chars_per_token:
-            raise too_long(f"{len(text)} characters, which is more")
+        param = "prompt" if body.prompt is not None else "messages"
+        text = body.prompt if body.prompt is not None else chat_prompt(body.messages or [])
+        check_prompt_chars(text, limit, chars_per_token, param)
         tokens = tokenizer.encode(text)
-        if len(tokens) > settings.max_model_len:
-            raise too_long(f"{len(tokens)} prompt tokens")
+        check_prompt_tokens(len(tokens), limit, param)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len})
 
     @app.get("/v1/models")

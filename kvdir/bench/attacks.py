@@ -36,7 +36,7 @@ import numpy as np
 
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
-from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 from kvproto.client import DirectoryClient
 
 

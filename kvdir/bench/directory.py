@@ -22,7 +22,7 @@ import numpy as np
 from kvdir.bench.loadgen import LoadSpec, load_in_process
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 from kvdir.progress import clocked, stderr_meter
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryUnavailable

@@ -27,7 +27,7 @@ from typing import Any, cast
 import httpx
 
 from kvdir.bench.report import emit, header, say
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 
 STALL_S = 1.5
 

@@ -31,7 +31,7 @@ import zmq
 
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 from kvproto.hashing import block_hashes
 
 BS = 16

@@ -19,7 +19,7 @@ from kvdir.bench.http_stack import bench_http_stack, floor_proxy
 from kvdir.bench.loadgen import LoadResult, LoadSpec, load_in_process
 from kvdir.bench.proc import cpu_s
 from kvdir.bench.report import emit, header, pct, say
-from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 from kvdir.plots import latency_cdf
 from kvdir.progress import Meter, clocked, stderr_meter
 from kvproto.hashing import block_hashes

@@ -41,7 +41,7 @@ import httpx
 
 from kvdir.bench.loadgen import Conn
 from kvdir.bench.proc import cpu_s
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 
 PATH = "/v1/completions"
 BODY = b'{"model":"m","prompt":"' + b"a" * 64 + b'","max_tokens":1}'

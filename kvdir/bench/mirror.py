@@ -28,7 +28,7 @@ from gateway.config import GatewaySettings
 from gateway.lookup import HolderLookup
 from gateway.mirror import Feed, Mirror
 from kvdir.bench.report import emit, header, pct, say
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 from kvdir.plots import LagSeries, lag_over_time, latency_cdf
 from kvdir.progress import Meter, stderr_meter
 from kvproto.client import DirectoryClient

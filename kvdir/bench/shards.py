@@ -26,7 +26,7 @@ import httpx
 from kvdir.bench.directory import rest_load
 from kvdir.bench.proc import cpu_s, rss_mib
 from kvdir.bench.report import emit, header, say
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 from kvdir.progress import clocked, stderr_meter
 from kvdir.sharded import ShardedCluster
 from kvproto.client import DirectoryClient

@@ -29,7 +29,7 @@ import numpy as np
 
 from adapters.vllm_plan import KvLayout, LayerRegion, page_pieces
 from kvdir.bench.report import emit, header, say
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 from kvdir.plots import ttft_by_prefix
 from kvdir.progress import clocked, stderr_meter
 from kvdir.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv

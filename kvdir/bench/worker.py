@@ -16,7 +16,7 @@ import numpy as np
 
 from kvdir.bench.loadgen import LoadSpec, load_in_process, run_load
 from kvdir.bench.report import emit, header, pct, say
-from kvdir.launcher import Cluster, Workers, free_ports
+from kvdir.local_cluster import Cluster, Workers, free_ports
 from kvdir.progress import clocked, stderr_meter
 from worker_stub.transfer_bench import measure_read_bandwidth
 

@@ -38,7 +38,7 @@ from kvdir.faults import checker, netns
 from kvdir.faults.history import OK, WRITES, Fault, History, seq_hashes
 from kvdir.faults.load import Load, node_ids
 from kvdir.faults.proxy import ProxyNetwork
-from kvdir.launcher import Cluster, free_ports, write_raft_password
+from kvdir.local_cluster import Cluster, free_ports, write_raft_password
 from kvdir.sharded import shard_names
 from kvproto.shardmap import ShardMap, home_of
 
@@ -300,6 +300,9 @@ class _Run:
             settled = {i: self.commit_index(sh, i) for i in minority}
             time.sleep(steady)
             f.minority_commit = {sh.first + i: (settled[i], self.commit_index(sh, i)) for i in minority}
+            # The window closes as healing starts: healing takes one `ip route del` per cut link, and a write
+            # held by a minority replica commits as soon as its first route to the majority is back.
+            f.t1 = time.monotonic()
             self.net.heal(sh.members())
         elif kind == POWER_LOSS:
             # Every machine loses what its disk did not have: the data dirs as of `steady` seconds ago,
@@ -329,7 +332,7 @@ class _Run:
             f.recovered_s = time.monotonic() - f.t0
         else:
             raise ValueError(f"unknown fault {kind!r}; expected one of {', '.join(FAULTS)} or power_loss")
-        f.t1 = time.monotonic()
+        f.t1 = f.t1 or time.monotonic()
         self.all_back([sh])
         log.info(
             "fault %s on %s%s: recovered in %s",

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from tests.support.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

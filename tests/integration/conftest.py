@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, Workers, free_ports, write_raft_password
+from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports, write_raft_password
 from kvdir.sharded import ShardedCluster
 
 

@@ -133,7 +133,7 @@ BAD_REQUESTS = [
 
 @pytest.fixture(scope="module")
 def small_limits_cluster(tmp_path_factory):
-    from kvdir.launcher import Cluster, free_ports
+    from kvdir.local_cluster import Cluster, free_ports
 
     ports = free_ports(2)
     c = Cluster(

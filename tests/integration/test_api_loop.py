@@ -20,7 +20,7 @@ import httpx
 from directory.api import create_app
 from directory.config import DirectorySettings
 from directory.replica import Replica
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 
 HOLD_LIMIT_S = 10.0  # the lock holder gives up after this long: a loop that blocked fails the test instead of hanging it
 

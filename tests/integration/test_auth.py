@@ -232,7 +232,7 @@ def test_a_replica_logs_that_auth_is_on(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from kvdir.launcher import free_ports
+    from kvdir.local_cluster import free_ports
 
     tokens = tmp_path / "tokens"
     tokens.write_text("admin:*:s3cr3t\n")

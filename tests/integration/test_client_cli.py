@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryUnavailable, InvalidRequestError, StaleEpochError
 from tests.support.ports import free_base_port, port_free

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 from tests.support.cluster import leader_index
 
 JSON = {"content-type": "application/json"}
@@ -77,7 +77,7 @@ def test_oversized_bodies_are_refused_without_an_election(make_cluster) -> None:
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory) -> str:
-    from kvdir.launcher import free_ports
+    from kvdir.local_cluster import free_ports
 
     ports = free_ports(2)
     c = Cluster(

@@ -29,7 +29,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvdir.launcher import Cluster, free_ports
+from kvdir.local_cluster import Cluster, free_ports
 from tests.support.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 
 SEED = int(os.environ.get("KVDIR_FUZZ_SEED", "20260"))
 SCALE = float(os.environ.get("KVDIR_FUZZ_EXAMPLES", "1"))

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from kvdir.launcher import Gateway, free_ports
+from kvdir.local_cluster import Gateway, free_ports
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"

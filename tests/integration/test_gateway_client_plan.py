@@ -21,7 +21,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewaySettings
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 
 ANSWER = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, free_ports
+from kvdir.local_cluster import Cluster, Gateway, free_ports
 from tests.support.wait import wait_for
 
 MODEL = "kvdir-stub"

@@ -41,7 +41,7 @@ def _rss_kib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """One replica, one worker stub (no simulated waiting) and a gateway, shared by this module's tests."""
-    from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+    from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 
     d = tmp_path_factory.mktemp("hostile")
     ports = free_ports(4)

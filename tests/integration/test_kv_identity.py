@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, Workers, free_ports
+from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 from tests.support.wait import wait_for
 
 PROMPT = "The same words, under two models, are two different caches of keys and values. " * 4

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import NotReady, UpSettings, Workers, free_ports, run_up
+from kvdir.launcher import UpSettings, run_up
 from kvdir.listeners import listens, taken_ports
+from kvdir.local_cluster import NotReady, Workers, free_ports
 from tests.support.launcher import Up, descendants
 from tests.support.ports import free_base_port, port_free
 from tests.support.wait import wait_for

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvdir.launcher import Gateway, free_ports
+from kvdir.local_cluster import Gateway, free_ports
 from kvproto.state import DirectoryState, Publish, Register, new_epoch_base
 from kvproto.watch_codec import HEADER, MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from tests.support.metrics import mirror_gauges

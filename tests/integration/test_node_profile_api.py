@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 from kvproto.client import DirectoryClient
 from kvproto.errors import AuthError
 from kvproto.schemas import NodeInfo, RegisterResponse

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 from kvproto.client import DirectoryClient
 from kvproto.errors import StaleEpochError
 

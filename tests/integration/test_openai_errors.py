@@ -1,8 +1,11 @@
-"""Unknown paths and methods on a live gateway and worker stub: OpenAI-shaped errors that name the routes (issue #34)."""
+"""A live gateway and worker stub: OpenAI-shaped errors for unknown paths and methods that name the routes (issue #34),
+and the same answer from both to the same bad request (issue #30)."""
 
 from __future__ import annotations
 
 import httpx
+
+from kvproto.openai_api import MAX_TOKENS
 
 MODEL = "kvdir-stub"
 ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models")
@@ -33,3 +36,28 @@ def test_unknown_paths_and_methods_are_openai_errors_naming_the_routes(make_clus
     # The gateway still routes what it knows after all that.
     r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "still here", "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and r.headers["x-kvdir-node"] == w.node_ids[0], r.text
+
+
+def test_the_gateway_and_the_worker_answer_a_bad_request_alike(make_cluster, make_workers, make_gateway) -> None:
+    """One definition of the request shapes (kvproto.openai_api, issue #30): the gateway refuses what the worker would,
+    with the same body, itself (no engine sees it), and both take an assistant's tool-call turn with null content."""
+    c = make_cluster(1)
+    w = make_workers(c, 1)
+    g = make_gateway(c, 1)
+    hi = {"role": "user", "content": "hi"}
+    bad = [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_TOKENS + 1}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [hi], "max_completion_tokens": MAX_TOKENS + 1}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}),
+        ("/v1/completions", {"model": "", "prompt": "x"}),
+    ]
+    for path, body in bad:
+        gateway, worker = (httpx.post(url + path, json=body, timeout=30) for url in (g.url, w.urls[0]))
+        assert "x-kvdir-node" not in gateway.headers, (body, gateway.text)  # the gateway's own answer, not relayed
+        assert (gateway.status_code, gateway.json()) == (worker.status_code, worker.json()), (body, gateway.text, worker.text)
+        _openai_error(worker, 400, worker.json()["error"]["code"], str(worker.json()["error"]["param"]))
+    tool_turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [hi, tool_turn, {"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+    for url in (g.url, w.urls[0]):
+        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from tests.support.wait import wait_for
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from directory.config import DirectorySettings
 from directory.replica import Replica
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from kvproto.state import NodeProfile, Publish, Register
 from tests.support.wait import wait_for
 

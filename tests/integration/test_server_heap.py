@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from tests.support.wait import wait_for
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Workers, free_ports
+from kvdir.local_cluster import Workers, free_ports
 from kvproto.client import DirectoryClient
 from kvproto.errors import AuthError
 from kvproto.hashing import block_hashes

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 
 from gateway.mirror import Mirror
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.watch_codec import FrameReader, group_of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from kvdir.launcher import Cluster
+from kvdir.local_cluster import Cluster
 
 
 def leader_index(cluster: Cluster) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
-from kvdir import launcher
-from kvdir.launcher import free_ports
+from kvdir import local_cluster
+from kvdir.local_cluster import free_ports
 from kvtransfer.backends import mooncake_rpc_ports
 
 
@@ -25,7 +25,7 @@ def free_base_port(offsets: Sequence[int]) -> int:
     """A base port for `kvdir up` such that base+offset is free now for every offset, all inside this
     process's port range when it has one (a parallel test worker's: tests/conftest.py), and none where the
     workers' Mooncake engines bind."""
-    low, high = launcher.PORT_RANGE or (1025, 65536)
+    low, high = local_cluster.PORT_RANGE or (1025, 65536)
     mooncake = mooncake_rpc_ports()
     for _ in range(50):
         base = free_ports(1)[0] - 200

@@ -13,7 +13,7 @@ from directory.auth import Principal, bearer_token, load_tokens
 from directory.config import DirectorySettings
 from directory.tenancy import Tenancy
 from gateway.config import GatewaySettings
-from kvdir.launcher import AuthFiles
+from kvdir.local_cluster import AuthFiles
 from worker_stub.config import WorkerSettings
 
 

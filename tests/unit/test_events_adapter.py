@@ -10,7 +10,7 @@ import pytest
 
 from adapters.config import EventsSettings
 from adapters.subscriber import Adapter, EventsSubscriber
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from kvproto.schemas import RegisterResponse
 
 

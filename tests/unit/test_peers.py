@@ -13,7 +13,7 @@ from gateway.config import GatewaySettings
 from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.peers import MAX_BATCH, Note, NoteBatch, PeerNotes
-from kvdir.launcher import free_ports
+from kvdir.local_cluster import free_ports
 from kvproto.client import DirectoryClient
 from kvproto.schemas import Origin
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvdir import launcher
+from kvdir import local_cluster
 from kvdir.cli import main
-from kvdir.launcher import UpSettings, free_ports, log_tail, up_ports
+from kvdir.launcher import UpSettings, up_ports
 from kvdir.listeners import listening_inodes
+from kvdir.local_cluster import free_ports, log_tail
 from kvdir.progress import Progress, StartState, events, status_line
 from kvtransfer.backends import mooncake_rpc_ports
 
@@ -125,10 +126,10 @@ def test_mooncake_binds_in_its_rpc_range_set_as_mooncake_reads_it() -> None:
 def test_free_ports_never_picks_one_a_mooncake_engine_may_take_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CI run's worker exited at start-up: its HTTP port, picked in 15000-17000, was another worker's
     Mooncake port by the time it bound it."""
-    monkeypatch.setattr(launcher, "PORT_RANGE", (14990, 17020))
+    monkeypatch.setattr(local_cluster, "PORT_RANGE", (14990, 17020))
     ports = free_ports(25)
     assert len(set(ports)) == 25 and all(p < 15000 or p > 17000 for p in ports)
-    monkeypatch.setattr(launcher, "PORT_RANGE", (15100, 16000))
+    monkeypatch.setattr(local_cluster, "PORT_RANGE", (15100, 16000))
     with pytest.raises(ValueError, match="no ports to pick"):
         free_ports(1)
 

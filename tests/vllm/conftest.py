@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, free_ports
+from kvdir.local_cluster import Cluster, Gateway, free_ports
 from kvdir.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model
 
 __all__ = ["BLOCK", "MODEL", "PROMPT", "Engine", "running_directory", "start_gateway", "vllm_venv"]

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvdir.launcher import Cluster, Gateway
+from kvdir.local_cluster import Cluster, Gateway
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvtransfer.backends import create_engine
 from tests.support.wait import wait_for

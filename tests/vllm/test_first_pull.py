@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway
+from kvdir.local_cluster import Cluster, Gateway
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory, start_gateway, vllm_venv
 from tests.vllm.test_connector import FAILED, PULL, _decisions, _gateway_running, _node, _plan, _served

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvdir.launcher import Cluster, Gateway, free_ports
+from kvdir.local_cluster import Cluster, Gateway, free_ports
 from kvdir.vllm_launcher import make_tiny_model
 from kvproto.hashing import KvIdentity, identity_hashes
 from tests.support.wait import wait_for
