@@ -1,7 +1,7 @@
 """OpenAI's API as kvdir's OpenAI-compatible servers (the gateway and the worker stub) both speak it.
 
 One definition of the request shapes, their parsing and limit checks, and the error body, so the
-gateway and the engines behind it answer the same request the same way (issue #30).
+gateway and the engines behind it answer the same request the same way.
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
@@ -21,7 +21,8 @@ other (docs/architecture.md, "Import layers").
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -158,14 +159,21 @@ def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
         raise context_length_exceeded(max_model_len, f"the request has {n_prompt} prompt tokens and asks for {max_tokens} more")
 
 
-def message_count(body: bytes) -> int:
-    """The chat messages in a raw body, counted before it is parsed (kvproto.tokenizer.count_messages); 400 if unreadable."""
+@contextmanager
+def _raw_body_errors() -> Iterator[None]:
+    """msgspec's errors on a raw body, as OpenAI's 400s."""
     try:
-        return count_messages(body)
+        yield
     except msgspec.ValidationError as exc:
         raise OpenAIError(400, f"the request body is invalid: {exc}") from exc
     except (msgspec.DecodeError, RecursionError) as exc:
         raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from exc
+
+
+def message_count(body: bytes) -> int:
+    """The chat messages in a raw body, counted before it is parsed (kvproto.tokenizer.count_messages); 400 if unreadable."""
+    with _raw_body_errors():
+        return count_messages(body)
 
 
 class _PromptSize(msgspec.Struct):
@@ -196,12 +204,8 @@ def check_sizes(body: bytes, chat: bool, max_messages: int, max_prompt_tokens: i
                 param="messages",
             )
         return
-    try:
+    with _raw_body_errors():
         prompt = bytes(msgspec.json.decode(body, type=_PromptSize).prompt).strip()
-    except msgspec.ValidationError as exc:
-        raise OpenAIError(400, f"the request body is invalid: {exc}") from exc
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from exc
     if prompt.startswith(b"[") and not prompt.translate(None, _NUMBER_ARRAY_BYTES):
         check_prompt_tokens(prompt.count(b",") + (1 if prompt.strip(b"[] \t\r\n") else 0), max_prompt_tokens, "prompt")
 
