@@ -2,7 +2,7 @@
 
 Everything a policy needs to compare engines lives here, with no I/O, no clock
 and no randomness, so the gateway (gateway.router) and the offline replay
-simulator (kvdir.replay) score the same candidate identically.
+simulator (kvtools.replay) score the same candidate identically.
 
 The model, per healthy candidate ``c`` and request ``req``:
 

@@ -4,7 +4,7 @@ Each run starts its own cluster (replicas in network namespaces where root
 can make them, else on loopback addresses with Raft links through fault
 proxies), drives simulated engines and a reader against it, injects every
 fault of its schedule, heals, waits for convergence and checks the history
-(kvdir/faults/checker.py). The long run is `kvdir bench soak`.
+(kvtools/faults/checker.py). The long run is `kvdir bench soak`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.faults import netns
-from kvdir.faults.run import Plan, format_report, run
+from kvtools.faults import netns
+from kvtools.faults.run import Plan, format_report, run
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from kvdir.bench import http_stack
+from kvtools.bench import http_stack
 from tests.support.ports import port_free
 
 

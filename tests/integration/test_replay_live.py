@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from kvdir.replay.live import live_replay
-from kvdir.replay.sim import SimParams, simulate
-from kvdir.replay.trace import multi_turn
+from kvtools.replay.live import live_replay
+from kvtools.replay.sim import SimParams, simulate
+from kvtools.replay.trace import multi_turn
 
 
 def test_live_multi_turn_hit_rate_matches_the_simulation(make_cluster, make_workers, make_gateway, tmp_path) -> None:

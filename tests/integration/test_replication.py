@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 
 from directory.config import DirectorySettings
-from kvdir.bench.elections import publish_until
+from kvtools.bench.elections import publish_until
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryUnavailable
 from kvproto.hashing import chain_hashes, seed_for

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from kvdir.bench.attacks import fill, raft_terms, sample, settle, stalled_watchers
-from kvdir.bench.proc import rss_mib
+from kvtools.bench.attacks import fill, raft_terms, sample, settle, stalled_watchers
+from kvtools.bench.proc import rss_mib
 from tests.support.cluster import leader_index
 from tests.support.wait import wait_for
 

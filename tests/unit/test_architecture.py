@@ -134,11 +134,25 @@ def _named_modules() -> set[str]:
     return {n for n in names if "." in n and n.split(".")[0] in LINTER["root_packages"]}
 
 
+def _ignored_imports() -> dict[str, str]:
+    """The modules the contracts' `ignore_imports` name, each importing what is ignored there (an ignore that
+    matches no import is an error)."""
+    sources: dict[str, str] = {}
+    for c in LINTER["contracts"]:
+        for rule in c.get("ignore_imports", []):
+            importer, _, imported = (x.strip() for x in rule.partition("->"))
+            path = importer.replace(".", "/") + ".py"
+            sources[path] = sources.get(path, "") + f"import {imported}\n"
+    return sources
+
+
 def _fake_tree(root: Path, extra: dict[str, str]) -> None:
-    """The seven packages with one module each, the modules the contracts name, directory/api.py and `extra`."""
+    """The packages with one module each, the modules the contracts name (the ignored imports in them),
+    directory/api.py and `extra`."""
     modules = {f"{p}/__init__.py": "" for p in LINTER["root_packages"]}
     modules.update({f"{p}/core.py": "" for p in LINTER["root_packages"]})
     modules.update({n.replace(".", "/") + ".py": "" for n in _named_modules()})
+    modules.update(_ignored_imports())
     modules["directory/api.py"] = ""
     modules.update(extra)
     for rel, text in modules.items():
@@ -177,6 +191,8 @@ def test_the_fake_tree_keeps_every_contract(tmp_path: Path) -> None:
         ("gateway/routing/new_policy.py", "from directory import api\n", "gateway.routing.new_policy -> directory.api"),
         ("worker_stub/shortcut.py", "import gateway.core\n", "worker_stub.shortcut -> gateway.core"),
         ("kvproto/upward.py", "import directory.api\n", "kvproto.upward -> directory.api"),
+        # The library never imports the tools: they plug in through entry points.
+        ("kvdir/bench_shortcut.py", "import kvtools.core\n", "kvdir.bench_shortcut -> kvtools.core"),
     ],
 )
 def test_an_import_against_the_layers_breaks_the_layers_contract(tmp_path: Path, path: str, source: str, chain: str) -> None:
@@ -187,3 +203,11 @@ def test_an_import_against_the_layers_breaks_the_layers_contract(tmp_path: Path,
     assert chain in out, out  # the fake tree's module, not the repository's, was analysed
     others = [c["name"] for c in LINTER["contracts"] if c is not LAYERS_CONTRACT]
     assert all(f"{name} KEPT" in out for name in others), out
+
+
+def test_a_new_adapter_module_importing_vllm_breaks_the_vllm_contract(tmp_path: Path) -> None:
+    """Only the connector is exempt (its `ignore_imports`): a module nobody listed is governed too."""
+    _fake_tree(tmp_path, {"adapters/new_events.py": "import vllm\n"})
+    rc, out = _lint(tmp_path)
+    vllm_contract = next(c["name"] for c in LINTER["contracts"] if "vllm" in c.get("forbidden_modules", []))
+    assert rc != 0 and f"{vllm_contract} BROKEN" in out and "adapters.new_events -> vllm" in out, out

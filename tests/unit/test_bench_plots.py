@@ -1,4 +1,4 @@
-"""The benchmarks' figures (`kvdir.plots`) from small made-up results, and `kvdir bench ... --plot DIR` reaching
+"""The benchmarks' figures (`kvtools.plots`) from small made-up results, and `kvdir bench ... --plot DIR` reaching
 the three benches that draw them. No bench runs here: they start processes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvdir import cli
-from kvdir.plots import LagSeries, lag_over_time, latency_cdf, ttft_by_prefix
+from kvtools.plots import LagSeries, lag_over_time, latency_cdf, ttft_by_prefix
 
 
 def is_png(path: Path) -> bool:
@@ -53,12 +53,13 @@ def test_bench_plot_reaches_the_benches_that_draw(target: str, tmp_path: Path, m
         seen.update(kwargs)
         return 0
 
-    monkeypatch.setattr(f"kvdir.bench.{target}.main", fake_main)
+    monkeypatch.setattr(f"kvtools.bench.{target}.main", fake_main)
     assert cli.main(["bench", target, "--quick", "--plot", str(tmp_path)]) == 0
     assert seen["plot"] == str(tmp_path) and seen["quick"] is True
     assert cli.main(["bench", target]) == 0 and seen["plot"] is None
 
 
 def test_bench_plot_is_refused_where_there_is_nothing_to_draw(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "directory", "--plot", "figs"]) == 2
-    assert "kvdir bench directory: --plot is for vllm, gateway, mirror" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "directory", "--plot", "figs"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --plot figs" in capsys.readouterr().err

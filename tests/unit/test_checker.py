@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvdir.faults.checker import Observed, check_epochs, check_final, check_minority, check_reads
-from kvdir.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, Fault, Op, seq_hashes
+from kvtools.faults.checker import Observed, check_epochs, check_final, check_minority, check_reads
+from kvtools.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, Fault, Op, seq_hashes
 
 SLOTS = tuple(range(SEQ_BLOCKS))
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvdir.faults.checker import Observed, check_final, check_reads
-from kvdir.faults.history import OK, SEQ_BLOCKS, Op
+from kvtools.faults.checker import Observed, check_final, check_reads
+from kvtools.faults.history import OK, SEQ_BLOCKS, Op
 
 SLOTS = tuple(range(SEQ_BLOCKS))
 HOMES = {"a": 0, "b": 1}  # node -> its home shard's index

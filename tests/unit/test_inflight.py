@@ -9,7 +9,7 @@ import pytest
 from gateway.cost import Candidate, RouteRequest
 from gateway.inflight import InflightPrefixes
 from gateway.policy import KvdirPolicy
-from kvdir.replay.cluster import pending_estimate
+from kvtools.replay.views import pending_estimate
 
 
 def test_match_is_the_leading_run_per_node_and_epoch() -> None:

@@ -1,4 +1,4 @@
-"""The offline trace-replay simulator (kvdir/replay): trace loading, the oracle, the
+"""The offline trace-replay simulator (kvtools/replay): trace loading, the oracle, the
 simulation's invariants, the synthetic workloads and the report.
 
 Pure code: no sockets, no clocks in the model, fixed seeds.
@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.policy import POLICIES
-from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
-from kvdir.replay.cluster import ClusterSim
-from kvdir.replay.report import main as replay_main
-from kvdir.replay.sim import SimParams, oracle_hit_rate, pooled_lru, simulate, ttft_floor
-from kvdir.replay.trace import (
+from kvtools.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
+from kvtools.replay.cli import main as replay_main
+from kvtools.replay.cluster import ClusterSim
+from kvtools.replay.sim import SimParams, oracle_hit_rate, pooled_lru, simulate, ttft_floor
+from kvtools.replay.trace import (
     TraceRequest,
     chain_blocks,
     hot_prefix_burst,
@@ -141,7 +141,7 @@ def test_oracle_of_a_known_trace():
 
 
 # ---------------------------------------------------------------------------
-# A node's cache and the directory's view (kvdir/replay/cache.py)
+# A node's cache and the directory's view (kvtools/replay/cache.py)
 
 
 def test_node_cache_stores_pins_and_reports_new_blocks():

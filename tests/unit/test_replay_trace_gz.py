@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.replay.report import main as replay_main
-from kvdir.replay.sim import oracle_hit_rate
-from kvdir.replay.trace import load_mooncake
+from kvtools.replay.cli import main as replay_main
+from kvtools.replay.sim import oracle_hit_rate
+from kvtools.replay.trace import load_mooncake
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "traces" / "mooncake_conversation_trace.jsonl.gz"
 ROWS = [

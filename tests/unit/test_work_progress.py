@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from kvdir.bench.directory import bench_mutation_stall
-from kvdir.bench.report import emit
 from kvdir.progress import Meter, clock_text, eta_s
-from kvdir.replay.report import main as replay_main
+from kvtools.bench.directory import bench_mutation_stall
+from kvtools.bench.report import emit
+from kvtools.replay.cli import main as replay_main
 
 
 class Terminal(io.StringIO):

@@ -1,7 +1,7 @@
 """Real `vllm serve` processes (vLLM's CPU build, $KVDIR_VLLM_VENV) with the kvdir connector, a directory and a gateway.
 
 `make test-vllm` sets KVDIR_VLLM_VENV; without it these tests fail (they are not in the default suite).
-Engines (kvdir.vllm_launcher, shared with `kvdir bench vllm`) run a tiny random Llama made here, block size
+Engines (kvtools.vllm_launcher, shared with `kvdir bench vllm`) run a tiny random Llama made here, block size
 32 (the CPU attention needs a multiple of 32) for engines, connector and gateway alike.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvdir.local_cluster import Cluster, Gateway, free_ports
-from kvdir.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model
+from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model
 
 __all__ = ["BLOCK", "MODEL", "PROMPT", "Engine", "running_directory", "start_gateway", "vllm_venv"]
 

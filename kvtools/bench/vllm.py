@@ -28,13 +28,13 @@ import httpx
 import numpy as np
 
 from adapters.vllm_plan import KvLayout, LayerRegion, page_pieces
-from kvdir.bench.report import emit, header, say
 from kvdir.local_cluster import Cluster, free_ports
-from kvdir.plots import ttft_by_prefix
 from kvdir.progress import clocked, stderr_meter
-from kvdir.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import RegionInfo
+from kvtools.bench.report import emit, header, say
+from kvtools.plots import ttft_by_prefix
+from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
 from kvtransfer.backends import create_engine
 
 SIZES = (256, 1024, 1792)

@@ -34,15 +34,15 @@ from typing import Any
 
 import httpx
 
-from kvdir.faults import checker, netns
-from kvdir.faults.history import OK, WRITES, Fault, History, seq_hashes
-from kvdir.faults.load import Load, node_ids
-from kvdir.faults.proxy import ProxyNetwork
 from kvdir.local_cluster import Cluster, free_ports, write_raft_password
 from kvdir.sharded import shard_names
 from kvproto.shardmap import ShardMap, home_of
+from kvtools.faults import checker, netns
+from kvtools.faults.history import OK, WRITES, Fault, History, seq_hashes
+from kvtools.faults.load import Load, node_ids
+from kvtools.faults.proxy import ProxyNetwork
 
-log = logging.getLogger("kvdir.faults")
+log = logging.getLogger("kvtools.faults")
 
 FAULTS = (
     "kill_leader",

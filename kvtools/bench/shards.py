@@ -23,13 +23,13 @@ from typing import Any
 
 import httpx
 
-from kvdir.bench.directory import rest_load
-from kvdir.bench.proc import cpu_s, rss_mib
-from kvdir.bench.report import emit, header, say
 from kvdir.local_cluster import Cluster
 from kvdir.progress import clocked, stderr_meter
 from kvdir.sharded import ShardedCluster
 from kvproto.client import DirectoryClient
+from kvtools.bench.directory import rest_load
+from kvtools.bench.proc import cpu_s, rss_mib
+from kvtools.bench.report import emit, header, say
 
 SHARD_COUNTS = (1, 2, 4)
 PUBLISHERS_PER_SHARD = 8

@@ -1,7 +1,7 @@
 """A discrete-event simulation of a routed cluster, driven by the gateway's own policies.
 
 `simulate(requests, policy_name, params)` replays requests (from
-`kvdir.replay.trace`) through one policy of `gateway.policy.POLICIES` and
+`kvtools.replay.trace`) through one policy of `gateway.policy.POLICIES` and
 returns its figures; `oracle_hit_rate(requests)` is the ceiling any policy can
 reach, `ttft_floor(requests, params)` the TTFT no policy can beat, and
 `pooled_lru(requests, params)` what an ideal router over LRU engines gets.
@@ -81,10 +81,10 @@ Figures (token counts: a block counts ``min(B, tokens of the prompt in it)``)
 The code
 --------
 This module is the API (`simulate`, `oracle_hit_rate`, `ttft_floor`, `pooled_lru`, and `SimParams` /
-`describe_params` re-exported from `kvdir.replay.params`). The simulation
-itself is `kvdir.replay.cluster.ClusterSim` (the state as objects, events
+`describe_params` re-exported from `kvtools.replay.params`). The simulation
+itself is `kvtools.replay.cluster.ClusterSim` (the state as objects, events
 dispatched through a table of handler methods), over the caches of
-`kvdir.replay.cache` (`NodeCache`: pin / unpin / store / settle, and the
+`kvtools.replay.cache` (`NodeCache`: pin / unpin / store / settle, and the
 directory's lagged `DirectoryView`).
 """
 
@@ -98,10 +98,10 @@ from typing import Any
 import numpy as np
 
 from gateway.policy import POLICIES
-from kvdir.replay.cluster import ClusterSim
-from kvdir.replay.figures import tokens_of_blocks
-from kvdir.replay.params import DEFAULT_BLOCK_BYTES, SimParams, describe_params
-from kvdir.replay.trace import TraceRequest
+from kvtools.replay.cluster import ClusterSim
+from kvtools.replay.figures import tokens_of_blocks
+from kvtools.replay.params import DEFAULT_BLOCK_BYTES, SimParams, describe_params
+from kvtools.replay.trace import TraceRequest
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "SimParams", "describe_params", "oracle_hit_rate", "pooled_lru", "simulate", "ttft_floor"]
 

@@ -15,15 +15,15 @@ from gateway.cost import RouteRequest
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import make_candidate
-from kvdir.bench.http_stack import bench_http_stack, floor_proxy
-from kvdir.bench.loadgen import LoadResult, LoadSpec, load_in_process
-from kvdir.bench.proc import cpu_s
-from kvdir.bench.report import emit, header, pct, say
 from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
-from kvdir.plots import latency_cdf
 from kvdir.progress import Meter, clocked, stderr_meter
 from kvproto.hashing import block_hashes
 from kvproto.tokenizer import ByteTokenizer
+from kvtools.bench.http_stack import bench_http_stack, floor_proxy
+from kvtools.bench.loadgen import LoadResult, LoadSpec, load_in_process
+from kvtools.bench.proc import cpu_s
+from kvtools.bench.report import emit, header, pct, say
+from kvtools.plots import latency_cdf
 
 
 def bench_tokenize_hash() -> dict[str, Any]:
@@ -195,7 +195,7 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
     figures, latencies = bench_added_latency(quick)
     results.update(figures)
     say(
-        "the HTTP stack's own CPU per request: httpcore (and httpx) forwarding, uvicorn + FastAPI receiving (kvdir/bench/http_stack.py)..."
+        "the HTTP stack's own CPU per request: httpcore (and httpx) forwarding, uvicorn + FastAPI receiving (kvtools/bench/http_stack.py)..."
     )
     results.update(bench_http_stack(quick))
     emit(results, as_json)

@@ -34,10 +34,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvdir.bench.proc import cpu_s, rss_mib
-from kvdir.bench.report import emit, header, say
 from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 from kvproto.client import DirectoryClient
+from kvtools.bench.proc import cpu_s, rss_mib
+from kvtools.bench.report import emit, header, say
 
 
 def raft_terms(c: Cluster) -> list[int]:

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 
 from kvdir.progress import stderr_meter
-from kvdir.replay.trace import TraceRequest
+from kvtools.replay.trace import TraceRequest
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 

@@ -1,6 +1,6 @@
 """The replay simulator's engine: one `ClusterSim` object holds a simulated cluster and runs its events.
 
-The model and the figures are described in `kvdir.replay.sim`'s docstring;
+The model and the figures are described in `kvtools.replay.sim`'s docstring;
 this module implements them. Its shape:
 
 - the state is plain objects: a `_Node` per engine (its `NodeCache` and its
@@ -33,25 +33,18 @@ import numpy as np
 
 from gateway.inflight import InflightPrefixes
 from gateway.policy import Decision, KvdirPolicy, RouteRequest, make_policy
-from gateway.router import make_candidate
-from kvdir.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
-from kvdir.replay.figures import Tally, load_timeline, tokens_of_blocks
-from kvdir.replay.params import SimParams
-from kvdir.replay.trace import TraceRequest
+from gateway.prefix_hasher import PrefixHasher
+from gateway.router import Router
+from kvtools.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
+from kvtools.replay.figures import Tally, load_timeline, tokens_of_blocks
+from kvtools.replay.params import SimParams
+from kvtools.replay.trace import TraceRequest
+from kvtools.replay.views import SIM_EPOCH, SimEngine, SimHolder
 
 __all__ = ["ClusterSim"]
 
 # Event kinds, the indices of ClusterSim._handlers.
 _PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC, _NOTE = 0, 1, 2, 3, 4, 5, 6
-
-
-def pending_estimate(own: float, reported: float, own_at_report: float, age_s: float, prefill_tokens_per_s: float) -> float:
-    """An engine's prefill backlog as one of several gateways can know it: its own pending prefill now, plus the
-    others' part of what the engine last reported (``reported - own_at_report``) less what the engine can have
-    prefilled since (``age_s * prefill_tokens_per_s``). A gateway alone gets its own count (the rest is ~0).
-    The simulation's `--heartbeat-s` model only: the live gateway counts its own pending prefill (docs/replay.md)."""
-    others = reported - own_at_report - age_s * prefill_tokens_per_s
-    return own + others if others > 0 else own
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +94,14 @@ class _Node:
     busy: float = 0.0  # prefill-busy seconds
     spans: list[tuple[float, float]] = field(default_factory=list)  # prefill intervals, for the timeline
 
+    @property
+    def queued(self) -> int:
+        return len(self.waitq)
+
+    @property
+    def cached(self) -> int:
+        return len(self.cache)
+
 
 class ClusterSim:
     """One policy's run over one list of requests (sorted by arrival): `run`, then `figures`.
@@ -113,15 +114,22 @@ class ClusterSim:
         self.reqs = reqs
         self.params = p
         self.policy_name = policy_name
-        # One policy object and rng per gateway: each keeps its own state (SGLang-modeled tree, kvdir's recent
-        # work, Dynamo-modeled in-flight sequences); the directory they read is the one shared view.
+        # One gateway Router per gateway, as the live gateway builds it: its own policy state (SGLang-modeled tree,
+        # kvdir's recent work, Dynamo-modeled in-flight sequences), rng and in-flight prefixes (gateway.inflight,
+        # in simulated seconds); the directory they read is the one shared view.
         options = dict(p.policy_options.get(policy_name, {}))
         if policy_name == "dynamo":
             options.setdefault("track_finished", True)  # this simulation reports every request's end
-        self.policies = [make_policy(policy_name, p.cost_model(), **options) for g in range(p.gateways)]
-        self.rngs = [random.Random(p.seed if g == 0 else f"{p.seed}/{g}") for g in range(p.gateways)]
-        # What each gateway sent to be computed and is not published yet (gateway.inflight), in simulated seconds.
-        self.inflight = [InflightPrefixes() for _ in range(p.gateways)]
+        self.routers = [
+            Router(
+                make_policy(policy_name, p.cost_model(), **options),
+                random.Random(p.seed if g == 0 else f"{p.seed}/{g}"),
+                PrefixHasher(p.block_tokens),
+                InflightPrefixes(),
+            )
+            for g in range(p.gateways)
+        ]
+        self.policies = [r.policy for r in self.routers]
         # Dynamo's router replicas share their routing decisions and request ends (--router-replica-sync, NATS core
         # messages: the others apply them `replica_sync_s` later); the other policies see only their own.
         self.sync = policy_name == "dynamo" and p.gateways > 1
@@ -154,6 +162,24 @@ class ClusterSim:
         self.copies_n = 0  # arrivals that found anything held
         self.dup_tokens = 0  # prompt tokens computed while another node was computing the same block
         self.report_time = 0.0  # the engines' last heartbeat
+        self.now = 0.0  # the arrival being routed (the views' clock)
+        # Each gateway's view of each engine, read by its Router.
+        self.views = [
+            [
+                SimEngine(
+                    self.ids[j],
+                    nd,
+                    g,
+                    self,
+                    block_size=0,  # the trace's blocks, the gateway's size: a prompt's last, partial block is cached too
+                    block_bytes=p.block_bytes,
+                    capacity_blocks=p.capacity_blocks,
+                    prefill_tokens_per_s=p.prefill_tokens_per_s,
+                )
+                for j, nd in enumerate(self.nodes)
+            ]
+            for g in range(k)
+        ]
         self._hb_next: float | None = None  # the next heartbeat not yet scheduled
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -214,50 +240,28 @@ class ClusterSim:
 
     def _arrive(self, i: int, r: TraceRequest) -> None:
         t = r.arrival_s
-        gw = i % len(self.policies)  # a round-robin load balancer in front of the gateways
+        gw = i % len(self.routers)  # a round-robin load balancer in front of the gateways
         blocks = r.blocks
         prompt = r.input_tokens
         nodes = self.nodes
         n_nodes = len(nodes)
         ids = self.ids
         slots_of = self._slots_of
-        view, _ = leading_runs(blocks, self.directory.masks, self.full, n_nodes)
         bt = self.params.block_tokens
-        cap = self.params.capacity_blocks
+        view, _ = leading_runs(blocks, self.directory.masks, self.full, n_nodes)
         held = 0
         for nd in nodes:
             held += len(nd.cache)
         if self.holders:
             self.copies_sum += held / len(self.holders)
             self.copies_n += 1
-        inflight = self.inflight[gw]
-        computing = inflight.match(blocks, t)
-        # The gateway's rule for a candidate (gateway.router.make_candidate), on the simulated engines' state;
-        # the pending prefill is what it knows (its own and its peers' notes) plus the rest of what the engine last
-        # reported (`pending_estimate`).
-        rate = self.params.prefill_tokens_per_s
-        age = t - self.report_time
-        cands = [
-            make_candidate(
-                ids[j],
-                1,
-                reported_running=nd.running,
-                waiting=len(nd.waitq),
-                inflight=nd.inflight[gw],
-                pending_prefill_tokens=pending_estimate(
-                    nd.pending[gw] + nd.peer_pending[gw], nd.reported, nd.own_reported[gw], age, rate
-                ),
-                cached_blocks=view[j],
-                slots=slots_of(view[j]),
-                free_tokens=(cap - len(nd.cache)) * bt if len(nd.cache) < cap else 0,
-                inflight_blocks=computing.get((ids[j], 1), 0),
-            )
-            for j, nd in enumerate(nodes)
-        ]
-        riding = inflight.sharing(blocks, max(computing.values()), t) if computing else 0
-        rreq = RouteRequest(prompt, blocks, self.params.block_tokens, r.output_tokens, riding)
-        d = self.policies[gw].choose(rreq, cands, self.rngs[gw])
-        self.policies[gw].on_routed(rreq, d)
+        # The gateway's own routing step (gateway.router.Router.route) over the simulated engines (views.SimEngine).
+        router = self.routers[gw]
+        self.now = t
+        holders = {ids[j]: SimHolder(k, slots_of(k)) for j, k in enumerate(view) if k}
+        rreq = router.request(prompt, blocks, r.output_tokens)
+        d = router.route(rreq, self.views[gw], holders, now=t).decision
+        router.routed(rreq, d)
         if self.sync:
             self._share(t, gw, True, rreq, d)
         reasons = self.tally.reasons
@@ -283,14 +287,14 @@ class ClusterSim:
         f.computed_from = k
         for b in blocks[k:]:
             comp.setdefault(b, f)
-        f.inflight_key = inflight.begin(blocks, d.node_id, 1, t)
+        f.inflight_key = router.prefilling(rreq, d.node_id, SIM_EPOCH, t)
         # Blocks this request computes that another node is computing at the same time: a hot prefix recomputed.
         dup = got
         while dup < nb and any(blocks[dup] in nd.computing for j, nd in enumerate(nodes) if j != n):
             dup += 1
         if dup > got:
             self.dup_tokens += tokens_of_blocks(dup, prompt, bt) - tokens_of_blocks(got, prompt, bt)
-        cached = self.tally.count(prompt, nb, k, got, longest, d.predicted_cached_tokens, self.params.block_tokens)
+        cached = self.tally.count(prompt, nb, k, got, longest, d.predicted_cached_tokens, bt)
 
         f.uncached = prompt - cached
         node.backlog += f.uncached
@@ -426,7 +430,7 @@ class ClusterSim:
         for b in r.blocks[f.computed_from :]:
             if comp.get(b) is f:
                 del comp[b]
-        self.inflight[f.gw].end(f.inflight_key, t, ok=True)
+        self.routers[f.gw].prefilled(f.inflight_key, t, ok=True)
         self._settle(f.node, t, node.cache.store(r.blocks[f.local :]))
         self._push(t + r.output_tokens / self.params.decode_tokens_per_s, _DECODE_DONE, f)
 
@@ -501,7 +505,7 @@ class ClusterSim:
             raise AssertionError("replay bookkeeping: a cache holds more than its capacity at rest")
 
     def figures(self) -> dict[str, Any]:
-        """The run's figures (the keys are described in `kvdir.replay.sim`), without ``wall_s``."""
+        """The run's figures (the keys are described in `kvtools.replay.sim`), without ``wall_s``."""
         reqs = self.reqs
         total = len(reqs)
         tally = self.tally

@@ -29,10 +29,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvdir.bench.proc import cpu_s
-from kvdir.bench.report import emit, header, pct, say
 from kvdir.local_cluster import Cluster, free_ports
 from kvproto.hashing import block_hashes
+from kvtools.bench.proc import cpu_s
+from kvtools.bench.report import emit, header, pct, say
 
 BS = 16
 BLOCKS_PER_EVENT = 64

@@ -19,9 +19,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvdir.bench.loadgen import LoadSpec, load_in_process
-from kvdir.bench.proc import cpu_s
-from kvdir.bench.report import emit, header, pct, say
 from kvdir.local_cluster import Cluster, free_ports
 from kvdir.progress import clocked, stderr_meter
 from kvproto.client import DirectoryClient
@@ -29,6 +26,9 @@ from kvproto.errors import DirectoryUnavailable
 from kvproto.hashing import block_hashes, chain_hashes, seed_for
 from kvproto.index import BlockIndex
 from kvproto.state import DirectoryState, Publish, Register
+from kvtools.bench.loadgen import LoadSpec, load_in_process
+from kvtools.bench.proc import cpu_s
+from kvtools.bench.report import emit, header, pct, say
 
 SEED = seed_for("")
 

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import httpx
 
-from kvdir.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, History, Op, seq_hashes
+from kvtools.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, History, Op, seq_hashes
 
 CAPACITY = 4096
 

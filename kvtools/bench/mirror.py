@@ -27,13 +27,13 @@ import numpy as np
 from gateway.config import GatewaySettings
 from gateway.lookup import HolderLookup
 from gateway.mirror import Feed, Mirror
-from kvdir.bench.report import emit, header, pct, say
 from kvdir.local_cluster import Cluster, free_ports
-from kvdir.plots import LagSeries, lag_over_time, latency_cdf
 from kvdir.progress import Meter, stderr_meter
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.state import Publish
+from kvtools.bench.report import emit, header, pct, say
+from kvtools.plots import LagSeries, lag_over_time, latency_cdf
 
 BATCH = 256
 

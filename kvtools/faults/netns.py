@@ -18,7 +18,7 @@ import subprocess
 import threading
 from collections.abc import Collection, Sequence
 
-log = logging.getLogger("kvdir.faults")
+log = logging.getLogger("kvtools.faults")
 
 _NAME = re.compile(r"^kvf(\d+)n\d+$")
 

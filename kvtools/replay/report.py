@@ -1,17 +1,6 @@
-"""`kvdir replay`: run policies over a trace or a synthetic workload, print a table, write JSON and plots.
+"""`kvdir replay`'s report: run policies over a trace or a synthetic workload, print a table, write JSON and plots.
 
-Over 400 lines: the CLI's arguments, the table and the JSON of one report, which change together (the
-figures are drawn by `kvdir.plots`, with the benchmarks').
-
-Wiring into a CLI::
-
-    p = sub.add_parser("replay", help="replay a trace through the routing policies (offline simulation)")
-    add_arguments(p)
-    ...
-    return run_replay(args)
-
-or standalone: ``python -m kvdir.replay.report --synthetic multi_turn``.
-Plots need matplotlib (imported only when ``--plot`` is given).
+The flags are kvtools.replay.cli's; the figures are drawn by `kvtools.plots`, with the benchmarks'.
 """
 
 from __future__ import annotations
@@ -21,19 +10,19 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gateway.policy import POLICIES
-from kvdir.plots import replay_plots
 from kvdir.progress import clocked, stderr_meter
-from kvdir.replay import trace as tr
-from kvdir.replay.sim import SimParams, describe_params, oracle_hit_rate, pooled_lru, simulate, ttft_floor
+from kvtools.plots import replay_plots
+from kvtools.replay import trace as tr
+from kvtools.replay.sim import SimParams, describe_params, oracle_hit_rate, pooled_lru, simulate, ttft_floor
 
-__all__ = ["add_arguments", "main", "run_replay"]
+__all__ = ["run_replay"]
 
 ORDER = ["kvdir", "round_robin", "least_loaded", "sglang", "dynamo", "local_only"]
 LABELS = {  # baselines modeled after peers are labelled so (peers.md)
@@ -50,139 +39,6 @@ SYNTHETIC: dict[str, Callable[..., list[tr.TraceRequest]]] = {
     "tight_cache": tr.tight_cache,
 }
 SIZED = frozenset({"tight_cache"})  # generators sized from the simulated cluster's nodes and capacity
-_D = SimParams()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The replay flags (see the module docstring of kvdir.replay.sim for the model)."""
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--trace", metavar="PATH", help="Mooncake JSONL trace, plain or .gz (timestamp ms, input_length, output_length, hash_ids)"
-    )
-    src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="a synthetic workload with its default parameters")
-    parser.add_argument("--nodes", type=int, default=_D.nodes, help=f"engines (default {_D.nodes})")
-    parser.add_argument(
-        "--capacity-blocks",
-        type=int,
-        default=_D.capacity_blocks,
-        help=f"KV cache per node, in blocks (default {_D.capacity_blocks})",
-    )
-    parser.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=_D.block_tokens,
-        help=f"tokens per block of the trace's hash_ids, also used by --synthetic (default {_D.block_tokens})",
-    )
-    parser.add_argument("--policies", default=",".join(ORDER), help=f"comma-separated policies (default all: {','.join(ORDER)})")
-    parser.add_argument("--limit", type=int, metavar="K", help="replay only the first K requests")
-    parser.add_argument("--strict", action="store_true", help="stop at the first malformed trace line")
-    parser.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=_D.prefill_tokens_per_s,
-        help=f"prefill rate per node, one prefill at a time (default {_D.prefill_tokens_per_s:g})",
-    )
-    parser.add_argument(
-        "--decode-tokens-per-s",
-        type=float,
-        default=_D.decode_tokens_per_s,
-        help=f"decode rate per request (default {_D.decode_tokens_per_s:g})",
-    )
-    parser.add_argument(
-        "--link-gbps",
-        type=float,
-        default=_D.link_bytes_per_s / 1e9,
-        help="pull bandwidth between nodes in GB/s, gigabytes as the gateway's --link-gbps "
-        f"(default {_D.link_bytes_per_s / 1e9:g}, i.e. 100 Gb/s)",
-    )
-    parser.add_argument(
-        "--block-bytes",
-        type=int,
-        default=_D.block_bytes,
-        help=f"KV bytes of one block on a node, all TP ranks (default {_D.block_bytes}: 512 tokens "
-        "x 128 KiB, a Llama-3-8B-like model in bf16)",
-    )
-    parser.add_argument(
-        "--pull-setup-ms",
-        type=float,
-        default=_D.pull_setup_s * 1e3,
-        help=f"fixed cost of one pull (default {_D.pull_setup_s * 1e3:g})",
-    )
-    parser.add_argument(
-        "--publish-lag-ms",
-        type=float,
-        default=_D.publish_lag_s * 1e3,
-        help=f"delay before the router sees a node's stores and evictions (default {_D.publish_lag_s * 1e3:g})",
-    )
-    parser.add_argument(
-        "--max-running",
-        type=int,
-        default=_D.max_running,
-        help=f"requests an engine runs at once; the rest wait (default {_D.max_running})",
-    )
-    parser.add_argument(
-        "--evict-scan",
-        type=int,
-        default=_D.evict_scan,
-        help="eviction looks this many blocks from the cold end for one another node also holds, and evicts it first "
-        f"(0: plain LRU; default {_D.evict_scan})",
-    )
-    parser.add_argument(
-        "--displace-weight",
-        type=float,
-        default=_D.displace_weight,
-        help="kvdir's price of what storing a request evicts on a full node, as a fraction of its recompute time "
-        f"(gateway.cost; 0: ignored; default {_D.displace_weight:g})",
-    )
-    parser.add_argument(
-        "--gateways",
-        type=int,
-        default=_D.gateways,
-        help="gateway replicas behind a round-robin balancer: kvdir's share the directory, the modeled peers each "
-        f"keep their own index (Dynamo's replicas share their decisions) (default {_D.gateways})",
-    )
-    parser.add_argument(
-        "--heartbeat-s",
-        type=float,
-        default=_D.heartbeat_s,
-        help="engines report their prefill backlog this often; gateways add the others' share of it to their own "
-        f"count (0: each knows only its own) (default {_D.heartbeat_s:g})",
-    )
-    parser.add_argument(
-        "--replica-sync-ms",
-        type=float,
-        default=_D.replica_sync_s * 1e3,
-        help="with --gateways > 1: delay before a modeled Dynamo router replica learns another's routing decision or "
-        "request end (its --router-replica-sync over NATS core messaging), and before a kvdir gateway learns another's "
-        f"note (gateway.peers) (default {_D.replica_sync_s * 1e3:g})",
-    )
-    parser.add_argument(
-        "--no-share-decisions",
-        dest="share_decisions",
-        action="store_false",
-        help="with --gateways > 1: kvdir's gateways do not send each other notes of their routing decisions "
-        "(each counts only its own pending prefill: the ablation)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
-    parser.add_argument(
-        "--mode",
-        choices=["sim", "live"],
-        default="sim",
-        help="sim: the discrete-event simulation; live: send the requests through a running gateway",
-    )
-    parser.add_argument("--gateway", default="http://127.0.0.1:8100", help="--mode live: the gateway's URL (kvdir up's default)")
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="--mode live: multiply the trace's inter-arrival times (0.1: ten times faster)",
-    )
-    parser.add_argument("--max-output", type=int, default=16, help="--mode live: cap on each request's output tokens")
-    parser.add_argument(
-        "--compare-sim", action="store_true", help="--mode live: also simulate the same requests (with --policies) and show both"
-    )
-    parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object")
-    parser.add_argument("--plot", metavar="DIR", help="write PNG charts (hit rate, TTFT, per-node load) into DIR")
 
 
 def _policies(spec: str) -> list[str]:
@@ -191,28 +47,6 @@ def _policies(spec: str) -> list[str]:
     if bad or not names:
         raise ValueError(f"unknown policies {bad or spec!r}; valid: {', '.join(ORDER)}")
     return list(dict.fromkeys(names))
-
-
-def _params(args: argparse.Namespace) -> SimParams:
-    return SimParams(
-        nodes=args.nodes,
-        capacity_blocks=args.capacity_blocks,
-        block_tokens=args.trace_block_tokens,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_tokens_per_s=args.decode_tokens_per_s,
-        max_running=args.max_running,
-        block_bytes=args.block_bytes,
-        link_bytes_per_s=args.link_gbps * 1e9,
-        pull_setup_s=args.pull_setup_ms / 1e3,
-        publish_lag_s=args.publish_lag_ms / 1e3,
-        evict_scan=args.evict_scan,
-        displace_weight=args.displace_weight,
-        gateways=args.gateways,
-        heartbeat_s=args.heartbeat_s,
-        replica_sync_s=args.replica_sync_ms / 1e3,
-        share_decisions=args.share_decisions,
-        seed=args.seed,
-    )
 
 
 def simulate_all(requests: list[tr.TraceRequest], names: list[str], params: SimParams) -> dict[str, dict[str, Any]]:
@@ -283,12 +117,11 @@ def format_table(results: dict[str, dict[str, Any]], oracle_tokens: float) -> st
     return "\n".join(lines)
 
 
-def run_replay(args: argparse.Namespace) -> int:
-    """Run the replay the parsed `args` (from `add_arguments`) describe; 0 on success, 2 on bad input."""
+def run_replay(args: argparse.Namespace, params: SimParams) -> int:
+    """Run the replay the parsed `args` (kvtools.replay.cli's flags) and `params` describe; 0 on success, 2 on bad input."""
     err = sys.stderr
     try:
         names = _policies(args.policies)
-        params = _params(args)
     except ValueError as exc:
         print(f"kvdir replay: {exc}", file=err)
         return 2
@@ -372,7 +205,7 @@ def _percentiles(ttft: np.ndarray) -> dict[str, float]:
 def _run_live(
     args: argparse.Namespace, requests: list[tr.TraceRequest], names: list[str], params: SimParams, source: dict[str, str]
 ) -> int:
-    from kvdir.replay.live import live_replay
+    from kvtools.replay.live import live_replay
 
     err = sys.stderr
     try:
@@ -410,13 +243,3 @@ def _run_live(
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if not live["failed"] else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvdir replay", description="Replay a trace through the routing policies.")
-    add_arguments(parser)
-    return run_replay(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,8 +26,8 @@ from typing import Any, cast
 
 import httpx
 
-from kvdir.bench.report import emit, header, say
 from kvdir.local_cluster import Cluster, free_ports
+from kvtools.bench.report import emit, header, say
 
 STALL_S = 1.5
 

@@ -17,7 +17,7 @@ import socket
 import threading
 from collections.abc import Collection, Sequence
 
-log = logging.getLogger("kvdir.faults")
+log = logging.getLogger("kvtools.faults")
 
 
 class LinkProxy:

@@ -10,7 +10,7 @@ the measured process:
 * ``httpx_forward_us``: the same through an ``httpx.AsyncClient`` (the gateway's forward until
   2026-12-01), for comparison;
 * ``asyncio_forward_us``: the same exchange with the benches' own minimal HTTP/1.1 client on
-  asyncio streams (`kvdir.bench.loadgen.Conn`), about the least any client in Python costs;
+  asyncio streams (`kvtools.bench.loadgen.Conn`), about the least any client in Python costs;
 * ``fastapi_inbound_us``: uvicorn (uvloop, httptools) + a FastAPI route that reads the body,
   parses it and answers 200 bytes: the gateway's inbound side, minus its own work.
 
@@ -39,9 +39,9 @@ from typing import Any
 import httpcore
 import httpx
 
-from kvdir.bench.loadgen import Conn
-from kvdir.bench.proc import cpu_s
 from kvdir.local_cluster import free_ports
+from kvtools.bench.loadgen import Conn
+from kvtools.bench.proc import cpu_s
 
 PATH = "/v1/completions"
 BODY = b'{"model":"m","prompt":"' + b"a" * 64 + b'","max_tokens":1}'

@@ -41,7 +41,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvdir.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, WRITES, Fault, Op
+from kvtools.faults.history import FAIL, OK, SEQ_BLOCKS, UNKNOWN, WRITES, Fault, Op
 
 
 @dataclass(slots=True)

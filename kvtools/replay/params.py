@@ -1,6 +1,6 @@
 """The replay simulator's parameters (`SimParams`), apart so that the model's modules and the report share them.
 
-`kvdir.replay.sim` re-exports everything here; its docstring describes the
+`kvtools.replay.sim` re-exports everything here; its docstring describes the
 model these parameters drive.
 """
 

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvdir.bench.loadgen import LoadSpec, load_in_process, run_load
-from kvdir.bench.report import emit, header, pct, say
 from kvdir.local_cluster import Cluster, Workers, free_ports
 from kvdir.progress import clocked, stderr_meter
+from kvtools.bench.loadgen import LoadSpec, load_in_process, run_load
+from kvtools.bench.report import emit, header, pct, say
 from worker_stub.transfer_bench import measure_read_bandwidth
 
 

@@ -1,8 +1,8 @@
 """The replay simulator's figures: the per-request counters (`Tally`) and the per-node load timeline.
 
-Apart from the event loop (`kvdir.replay.cluster`) because they are pure
+Apart from the event loop (`kvtools.replay.cluster`) because they are pure
 arithmetic over what the loop records; the figures themselves are described
-in `kvdir.replay.sim`'s docstring.
+in `kvtools.replay.sim`'s docstring.
 """
 
 from __future__ import annotations

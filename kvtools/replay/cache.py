@@ -14,7 +14,7 @@ Bitmasks rather than per-node sets because the one question asked per request
 is "how long a leading run of these blocks does each node hold", and
 `leading_runs` answers it for all nodes in one pass over the blocks.
 
-The rules of a node's cache (the model is in `kvdir.replay.sim`'s docstring)
+The rules of a node's cache (the model is in `kvtools.replay.sim`'s docstring)
 live in `NodeCache` alone: a block is either *pinned* (in use, with a count of
 its users) or in the LRU list (held, unused, cold end first); only LRU blocks
 are evicted, so a node whose blocks are all pinned briefly holds more than its

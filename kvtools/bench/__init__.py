@@ -1,0 +1,1 @@
+"""`kvdir bench`: benchmarks that print figures (targets are judged from these, never in tests)."""

@@ -1,0 +1,139 @@
+"""`kvdir bench TARGET`: one subcommand per benchmark, each with only the flags it reads.
+
+Every target takes `--json`; the flags beyond it are declared with the target, so `kvdir bench directory --plot`
+is refused by argparse instead of being silently ignored. A target runs `main(**flags)` of its module, imported
+only when it runs (the benchmarks pull in numpy, zmq, matplotlib, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Flags = Callable[[argparse.ArgumentParser], None]
+
+
+def _quick(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+
+
+def _plot(what: str) -> Flags:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--plot", metavar="DIR", help=f"also write PNG figures into DIR ({what})")
+
+    return add
+
+
+def _minutes(what: str, default: float) -> Flags:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--minutes", type=float, default=default, help=f"{what} (default {default:g})")
+
+    return add
+
+
+def _replicas(choices: list[int], default: int, what: str) -> Flags:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--replicas", type=int, choices=choices, default=default, help=f"{what} (default {default})")
+
+    return add
+
+
+def _shards(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="directory shards (Raft groups of --replicas each); every shard cycles the faults (default 1)",
+    )
+
+
+def _engines_per_adapter(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engines-per-adapter",
+        type=int,
+        default=argparse.SUPPRESS,  # absent: the bench's own default
+        help="engines each `kvdir events` process follows (1: a process per engine; default 8)",
+    )
+
+
+@dataclass(frozen=True)
+class Target:
+    """A benchmark: its subcommand, what it measures, its flags, and the `module:function` that runs it."""
+
+    name: str
+    help: str
+    entry: str
+    flags: tuple[Flags, ...] = (_quick,)
+
+
+TARGETS = (
+    Target("directory", "hashing, lookups, memory per entry, the state machine's apply and REST", "kvtools.bench.directory:main"),
+    Target("worker", "the worker stub's pulls, publishing and its overhead", "kvtools.bench.worker:main"),
+    Target(
+        "gateway",
+        "the gateway's tokenize+hash, policy choice and added latency by path",
+        "kvtools.bench.gateway:main",
+        (_quick, _plot("latency CDFs by path")),
+    ),
+    Target(
+        "mirror",
+        "the gateway's mirror of the directory: its lag under writes and leader kills",
+        "kvtools.bench.mirror:main",
+        (_quick, _plot("lag over time and its CDF"), _minutes("how long the leader-kill phase runs", 10.0)),
+    ),
+    Target(
+        "events",
+        "engine KV events through `kvdir events` adapters into the directory",
+        "kvtools.bench.events:main",
+        (_quick, _engines_per_adapter),
+    ),
+    Target("elections", "needless Raft elections after starts, stalls and restarts", "kvtools.bench.elections:main"),
+    Target(
+        "soak",
+        "the fault harness, cycling its schedule under load",
+        "kvtools.faults.run:main",
+        (
+            _minutes("how long to cycle the fault schedule", 10.0),
+            _replicas([3, 5], 3, "directory replicas: the schedule kills replicas"),
+            _shards,
+        ),
+    ),
+    Target("attacks", "hostile clients' cost", "kvtools.bench.attacks:main"),
+    Target(
+        "vllm",
+        "TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with the kvdir connector "
+        "(needs `make vllm-install`)",
+        "kvtools.bench.vllm:main",
+        (_quick, _plot("TTFT by path and prefix size")),
+    ),
+    Target(
+        "shards",
+        "publish throughput, replica CPU per write and RSS per entry with 1, 2 and 4 directory shards",
+        "kvtools.bench.shards:main",
+        (_quick, _replicas([1, 3, 5], 3, "replicas per shard (1 fits a 2-core machine)")),
+    ),
+)
+
+
+def register(sub: Any) -> None:
+    """Add `bench` and its targets to the `kvdir` command's subparsers (the `kvdir.commands` entry point)."""
+    bench = sub.add_parser("bench", help="run a benchmark and print its figures")
+    targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")
+    for t in TARGETS:
+        p = targets.add_parser(t.name, help=t.help, description=t.help)
+        p.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object instead of a table")
+        for add in t.flags:
+            add(p)
+        p.set_defaults(run=_runner(t.entry))
+
+
+def _runner(entry: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        module, function = entry.split(":")
+        flags = {k: v for k, v in vars(args).items() if k not in ("command", "target", "run")}
+        return int(getattr(importlib.import_module(module), function)(**flags) or 0)
+
+    return run

@@ -1,0 +1,172 @@
+"""`kvdir replay`'s flags, and its entry into the `kvdir` command (the `kvdir.commands` entry point).
+
+The simulation's numeric knobs are one table (`_MODEL`): flag, SimParams field, the flag's unit and the help;
+each default is the field's own, so the CLI and SimParams cannot disagree.
+Standalone: ``python -m kvtools.replay.cli --synthetic multi_turn``. Plots need matplotlib (imported only
+when ``--plot`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtools.replay.report import ORDER, SYNTHETIC, run_replay
+from kvtools.replay.sim import SimParams
+
+_D = SimParams()
+
+# The flag's unit against its field's: "ms" for seconds as milliseconds, "G" for bytes/s as GB/s, "" for the same.
+_TO_FLAG = {"": lambda v: v, "ms": lambda v: v * 1e3, "G": lambda v: v / 1e9}
+_TO_FIELD = {"": lambda v: v, "ms": lambda v: v / 1e3, "G": lambda v: v * 1e9}
+
+# (flag, SimParams field, unit, type, help; the default is appended)
+_MODEL: tuple[tuple[str, str, str, type, str], ...] = (
+    ("--nodes", "nodes", "", int, "engines"),
+    ("--capacity-blocks", "capacity_blocks", "", int, "KV cache per node, in blocks"),
+    ("--trace-block-tokens", "block_tokens", "", int, "tokens per block of the trace's hash_ids, also used by --synthetic"),
+    ("--prefill-tokens-per-s", "prefill_tokens_per_s", "", float, "prefill rate per node, one prefill at a time"),
+    ("--decode-tokens-per-s", "decode_tokens_per_s", "", float, "decode rate per request"),
+    (
+        "--link-gbps",
+        "link_bytes_per_s",
+        "G",
+        float,
+        "pull bandwidth between nodes in GB/s, gigabytes as the gateway's --link-gbps (100 Gb/s by default)",
+    ),
+    (
+        "--block-bytes",
+        "block_bytes",
+        "",
+        int,
+        "KV bytes of one block on a node, all TP ranks (the default: 512 tokens x 128 KiB, a Llama-3-8B-like model in bf16)",
+    ),
+    ("--pull-setup-ms", "pull_setup_s", "ms", float, "fixed cost of one pull"),
+    ("--publish-lag-ms", "publish_lag_s", "ms", float, "delay before the router sees a node's stores and evictions"),
+    ("--max-running", "max_running", "", int, "requests an engine runs at once; the rest wait"),
+    (
+        "--evict-scan",
+        "evict_scan",
+        "",
+        int,
+        "eviction looks this many blocks from the cold end for one another node also holds, and evicts it first (0: plain LRU)",
+    ),
+    (
+        "--displace-weight",
+        "displace_weight",
+        "",
+        float,
+        "kvdir's price of what storing a request evicts on a full node, as a fraction of its recompute time "
+        "(gateway.cost; 0: ignored)",
+    ),
+    (
+        "--gateways",
+        "gateways",
+        "",
+        int,
+        "gateway replicas behind a round-robin balancer: kvdir's share the directory, the modeled peers each keep their "
+        "own index (Dynamo's replicas share their decisions)",
+    ),
+    (
+        "--heartbeat-s",
+        "heartbeat_s",
+        "",
+        float,
+        "engines report their prefill backlog this often; gateways add the others' share of it to their own count "
+        "(0: each knows only its own)",
+    ),
+    (
+        "--replica-sync-ms",
+        "replica_sync_s",
+        "ms",
+        float,
+        "with --gateways > 1: delay before a modeled Dynamo router replica learns another's routing decision or request "
+        "end (its --router-replica-sync over NATS core messaging), and before a kvdir gateway learns another's note "
+        "(gateway.peers)",
+    ),
+)
+
+
+def register(sub: Any) -> None:
+    """Add `replay` to the `kvdir` command's subparsers."""
+    p = sub.add_parser(
+        "replay", help="replay a trace (Mooncake JSONL or synthetic) through the routing policies: simulated or live"
+    )
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The replay's flags (kvtools.replay.sim's module docstring describes the model they set)."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--trace", metavar="PATH", help="Mooncake JSONL trace, plain or .gz (timestamp ms, input_length, output_length, hash_ids)"
+    )
+    src.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="a synthetic workload with its default parameters")
+    parser.add_argument("--policies", default=",".join(ORDER), help=f"comma-separated policies (default all: {','.join(ORDER)})")
+    parser.add_argument("--limit", type=int, metavar="K", help="replay only the first K requests")
+    parser.add_argument("--strict", action="store_true", help="stop at the first malformed trace line")
+    for flag, field, unit, kind, text in _MODEL:
+        default = kind(_TO_FLAG[unit](getattr(_D, field)))
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default:g})")
+    parser.add_argument(
+        "--no-share-decisions",
+        dest="share_decisions",
+        action="store_false",
+        help="with --gateways > 1: kvdir's gateways do not send each other notes of their routing decisions "
+        "(each counts only its own pending prefill: the ablation)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
+    _live_arguments(parser)
+    parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object")
+    parser.add_argument("--plot", metavar="DIR", help="write PNG charts (hit rate, TTFT, per-node load) into DIR")
+
+
+def _live_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mode",
+        choices=["sim", "live"],
+        default="sim",
+        help="sim: the discrete-event simulation; live: send the requests through a running gateway",
+    )
+    parser.add_argument("--gateway", default="http://127.0.0.1:8100", help="--mode live: the gateway's URL (kvdir up's default)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--mode live: multiply the trace's inter-arrival times (0.1: ten times faster)",
+    )
+    parser.add_argument("--max-output", type=int, default=16, help="--mode live: cap on each request's output tokens")
+    parser.add_argument(
+        "--compare-sim", action="store_true", help="--mode live: also simulate the same requests (with --policies) and show both"
+    )
+
+
+def sim_params(args: argparse.Namespace) -> SimParams:
+    """The SimParams the parsed flags describe (each `_MODEL` flag back in its field's unit)."""
+    fields: dict[str, Any] = {
+        field: _TO_FIELD[unit](getattr(args, flag[2:].replace("-", "_"))) for flag, field, unit, _, _ in _MODEL
+    }
+    return SimParams(**fields, share_decisions=args.share_decisions, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the replay the parsed flags describe; 2 (with the reason on stderr) when they describe no valid model."""
+    try:
+        params = sim_params(args)
+    except ValueError as exc:
+        print(f"kvdir replay: {exc}", file=sys.stderr)
+        return 2
+    return run_replay(args, params)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvdir replay", description="Replay a trace through the routing policies.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
