@@ -67,6 +67,7 @@ from pydantic import SecretStr
 
 from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
+from kvproto.rate_limit import TokenBucket
 from kvproto.schemas import Origin, parse_origin
 
 __all__ = ["NOTES_PATH", "STATUS_PATH", "Note", "NoteBatch", "PeerNotes", "routes"]
@@ -116,8 +117,7 @@ class _Sender:
     """What is known of one sender: the highest note id seen, its notes held, its rate allowance."""
 
     last_id: int
-    allowance: float
-    stamp: float  # when it last posted (the allowance was refilled up to then)
+    allowance: TokenBucket  # notes a second; its stamp is when the sender last posted
     notes: int = 0
 
 
@@ -333,13 +333,9 @@ class PeerNotes(Collector):
             if sender is None:
                 refusal = ("senders", f"this gateway hears at most {self.max_senders} peer senders at once; try again later")
             else:
-                # Refill the sender's allowance: note_rate a second, up to note_burst.
-                sender.allowance = min(self.note_burst, sender.allowance + (now - sender.stamp) * self.note_rate)
-                sender.stamp = now
-                if len(batch.notes) > sender.allowance:
+                if sender.allowance.take(now, len(batch.notes)) > 0:  # refused whole: nothing taken
                     refusal = ("rate", f"a peer may send at most {self.note_rate:g} notes a second")
                 else:
-                    sender.allowance -= len(batch.notes)
                     self._fold(batch, sender, now)
             if refusal is not None:
                 kind, why = refusal
@@ -360,13 +356,13 @@ class PeerNotes(Collector):
             return s
         if len(self._senders) >= self.max_senders:
             idle = next(
-                (k for k, v in self._senders.items() if v.notes == 0 and now - v.stamp > self.ttl_s),
+                (k for k, v in self._senders.items() if v.notes == 0 and now - v.allowance.stamp > self.ttl_s),
                 None,
             )
             if idle is None:
                 return None
             del self._senders[idle]
-        s = self._senders[name] = _Sender(last_id=-1, allowance=self.note_burst, stamp=now)
+        s = self._senders[name] = _Sender(last_id=-1, allowance=TokenBucket(self.note_rate, self.note_burst, now))
         return s
 
     def _fold(self, batch: NoteBatch, sender: _Sender, now: float) -> None:

@@ -1,10 +1,11 @@
-"""kvproto.rate_limit.TokenBuckets with the clock passed in (issue #29 item 7f)."""
+"""kvproto.rate_limit: one bucket taken n at a time (the gateway's peer notes) and buckets per key on a clock (the
+directory's linearizable lookups), with the time passed in."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvproto.rate_limit import TokenBuckets, retry_after
+from kvproto.rate_limit import TokenBucket, TokenBuckets, retry_after
 
 
 def test_buckets_allow_a_burst_then_the_rate_per_key() -> None:
@@ -25,3 +26,14 @@ def test_retry_after_is_whole_seconds_and_at_least_one() -> None:
     assert [retry_after(s) for s in (0.01, 1.0, 1.2, 4.99)] == ["1", "1", "2", "5"]
     with pytest.raises(ValueError):
         TokenBuckets(0, 1)
+
+
+def test_one_bucket_takes_a_batch_whole_or_not_at_all() -> None:
+    b = TokenBucket(rate=100.0, burst=300.0, now=0.0)
+    assert b.take(0.0, 250) == 0.0 and b.tokens == 50
+    assert b.take(0.0, 100) == pytest.approx(0.5)  # 50 short at 100/s; nothing taken
+    assert b.take(0.5, 100) == 0.0 and b.tokens == pytest.approx(0.0)
+    assert b.take(100.0, 300) == 0.0  # refilled up to the burst only
+    assert b.take(100.0, 1) > 0
+    with pytest.raises(ValueError):
+        TokenBucket(1.0, 0.5, 0.0)
