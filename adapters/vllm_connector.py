@@ -193,7 +193,7 @@ PeerInfo = tuple[str, KvLayout, str | None]
 
 class _PeerCache:
     """The directory's nodes as pull sources, refreshed in the background, so that no engine step waits on the
-    directory (issue #29): a load whose source epoch is not in the last list is recomputed at once.
+    directory: a load whose source epoch is not in the last list is recomputed at once.
 
     The list is read every `peer_refresh_s` and at once after a miss; while the directory does not answer,
     the last list stays (a source that restarted has a new epoch, so a stale entry is never its memory).

@@ -15,7 +15,7 @@ and keeps any number of connections that never identify themselves. kvdir closes
 - at most `raft_max_pending_connections` connections may be waiting to identify themselves (the
   oldest is dropped for a new one) and none for longer than the Raft connection timeout.
 
-It also makes the write path cheaper (issue #15): pysyncobj pickles with protocol 2, which writes
+It also makes the write path cheaper: pysyncobj pickles with protocol 2, which writes
 bytes and numpy data as latin-1 text (~1.5x the size, and slow to encode), once for each log entry
 and again inside every message; and it zlib-compresses every message, which for random block
 hashes costs milliseconds a message and saves little. Here both pickle with `PICKLE_PROTOCOL` (raw

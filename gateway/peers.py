@@ -26,7 +26,7 @@ gateway whose ``--http`` is off loopback does not start with peers but without
 (the gateway sends its peers the same one). On loopback without a token the
 route is open to local users, like the rest of a development cluster.
 
-Hostile or broken peers (issue #29): every peer holds the same token, so what
+Hostile or broken peers: every peer holds the same token, so what
 one sender may add is bounded here, and the bounds that matter hold whatever
 sender names are invented. A note's tokens are clamped to the longest prompt
 its engine takes (its ``max_model_len``, else ``--max-prompt-tokens``), its

@@ -96,7 +96,7 @@ def parse_origin(url: str) -> Origin:
     """`url` as an origin, `http(s)://HOST[:PORT]` with one trailing "/" allowed; ValueError for anything more or less.
 
     A node's API URL is where the gateway sends users' prompts: with a path, query, fragment or user info
-    an engine token could point the gateway at any endpoint of any host (issue #12). The directory refuses
+    an engine token could point the gateway at any endpoint of any host. The directory refuses
     such a registration and the gateway refuses to route to one, both by this one definition.
     """
     m = _ORIGIN.fullmatch(url)

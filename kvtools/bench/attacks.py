@@ -1,4 +1,4 @@
-"""`kvdir bench attacks`: what hostile clients cost a 3-replica cluster with a Raft password (issue #12).
+"""`kvdir bench attacks`: what hostile clients cost a 3-replica cluster with a Raft password.
 
 Each attack runs against real replicas on loopback while a writer publishes batches of 64 blocks to
 the leader, and reports what the writer saw (acknowledged writes, the longest stretch without one),
@@ -8,10 +8,10 @@ whether any replica's Raft term moved (an election) and what the attacked proces
   zeros, reopened whenever the replica drops them;
 - *header flood*: one request to a replica's `/healthz` with a 50 MiB header;
 - *oversized publishes*: 8 concurrent 7 MiB publishes of 250,000 blocks (the limit is 16,384);
-- *stalled watchers* (issue #29): the leader holds 5M entries (1M with ``--quick``) and 20 watch streams
+- *stalled watchers*: the leader holds 5M entries (1M with ``--quick``) and 20 watch streams
   that read their headers and then nothing; reported: the writer's view as above, the leader's memory
   growth, and how many streams it cut off as slow consumers;
-- *peer notes* (issue #29): a gateway with ``--peers`` and a peer token, in front of 2 worker stubs, is sent
+- *peer notes*: a gateway with ``--peers`` and a peer token, in front of 2 worker stubs, is sent
   one POST of 512 notes asking 1e9 tokens for 600 s on one engine, the same again (a replay), then the
   same from 200 invented senders; reported: the pending tokens and notes it holds, the statuses, its
   memory growth and how long until the notes are gone.

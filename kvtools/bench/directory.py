@@ -458,7 +458,7 @@ def main(*, as_json: bool, quick: bool) -> int:
     results.update(bench_mutation_stall(stall_entries))
     say("REST on 3 local replicas...")
     results.update(bench_rest(quick, LookupWorkload(sequences=10, queries=200, seed=5).query_seq))
-    # Issue #15's figure: committed publishes on 3 replicas against the state machine's own rate.
+    # The write path's figure: committed publishes on 3 replicas against the state machine's own rate.
     for key, apply_key in (("publish", "apply_blocks_per_s"), ("publish_batch1024", "apply_batch1024_blocks_per_s")):
         for name in (key, f"{key}_msgpack"):
             results[f"{name}_vs_apply"] = results[f"{name}_blocks_per_s"] / results[apply_key]

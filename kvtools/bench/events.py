@@ -36,7 +36,7 @@ from kvtools.bench.report import emit, header, pct, say
 
 BS = 16
 BLOCKS_PER_EVENT = 64
-# (engines, offered blocks/s over all of them): the target (issue #15), then a lighter point.
+# (engines, offered blocks/s over all of them): the target, then a lighter point.
 # 120k offered: above the 100k target, so what is ingested shows the capacity (at 100k offered the figure cannot
 # exceed the offer, and the last batch's lag pulls it just below).
 POINTS = ((16, 120_000.0), (16, 100_000.0), (4, 20_000.0))

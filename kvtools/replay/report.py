@@ -33,7 +33,7 @@ SYNTHETIC: dict[str, Callable[..., list[tr.TraceRequest]]] = {
     "multi_turn": tr.multi_turn,
     "shared_prefix": tr.shared_prefix,
     "hot_prefix": tr.hot_prefix_burst,
-    # The live burst of issue 16 (gateway.inflight): 48 requests on one uncached 6,144-token prefix within ~50 ms.
+    # A live burst on one hot prefix (gateway.inflight): 48 requests on one uncached 6,144-token prefix within ~50 ms.
     "burst": functools.partial(tr.hot_prefix_burst, 48, 6144, 1000.0, suffix_tokens=64, output_tokens=16),
     # Sessions on shared documents whose distinct blocks are 3x the aggregate cache (--nodes x --capacity-blocks).
     "tight_cache": tr.tight_cache,
