@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run lint test test-faults test-scale test-browser browser-deps test-compose test-vllm vllm-install bench clean sysdeps
+.PHONY: install run lint test test-faults test-scale test-browser browser-deps test-compose test-vllm vllm-install peers-install test-peers bench clean sysdeps
 
 install: $(STAMP)
 
@@ -100,8 +100,28 @@ $(VLLM_STAMP): pyproject.toml Makefile
 test-vllm: install $(VLLM_STAMP)
 	KVDIR_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest tests/vllm $(ARGS)
 
+# The real peers kvdir is compared with, in a venv of their own: NVIDIA Dynamo's router with its trace simulator
+# (CPU-only `dynamo.replay`; its wheels' other dependencies are for serving and are left out) for
+# `kvdir replay --peers-real`.
+PEERS_VENV  ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
+PEERS_PIP   := $(PEERS_VENV)/bin/python -m pip
+
+peers-install: $(PEERS_STAMP)
+
+$(PEERS_STAMP): Makefile
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PIP) install --quiet --upgrade pip
+	$(PEERS_PIP) install --quiet --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+	$(PEERS_PIP) install --quiet typing_extensions==4.16.0 pydantic==2.13.5
+	@touch $(PEERS_STAMP)
+
+# kvdir's simulator against Dynamo's, run by `kvdir replay --peers-real` (tests/peers).
+test-peers: install $(PEERS_STAMP)
+	$(PY) -m pytest -m peers tests/peers $(ARGS)
+
 bench: install
 	$(VENV)/bin/kvdir bench directory $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

@@ -44,6 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "faults: the fault harness's runs (tests/faults), minutes of replicas under faults: `make test-faults`"
     )
+    config.addinivalue_line(
+        "markers", "peers: the real peers in their own venv (tests/peers, `make test-peers`: Dynamo's simulator)"
+    )
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist; unset otherwise
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker.startswith("gw") and count > 1:
@@ -57,5 +60,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = item.nodeid.split("::")[0]
         if path.startswith("tests/faults/"):
             item.add_marker(pytest.mark.faults)
+        if path.startswith("tests/peers/"):
+            item.add_marker(pytest.mark.peers)
         if path in SERIAL or item.nodeid in SERIAL:
             item.add_marker(pytest.mark.serial)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from kvtools.replay.peers_real import DEFAULT_PYTHON
 from kvtools.replay.report import ORDER, SYNTHETIC, run_replay
 from kvtools.replay.sim import SimParams
 
@@ -120,6 +122,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
     _live_arguments(parser)
+    parser.add_argument(
+        "--peers-real",
+        action="store_true",
+        help="also run Dynamo's real router in Dynamo's own simulator on the same requests and cluster, and compare "
+        "hit rates (needs `make peers-install`)",
+    )
+    parser.add_argument(
+        "--peers-python",
+        type=Path,
+        default=DEFAULT_PYTHON,
+        help=f"--peers-real: the peers venv's Python (default {DEFAULT_PYTHON.relative_to(DEFAULT_PYTHON.parents[2])})",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts (hit rate, TTFT, per-node load) into DIR")
 

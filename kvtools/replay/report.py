@@ -20,6 +20,7 @@ from gateway.policy import POLICIES
 from kvdir.progress import clocked, stderr_meter
 from kvtools.plots import replay_plots
 from kvtools.replay import trace as tr
+from kvtools.replay.peers_real import PeersUnavailable, dynamo_real, format_peers
 from kvtools.replay.sim import SimParams, describe_params, oracle_hit_rate, pooled_lru, simulate, ttft_floor
 
 __all__ = ["run_replay"]
@@ -173,6 +174,14 @@ def run_replay(args: argparse.Namespace, params: SimParams) -> int:
     )
     print(format_table(results, oracle_tokens))
     print(f"simulated {len(names)} policies in {sim_s:.1f} s (load {load_s:.1f} s)")
+    real = None
+    if args.peers_real:
+        try:
+            real = dynamo_real(requests, params, args.peers_python)
+        except PeersUnavailable as exc:
+            print(f"kvdir replay: --peers-real: {exc}", file=err)
+            return 2
+        print(format_peers(real, results))
 
     if args.json:
         doc = {
@@ -181,6 +190,7 @@ def run_replay(args: argparse.Namespace, params: SimParams) -> int:
             "ttft_floor_s": floor,
             "pooled_lru": pooled,
             "policies": results,
+            **({"peers_real": {"dynamo": real}} if real is not None else {}),
             "params": params.as_dict(),
             "workload": {**source, "requests": len(requests), "malformed_lines": len(errors), "limit": args.limit},
             "runtime_s": {"load": load_s, "simulate": sim_s},

@@ -82,3 +82,9 @@ def test_a_tool_whose_own_imports_fail_is_not_hidden(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cli, "entry_points", lambda group: [broken])
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_here"):
         cli._parser()
+
+
+def test_peers_real_without_the_peers_venv_says_how_to_get_it(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--synthetic", "multi_turn", "--limit", "20", "--peers-real", "--peers-python", str(tmp_path / "none")]
+    assert cli.main(argv) == 2
+    assert "make peers-install" in capsys.readouterr().err
