@@ -1,18 +1,8 @@
 """The worker stub's paged KV pool: a stand-in for an engine's GPU block pool.
 
-Over 400 lines: slot allocation, pinning, LRU eviction and the change log that feeds publishing
-share one lock and one set of invariants.
-
-A node keeps KV blocks in `capacity_blocks` fixed-size slots per tensor-parallel
-rank. Each rank is one contiguous region of host memory (a numpy uint8 array),
-so a transfer engine can register it once and a peer can read slot `s` of rank
-`r` at `regions[r].base_addr + s * block_bytes` (docs/protocol.md §2). Slots are
-mirrored: slot `s` holds the same block on every rank, so a directory entry is
-just `(hash -> node, slot)`.
-
-Block content is a pure function of `(block hash, rank)` (`expected`), so a node
-that pulled bytes from a peer can check them without trusting the peer, and a
-test can tell a mis-addressed read from a good one.
+Its memory (one region per tensor-parallel rank, mirrored slots) and the content
+function that makes blocks checkable are `worker_stub.slot_memory`'s; which block
+each slot holds, and for whom, is this module's.
 
 Lifecycle of a request's blocks::
 
@@ -36,26 +26,18 @@ Not thread-safe: the worker drives it from one asyncio loop, and no method await
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import xxhash
+from worker_stub.change_log import ChangeLog
+from worker_stub.slot_memory import Region, SlotMemory
+
+__all__ = ["DEFAULT_BLOCK_BYTES", "DEFAULT_COPY_SCAN", "KVPool", "Lease", "PoolFull", "Region"]
+
 
 DEFAULT_BLOCK_BYTES = 16384
 DEFAULT_COPY_SCAN = 64  # eviction looks this far from the cold end for a block a peer has read
-
-_xxh3 = xxhash.xxh3_64_intdigest
-_hash_rank = struct.Struct("<QQ")
-_U64 = np.dtype("<u8")
-# SplitMix64 constants: a fixed, numpy-version-independent generator, so that two
-# nodes running different numpy releases still agree on a block's bytes.
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 class PoolFull(RuntimeError):
@@ -66,16 +48,6 @@ class PoolFull(RuntimeError):
         self.needed = needed
         self.available = available
         self.capacity = capacity
-
-
-@dataclass(frozen=True)
-class Region:
-    """One rank's KV memory, as registered with a transfer engine and the directory."""
-
-    rank: int
-    base_addr: int
-    length: int
-    block_bytes: int
 
 
 @dataclass(eq=False)
@@ -100,7 +72,7 @@ class Lease:
     released: bool = False
 
 
-class KVPool:
+class KVPool(SlotMemory):
     """Fixed-capacity, LRU-evicting, refcounted block pool with mirrored TP ranks.
 
     Invariants: a slot is free, reserved by a lease (content not yet valid), or
@@ -114,25 +86,8 @@ class KVPool:
     ) -> None:
         if copy_scan < 0:
             raise ValueError(f"copy_scan must be >= 0, got {copy_scan}")
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        if block_bytes < 1:
-            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
-        if tp < 1:
-            raise ValueError(f"tp must be >= 1, got {tp}")
-        self.capacity_blocks = capacity_blocks
-        self.block_bytes = block_bytes
-        self.tp = tp
+        super().__init__(capacity_blocks, block_bytes, tp)
         self.copy_scan = copy_scan
-        # Touch every page now, as an engine's preallocated KV memory is: np.zeros alone maps
-        # pages lazily, and a pull into untouched memory would pay a page fault per 4 KiB.
-        self._bufs = [np.empty(capacity_blocks * block_bytes, dtype=np.uint8) for _ in range(tp)]
-        for b in self._bufs:
-            b.fill(0)
-        self._views = [b.reshape(capacity_blocks, block_bytes) for b in self._bufs]
-        self.regions: list[Region] = [
-            Region(rank=r, base_addr=b.ctypes.data, length=b.nbytes, block_bytes=block_bytes) for r, b in enumerate(self._bufs)
-        ]
         self._slot_of: dict[int, int] = {}  # the local prefix index: cached hash -> slot
         self._hash_at: list[int | None] = [None] * capacity_blocks  # cached or reserved hash per slot
         self._ref: list[int] = [0] * capacity_blocks  # lease holds + pins
@@ -140,8 +95,7 @@ class KVPool:
         self._lru: OrderedDict[int, int] = OrderedDict()  # evictable (cached, refcount 0): hash -> slot, LRU first
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() hands out low slots first
         self._copied: set[int] = set()  # cached hashes a peer has read: a copy exists elsewhere
-        # hash -> slot it was published at (None: absent) when first touched since the last drain
-        self._dirty: OrderedDict[int, int | None] = OrderedDict()
+        self._changes = ChangeLog()
         self.stats: dict[str, int] = {
             "acquires": 0,
             "hits": 0,  # blocks of a cached prefix found by acquire
@@ -153,52 +107,6 @@ class KVPool:
             "copy_evictions": 0,  # evictions of a block a peer had read, ahead of colder ones
             "pool_full": 0,
         }
-
-    # -- memory --------------------------------------------------------------------
-
-    def buffer(self, rank: int) -> np.ndarray:
-        """The rank's whole region (a view: writes land in the pool)."""
-        return self._bufs[self._rank(rank)]
-
-    def slot_addr(self, rank: int, slot: int) -> int:
-        """Address of `slot` on `rank`: what a peer reads or writes over the transfer engine."""
-        return self.regions[self._rank(rank)].base_addr + self._slot(slot) * self.block_bytes
-
-    def slot_view(self, rank: int, slot: int) -> np.ndarray:
-        """The bytes of one slot on one rank (a view)."""
-        view: np.ndarray = self._views[self._rank(rank)][self._slot(slot)]
-        return view
-
-    # -- content -------------------------------------------------------------------
-
-    def expected(self, hash: int, rank: int) -> np.ndarray:
-        """The content function: SplitMix64 stream seeded by XXH3(le64(hash) || le64(rank)).
-
-        Vectorised (about 10 µs for 16 KiB) and computed afresh each time, so
-        verification costs no memory and cannot be fooled by a stale cache.
-        """
-        seed = np.uint64(_xxh3(_hash_rank.pack(hash, rank)))
-        n_words = -(-self.block_bytes // 8)
-        z = np.arange(1, n_words + 1, dtype=np.uint64)
-        z *= _GOLDEN
-        z += seed
-        z ^= z >> _S30
-        z *= _MIX1
-        z ^= z >> _S27
-        z *= _MIX2
-        z ^= z >> _S31
-        return z.astype(_U64, copy=False).view(np.uint8)[: self.block_bytes]
-
-    def fill(self, hash: int, slot: int) -> None:
-        """Write `hash`'s content into `slot` on every rank: the stub's "prefill" of a block."""
-        slot = self._slot(slot)
-        for rank, view in enumerate(self._views):
-            view[slot] = self.expected(hash, rank)
-
-    def verify(self, hash: int, slot: int) -> bool:
-        """Whether `slot` holds exactly `hash`'s content on every rank (e.g. after a pull)."""
-        slot = self._slot(slot)
-        return all(np.array_equal(view[slot], self.expected(hash, rank)) for rank, view in enumerate(self._views))
 
     # -- the prefix index ----------------------------------------------------------
 
@@ -387,39 +295,11 @@ class KVPool:
     # -- events --------------------------------------------------------------------
 
     def drain_events(self) -> tuple[list[tuple[int, int]], list[int]]:
-        """(stored (hash, slot), removed hashes) since the last call, for publishing to the directory.
-
-        Coalesced per hash to its net change, ordered by each hash's last event:
-        a hash is in at most one list, so the two may be published in either
-        order or concurrently. (Uncoalesced, evict-then-store-again and
-        store-then-evict would need the exact interleaving to be replayed.) A
-        block stored and evicted between two drains, or re-cached in the slot
-        it was published at, yields nothing.
-        """
-        stored: list[tuple[int, int]] = []
-        removed: list[int] = []
-        for h, before in self._dirty.items():
-            now = self._slot_of.get(h)
-            if now == before:
-                continue
-            if now is None:
-                removed.append(h)
-            else:
-                stored.append((h, now))
-        self._dirty.clear()
-        return stored, removed
+        """(stored (hash, slot), removed hashes) since the last call, for publishing to the directory: each
+        hash's net change (`worker_stub.change_log`), a hash in at most one list."""
+        return self._changes.drain(self._slot_of)
 
     # -- internals -----------------------------------------------------------------
-
-    def _rank(self, rank: int) -> int:
-        if not 0 <= rank < self.tp:
-            raise IndexError(f"rank {rank} out of range 0..{self.tp - 1}")
-        return rank
-
-    def _slot(self, slot: int) -> int:
-        if not 0 <= slot < self.capacity_blocks:
-            raise IndexError(f"slot {slot} out of range 0..{self.capacity_blocks - 1}")
-        return slot
 
     def _check_lease(self, lease: Lease) -> None:
         if lease._pool is not self:
@@ -429,8 +309,7 @@ class KVPool:
 
     def _touch_event(self, h: int) -> None:
         """Note a change of `h` for drain_events, keeping what was true at the last drain."""
-        before = self._dirty.pop(h, self._slot_of.get(h))
-        self._dirty[h] = before
+        self._changes.touch(h, self._slot_of.get(h))
 
     def _incref(self, s: int, h: int | None) -> None:
         if self._ref[s] == 0:
