@@ -2,7 +2,7 @@
 
 Run by the peers venv's Python (`make peers-install`), not kvdir's: it imports only Dynamo and the standard
 library, so it is a script by path, never imported by kvdir. Arguments: one JSON object (trace, workers,
-capacity_blocks, block_tokens, modes); output: one JSON object per mode name.
+capacity_blocks, block_tokens, speedup_ratio, decode_speedup_ratio, modes); output: one JSON object per mode name.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ def main(argv: list[str]) -> int:
             num_workers=spec["workers"],
             router_mode=mode,
             trace_block_size=spec["block_tokens"],
-            extra_engine_args={"engine": {"block_size": spec["block_tokens"], "num_gpu_blocks": spec["capacity_blocks"]}},
+            extra_engine_args={
+                "engine": {
+                    "block_size": spec["block_tokens"],
+                    "num_gpu_blocks": spec["capacity_blocks"],
+                    "speedup_ratio": spec["speedup_ratio"],
+                    "decode_speedup_ratio": spec["decode_speedup_ratio"],
+                }
+            },
         )
         summary = report.summary
         out[mode] = {k: summary.get(k) for k in KEPT} | {"wall_s": time.perf_counter() - t0}

@@ -2,8 +2,10 @@
 
 `kvdir replay --peers-real` runs `dynamo.replay` (kvtools/replay/dynamo_runner.py) in the peers venv
 (`make peers-install`) on the same requests, worker count, KV capacity and block size, and reports its
-prefix-cache reuse beside every kvdir policy's hit rate. The two simulators' timing models differ (Dynamo's
-mocker prices prefill and decode its own way), so their TTFTs are printed but not compared: hit rates are.
+prefix-cache reuse beside every kvdir policy's hit rate. Engine speed changes what a load-aware router
+chooses, so Dynamo's mocker is slowed or sped up to the simulated engines' prefill and decode rates
+(`speedups`). The timing models still differ (the mocker batches prefills and decodes as vLLM does; kvdir's
+engine runs one prefill at a time), so TTFTs are printed, not compared: hit rates are.
 Dynamo's `prefix_cache_reused_ratio` and kvdir's hit rate are the same quantity: prompt tokens served from
 cache over prompt tokens.
 """
@@ -24,6 +26,17 @@ from kvtools.replay.trace import TraceRequest
 RUNNER = Path(__file__).with_name("dynamo_runner.py")
 DEFAULT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"
 MODES = ("kv_router", "round_robin")  # Dynamo's KV-aware router, and its round robin as the two models' anchor
+# Dynamo 1.6.1's mocker at speedup_ratio 1, one request at a time (BENCHMARKS.md, "Dynamo's mocker"): prefill
+# (8,192- and 32,768-token prompts) and decode (one sequence) rates.
+MOCKER_PREFILL_TOKENS_PER_S = 48_400.0
+MOCKER_DECODE_TOKENS_PER_S = 173.0
+
+
+def speedups(params: SimParams) -> tuple[float, float]:
+    """Dynamo's (speedup_ratio, decode_speedup_ratio) that give its mocker the simulated engines' prefill and
+    decode rates (its decode runs at speedup_ratio * decode_speedup_ratio)."""
+    speedup = params.prefill_tokens_per_s / MOCKER_PREFILL_TOKENS_PER_S
+    return speedup, params.decode_tokens_per_s / MOCKER_DECODE_TOKENS_PER_S / speedup
 
 
 class PeersUnavailable(RuntimeError):
@@ -53,8 +66,11 @@ def dynamo_real(
     with tempfile.TemporaryDirectory(prefix="kvdir-peers-") as tmp:
         trace = Path(tmp) / "trace.jsonl"
         write_mooncake(requests, trace)
+        speedup, decode_speedup = speedups(params)
         spec = {
             "trace": str(trace),
+            "speedup_ratio": speedup,
+            "decode_speedup_ratio": decode_speedup,
             "workers": params.nodes,
             "capacity_blocks": params.capacity_blocks,
             "block_tokens": params.block_tokens,

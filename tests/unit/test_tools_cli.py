@@ -88,3 +88,12 @@ def test_peers_real_without_the_peers_venv_says_how_to_get_it(tmp_path: Any, cap
     argv = ["replay", "--synthetic", "multi_turn", "--limit", "20", "--peers-real", "--peers-python", str(tmp_path / "none")]
     assert cli.main(argv) == 2
     assert "make peers-install" in capsys.readouterr().err
+
+
+def test_dynamos_mocker_is_given_the_simulated_engines_speeds() -> None:
+    from kvtools.replay.peers_real import MOCKER_DECODE_TOKENS_PER_S, MOCKER_PREFILL_TOKENS_PER_S, speedups
+
+    p = SimParams(prefill_tokens_per_s=24_200.0, decode_tokens_per_s=346.0)
+    speedup, decode_speedup = speedups(p)
+    assert speedup * MOCKER_PREFILL_TOKENS_PER_S == pytest.approx(24_200.0)
+    assert speedup * decode_speedup * MOCKER_DECODE_TOKENS_PER_S == pytest.approx(346.0)  # its decode: their product
