@@ -1,0 +1,75 @@
+"""The worker's Prometheus metrics, in a registry of their own (served at `/metrics`).
+
+The publisher is built after these metrics (its `on_published` callback is theirs), so its gauges
+are registered here and bound to it by `watch_publisher` once it exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from worker_stub.publisher import Publisher
+from worker_stub.stub_engine import Engine, RequestStats
+
+_ENGINE_COUNTERS = (
+    ("pulled_blocks", "Blocks pulled from peers and verified"),
+    ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
+    ("pull_errors", "Pulls that failed as a whole"),
+    ("pull_refused", "Pull plans refused: the source's KV fingerprint is not this engine's (recomputed)"),
+    ("pool_full", "Requests served uncached because every slot was pinned"),
+)
+
+
+class WorkerMetrics:
+    """Request counters and histograms, plus gauges read from the engine, its pool and the publisher at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
+        self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter("kvdir_worker_cached_tokens_total", "Prompt tokens not recomputed", ["source"], registry=r)
+        self.ttft = Histogram(
+            "kvdir_worker_time_to_first_token_seconds",
+            "Queue + pull + prefill time",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.publish_lag = Histogram(
+            "kvdir_worker_publish_lag_seconds",
+            "From a block's prefill to its publish being committed",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=r,
+        )
+        self.published = Counter("kvdir_worker_published_blocks_total", "Blocks published to the directory", registry=r)
+        self._engine_gauges(engine)
+        self._publish_pending = Gauge("kvdir_worker_publish_pending", "Changes not yet published", registry=r)
+        self._epoch = Gauge("kvdir_worker_epoch", "Current directory epoch", registry=r)
+
+    def _engine_gauges(self, engine: Engine) -> None:
+        r, c, pool = self.registry, engine.counters, engine.pool
+        for key, help_text in _ENGINE_COUNTERS:
+            Gauge(f"kvdir_worker_{key}_total", help_text, registry=r).set_function(cast(Callable[[], float], lambda k=key: c[k]))
+        Gauge("kvdir_worker_running", "Requests running", registry=r).set_function(lambda: engine.running)
+        Gauge("kvdir_worker_waiting", "Requests queued", registry=r).set_function(lambda: engine.waiting)
+        Gauge("kvdir_worker_free_slots", "Free KV slots", registry=r).set_function(lambda: pool.free_slots)
+        Gauge("kvdir_worker_cached_blocks", "Blocks cached", registry=r).set_function(lambda: pool.cached_blocks)
+        Gauge("kvdir_worker_evictions_total", "Blocks evicted (LRU)", registry=r).set_function(lambda: pool.stats["evictions"])
+
+    def watch_publisher(self, publisher: Publisher) -> None:
+        """Read the publisher's backlog and epoch at scrape time."""
+        self._publish_pending.set_function(lambda: publisher.pending)
+        self._epoch.set_function(lambda: publisher.epoch or 0)
+
+    def on_published(self, n: int, lag: float) -> None:
+        self.published.inc(n)
+        self.publish_lag.observe(lag)
+
+    def on_first_token(self, stats: RequestStats, ttft: float) -> None:
+        """Count a request's prompt once its prefill is done: what was cached is known by then."""
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.labels("local").inc(stats.local_cached_tokens)
+        self.cached_tokens.labels("pulled").inc(stats.pulled_tokens)
