@@ -78,10 +78,15 @@ class WorkerRuntime:
         )
 
     async def aclose(self) -> None:
-        """The publisher first: it deregisters through the directory client, which closes next."""
-        await self.publisher.stop()
-        await self.directory.aclose()
-        self.transfer.close()
+        """The publisher first: it deregisters through the directory client, which closes next; each closes
+        even when the one before it failed (the transfer engine's listener and memory are always released)."""
+        try:
+            await self.publisher.stop()
+        finally:
+            try:
+                await self.directory.aclose()
+            finally:
+                self.transfer.close()
 
     async def generate(
         self, endpoint: str, tokens: list[int], max_tokens: int, plan: PullPlan | None, kv: KvIdentity
