@@ -7,7 +7,9 @@ request, `Proxy.complete`:
    `lookup_timeout_s` is answered by the stale mirror while it is at most
    `mirror_stale_lag_s` behind, else routed by load (`fallback`): a request
    never fails because the directory is down;
-2. routes it and sends the body (with the pull plan, if any) upstream; a
+2. routes it and sends the client's body upstream, re-serialized as compact
+   UTF-8 JSON with the router's pull plan added, if any (the gateway has
+   already dropped any plan the client sent: gateway.client_request); a
    connection refused before any byte was received marks the engine unhealthy
    and is retried on the next best, until no engine is left (503); an engine
    that fails after that is answered with a 502 (it may have run the request,
@@ -18,8 +20,8 @@ request, `Proxy.complete`:
 The forward goes through httpcore's connection pool, the transport under
 httpx, rather than an `httpx.AsyncClient`: the proxy needs none of what httpx
 adds on top (request and response models, cookies, redirects, auth), and those
-cost 200-250 of its ~600 µs of CPU per request (BENCHMARKS.md, "The forward
-on httpcore").
+would be a large share of its CPU per request (BENCHMARKS.md, "The forward on
+httpcore").
 
 What the gateway adds to an engine's reported load is counted by one
 `InflightTicket` per request, from just before the request is sent until the
@@ -178,6 +180,7 @@ class Proxy:
 
     def __init__(
         self,
+        *,
         router: Router,
         registry: EngineRegistry,
         directory: DirectoryClient,
@@ -291,27 +294,11 @@ class Proxy:
                 raise GatewayError(503, str(exc), "service_unavailable", "no_engine") from exc
             engine = self.registry.engines[route.decision.node_id]
             body = _json(route.upstream_body(raw))
-            key = self.router.prefilling(req, engine.node_id, engine.epoch, time.monotonic())
-            note = self.peers.routed(engine.node_id, engine.epoch, route.uncached_tokens) if self.peers else -1
-
-            def prefilled(ok: bool, key: int = key, note: int = note) -> None:
-                self.router.prefilled(key, time.monotonic(), ok=ok)
-                if self.peers is not None:
-                    self.peers.prefilled(note)
-
-            ticket = InflightTicket(engine, route.uncached_tokens, prefilled)
+            ticket = self._ticket(req, engine, route.uncached_tokens)
             self.metrics.route_seconds.observe(time.perf_counter() - timing.start)
             self.metrics.added_seconds.observe(time.perf_counter() - timing.arrival - timing.tokenize_s - timing.hash_s)
             try:
-                url, host = _target(engine.origin, path)
-                request = httpcore.Request(
-                    b"POST",
-                    url,
-                    headers=[(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
-                    content=body,
-                    extensions={"timeout": self._timeout},
-                )
-                upstream = await self.upstream.handle_async_request(request)
+                upstream = await self._post(engine, path, body)
             except _CONNECT_FAILED as exc:
                 ticket.close()
                 self.registry.mark_unhealthy(engine.node_id)
@@ -326,6 +313,30 @@ class Proxy:
                 ticket.close()
                 raise
             return route, engine, upstream, ticket
+
+    def _ticket(self, req: RouteRequest, engine: EngineState, uncached: int) -> InflightTicket:
+        """The request's ticket on `engine`, its prefill announced to the router and the peers, who hear when it ends."""
+        key = self.router.prefilling(req, engine.node_id, engine.epoch, time.monotonic())
+        note = self.peers.routed(engine.node_id, engine.epoch, uncached) if self.peers else -1
+
+        def prefilled(ok: bool) -> None:
+            self.router.prefilled(key, time.monotonic(), ok=ok)
+            if self.peers is not None:
+                self.peers.prefilled(note)
+
+        return InflightTicket(engine, uncached, prefilled)
+
+    async def _post(self, engine: EngineState, path: str, body: bytes) -> httpcore.Response:
+        """POST `body` (JSON) to `path` on `engine`: the response once its headers are in, its body still to read."""
+        url, host = _target(engine.origin, path)
+        request = httpcore.Request(
+            b"POST",
+            url,
+            headers=[(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+            content=body,
+            extensions={"timeout": self._timeout},
+        )
+        return await self.upstream.handle_async_request(request)
 
     def _failed(self, engine: EngineState, exc: Exception) -> GatewayError:
         """The 502 for an engine that failed after the request was sent (it may have run: not retried elsewhere)."""
