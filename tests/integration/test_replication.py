@@ -16,10 +16,10 @@ import httpx
 import numpy as np
 
 from directory.config import DirectorySettings
-from kvtools.bench.elections import publish_until
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryUnavailable
 from kvproto.hashing import chain_hashes, seed_for
+from kvtools.bench.elections import publish_until
 from tests.support.cluster import digests, leader_index
 from tests.support.wait import wait_for
 

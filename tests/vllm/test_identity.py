@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from kvdir.local_cluster import Cluster, Gateway, free_ports
-from kvtools.vllm_launcher import make_tiny_model
 from kvproto.hashing import KvIdentity, identity_hashes
+from kvtools.vllm_launcher import make_tiny_model
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, Engine, vllm_venv
 
