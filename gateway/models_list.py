@@ -35,7 +35,8 @@ def merge_models(lists: Iterable[list[Model]]) -> list[Model]:
 class ModelsList:
     """The merged /v1/models of the registry's healthy engines, fetched when older than `ttl_s`.
 
-    An engine that does not answer, or not with JSON, lists nothing this time.
+    An engine that does not answer, or not with an OpenAI model list (an object whose `data` is a list),
+    lists nothing this time; entries of its list that are not objects are skipped.
     """
 
     def __init__(self, registry: EngineRegistry, http: httpx.AsyncClient, ttl_s: float = MODELS_TTL_S) -> None:
@@ -55,9 +56,8 @@ class ModelsList:
 
     async def _listed(self, engine: EngineState) -> list[Model]:
         try:
-            data: list[Model] = (
-                (await self.http.get(engine.origin.url("/v1/models"), timeout=MODELS_TIMEOUT_S)).json().get("data", [])
-            )
-            return data
+            body = (await self.http.get(engine.origin.url("/v1/models"), timeout=MODELS_TIMEOUT_S)).json()
         except (httpx.HTTPError, ValueError):
             return []
+        data = body.get("data") if isinstance(body, dict) else None
+        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []

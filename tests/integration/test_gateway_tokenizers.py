@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TypeVar
 
 import httpx
@@ -142,3 +143,36 @@ def test_the_models_list_is_the_union_of_the_healthy_engines_kept_for_its_ttl(st
     first, cached, fresh = _with_registry([dead, stubs[0], stubs[1]], body)
     assert first == cached == ["m", "lora"]  # "m" once, from the first engine that lists it
     assert fresh == ["m"]
+
+
+@pytest.mark.parametrize(
+    ("listing", "ids"),
+    [(b"[1, 2]", []), (b'{"data": "x"}', []), (b'{"data": [1, {"id": "ok"}, "y"]}', ["ok"]), (b"not json", [])],
+)
+def test_a_malformed_model_listing_lists_nothing_of_it(listing: bytes, ids: list[str]) -> None:
+    """An engine's listing is outside input: whatever it sends, /v1/models answers (never a 500)."""
+
+    class Listing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(listing)))
+            self.end_headers()
+            self.wfile.write(listing)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_ports(1)[0]), Listing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+
+        async def body(registry: EngineRegistry, http: httpx.AsyncClient) -> list[str | None]:
+            return [m.get("id") for m in await ModelsList(registry, http).data()]
+
+        assert _with_registry([f"http://127.0.0.1:{server.server_port}"], body) == ids
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
