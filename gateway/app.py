@@ -82,7 +82,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = await GatewayRuntime.start(settings, router, policy, local)
         app.state.runtime = rt
-        app.state.peers = rt.peers  # where gateway.peers' routes read it
         try:
             yield
         finally:
@@ -91,7 +90,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
     add_offline_docs(app)
     if settings.peer_urls:  # the notes route exists only on a gateway with peers (gateway.peers)
-        app.include_router(peer_routes())
+        app.include_router(peer_routes(lambda request: runtime(request).peers))
     _add_error_handling(app, settings.max_body_bytes)
     _add_routes(app)
     return app

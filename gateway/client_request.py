@@ -72,4 +72,5 @@ def kv_request(registry: EngineRegistry, namespace: str, raw: dict[str, Any], bo
         adapter=body.model if base is not None else "",
         cache_salt=body.cache_salt or "",
     )
-    return KvRequest(body.model, identity, unhashable(raw, body.messages if isinstance(body, ChatRequest) else None))
+    messages = body.messages if isinstance(body, ChatRequest) else None
+    return KvRequest(body.model, identity, unhashable(raw, messages), body.completion_tokens())

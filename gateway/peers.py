@@ -500,14 +500,14 @@ class PeerNotes(Collector):
             self._http = None
 
 
-def routes() -> APIRouter:
-    """``POST /v1/peers/notes`` (a peer's batch; 204) and ``GET /v1/peers`` (this gateway's view), on
-    ``app.state.peers``."""
+def routes(peers_of: Callable[[Request], PeerNotes]) -> APIRouter:
+    """``POST /v1/peers/notes`` (a peer's batch; 204) and ``GET /v1/peers`` (this gateway's view), on the
+    `PeerNotes` that `peers_of` finds for a request (the running gateway's)."""
     api = APIRouter()
 
     @api.post(NOTES_PATH, status_code=204, include_in_schema=False)
     async def notes(request: Request) -> Response:
-        peers: PeerNotes = request.app.state.peers
+        peers = peers_of(request)
         if peers.token is not None:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {peers.token.get_secret_value()}".encode()):
@@ -523,7 +523,7 @@ def routes() -> APIRouter:
 
     @api.get(STATUS_PATH)
     async def status(request: Request) -> JSONResponse:
-        peers: PeerNotes = request.app.state.peers
+        peers = peers_of(request)
         return JSONResponse(peers.status())
 
     return api

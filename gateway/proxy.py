@@ -110,11 +110,13 @@ class InflightTicket:
 @dataclass(frozen=True, slots=True)
 class KvRequest:
     """What routing needs of a request besides its tokens: its model, its KV identity (docs/protocol.md §1.1),
-    and why its prompt cannot be hashed as the engine hashes it (None: it can)."""
+    why its prompt cannot be hashed as the engine hashes it (None: it can), and the tokens it may generate
+    (`max_completion_tokens` or `max_tokens`, which price its decode; None: the router's default)."""
 
     model: str
     identity: KvIdentity
     unhashed: str | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +240,7 @@ class Proxy:
         timing = Timing(arrival, tokenize_s, t0, time.perf_counter() - t0)
         holders, lookup_failure = await self.lookup(hashes)
         self.router.learn_block_bytes(self.registry.engines.values())
-        req = self.router.request(len(tokens), hashes, raw.get("max_tokens"))
+        req = self.router.request(len(tokens), hashes, kv.max_tokens)
         route, engine, upstream, ticket = await self._send(path, raw, req, kv, holders, lookup_failure, timing)
 
         decision = route.decision

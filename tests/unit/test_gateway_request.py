@@ -145,3 +145,23 @@ def test_an_engines_other_refusals_are_its_text_and_its_5xx_a_502() -> None:
     assert (err.status, err.message, err.code, err.param) == (422, "the engine could not tokenize: no", None, None)
     err = engine_error(httpx.Response(400, json=["not", "an", "object"]))
     assert err.status == 400 and err.message == 'the engine could not tokenize: ["not","an","object"]'
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "max_tokens"),
+    [
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}', ChatRequest, 500),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7, "max_tokens": 9}',
+            ChatRequest,
+            7,
+        ),
+        (b'{"model": "m", "prompt": "x", "max_tokens": 300}', CompletionRequest, 300),
+        (b'{"model": "m", "prompt": "x"}', CompletionRequest, 16),  # OpenAI's default for completions
+    ],
+)
+def test_the_decode_the_router_prices_is_what_the_request_may_generate(
+    registry: EngineRegistry, body: bytes, kind: type[CompletionRequest] | type[ChatRequest], max_tokens: int
+) -> None:
+    _, parsed = parse_request(body, kind)
+    assert kv_request(registry, "ns", {}, parsed).max_tokens == max_tokens
