@@ -47,8 +47,9 @@ really read: blocks ``[local, min(plan, source's real run))``; blocks the
 source no longer holds are recomputed.
 
 Directory: a node's newly stored blocks (at its prefill end) and its evictions
-become visible to the router ``publish_lag_s`` later, in order. The router's
-`Candidate` for a node is built as gateway/app.py builds it: ``cached_blocks``
+become visible to the router ``publish_lag_s`` later, in order. Each arrival is
+routed by the gateway's own `gateway.router.Router` over views of the simulated
+engines (kvtools.replay.views), so its `Candidate` for a node is the gateway's: ``cached_blocks``
 = the leading run of the request's blocks the directory (lagged) lists for the
 node, ``slots`` = the block indices (dummies), ``inflight`` = requests the
 gateway sent there and not finished, ``running = max(0, engine running -
