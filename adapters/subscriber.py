@@ -7,7 +7,7 @@ below: shared directory client, event loop and metrics). Each
 
 * receives the engine's ZMQ event stream and puts it in order, with replay
   after gaps, resyncs and restarts (`adapters.engine_stream`);
-* turns events into our block hashes (`adapters.kv_events.HashMapper`);
+* turns events into our block hashes (`adapters.hash_mapper.HashMapper`);
 * registers the engine as a node, heartbeats for it while the engine's
   ``GET /health`` answers, and sends the net change in batched rounds
   (`adapters.node_feed`).
@@ -27,13 +27,13 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, start_http_server
 
 from adapters.config import EventsSettings
-from adapters.engine_stream import DRAIN, EventsSubscriber, SubscriberStats, all_or_none
-from adapters.node_feed import SLOT, lag_histogram
+from adapters.engine_stream import EventsSubscriber, all_or_none
+from adapters.node_feed import lag_histogram
 from adapters.subscriber_metrics import SubscriberCollector
 from kvproto.addresses import parse_hostport
 from kvproto.client import DirectoryClient
 
-__all__ = ["DRAIN", "SLOT", "Adapter", "EventsSubscriber", "StartError", "SubscriberStats", "run_subscriber", "serve"]
+__all__ = ["Adapter", "StartError", "run_subscriber", "serve"]
 
 log = logging.getLogger("kvdir.events")
 

@@ -2,7 +2,7 @@
 
 Each policy is in a module of its own; their inputs, `Decision` and kvdir's
 TTFT model are in gateway.cost, what they share beyond it in
-gateway.policy_base, and every one of these names is importable from here.
+gateway.policy_base.
 
 The same code drives the HTTP gateway (through gateway.router) and the offline
 trace-replay simulator, so nothing here does I/O, reads a clock or uses global
@@ -45,49 +45,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from gateway.baseline_policies import LeastLoadedPolicy, LocalOnlyPolicy, RoundRobinPolicy
-from gateway.cost import (
-    REASONS,
-    Candidate,
-    CostModel,
-    Decision,
-    RouteRequest,
-    TTFTBreakdown,
-    estimate_ttft,
-    evaluate,
-    pull_seconds,
-    queue_seconds,
-    slot_interval_seconds,
-    ttft_breakdown,
-)
+from gateway.cost import Candidate, CostModel, Decision, RouteRequest
 from gateway.dynamo_policy import DynamoPolicy
 from gateway.kvdir_policy import KvdirPolicy
-from gateway.policy_base import TIE_EPSILON
 from gateway.sglang_policy import SGLangPolicy
 
-__all__ = [
-    "POLICIES",
-    "REASONS",
-    "TIE_EPSILON",
-    "Candidate",
-    "CostModel",
-    "Decision",
-    "DynamoPolicy",
-    "KvdirPolicy",
-    "LeastLoadedPolicy",
-    "LocalOnlyPolicy",
-    "Policy",
-    "RoundRobinPolicy",
-    "RouteRequest",
-    "SGLangPolicy",
-    "TTFTBreakdown",
-    "estimate_ttft",
-    "evaluate",
-    "make_policy",
-    "pull_seconds",
-    "queue_seconds",
-    "slot_interval_seconds",
-    "ttft_breakdown",
-]
+__all__ = ["POLICIES", "Policy", "make_policy"]
 
 
 @runtime_checkable

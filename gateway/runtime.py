@@ -17,11 +17,12 @@ from fastapi import Request
 
 from gateway.config import GatewaySettings
 from gateway.engine_registry import EngineRegistry
+from gateway.kvdir_policy import KvdirPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.models_list import ModelsList
 from gateway.peers import PeerNotes
-from gateway.policy import KvdirPolicy, Policy
+from gateway.policy import Policy
 from gateway.proxy import Proxy
 from gateway.router import Router
 from gateway.status import StatusBoard

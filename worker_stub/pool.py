@@ -31,9 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker_stub.change_log import ChangeLog
-from worker_stub.slot_memory import Region, SlotMemory
+from worker_stub.slot_memory import SlotMemory
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "DEFAULT_COPY_SCAN", "KVPool", "Lease", "PoolFull", "Region"]
+__all__ = ["DEFAULT_BLOCK_BYTES", "DEFAULT_COPY_SCAN", "KVPool", "Lease", "PoolFull"]
 
 
 DEFAULT_BLOCK_BYTES = 16384

@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from gateway.cost import Decision, RouteRequest
 from gateway.inflight import InflightPrefixes
-from gateway.policy import Decision, KvdirPolicy, RouteRequest, make_policy
+from gateway.kvdir_policy import KvdirPolicy
+from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import Router
 from kvtools.replay.cache import DirectoryView, NodeCache, Publish, leading_runs

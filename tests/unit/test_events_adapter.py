@@ -9,7 +9,8 @@ import json
 import pytest
 
 from adapters.config import EventsSettings
-from adapters.subscriber import Adapter, EventsSubscriber
+from adapters.engine_stream import EventsSubscriber
+from adapters.subscriber import Adapter
 from kvdir.local_cluster import free_ports
 from kvproto.schemas import RegisterResponse
 
@@ -105,7 +106,7 @@ def test_a_message_over_max_message_bytes_is_dropped_and_the_subscriber_keeps_re
     import zmq
     import zmq.asyncio
 
-    from adapters.kv_events import Batch
+    from adapters.event_wire import Batch
     from kvproto.client import DirectoryClient
 
     (port,) = free_ports(1)

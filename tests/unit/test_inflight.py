@@ -8,7 +8,7 @@ import pytest
 
 from gateway.cost import Candidate, RouteRequest
 from gateway.inflight import InflightPrefixes
-from gateway.policy import KvdirPolicy
+from gateway.kvdir_policy import KvdirPolicy
 from kvtools.replay.views import pending_estimate
 
 

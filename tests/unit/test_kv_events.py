@@ -11,23 +11,10 @@ import msgspec
 import pytest
 
 from adapters.config import EventsSettings
-from adapters.kv_events import (
-    END_SEQ,
-    Cleared,
-    DecodeError,
-    DecodeStats,
-    HashMapper,
-    Removed,
-    Stored,
-    decode_event,
-    decode_message,
-    decode_payload,
-    decode_replay_reply,
-    encode_seq,
-    event_identity,
-    parse_seq,
-    raw_key,
-)
+from adapters.engine_events import Cleared, DecodeStats, Removed, Stored, decode_event
+from adapters.event_wire import END_SEQ, DecodeError, decode_message, decode_payload, decode_replay_reply, encode_seq, parse_seq
+from adapters.extra_keys import raw_key
+from adapters.hash_mapper import HashMapper, event_identity
 from kvproto.hashing import KvIdentity, block_hashes, identity_hashes, multimodal_extra_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -748,7 +735,7 @@ class FakeDirectory:
 
 
 def _subscriber():
-    from adapters.subscriber import EventsSubscriber
+    from adapters.engine_stream import EventsSubscriber
 
     fake = FakeDirectory()
     sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake)  # type: ignore[arg-type]
@@ -757,7 +744,7 @@ def _subscriber():
 
 
 def _batch(seq: int, *events, ts: float = 1.0):
-    from adapters.kv_events import Batch
+    from adapters.event_wire import Batch
 
     return Batch(seq, ts, tuple(events))
 

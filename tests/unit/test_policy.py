@@ -15,25 +15,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.policy import (
-    POLICIES,
+from gateway.cost import (
     REASONS,
     Candidate,
     CostModel,
     Decision,
-    DynamoPolicy,
-    KvdirPolicy,
-    Policy,
     RouteRequest,
-    SGLangPolicy,
     estimate_ttft,
     evaluate,
-    make_policy,
     pull_seconds,
     queue_seconds,
     slot_interval_seconds,
     ttft_breakdown,
 )
+from gateway.dynamo_policy import DynamoPolicy
+from gateway.kvdir_policy import KvdirPolicy
+from gateway.policy import POLICIES, Policy, make_policy
+from gateway.sglang_policy import SGLangPolicy
 
 C = CostModel()
 ALL = sorted(POLICIES)

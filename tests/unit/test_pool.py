@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvproto.hashing import block_hashes
-from worker_stub.pool import KVPool, Lease, PoolFull, Region
+from worker_stub.pool import KVPool, Lease, PoolFull
+from worker_stub.slot_memory import Region
 
 M64 = 2**64 - 1
 

@@ -18,7 +18,7 @@ import pytest
 from gateway.config import GatewaySettings
 from gateway.cost import CostModel, RouteRequest, evaluate, slot_interval_seconds, ttft_breakdown
 from gateway.engine_registry import EngineRegistry, EngineState
-from gateway.policy import SGLangPolicy, make_policy
+from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.proxy import InflightTicket, cached_tokens
 from gateway.router import (
@@ -31,6 +31,7 @@ from gateway.router import (
     make_candidate,
     reported_link,
 )
+from gateway.sglang_policy import SGLangPolicy
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import PULL_GBPS_LABEL, PULL_PLAN_FIELD, Holder, NodeInfo, Origin, PullPlan
