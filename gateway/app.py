@@ -52,7 +52,8 @@ from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import Router, cost_model
 from gateway.runtime import GatewayRuntime, runtime
-from gateway.status import render_page, status_json
+from gateway.status import status_json
+from gateway.status_page import render_page
 from gateway.tokenizers import LocalTokenizer, prompt_tokens
 from kvproto.http_limits import BodyLimit
 from kvproto.offline_docs import add_offline_docs

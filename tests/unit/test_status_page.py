@@ -18,7 +18,6 @@ from gateway.cost import REASONS
 from gateway.metrics import GatewayMetrics, PullFailure
 from gateway.proxy import _usage_in_tail, pull_failures
 from gateway.status import (
-    REASON_COLORS,
     DirectoryFigures,
     EngineFigures,
     FeedFigures,
@@ -29,9 +28,9 @@ from gateway.status import (
     StatusBoard,
     StatusFigures,
     Window,
-    render_page,
     status_json,
 )
+from gateway.status_page import REASON_COLORS, render_page
 from kvproto.client import DirectoryClient
 
 NOW = 1000.0
