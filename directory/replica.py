@@ -1,303 +1,52 @@
 """A directory replica: the state machine replicated with pysyncobj, plus group commit and leases.
 
-Over 400 lines: the pysyncobj wrapper with its group commit and lease keeper, which run on its
-threads and share its lock; state logic is in kvproto.state.
-
 Threads: pysyncobj applies commands on its own thread; the HTTP server runs
-on an asyncio loop. `StateMachine.lock` serialises the two around the state,
-and results travel back to the loop with `call_soon_threadsafe`. The loop reads
-the state only through `Replica.read` and the read methods built on it, which
-never wait for that lock on the loop (see `Replica.read`).
+on an asyncio loop. `StateMachine.lock` (directory.state_machine) serialises
+the two around the state, and results travel back to the loop with
+`call_soon_threadsafe`. The loop reads the state only through `Replica.read`
+and the read methods built on it, which never wait for that lock on the loop
+(see `Replica.read`).
 
 Writes from many concurrent requests are coalesced into one Raft command
-(`GroupCommitter`): while up to `max_inflight` commands are being committed,
-new writes queue and leave together in the next one. Every command is
-idempotent, so one whose outcome is unknown (leader change, lost callback,
-timeout) is simply sent again until its request's deadline.
+(directory.group_commit); the leader expires silent nodes (directory.leases).
+This module holds the replica that ties them to its Raft node, and that node:
+pysyncobj with ticks that read first (`_ReadFirstSyncObj`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
 import os
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 import numpy as np
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, SyncObjException, replicated
+from pysyncobj import SyncObj, SyncObjException
 
 from directory import journal, raft_transport
 from directory.changefeed import ChangeFeed
 from directory.config import DirectorySettings
+from directory.group_commit import GroupCommitter
+from directory.leases import LeaseKeeper
+from directory.raft_conf import BIND_RETRY_S, BIND_TRIES, ENTRY_SHARE, raft_conf
+from directory.state_machine import StateMachine
+from directory.views import Counts, Digest, NodeView, node_view
 from kvproto import index
 from kvproto.errors import CommitTimeout
-from kvproto.state import (
-    AnnounceReplica,
-    AssignShards,
-    Command,
-    DirectoryState,
-    Expire,
-    Holder,
-    Node,
-    Publish,
-    Remove,
-    Result,
-    command_size,
-)
+from kvproto.state import AnnounceReplica, AssignShards, Command, DirectoryState, Holder, Result
 
 log = logging.getLogger("kvdir.directory")
 
 ROLES = {0: "follower", 1: "candidate", 2: "leader"}
-BIND_TRIES, BIND_RETRY_S = 10, 0.5  # how long a replica waits for its Raft port before it gives up
-# pysyncobj sends an entry of at least appendEntriesBatchSizeBytes (64 KiB by default) in pieces, and
-# marks the last piece by the entry's size where it should use the size of what it sends (the entry
-# pickled again, ~1.5x bigger for binary data): followers unpickled truncated entries ("pickle data
-# was truncated"), and after the errors one truncated entries it had already applied. So no entry is
-# ever sent in pieces: entries are capped at 1/ENTRY_SHARE of the frame cap by `command_size` (numpy bytes;
-# pickled ~1.5x, plus one command of at most max_blocks_per_publish blocks), below the
-# 1/APPEND_SHARE that pysyncobj splits at; a message (entries up to that share, plus one, pickled
-# again) stays under the frame cap that peers enforce.
-ENTRY_SHARE, APPEND_SHARE = 8, 4
 READ_THREADS = 8  # reads that wait for the Raft thread to finish applying, each on a thread of its own (`Replica.read`)
 
 T = TypeVar("T")
-
-
-class StateMachine(SyncObjConsumer):  # type: ignore[misc]  # pysyncobj ships no type information
-    """The pysyncobj consumer around DirectoryState; only `state` is snapshotted."""
-
-    def __init__(self, state: DirectoryState, feed: ChangeFeed) -> None:
-        # Attributes set before SyncObjConsumer.__init__ are left out of snapshots: the feed is this
-        # replica's own record of what it applied, for watchers (GET /v1/watch), not replicated state.
-        self.lock = threading.RLock()
-        self.feed = feed
-        super().__init__()
-        self.state = state
-
-    @replicated  # type: ignore[untyped-decorator]  # pysyncobj ships no type information (it adds `callback`, `sync`)
-    def apply_batch(self, commands: list[Command]) -> list[Result]:
-        with self.lock:
-            results = [self.state.apply(c) for c in commands]
-            self.feed.append(self.state.applied, commands)
-            return results
-
-    def _deserialize(self, data: dict[str, Any]) -> None:
-        with self.lock:
-            super()._deserialize(data)
-            self.feed.reset(self.state.applied)
-
-
-def _weight(cmd: Command) -> int:
-    return len(cmd.hashes) if isinstance(cmd, (Publish, Remove)) else 1
-
-
-@dataclass(slots=True)
-class _Pending:
-    cmd: Command
-    future: asyncio.Future[Result]
-    deadline: float
-
-
-@dataclass(slots=True)
-class _InFlight:
-    batch: list[_Pending]
-    sent: float
-
-
-class GroupCommitter:
-    """Coalesces concurrent writes into few Raft commands and retries unknown outcomes."""
-
-    def __init__(
-        self,
-        sm: StateMachine,
-        *,
-        max_inflight: int = 8,
-        max_commands: int = 4096,
-        max_weight: int = 65536,
-        max_bytes: int = 16 << 20,
-        command_timeout: float = 2.0,
-        on_commit: Callable[[list[Command], list[Result], float], None] | None = None,
-    ) -> None:
-        self._sm = sm
-        self._max_inflight = max_inflight
-        self._max_commands = max_commands
-        self._max_weight = max_weight
-        self._max_bytes = max_bytes
-        self._command_timeout = command_timeout
-        self._on_commit = on_commit
-        self._queue: deque[_Pending] = deque()
-        self._inflight: dict[int, _InFlight] = {}
-        # Outcomes reported by the Raft thread, handed to the loop with one wakeup for all that
-        # arrive before it runs (a wakeup per command cost more than the rest of its callback).
-        self._outcomes: deque[tuple[int, Any, int]] = deque()
-        self._wake_pending = False
-        self._next_token = 0
-        self._wakeup = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-        self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._watchdog())]
-
-    async def submit(self, cmd: Command, timeout: float) -> Result:
-        """Commit one command; raises CommitTimeout if it cannot commit before `timeout` s."""
-        fut: asyncio.Future[Result] = self._loop.create_future()
-        self._queue.append(_Pending(cmd, fut, time.monotonic() + timeout))
-        self._wakeup.set()
-        return await fut
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for p in self._queue:
-            if not p.future.done():
-                p.future.set_exception(CommitTimeout("replica shutting down"))
-        for f in self._inflight.values():
-            for p in f.batch:
-                if not p.future.done():
-                    p.future.set_exception(CommitTimeout("replica shutting down"))
-
-    async def _pump(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue and len(self._inflight) < self._max_inflight:
-                self._send(self._take())
-
-    def _take(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        weight = size = 0
-        now = time.monotonic()
-        while self._queue and len(batch) < self._max_commands:
-            p = self._queue[0]
-            w, b = _weight(p.cmd), command_size(p.cmd)
-            if batch and (weight + w > self._max_weight or size + b > self._max_bytes):
-                break
-            self._queue.popleft()
-            if p.future.done():
-                continue
-            if now > p.deadline:
-                p.future.set_exception(CommitTimeout("write not committed before its deadline; retry (writes are idempotent)"))
-                continue
-            batch.append(p)
-            weight += w
-            size += b
-        return batch
-
-    def _send(self, batch: list[_Pending]) -> None:
-        if not batch:
-            return
-        token = self._next_token
-        self._next_token += 1
-        self._inflight[token] = _InFlight(batch, time.monotonic())
-
-        def done(result: Any, err: int) -> None:
-            self._outcomes.append((token, result, err))
-            if not self._wake_pending:
-                self._wake_pending = True
-                self._loop.call_soon_threadsafe(self._take_outcomes)
-
-        self._sm.apply_batch([p.cmd for p in batch], callback=done)
-
-    def _take_outcomes(self) -> None:
-        self._wake_pending = False  # first: an outcome appended from here on schedules another call
-        while self._outcomes:
-            self._done(*self._outcomes.popleft())
-
-    def _done(self, token: int, result: Any, err: int) -> None:
-        flight = self._inflight.pop(token, None)
-        if flight is None:
-            return  # the watchdog already gave up on it and re-sent the writes
-        if err == FAIL_REASON.SUCCESS:
-            elapsed = time.monotonic() - flight.sent
-            for p, r in zip(flight.batch, result):
-                if not p.future.done():
-                    p.future.set_result(r)
-            if self._on_commit is not None:
-                self._on_commit([p.cmd for p in flight.batch], result, elapsed)
-        else:
-            log.debug("raft command failed (reason %s), retrying %d writes", err, len(flight.batch))
-            self._retry(flight.batch)
-        self._wakeup.set()
-
-    def _retry(self, batch: list[_Pending]) -> None:
-        def requeue() -> None:
-            self._queue.extendleft(reversed(batch))
-            self._wakeup.set()
-
-        self._loop.call_later(0.05, requeue)
-
-    async def _watchdog(self) -> None:
-        # pysyncobj may never call back under overload: give up on such commands and re-send.
-        while True:
-            await asyncio.sleep(self._command_timeout / 4)
-            now = time.monotonic()
-            for token in [t for t, f in self._inflight.items() if now - f.sent > self._command_timeout]:
-                log.warning("raft command %d had no answer in %.1fs, re-sending its writes", token, self._command_timeout)
-                self._retry(self._inflight.pop(token).batch)
-            self._wakeup.set()
-
-
-class LeaseKeeper:
-    """On the leader, expires nodes not heard from for `ttl` seconds.
-
-    A node counts as heard from when its `seen` counter changes. A replica that
-    becomes leader gives every node a full fresh lease, so a leader change
-    never expires a live node. The Expire command carries the `seen` value the
-    leader judged, so a node heard from in the meantime survives it.
-    """
-
-    def __init__(self, replica: Replica, ttl: float) -> None:
-        self._replica = replica
-        self._ttl = ttl
-        self._seen: dict[tuple[str, int], tuple[int, float]] = {}
-        self._expiring: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
-        self._task = asyncio.create_task(self._run())
-
-    def close(self) -> None:
-        self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self._ttl / 4))
-            try:
-                await self.check(time.monotonic())
-            except Exception:  # keep the lease loop alive whatever one round hit
-                log.exception("lease check failed")
-
-    async def check(self, now: float) -> None:
-        if not self._replica.is_leader:
-            self._seen.clear()
-            return
-        snapshot = await self._replica.read(lambda s: [(n.node_id, n.epoch, n.seen) for n in s.nodes.values()])
-        current = set()
-        for node_id, epoch, seen in snapshot:
-            key = (node_id, epoch)
-            current.add(key)
-            last = self._seen.get(key)
-            if last is None or last[0] != seen:
-                self._seen[key] = (seen, now)
-            elif now - last[1] > self._ttl:
-                log.info("lease of node %s epoch %d lapsed (%.1fs silent): expiring", node_id, epoch, now - last[1])
-                self._seen[key] = (seen, now)  # do not fire again while this one commits
-                task = asyncio.create_task(self._expire(node_id, epoch, seen))
-                self._expiring.add(task)
-                task.add_done_callback(self._expiring.discard)
-        for key in [k for k in self._seen if k not in current]:
-            del self._seen[key]
-
-    async def _expire(self, node_id: str, epoch: int, seen: int) -> None:
-        try:
-            await self._replica.submit(Expire(node_id, epoch, seen))
-        except CommitTimeout:
-            log.warning("expiry of %s epoch %d did not commit; will retry", node_id, epoch)
 
 
 class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no type information
@@ -396,32 +145,6 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
         super()._onTick(timeToWait)
 
 
-class NodeView(NamedTuple):
-    """A registered node as read at one moment: a copy of its record, and the blocks it holds."""
-
-    node: Node
-    blocks: int
-
-
-class Counts(NamedTuple):
-    nodes: int
-    entries: int
-
-
-class Digest(NamedTuple):
-    """`DirectoryState.digest` with what it covers, all read at one moment."""
-
-    digest: str
-    applied: int
-    entries: int
-    nodes: int
-
-
-def _view(state: DirectoryState, node: Node) -> NodeView:
-    # A shallow copy is a consistent snapshot: commands replace a node's fields (`load` too), never mutate them.
-    return NodeView(copy.copy(node), state.blocks_held(node))
-
-
 class Replica:
     """One directory replica: Raft node, state machine, group commit and lease keeper."""
 
@@ -431,34 +154,7 @@ class Replica:
             DirectoryState(max_nodes=settings.max_nodes, max_entries=settings.max_entries),
             ChangeFeed(settings.watch_buffer_bytes),
         )
-        conf = SyncObjConf(
-            appendEntriesUseBatch=False,
-            appendEntriesBatchSizeBytes=settings.raft_max_frame_bytes // APPEND_SHARE,
-            commandsWaitLeader=True,
-            raftMinTimeout=settings.raft_min_timeout_s,
-            raftMaxTimeout=settings.raft_max_timeout_s,
-            appendEntriesPeriod=settings.raft_append_period_s,
-            connectionRetryTime=settings.raft_min_timeout_s / 5,
-            connectionTimeout=settings.raft_connection_timeout_s,
-            # A Raft port that stays taken fails the start (below) instead of leaving a replica that
-            # serves HTTP but never hears its peers (pysyncobj retries the bind forever, silently).
-            bindRetryTime=BIND_RETRY_S,
-            maxBindRetries=BIND_TRIES,
-            # A leader cut off from the majority steps down within one election timeout (pysyncobj's
-            # default is 30 s), so it stops serving local reads about when the majority elects anew.
-            leaderFallbackTimeout=settings.raft_max_timeout_s,
-            logCompactionMinEntries=20000,
-            logCompactionMinTime=300,
-            password=settings.raft_password.get_secret_value() if settings.raft_password else None,
-            # Listen on the address given, never on every interface (pysyncobj's default for a node address).
-            bindAddress=settings.raft,
-            dynamicMembershipChange=False,
-            onStateChanged=self._log_role_change,
-        )
-        if settings.data_dir is not None:
-            settings.data_dir.mkdir(parents=True, exist_ok=True)
-            conf.journalFile = str(settings.data_dir / "raft.journal")
-            conf.fullDumpFile = str(settings.data_dir / "raft.dump")
+        conf = raft_conf(settings, self._log_role_change)
         journal.install(settings.fsync, conf.fullDumpFile)
         journal.isolate_dump_children()
         raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections, journal.unsynced)
@@ -508,7 +204,7 @@ class Replica:
     async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
         """Start the loop-side machinery; call from the server's event loop."""
         # A batch of commands is one Raft entry, of at most ENTRY_SHARE of the frame cap by `command_size` (plus the
-        # one command that may overshoot it): see APPEND_SHARE for why entries stay well under the cap.
+        # one command that may overshoot it): see APPEND_SHARE (directory.raft_conf) for why entries stay well under the cap.
         self.committer = GroupCommitter(
             self.sm,
             max_bytes=self.settings.raft_max_frame_bytes // ENTRY_SHARE,
@@ -604,14 +300,14 @@ class Replica:
 
     async def nodes(self) -> list[NodeView]:
         """Every registered node, in the order the state holds them."""
-        return await self.read(lambda s: [_view(s, n) for n in s.nodes.values()])
+        return await self.read(lambda s: [node_view(s, n) for n in s.nodes.values()])
 
     async def node(self, node_id: str) -> NodeView | None:
         """The node `node_id`, or None if it is not registered."""
 
         def one(s: DirectoryState) -> NodeView | None:
             n = s.nodes.get(node_id)
-            return None if n is None else _view(s, n)
+            return None if n is None else node_view(s, n)
 
         return await self.read(one)
 

@@ -1,8 +1,5 @@
 """The block index: which node holds which block hash, at which slot.
 
-Over 400 lines: the arrays, the numba kernels that walk them and the merges that rebuild them share
-one layout; split, each half would need the other's invariants restated.
-
 Why this shape: the directory must hold millions of (hash, holder) entries in
 well under 100 bytes each and answer 256-block prefix lookups in microseconds.
 A dict of Python ints costs ~110 bytes an entry and a numpy pipeline pays
@@ -44,14 +41,6 @@ A mutation merges due partitions up to a budget, at least one
 wait for the next mutations, correct meanwhile: tombstones and a longer recent
 level only slow reads a little.
 
-Why raw addresses: a lookup touches a random partition per hash, and numba's
-typed lists cost 12-17 ns per array fetched (five per hash), more than a
-probe. The kernels instead get a table of each partition's array addresses
-and lengths (`_meta`, a row a partition) and view the arrays in place; the
-index keeps every array referenced for as long as its address is in the
-table, re-points the table (`_publish`, `_relayout`) whenever it replaces
-one, and pickles arrays, never addresses.
-
 Why copy-on-write: a watch stream's snapshot must not hold the state lock for O(entries) (the Raft
 thread waits for that lock to apply, so 5M entries copied under it stalled heartbeats for 70-240 ms).
 `frozen` hands out the arrays themselves in O(partitions) and marks them shared; the one mutation
@@ -66,413 +55,39 @@ the live entries, not on where partitions were cut or what is merged. Every
 mutation is deterministic (no clocks, randomness or I/O): it runs inside the
 Raft state machine, so every replica reaches the same arrays from the same
 calls. Not thread-safe: the caller serialises mutations against reads.
+
+The kernels and the layout of their tables are in kvproto.index_kernels; the levels and the reads of them
+in kvproto.index_levels; the mutations, merges and snapshots here.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
-from numba import njit, types
-from numba.extending import intrinsic
-from numba.np.numpy_support import carray
 
-DEAD = np.uint32(0xFFFFFFFF)
-_U64_MAX = np.uint64(2**64 - 1)
-_LOAD = 0.5  # occupancy of the probe table
+from kvproto.index_kernels import (
+    _LEN,
+    _LO,
+    _NODES,
+    _SLOTS,
+    DEAD,
+    _drop,
+    _insert_sorted,
+    _locate,
+    _merge_levels,
+    _prefix_match,
+    _probe_table,
+    _store,
+)
+from kvproto.index_kernels import _home as _home  # re-exported with `_main_row`: a replica's kernels, for warm-up checks
+from kvproto.index_kernels import _main_row as _main_row
+from kvproto.index_levels import _EMPTY_U32, _EMPTY_U64, FrozenEntries, _Levels, _Part
+
+__all__ = ["DEAD", "BlockIndex", "FrozenEntries", "warm_up"]
+
 _PART_ENTRIES = 1 << 17  # a partition a merge leaves larger is split: a merge costs 5-14 ms of CPU
-_EMPTY_U64 = np.empty(0, dtype=np.uint64)
-_EMPTY_U32 = np.empty(0, dtype=np.uint32)
-_NO_MATCH = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty((0, 0), dtype=np.uint32))
-
-# Columns of the address table (`_meta`): the arrays the kernels read, per partition.
-_TKEY, _TROW, _STARTS, _NODES, _SLOTS = range(5)
-_LEN = 5  # column of the first length in `_meta`: a partition's addresses, then their lengths
-# Columns of the parameter table (`_prm`, uint64), per partition.
-_LO, _SHIFT, _MUL = range(3)
-
-
-# -- kernels ------------------------------------------------------------------------
-
-
-def _pointer_cast(ty: types.Type) -> Any:
-    @intrinsic
-    def cast(typingctx: Any, addr: Any) -> Any:  # pragma: no cover - compiled
-        sig = types.CPointer(ty)(types.int64)  # type: ignore[no-untyped-call]
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    return cast
-
-
-_as_u64 = _pointer_cast(types.uint64)
-_as_i64 = _pointer_cast(types.int64)
-_as_u32 = _pointer_cast(types.uint32)
-
-
-@njit(cache=True, nogil=True)
-def _u64(meta: np.ndarray, f: int, p: int) -> np.ndarray:  # pragma: no cover - compiled
-    return carray(_as_u64(meta[p, f]), meta[p, _LEN + f])
-
-
-@njit(cache=True, nogil=True)
-def _i64(meta: np.ndarray, f: int, p: int) -> np.ndarray:  # pragma: no cover - compiled
-    return carray(_as_i64(meta[p, f]), meta[p, _LEN + f])
-
-
-@njit(cache=True, nogil=True)
-def _u32(meta: np.ndarray, f: int, p: int) -> np.ndarray:  # pragma: no cover - compiled
-    return carray(_as_u32(meta[p, f]), meta[p, _LEN + f])
-
-
-@njit(cache=True, nogil=True)
-def _home(h: np.uint64, lo: np.uint64, shift: np.uint64, mul: np.uint64) -> np.int64:  # pragma: no cover - compiled
-    return np.int64((((h - lo) >> shift) * mul) >> np.uint64(32))
-
-
-@njit(cache=True, nogil=True)
-def _part_of(h: np.uint64, prm: np.ndarray, pmap: np.ndarray, pshift: np.uint64) -> int:  # pragma: no cover - compiled
-    """The partition holding hash h: `pmap` names the one holding the lowest hash of h's top bits, which
-    for uniform hashes is h's own; otherwise a binary search over the partitions' lower bounds."""
-    p = pmap[h >> pshift]
-    if p + 1 < prm.shape[0] and prm[p + 1, _LO] <= h:
-        p = np.searchsorted(prm[:, _LO], h, side="right") - 1
-    return int(p)
-
-
-@njit(cache=True, nogil=True)
-def _main_row(h: np.uint64, p: int, prm: np.ndarray, meta: np.ndarray) -> int:  # pragma: no cover - compiled
-    """h's row in partition p's main level, or its empty last row."""
-    tkey = _u64(meta, _TKEY, p)
-    i = _home(h, prm[p, _LO], prm[p, _SHIFT], prm[p, _MUL])
-    while tkey[i] < h:
-        i += 1
-    return int(_i64(meta, _TROW, p)[i] if tkey[i] == h else meta[p, _LEN + _STARTS] - 2)
-
-
-@njit(cache=True, nogil=True)
-def _locate(
-    hashes: np.ndarray,
-    node: np.uint32,
-    prm: np.ndarray,
-    pmap: np.ndarray,
-    pshift: np.uint64,
-    meta: np.ndarray,
-    rkeys: np.ndarray,
-    rnodes: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Where (hashes[i], node) lives: its partition, and its position in that partition's main level,
-    or in the recent level, or -1."""
-    n = len(hashes)
-    part = np.empty(n, np.int64)
-    main = np.full(n, -1, np.int64)
-    recent = np.full(n, -1, np.int64)
-    for i in range(n):
-        h = hashes[i]
-        p = _part_of(h, prm, pmap, pshift)
-        part[i] = p
-        r = _main_row(h, p, prm, meta)
-        starts = _i64(meta, _STARTS, p)
-        nodes = _u32(meta, _NODES, p)
-        for e in range(starts[r], starts[r + 1]):
-            if nodes[e] == node:
-                main[i] = e
-                break
-        if main[i] < 0:
-            j = np.searchsorted(rkeys, h)
-            while j < len(rkeys) and rkeys[j] == h:
-                if rnodes[j] == node:
-                    recent[i] = j
-                    break
-                j += 1
-    return part, main, recent
-
-
-@njit(cache=True, nogil=True)
-def _store(
-    meta: np.ndarray, f: int, part: np.ndarray, pos: np.ndarray, values: np.ndarray
-) -> None:  # pragma: no cover - compiled
-    """Main-level array `f` of partition part[i] gets values[i] at pos[i], where pos[i] >= 0."""
-    for i in range(len(pos)):
-        if pos[i] >= 0:
-            _u32(meta, f, part[i])[pos[i]] = values[i]
-
-
-@njit(cache=True, nogil=True)
-def _drop(node: np.uint32, meta: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """Mark every main-level entry of `node` DEAD; how many were, per partition."""
-    n = meta.shape[0]
-    dropped = np.zeros(n, np.int64)
-    dead = np.uint32(0xFFFFFFFF)
-    for p in range(n):
-        nodes = _u32(meta, _NODES, p)
-        for e in range(len(nodes)):
-            if nodes[e] == node:
-                nodes[e] = dead
-                dropped[p] += 1
-    return dropped
-
-
-@njit(cache=True, nogil=True)
-def _prefix_match(
-    q: np.ndarray,
-    prm: np.ndarray,
-    pmap: np.ndarray,
-    pshift: np.uint64,
-    meta: np.ndarray,
-    rkeys: np.ndarray,
-    rnodes: np.ndarray,
-    rslots: np.ndarray,
-    node_bound: int,
-    want_slots: bool,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Per node holding q[0], how many of q[0], q[1], ... it holds in a row (and their slots).
-
-    Walks the query once, following only the nodes still matching, and stops
-    at the first hash that advances none of them.
-    """
-    n = len(q)
-    dead = np.uint32(0xFFFFFFFF)
-    cand_of = np.full(node_bound, -1, np.int64)
-    cand = np.empty(node_bound, np.int64)
-    first_slot = np.empty(node_bound, np.uint32)
-    c = 0
-    p = _part_of(q[0], prm, pmap, pshift)
-    r = _main_row(q[0], p, prm, meta)
-    starts = _i64(meta, _STARTS, p)
-    nodes = _u32(meta, _NODES, p)
-    slots = _u32(meta, _SLOTS, p)
-    for e in range(starts[r], starts[r + 1]):
-        if nodes[e] != dead:
-            cand_of[nodes[e]] = c
-            cand[c] = nodes[e]
-            first_slot[c] = slots[e]
-            c += 1
-    j = np.searchsorted(rkeys, q[0])
-    while j < len(rkeys) and rkeys[j] == q[0]:
-        cand_of[rnodes[j]] = c
-        cand[c] = rnodes[j]
-        first_slot[c] = rslots[j]
-        c += 1
-        j += 1
-    matched = np.ones(c, np.int64)
-    out_slots = np.zeros((c, n if want_slots else 0), np.uint32)
-    if want_slots:
-        for k in range(c):
-            out_slots[k, 0] = first_slot[k]
-    for i in range(1, n):
-        advanced = 0
-        h = q[i]
-        p = _part_of(h, prm, pmap, pshift)
-        r = _main_row(h, p, prm, meta)
-        starts = _i64(meta, _STARTS, p)
-        nodes = _u32(meta, _NODES, p)
-        slots = _u32(meta, _SLOTS, p)
-        for e in range(starts[r], starts[r + 1]):
-            nd = nodes[e]
-            if nd != dead:
-                k = cand_of[nd]
-                if k >= 0 and matched[k] == i:
-                    matched[k] = i + 1
-                    if want_slots:
-                        out_slots[k, i] = slots[e]
-                    advanced += 1
-        j = np.searchsorted(rkeys, h)
-        while j < len(rkeys) and rkeys[j] == h:
-            k = cand_of[rnodes[j]]
-            if k >= 0 and matched[k] == i:
-                matched[k] = i + 1
-                if want_slots:
-                    out_slots[k, i] = rslots[j]
-                advanced += 1
-            j += 1
-        if advanced == 0:
-            break
-    # Longest first, ties by node index: an insertion sort, as c is small.
-    order = np.arange(c)
-    for a in range(1, c):
-        x = order[a]
-        b = a - 1
-        while b >= 0 and (matched[order[b]] < matched[x] or (matched[order[b]] == matched[x] and cand[order[b]] > cand[x])):
-            order[b + 1] = order[b]
-            b -= 1
-        order[b + 1] = x
-    return cand[order], matched[order], out_slots[order]
-
-
-@njit(cache=True, nogil=True)
-def _merge_levels(
-    ukeys: np.ndarray,
-    starts: np.ndarray,
-    nodes: np.ndarray,
-    slots: np.ndarray,
-    rkeys: np.ndarray,
-    rnodes: np.ndarray,
-    rslots: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """The main level's live entries and the recent level's, as one CSR level (ukeys, starts, nodes, slots).
-
-    One pass over both, where numpy's repeat, mask, insert and diff made several: 8M entries plus
-    500k recent ones took 2.4 s of CPU, on the Raft thread of every replica at once, now 0.5 s.
-    A hash's recent entries follow its main ones, as they did.
-    """
-    dead = np.uint32(0xFFFFFFFF)
-    live = 0
-    for e in range(len(nodes)):
-        if nodes[e] != dead:
-            live += 1
-    total = live + len(rkeys)
-    okeys = np.empty(total, np.uint64)
-    ostarts = np.empty(total + 2, np.int64)
-    onodes = np.empty(total, np.uint32)
-    oslots = np.empty(total, np.uint32)
-    o = 0
-    u = 0
-    j = 0
-    nr = len(rkeys)
-    for r in range(len(ukeys) + 1):
-        k = ukeys[r] if r < len(ukeys) else np.uint64(0)
-        while j < nr and (r == len(ukeys) or rkeys[j] < k):
-            if u == 0 or rkeys[j] != okeys[u - 1]:
-                okeys[u] = rkeys[j]
-                ostarts[u] = o
-                u += 1
-            onodes[o] = rnodes[j]
-            oslots[o] = rslots[j]
-            o += 1
-            j += 1
-        if r == len(ukeys):
-            break
-        for e in range(starts[r], starts[r + 1]):
-            if nodes[e] != dead:
-                if u == 0 or k != okeys[u - 1]:
-                    okeys[u] = k
-                    ostarts[u] = o
-                    u += 1
-                onodes[o] = nodes[e]
-                oslots[o] = slots[e]
-                o += 1
-    ostarts[u] = o
-    ostarts[u + 1] = o
-    return okeys[:u].copy(), ostarts[: u + 2].copy(), onodes, oslots
-
-
-@njit(cache=True, nogil=True)
-def _probe_table(
-    ukeys: np.ndarray, tsize: np.int64, lo: np.uint64, shift: np.uint64, mul: np.uint64
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """The probe table over sorted `ukeys` (tkey, trow), in one pass: each key at its home slot or the
-    first free one after it (ordered linear probing); an empty slot repeats the next key and its row, so
-    that a probe stops at the first key not smaller than the one it seeks; a sentinel slot ends it."""
-    u = len(ukeys)
-    last = np.int64(-1)  # the slot of the previous key
-    pos = np.empty(u, np.int64)
-    for i in range(u):
-        last = max(_home(ukeys[i], lo, shift, mul), last + 1)
-        pos[i] = last
-    length = max(tsize, last + 1) + 1
-    tkey = np.empty(length, np.uint64)
-    trow = np.empty(length, np.int64)
-    p = 0
-    for i in range(u):
-        while p <= pos[i]:
-            tkey[p] = ukeys[i]
-            trow[p] = i
-            p += 1
-    while p < length:
-        tkey[p] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        trow[p] = u
-        p += 1
-    return tkey, trow
-
-
-@njit(cache=True, nogil=True)
-def _insert_sorted(
-    keys: np.ndarray, nodes: np.ndarray, slots: np.ndarray, nk: np.ndarray, node: np.uint32, ns: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """The recent level with sorted `nk` (all of `node`, slots `ns`) inserted after equal keys, in one pass
-    (np.insert, three times, sorted the positions and copied each array twice; the level reaches N/16)."""
-    n, m = len(keys), len(nk)
-    okeys = np.empty(n + m, np.uint64)
-    onodes = np.empty(n + m, np.uint32)
-    oslots = np.empty(n + m, np.uint32)
-    i = 0
-    o = 0
-    for j in range(m):
-        while i < n and keys[i] <= nk[j]:
-            okeys[o] = keys[i]
-            onodes[o] = nodes[i]
-            oslots[o] = slots[i]
-            i += 1
-            o += 1
-        okeys[o] = nk[j]
-        onodes[o] = node
-        oslots[o] = ns[j]
-        o += 1
-    okeys[o:] = keys[i:]
-    onodes[o:] = nodes[i:]
-    oslots[o:] = slots[i:]
-    return okeys, onodes, oslots
-
-
-# -- partitions ---------------------------------------------------------------------------
-
-
-class _Part:
-    """The main level of the hashes in [lo, hi): CSR arrays sorted by hash and the probe table over them."""
-
-    __slots__ = ("hi", "lo", "mul", "nodes", "shared", "shift", "slots", "starts", "tkey", "trow", "ukeys")
-
-    def __init__(self, lo: int, hi: int, main: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
-        self.lo, self.hi = lo, hi  # hi is exclusive: 2**64 for the last partition
-        self.shared = False  # `nodes` and `slots` are in a frozen view: copy them before writing (BlockIndex._own)
-        ukeys, starts, nodes, slots = main or (_EMPTY_U64, np.zeros(2, dtype=np.int64), _EMPTY_U32, _EMPTY_U32)
-        self.ukeys, self.starts, self.nodes, self.slots = ukeys, starts, nodes, slots
-        # A hash's home slot: its offset in [lo, hi), cut to 32 bits, times the table size over the
-        # range's size, in fixed point. For the whole hash space this is (h >> 32) * tsize >> 32.
-        tsize = max(1, int(np.ceil(len(ukeys) / _LOAD)))
-        span = hi - lo - 1
-        shift = max(0, span.bit_length() - 32)
-        self.shift, self.mul = shift, (tsize << 32) // ((span >> shift) + 1)
-        self.tkey, self.trow = _probe_table(ukeys, np.int64(tsize), np.uint64(lo), np.uint64(shift), np.uint64(self.mul))
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """The arrays the kernels read, in the rows of the address table."""
-        return (self.tkey, self.trow, self.starts, self.nodes, self.slots)
-
-    def live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Live entries as (hashes, nodes, slots), sorted by hash."""
-        return _live(self.ukeys, self.starts, self.nodes, self.slots)
-
-
-def _live(
-    ukeys: np.ndarray, starts: np.ndarray, nodes: np.ndarray, slots: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A CSR level's live entries as (hashes, nodes, slots), sorted by hash."""
-    keys = np.repeat(ukeys, np.diff(starts[:-1]))
-    live = nodes != DEAD
-    return keys[live], nodes[live], slots[live]
-
-
-class FrozenEntries:
-    """The index's entries as they were when `BlockIndex.frozen` was called, readable on any thread
-    without the lock: the arrays are the index's own, which it copies before it writes into them."""
-
-    __slots__ = ("_main", "_recent", "size")
-
-    def __init__(self, main: Sequence[tuple[np.ndarray, ...]], recent: tuple[np.ndarray, ...], size: int) -> None:
-        self._main, self._recent, self.size = main, recent, size
-
-    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All live entries as (hashes, nodes, slots), in no particular order: O(entries), off the lock."""
-        levels = [_live(*m) for m in self._main] + [self._recent]
-        return tuple(np.concatenate(column) for column in zip(*levels))  # type: ignore[return-value]
 
 
 def _split(lo: int, hi: int, ukeys: np.ndarray, starts: np.ndarray, nodes: np.ndarray, slots: np.ndarray) -> list[_Part]:
@@ -495,51 +110,10 @@ def _split(lo: int, hi: int, ukeys: np.ndarray, starts: np.ndarray, nodes: np.nd
     return parts
 
 
-# -- the index -------------------------------------------------------------------------
-
-
-class BlockIndex:
+class BlockIndex(_Levels):
     """A multimap hash -> {node index: slot} with longest-prefix lookup per node."""
 
-    def __init__(self, merge_threshold: int = 16384) -> None:
-        self.merge_threshold = merge_threshold
-        self._parts = [_Part(0, 2**64)]
-        self._dead = np.zeros(1, dtype=np.int64)  # tombstones, per partition
-        self._rcount = np.zeros(1, dtype=np.int64)  # recent entries, per partition
-        # Recent level, sorted by hash.
-        self._rkeys: np.ndarray = _EMPTY_U64
-        self._rnodes: np.ndarray = _EMPTY_U32
-        self._rslots: np.ndarray = _EMPTY_U32
-        self._recent_shared = False  # `_rslots` is in a frozen view (`frozen`): copy it before writing
-        self._nshared = 0  # partitions marked shared: none on the hot path unless a view was frozen
-        self._size = 0
-        self._counts: dict[int, int] = {}
-        self._node_bound = 0  # 1 + the largest node index ever stored
-        self._relayout()
-
-    # -- layout --------------------------------------------------------------------
-
-    def _relayout(self) -> None:
-        """The tables the kernels read, for the current partitions: their bounds and home-slot parameters
-        (`_prm`), the addresses and lengths of their arrays (`_meta`), and which partition holds the lowest hash of
-        each top-bits bucket (`_pmap`, two buckets or more a partition)."""
-        n = len(self._parts)
-        self._prm = np.empty((n, 3), dtype=np.uint64)
-        self._meta = np.empty((n, 2 * _LEN), dtype=np.int64)  # a row a partition: one or two cache lines
-        for i in range(n):
-            self._publish(i)
-        bits = max(1, (2 * n - 1).bit_length())
-        self._pshift = np.uint64(64 - bits)
-        lows = np.arange(1 << bits, dtype=np.uint64) << self._pshift
-        self._pmap = np.searchsorted(self._prm[:, _LO], lows, side="right").astype(np.int64) - 1
-
-    def _publish(self, i: int) -> None:
-        """Point the tables at partition i's current arrays and home-slot parameters."""
-        part = self._parts[i]
-        self._prm[i] = (part.lo, part.shift, part.mul)
-        for f, a in enumerate(part.arrays()):
-            self._meta[i, f] = a.ctypes.data
-            self._meta[i, _LEN + f] = len(a)
+    # -- merges --------------------------------------------------------------------
 
     def _recent_range(self, part: _Part) -> tuple[int, int]:
         """Where the recent level holds the hashes of `part`."""
@@ -600,46 +174,17 @@ class BlockIndex:
         r, d = self._rcount, self._dead
         return np.flatnonzero(((r > 0) & (r >= np.maximum(share, main // 16))) | ((d > 0) & (d * 4 >= main)))
 
-    # -- size ---------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return self._size
-
-    def count(self, node: int) -> int:
-        """Entries held by `node`."""
-        return self._counts.get(node, 0)
-
-    def nbytes(self) -> int:
-        """Bytes held in arrays."""
-        arrays = (
-            self._prm,
-            self._pmap,
-            self._meta,
-            self._dead,
-            self._rcount,
-            self._rkeys,
-            self._rnodes,
-            self._rslots,
-        )
-        return sum(a.nbytes for a in arrays) + sum(a.nbytes for p in self._parts for a in (p.ukeys, *p.arrays()))
-
-    def partitions(self) -> int:
-        """How many partitions the hash space is cut into (1 until a merge leaves over `_PART_ENTRIES`)."""
-        return len(self._parts)
+    def merge(self) -> None:
+        """Fold the recent level into the main levels, drop tombstones and rebuild the probe tables: O(N),
+        for `load`, tests and benchmarks; mutations merge a partition at a time."""
+        self._parts = [q for p in self._parts for q in self._rebuilt(p, *self._recent_range(p))]
+        self._rkeys, self._rnodes, self._rslots = _EMPTY_U64, _EMPTY_U32, _EMPTY_U32
+        self._nshared = 0
+        self._dead = np.zeros(len(self._parts), dtype=np.int64)
+        self._rcount = np.zeros(len(self._parts), dtype=np.int64)
+        self._relayout()
 
     # -- mutation -------------------------------------------------------------
-
-    def _locate(self, hashes: np.ndarray, node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return _locate(np.ascontiguousarray(hashes, dtype=np.uint64), np.uint32(node), *self._probe_tables())
-
-    def _probe_tables(self) -> tuple[np.ndarray, np.ndarray, np.uint64, np.ndarray, np.ndarray, np.ndarray]:
-        """What the kernels need to find a hash: the partitions' parameters, map and addresses, and the recent level."""
-        return self._prm, self._pmap, self._pshift, self._meta, self._rkeys, self._rnodes
-
-    def missing(self, node: int, hashes: np.ndarray) -> int:
-        """How many distinct hashes `node` does not hold yet (what a put would add)."""
-        _, main, recent = self._locate(np.unique(hashes), node)
-        return int(((main < 0) & (recent < 0)).sum())
 
     def put(self, node: int, hashes: np.ndarray, slots: np.ndarray) -> int:
         """Record that `node` holds hashes[i] at slots[i]; returns how many entries were new.
@@ -728,6 +273,13 @@ class BlockIndex:
         self._rebuild_due(0)
         return removed
 
+    def _uncount(self, node: int, n: int) -> None:
+        left = self._counts.get(node, 0) - n
+        if left > 0:
+            self._counts[node] = left
+        else:
+            self._counts.pop(node, None)
+
     def _own(self, parts: np.ndarray, recent: bool) -> None:
         """Copy the shared arrays an in-place write is about to touch: the main-level `nodes` and `slots` of
         `parts`, the recent level's slots if `recent`; a frozen view (`frozen`) keeps the old ones."""
@@ -749,23 +301,6 @@ class BlockIndex:
         self._recent_shared = True
         main = [(p.ukeys, p.starts, p.nodes, p.slots) for p in self._parts]
         return FrozenEntries(main, (self._rkeys, self._rnodes, self._rslots), self._size)
-
-    def _uncount(self, node: int, n: int) -> None:
-        left = self._counts.get(node, 0) - n
-        if left > 0:
-            self._counts[node] = left
-        else:
-            self._counts.pop(node, None)
-
-    def merge(self) -> None:
-        """Fold the recent level into the main levels, drop tombstones and rebuild the probe tables: O(N),
-        for `load`, tests and benchmarks; mutations merge a partition at a time."""
-        self._parts = [q for p in self._parts for q in self._rebuilt(p, *self._recent_range(p))]
-        self._rkeys, self._rnodes, self._rslots = _EMPTY_U64, _EMPTY_U32, _EMPTY_U32
-        self._nshared = 0
-        self._dead = np.zeros(len(self._parts), dtype=np.int64)
-        self._rcount = np.zeros(len(self._parts), dtype=np.int64)
-        self._relayout()
 
     # -- pickling (Raft snapshots) ------------------------------------------------------
 
@@ -806,52 +341,6 @@ class BlockIndex:
         self._relayout()
         where = np.searchsorted(self._prm[:, _LO], self._rkeys, side="right") - 1
         self._rcount = np.bincount(where, minlength=len(self._parts)).astype(np.int64)
-
-    # -- queries ------------------------------------------------------------------
-
-    def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node, the longest run hashes[0..k-1] it holds entirely (k >= 1), longest first.
-
-        Returns (node indices, run lengths, slots): slots[j, :k] are the slots of
-        holder j's run when `with_slots`, else slots has no columns. Ties are
-        ordered by node index so that every replica answers alike.
-        """
-        if not len(hashes) or not self._node_bound:
-            return _NO_MATCH
-        return _prefix_match(
-            np.ascontiguousarray(hashes, dtype=np.uint64),
-            *self._probe_tables(),
-            self._rslots,
-            self._node_bound,
-            with_slots,
-        )
-
-    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All live entries as (hashes, nodes, slots), copied, in no particular order: cheap enough to
-        take under the state lock (a watch stream's snapshot), unlike the sorted `items`."""
-        levels = [p.live() for p in self._parts] + [(self._rkeys, self._rnodes, self._rslots)]
-        return tuple(np.concatenate(column) for column in zip(*levels))  # type: ignore[return-value]
-
-    def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All live entries as (hashes, nodes, slots) sorted by (hash, node): a canonical form."""
-        keys, nodes, slots = self.entries()
-        order = np.lexsort((nodes, keys))
-        return keys[order], nodes[order], slots[order]
-
-    def digest(self, node_names: dict[int, str]) -> str:
-        """A hash of the live entries that is equal on replicas holding the same entries.
-
-        Node indices are mapped to `node_names` so that the digest does not depend
-        on how indices were assigned.
-        """
-        keys, nodes, slots = self.items()
-        h = xxhash.xxh3_128()
-        for node in sorted(set(nodes.tolist()), key=lambda n: node_names.get(n, str(n))):
-            mask = nodes == node
-            h.update(node_names.get(node, str(node)).encode())
-            h.update(keys[mask].astype("<u8").tobytes())
-            h.update(slots[mask].astype("<u4").tobytes())
-        return h.hexdigest()
 
 
 def warm_up() -> tuple[int, int]:
