@@ -16,6 +16,7 @@ COPY worker_stub /src/worker_stub
 COPY adapters /src/adapters
 COPY kvtransfer /src/kvtransfer
 COPY kvdir /src/kvdir
+COPY kvtools /src/kvtools
 # Installed, then the sources removed: a copy of a package beside the installed one would be imported
 # instead of it from that directory (numba's cache is keyed by the source's path: the warm-up below once
 # compiled /src's kernels while every replica ran site-packages' and compiled its own at each start).

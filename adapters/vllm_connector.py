@@ -84,8 +84,9 @@ from kvproto.errors import DirectoryError
 from kvproto.hashing import identity_hashes
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo
 from kvproto.session import NodeSession
-from kvtransfer.backends import TransferEngine, TransferError, create_engine
+from kvtransfer.backends import create_engine
 from kvtransfer.bandwidth import PullBandwidth
+from kvtransfer.engine import TransferEngine, TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -581,7 +582,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         blocks; the destination blocks that are not known good.
 
         Staged, because a read the transfer engine's watchdog abandoned may still write into its destination
-        until Mooncake gives up (kvtransfer.backends.MooncakeEngine): written into the KV blocks, it could land
+        until Mooncake gives up (kvtransfer.mooncake.MooncakeEngine): written into the KV blocks, it could land
         after vLLM recomputed them. The buffers of an abandoned read are kept alive until none is in flight.
         """
         assert self._transfer is not None and self._layout is not None

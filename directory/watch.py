@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from directory.changefeed import Ahead, Compacted
 from directory.replica import Replica
-from kvproto.index import FrozenEntries
+from kvproto.index_levels import FrozenEntries
 from kvproto.state import Command, DirectoryState
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ from kvdir.local_cluster import (
 from kvdir.progress import Progress, StartState, on_terminal
 from kvproto.addresses import is_wildcard
 from kvproto.logs import LogLevel
-from kvtransfer.backends import mooncake_rpc_ports
+from kvtransfer.mooncake import mooncake_rpc_ports
 from worker_stub.config import TransferName
 
 log = logging.getLogger("kvdir.up")

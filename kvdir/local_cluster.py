@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvdir.listeners import listens
-from kvtransfer.backends import mooncake_rpc_ports
+from kvtransfer.mooncake import mooncake_rpc_ports
 
 log = logging.getLogger("kvdir.up")
 
@@ -49,7 +49,7 @@ of them picked but has not bound yet is then never the other's pick."""
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """n distinct ports that were free a moment ago, below the kernel's ephemeral range (or in `PORT_RANGE`),
-    outside the range a Mooncake transfer engine binds in at random (`kvtransfer.backends.mooncake_rpc_ports`).
+    outside the range a Mooncake transfer engine binds in at random (`kvtransfer.mooncake.mooncake_rpc_ports`).
 
     Not port 0's pick: that comes from the ephemeral range, where any outgoing connection on the
     machine can be given the port as its source port before the server binds it, and a Raft link

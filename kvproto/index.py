@@ -81,11 +81,9 @@ from kvproto.index_kernels import (
     _probe_table,
     _store,
 )
-from kvproto.index_kernels import _home as _home  # re-exported with `_main_row`: a replica's kernels, for warm-up checks
-from kvproto.index_kernels import _main_row as _main_row
 from kvproto.index_levels import _EMPTY_U32, _EMPTY_U64, FrozenEntries, _Levels, _Part
 
-__all__ = ["DEAD", "BlockIndex", "FrozenEntries", "warm_up"]
+__all__ = ["BlockIndex", "warm_up"]
 
 _PART_ENTRIES = 1 << 17  # a partition a merge leaves larger is split: a merge costs 5-14 ms of CPU
 

@@ -204,7 +204,7 @@ Command = Register | Heartbeat | Deregister | Publish | Remove | Clear | Expire 
 
 def command_size(cmd: Command) -> int:
     """About the size of a command in bytes (numpy payloads counted as raw): what keeps a Raft entry under the
-    peers' frame cap (directory.replica) and the watch stream's history under its budget (directory.changefeed)."""
+    peers' frame cap (directory.raft_conf's ENTRY_SHARE) and the watch stream's history under its budget (directory.changefeed)."""
     if isinstance(cmd, Publish):
         return 128 + cmd.hashes.nbytes + cmd.slots.nbytes
     if isinstance(cmd, Remove):

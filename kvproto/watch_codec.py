@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvproto.index import FrozenEntries
+from kvproto.index_levels import FrozenEntries
 from kvproto.state import (
     EPOCH_BASE_BITS,
     AnnounceReplica,

@@ -22,20 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvtransfer.engine import DEFAULT_TIMEOUT_S, TransferEngine, TransferError
-from kvtransfer.mooncake import MooncakeEngine, mooncake_rpc_ports
+from kvtransfer.engine import TransferEngine
+from kvtransfer.mooncake import MooncakeEngine
 from kvtransfer.tcp import TcpEngine
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "ENGINES",
-    "MooncakeEngine",
-    "TcpEngine",
-    "TransferEngine",
-    "TransferError",
-    "create_engine",
-    "mooncake_rpc_ports",
-]
+__all__ = ["ENGINES", "create_engine"]
 
 ENGINES: dict[str, Callable[..., TransferEngine]] = {"mooncake": MooncakeEngine, "tcp": TcpEngine}
 

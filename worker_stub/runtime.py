@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import PullPlan
-from kvtransfer.backends import TransferEngine, create_engine
+from kvtransfer.backends import create_engine
+from kvtransfer.engine import TransferEngine
 from worker_stub.config import WorkerSettings
 from worker_stub.metrics import WorkerMetrics
 from worker_stub.pool import KVPool

@@ -22,8 +22,8 @@ from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
-from kvtransfer.backends import TransferEngine, TransferError
 from kvtransfer.bandwidth import PullBandwidth
+from kvtransfer.engine import TransferEngine, TransferError
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool, Lease, PoolFull
 

@@ -18,7 +18,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from kvtransfer.backends import TransferEngine, create_engine
+from kvtransfer.backends import create_engine
+from kvtransfer.engine import TransferEngine
 
 __all__ = ["PeerProcess", "measure_read_bandwidth", "pattern"]
 

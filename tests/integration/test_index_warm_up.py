@@ -9,10 +9,10 @@ import sys
 _WARM_UP_CHECK = """
 import pickle
 import numpy as np
-from kvproto import index
+from kvproto import index, index_kernels
 from kvproto.state import DirectoryState, Publish, Register, Remove, new_epoch_base
 
-kernels = (index._home, index._main_row, index._locate, index._prefix_match)
+kernels = (index_kernels._home, index_kernels._main_row, index_kernels._locate, index_kernels._prefix_match)
 index.warm_up()
 warmed = [list(k.signatures) for k in kernels]
 

@@ -16,14 +16,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvtransfer.backends import (
-    ENGINES,
-    MooncakeEngine,
-    TcpEngine,
-    TransferEngine,
-    TransferError,
-    create_engine,
-)
+from kvtransfer.backends import ENGINES, create_engine
+from kvtransfer.engine import TransferEngine, TransferError
+from kvtransfer.mooncake import MooncakeEngine
+from kvtransfer.tcp import TcpEngine
 from worker_stub.transfer_bench import PeerProcess, measure_read_bandwidth, pattern
 
 HOST = "127.0.0.1"

@@ -14,7 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 from directory.config import DirectorySettings
-from directory.replica import Digest
+from directory.views import Digest
 from kvproto.state import Command, DirectoryState, Holder, Register, Result
 
 T = TypeVar("T")

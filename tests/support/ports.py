@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvdir import local_cluster
 from kvdir.local_cluster import free_ports
-from kvtransfer.backends import mooncake_rpc_ports
+from kvtransfer.mooncake import mooncake_rpc_ports
 
 
 def port_free(port: int) -> bool:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import kvproto.index as index_module
 from directory.raft_transport import dumps, safe_loads
-from kvproto.index import DEAD, BlockIndex
+from kvproto.index import BlockIndex
+from kvproto.index_kernels import DEAD
 
 MODES = ["delta", "merged", "t4", "mixed"]
 

@@ -15,7 +15,7 @@ from kvdir.launcher import UpSettings, up_ports
 from kvdir.listeners import listening_inodes
 from kvdir.local_cluster import free_ports, log_tail
 from kvdir.progress import Progress, StartState, events, status_line
-from kvtransfer.backends import mooncake_rpc_ports
+from kvtransfer.mooncake import mooncake_rpc_ports
 
 
 class Clock:
