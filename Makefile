@@ -102,7 +102,7 @@ test-vllm: install $(VLLM_STAMP)
 
 # The real peers kvdir is compared with, in a venv of their own: NVIDIA Dynamo's router with its trace simulator
 # (CPU-only `dynamo.replay`; its wheels' other dependencies are for serving and are left out) for
-# `kvdir replay --peers-real`.
+# `kvdir replay --peers-real`, and the SGLang router (a Rust binary) for `kvdir bench routers`.
 PEERS_VENV  ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
 PEERS_PIP   := $(PEERS_VENV)/bin/python -m pip
@@ -113,7 +113,7 @@ $(PEERS_STAMP): Makefile
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_PIP) install --quiet --upgrade pip
 	$(PEERS_PIP) install --quiet --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
-	$(PEERS_PIP) install --quiet typing_extensions==4.16.0 pydantic==2.13.5
+	$(PEERS_PIP) install --quiet typing_extensions==4.16.0 pydantic==2.13.5 sglang-router==0.3.2
 	@touch $(PEERS_STAMP)
 
 # kvdir's simulator against Dynamo's, run by `kvdir replay --peers-real` (tests/peers).

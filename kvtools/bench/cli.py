@@ -110,6 +110,12 @@ TARGETS = (
         (_quick, _plot("TTFT by path and prefix size")),
     ),
     Target(
+        "routers",
+        "kvdir's gateway against the real SGLang router (cache_aware) and round robin, live on worker stubs, driven by "
+        "vllm bench serve (needs `make vllm-install` and `make peers-install`)",
+        "kvtools.bench.routers:main",
+    ),
+    Target(
         "shards",
         "publish throughput, replica CPU per write and RSS per entry with 1, 2 and 4 directory shards",
         "kvtools.bench.shards:main",
