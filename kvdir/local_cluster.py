@@ -335,7 +335,7 @@ class Cluster:
         raise TimeoutError(f"replica {i} did not catch up within {timeout}s; see {self.data_dir}/replica{i + 1}.log")
 
     def stop(self, grace: float = 5.0) -> None:
-        _stop_all([p for p in self.procs if p is not None], grace)
+        stop_all([p for p in self.procs if p is not None], grace)
 
 
 class Workers:
@@ -429,7 +429,7 @@ class Workers:
         return cast(int | None, health.get("epoch"))
 
     def stop(self, grace: float = 5.0) -> None:
-        _stop_all([p for p in self.procs if p is not None], grace)
+        stop_all([p for p in self.procs if p is not None], grace)
 
 
 class Gateway:
@@ -491,10 +491,10 @@ class Gateway:
         raise NotReady(f"the gateway was not ready within {timeout}s", [("gateway", self.log_path)], str(self.log_path))
 
     def stop(self, grace: float = 5.0) -> None:
-        _stop_all([self.proc], grace)
+        stop_all([self.proc], grace)
 
 
-def _stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
     """SIGTERM every process, then SIGKILL those still running after `grace` seconds."""
     for p in procs:
         if p.poll() is None:

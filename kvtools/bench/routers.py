@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
+from kvdir.local_cluster import ChildExited, Cluster, Gateway, NotReady, Workers, free_ports, stop_all
 from kvtools.bench.report import emit, header, say
 from kvtools.replay.peers_real import DEFAULT_PYTHON as PEERS_PYTHON
 from kvtools.vllm_launcher import MODEL, make_tiny_model, vllm_venv
@@ -56,23 +56,18 @@ def _sglang(urls: Sequence[str], policy: str, log: Path) -> Iterator[str]:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the SGLang router exited ({proc.returncode}); see {log}")
+                raise ChildExited("the SGLang router", proc, log)
             try:
                 if httpx.get(url + "/v1/models", timeout=1.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the SGLang router was not ready in 60 s; see {log}")
+                raise NotReady("the SGLang router was not ready within 60 s", [("sglang-router", log)], str(log))
             time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_all([proc], grace=10.0)
 
 
 def _serve_bench(url: str, tokenizer_dir: Path, out: Path, dataset: Sequence[str], rate: float, prompts: int) -> dict[str, Any]:

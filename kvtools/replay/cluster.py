@@ -131,7 +131,6 @@ class ClusterSim:
             )
             for g in range(p.gateways)
         ]
-        self.policies = [r.policy for r in self.routers]
         # Dynamo's router replicas share their routing decisions and request ends (--router-replica-sync, NATS core
         # messages: the others apply them `replica_sync_s` later); the other policies see only their own.
         self.sync = policy_name == "dynamo" and p.gateways > 1
@@ -444,7 +443,7 @@ class ClusterSim:
         node.running -= 1
         node.inflight[f.gw] -= 1
         assert f.rreq is not None and f.decision is not None
-        self.policies[f.gw].on_finished(f.rreq, f.decision)
+        self.routers[f.gw].policy.on_finished(f.rreq, f.decision)
         if self.sync:
             self._share(t, f.gw, False, f.rreq, f.decision)
         self.last_end = t
@@ -459,12 +458,12 @@ class ClusterSim:
     def _on_sync(self, t: float, change: tuple[int, bool, RouteRequest, Decision]) -> None:
         """The other router replicas apply a shared decision or request end."""
         gw, routed, rreq, d = change
-        for g, pol in enumerate(self.policies):
+        for g, router in enumerate(self.routers):
             if g != gw:
                 if routed:
-                    pol.on_routed(rreq, d)
+                    router.policy.on_routed(rreq, d)
                 else:
-                    pol.on_finished(rreq, d)
+                    router.policy.on_finished(rreq, d)
 
     def _on_note(self, t: float, note: tuple[int, int, float, int]) -> None:
         """The other gateways fold a peer's note into the node's pending prefill."""
@@ -473,7 +472,7 @@ class ClusterSim:
         for g in range(len(pp)):
             if g != gw:
                 pp[g] += sign * tokens
-                pol = self.policies[g]
+                pol = self.routers[g].policy
                 if sign > 0 and isinstance(pol, KvdirPolicy):  # a peer's routed work counts in its recent work
                     pol.on_peer_routed(self.ids[n], tokens)
 
