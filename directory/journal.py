@@ -14,8 +14,8 @@ or vote twice in one term. `DurableJournal` syncs:
   while `unsynced()`), before a leader counts its own log towards a commit
   (`sync()` at the start of each Raft tick, before pysyncobj computes the
   commit index and applies) and before the commit index is stored. A sync
-  per entry made the Raft thread wait ~5 ms for every entry on every
-  replica; grouped, one sync covers all that arrived meanwhile;
+  per entry would make the Raft thread wait for a disk flush per entry on
+  every replica; grouped, one sync covers all that arrived meanwhile;
 - truncated entries (`deleteEntriesFrom`, `clear`): before they return;
 - the sync is an `fdatasync` of the journal file. pysyncobj's own flush is an
   `msync` of the mapping, which does the same on Linux (its pages are the

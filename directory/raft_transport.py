@@ -65,7 +65,7 @@ its address, a few hundred bytes encrypted."""
 READ_BUDGET_BYTES = 4 << 20
 """Most bytes read from one connection per poll event; the rest waits for the next tick."""
 RECV_BYTES = 64 << 10
-"""Per recv(): a larger buffer is allocated with mmap, which costs ~12 µs a call for small frames."""
+"""Per recv(): a larger buffer is allocated with mmap, a cost paid on every call, small frames included."""
 PICKLE_PROTOCOL = 4
 """For log entries, messages and snapshots: bytes stay raw (protocol 3 on), and numpy arrays still
 pickle through `_reconstruct` (protocol 5 would add `_frombuffer` to the allow list for nothing)."""
@@ -78,7 +78,7 @@ PROBE_BYTES, PROBE_RATIO = 1024, 0.9
 def _compress(data: bytes) -> bytes:
     """`data` as a zlib stream: compressed if its start compresses, else stored (level 0).
 
-    Block hashes are random: compressing a 1,024-block publish cost ~1 ms per peer and saved little.
+    Block hashes are random: compressing a publish costs CPU per peer and saves little.
     Registrations (region lists, mostly text) still shrink several times, which keeps the leader's
     send buffers small when a follower lags."""
     probe = data[:PROBE_BYTES]

@@ -279,7 +279,7 @@ class Replica:
 
         The Raft thread holds the lock while it applies a batch (a large publish, a snapshot being
         installed). When the lock is free, as it nearly always is, `fn` runs right here on the loop: a
-        thread hop costs about 60 us, against about 8 us for a 256-hash lookup itself. When the Raft
+        thread hop costs several times a lookup itself. When the Raft
         thread holds it, `fn` runs on a worker thread (at most READ_THREADS at once; further reads wait
         on the loop, asynchronously) once the lock is free. `fn` must be quick and return nothing that
         the next command could change (copies, not the state's own objects).

@@ -1,9 +1,9 @@
 """Keeping a server's long-lived objects out of the cyclic garbage collector's full passes.
 
 A full (generation 2) collection walks every container object the process holds while the event
-loop waits. A kvdir server holds 100,000-160,000 of them once started (modules, pydantic and
-FastAPI models, numba's typing tables), nearly all alive until it exits, so each full pass took
-20-100 ms: the better part of a gateway's p99 (BENCHMARKS.md, "Garbage-collection pauses").
+loop waits. A kvdir server holds a great many of them once started (modules, pydantic and
+FastAPI models, numba's typing tables), nearly all alive until it exits, so full passes were the
+better part of a gateway's p99 (BENCHMARKS.md, "Garbage-collection pauses", has the figures).
 Frozen once startup is over, they are skipped; what requests create is collected as before.
 """
 

@@ -20,20 +20,18 @@ Two levels:
   binary search.
 - the *recent level*: entries not merged yet, in three arrays sorted by hash,
   one for the whole index: a put inserts into it with one kernel call (one
-  level a partition cost a Python round trip per partition a put touched,
-  three times the put's CPU at 8M entries), copying it whole as before (up to
-  N/16 entries, ~1 ms at 8M). A partition's share of it is
+  level a partition would cost a Python round trip per partition a put touches),
+  copying it whole (up to N/16 entries). A partition's share of it is
   merged into that partition once it outgrows both its share of
   `merge_threshold` and 1/16 of the partition, so merging costs O(1)
   amortised per entry.
 
 Why partitions: a merge rebuilds a main level, inside a mutation on every
 replica's Raft thread and in every gateway's mirror at once. With one main
-level that was O(N): 0.47 s of CPU at 8M entries, which left mirrors stale. A
+level that is O(N), which at millions of entries leaves mirrors stale. A
 merge that leaves a partition over `_PART_ENTRIES` entries splits it at
 distinct hashes into halves or smaller, so a merge rebuilds at most about that
-many entries (5-14 ms of CPU, where one merge at 8M entries took 0.33 s) however
-large the index grows, and a small index is one
+many entries however large the index grows, and a small index is one
 partition: the one-level layout it had. Cuts at distinct hashes rather than at
 hash bits stay balanced for non-uniform hashes too (tests use small integers).
 A mutation merges due partitions up to a budget, at least one
@@ -42,7 +40,7 @@ wait for the next mutations, correct meanwhile: tombstones and a longer recent
 level only slow reads a little.
 
 Why copy-on-write: a watch stream's snapshot must not hold the state lock for O(entries) (the Raft
-thread waits for that lock to apply, so 5M entries copied under it stalled heartbeats for 70-240 ms).
+thread waits for that lock to apply, so a copy of millions of entries under it stalls its heartbeats).
 `frozen` hands out the arrays themselves in O(partitions) and marks them shared; the one mutation
 that writes into arrays in place (slots updated, tombstones marked, `_store` and `_drop`) first copies
 the shared arrays it would write (`_own`), so a frozen view never changes under its reader. Every other
@@ -85,7 +83,7 @@ from kvproto.index_levels import _EMPTY_U32, _EMPTY_U64, FrozenEntries, _Levels,
 
 __all__ = ["BlockIndex", "warm_up"]
 
-_PART_ENTRIES = 1 << 17  # a partition a merge leaves larger is split: a merge costs 5-14 ms of CPU
+_PART_ENTRIES = 1 << 17  # a partition a merge leaves larger is split: that bounds what one merge rebuilds
 
 
 def _split(lo: int, hi: int, ukeys: np.ndarray, starts: np.ndarray, nodes: np.ndarray, slots: np.ndarray) -> list[_Part]:
@@ -252,7 +250,7 @@ class BlockIndex(_Levels):
     def drop_node(self, node: int) -> int:
         """Forget every entry of `node` (new epoch, expiry, deregistration). Returns entries removed.
 
-        Marks its main-level entries in one pass over all of them (5 ms at 8M entries); the partitions
+        Marks its main-level entries in one pass over all of them (one kernel call); the partitions
         this leaves a quarter dead are compacted one a mutation, not all at once."""
         if not self._counts.pop(node, 0):
             return 0

@@ -71,7 +71,7 @@ _ORIGIN = re.compile(
 
 @functools.lru_cache(maxsize=4096)
 def _url(scheme: str, host: str, port: int, path: str) -> httpx.URL:
-    """An engine URL, built once: httpx validates and encodes each part (~20 µs), and with `--tokenizer engine`
+    """An engine URL, built once: httpx validates and encodes each part, and with `--tokenizer engine`
     the gateway asks an engine's /tokenize on every request (its forward builds httpcore's URL: gateway.proxy)."""
     return httpx.URL(scheme=scheme, host=host, port=port, path=path)
 

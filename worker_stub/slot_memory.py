@@ -86,7 +86,7 @@ class SlotMemory:
     def expected(self, hash: int, rank: int) -> np.ndarray:
         """The content function: SplitMix64 stream seeded by XXH3(le64(hash) || le64(rank)).
 
-        Vectorised (about 10 µs for 16 KiB) and computed afresh each time, so
+        Vectorised and computed afresh each time, so
         verification costs no memory and cannot be fooled by a stale cache.
         """
         seed = np.uint64(_xxh3(_hash_rank.pack(hash, rank)))
