@@ -8,8 +8,11 @@ serve`, its prefix-repetition dataset: `PREFIXES` prompts of `PREFIX_TOKENS` sha
 vLLM venv: `make vllm-install`) at a light load and at one near the stubs' saturation, and reports what it
 measures: TTFT p50/p90/p99, throughput, failed requests.
 
-The hot path is measured apart (`added_latency`): one stub, short prompts at a low rate, straight to the stub
-and through each router; the TTFT difference is what the router adds per request.
+The hot path is measured apart (`added_latency`): one stub at a low rate, straight to the stub and through
+each router, on short prompts and on long ones (one shared 4,096-token prefix with 128-token suffixes, the
+per-request cost that grows with the prompt: reading, tokenizing, hashing it); the TTFT difference is what
+the router adds per request. Each of those runs draws its own prompts (its own seed), so no run is served
+the suffixes an earlier one left cached.
 """
 
 from __future__ import annotations
@@ -70,11 +73,14 @@ def _sglang(urls: Sequence[str], policy: str, log: Path) -> Iterator[str]:
         stop_all([proc], grace=10.0)
 
 
-def _serve_bench(url: str, tokenizer_dir: Path, out: Path, dataset: Sequence[str], rate: float, prompts: int) -> dict[str, Any]:
-    """vLLM's `vllm bench serve` against `url`; the figures of its result file that this bench reports."""
+def _serve_bench(
+    url: str, tokenizer_dir: Path, out: Path, dataset: Sequence[str], rate: float, prompts: int, seed: int = 0
+) -> dict[str, Any]:
+    """vLLM's `vllm bench serve` against `url` (prompts drawn with `seed`); the figures of its result file that this
+    bench reports."""
     cmd = [str(vllm_venv() / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url]
     cmd += ["--model", MODEL, "--tokenizer", str(tokenizer_dir), "--request-rate", str(rate), "--num-prompts", str(prompts)]
-    cmd += ["--seed", "0", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos"]
+    cmd += ["--seed", str(seed), "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos"]
     cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, *dataset]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -85,7 +91,7 @@ def _serve_bench(url: str, tokenizer_dir: Path, out: Path, dataset: Sequence[str
     return figures
 
 
-def _prefix_dataset(prompts: int) -> list[str]:
+def _prefix_dataset(prefixes: int = PREFIXES) -> list[str]:
     return [
         "--dataset-name",
         "prefix_repetition",
@@ -94,7 +100,7 @@ def _prefix_dataset(prompts: int) -> list[str]:
         "--prefix-repetition-suffix-len",
         str(SUFFIX_TOKENS),
         "--prefix-repetition-num-prefixes",
-        str(PREFIXES),
+        str(prefixes),
         "--prefix-repetition-output-len",
         str(OUTPUT_TOKENS),
     ]
@@ -142,26 +148,35 @@ def bench_prefixes(tmp: Path, tokenizer_dir: Path, quick: bool) -> dict[str, Any
             run.mkdir()
             say(f"  {name} at {rate:g} requests/s ({load}), {prompts} prompts on a fresh cluster...")
             with _cluster(run, ENGINES, tokenizer) as (c, w), _router(name, run, c, w, tokenizer) as url:
-                figures = _serve_bench(url, tokenizer_dir, run / "result.json", _prefix_dataset(prompts), rate, prompts)
+                figures = _serve_bench(url, tokenizer_dir, run / "result.json", _prefix_dataset(), rate, prompts)
             out.update({f"{load} {name} {k}": v for k, v in figures.items()})
     return out
 
 
+HOT_PATH = {  # name: (dataset, requests/s); both light enough that nothing queues
+    "short": (["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "1"], 20.0),
+    "long": (_prefix_dataset(1), 2.0),
+}
+
+
 def added_latency(tmp: Path, tokenizer_dir: Path, quick: bool) -> dict[str, Any]:
-    """TTFT straight to one stub and through each router, short prompts at a low rate (no queueing): the
-    difference is what the router adds."""
-    prompts = 100 if quick else 400
+    """TTFT straight to one stub and through each router, at a low rate (no queueing), on each `HOT_PATH` prompt
+    shape: the difference is what the router adds. Every run has its own seed (its own prompts)."""
     tokenizer = tokenizer_dir / "tokenizer.json"
-    dataset = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "1"]
     out: dict[str, Any] = {}
     with _cluster(tmp, 1, tokenizer) as (c, w):
-        direct = _serve_bench(w.urls[0], tokenizer_dir, tmp / "direct.json", dataset, 20.0, prompts)
-        for name in ("kvdir", "sglang"):
-            with _router(name, tmp, c, w, tokenizer) as url:
-                via = _serve_bench(url, tokenizer_dir, tmp / f"{name}.json", dataset, 20.0, prompts)
-            for p in ("median", "p99"):
-                out[f"{name} added {p} ttft ms"] = via[f"{p}_ttft_ms"] - direct[f"{p}_ttft_ms"]
-    out["direct median ttft ms"] = direct["median_ttft_ms"]
+        seed = 0
+        for shape, (dataset, rate) in HOT_PATH.items():
+            prompts = (100 if quick else 400) if shape == "short" else (30 if quick else 120)
+            seed += 1
+            direct = _serve_bench(w.urls[0], tokenizer_dir, tmp / f"direct-{shape}.json", dataset, rate, prompts, seed)
+            for name in ("kvdir", "sglang"):
+                seed += 1
+                with _router(name, tmp, c, w, tokenizer) as url:
+                    via = _serve_bench(url, tokenizer_dir, tmp / f"{name}-{shape}.json", dataset, rate, prompts, seed)
+                for p in ("median", "p99"):
+                    out[f"{shape} prompts {name} added {p} ttft ms"] = via[f"{p}_ttft_ms"] - direct[f"{p}_ttft_ms"]
+            out[f"{shape} prompts direct median ttft ms"] = direct["median_ttft_ms"]
     return out
 
 
@@ -169,7 +184,7 @@ def main(*, as_json: bool, quick: bool) -> int:
     results = header(quick)
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
         tokenizer_dir = make_tiny_model(vllm_venv(), Path(tmp) / MODEL)
-        say("the hot path: one stub, 64-token prompts at 20 requests/s, straight and through each router...")
+        say("the hot path: one stub, 64-token prompts at 20/s and 4,224-token ones at 2/s, straight and through each router...")
         (Path(tmp) / "hot").mkdir()
         results.update(added_latency(Path(tmp) / "hot", tokenizer_dir, quick))
         say(
