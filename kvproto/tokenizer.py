@@ -42,8 +42,7 @@ class HFTokenizer:
 
     `encode` goes through `encode_batch_fast`, which makes the same ids as
     `encode` without tracking character offsets: nobody here reads them, and
-    tracking them is about a third of the time to tokenize a long prompt (on
-    the gateway's request path, before routing).
+    tracking them costs time on the gateway's request path, before routing.
     """
 
     def __init__(self, path: str | Path) -> None:

@@ -17,6 +17,7 @@ the suffixes an earlier one left cached.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import tempfile
@@ -153,9 +154,9 @@ def bench_prefixes(tmp: Path, tokenizer_dir: Path, quick: bool) -> dict[str, Any
     return out
 
 
-HOT_PATH = {  # name: (dataset, requests/s); both light enough that nothing queues
-    "short": (["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "1"], 20.0),
-    "long": (_prefix_dataset(1), 2.0),
+HOT_PATH = {  # name: (dataset, requests/s, prompts, prompts with --quick); both rates light enough that nothing queues
+    "short": (["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "1"], 20.0, 400, 100),
+    "long": (_prefix_dataset(1), 2.0, 120, 30),
 }
 
 
@@ -163,17 +164,15 @@ def added_latency(tmp: Path, tokenizer_dir: Path, quick: bool) -> dict[str, Any]
     """TTFT straight to one stub and through each router, at a low rate (no queueing), on each `HOT_PATH` prompt
     shape: the difference is what the router adds. Every run has its own seed (its own prompts)."""
     tokenizer = tokenizer_dir / "tokenizer.json"
+    seeds = itertools.count(1)
     out: dict[str, Any] = {}
     with _cluster(tmp, 1, tokenizer) as (c, w):
-        seed = 0
-        for shape, (dataset, rate) in HOT_PATH.items():
-            prompts = (100 if quick else 400) if shape == "short" else (30 if quick else 120)
-            seed += 1
-            direct = _serve_bench(w.urls[0], tokenizer_dir, tmp / f"direct-{shape}.json", dataset, rate, prompts, seed)
+        for shape, (dataset, rate, full, few) in HOT_PATH.items():
+            prompts = few if quick else full
+            direct = _serve_bench(w.urls[0], tokenizer_dir, tmp / f"direct-{shape}.json", dataset, rate, prompts, next(seeds))
             for name in ("kvdir", "sglang"):
-                seed += 1
                 with _router(name, tmp, c, w, tokenizer) as url:
-                    via = _serve_bench(url, tokenizer_dir, tmp / f"{name}-{shape}.json", dataset, rate, prompts, seed)
+                    via = _serve_bench(url, tokenizer_dir, tmp / f"{name}-{shape}.json", dataset, rate, prompts, next(seeds))
                 for p in ("median", "p99"):
                     out[f"{shape} prompts {name} added {p} ttft ms"] = via[f"{p}_ttft_ms"] - direct[f"{p}_ttft_ms"]
             out[f"{shape} prompts direct median ttft ms"] = direct["median_ttft_ms"]

@@ -34,11 +34,16 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def loaded(tokenizer_file: Path) -> tuple[Tokenizer, HFTokenizer]:
+    """The library's tokenizer and ours, from the same file."""
+    return Tokenizer.from_file(str(tokenizer_file)), HFTokenizer(tokenizer_file)
+
+
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=600) | st.sampled_from(CORPUS).map(lambda t: t * 30))
-def test_encode_makes_the_libraries_own_ids(tokenizer_file: Path, text: str) -> None:
-    reference = Tokenizer.from_file(str(tokenizer_file))
-    ours = HFTokenizer(tokenizer_file)
+def test_encode_makes_the_libraries_own_ids(loaded: tuple[Tokenizer, HFTokenizer], text: str) -> None:
+    reference, ours = loaded
     assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids
 
 
