@@ -70,6 +70,8 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
     MAX_DRAIN_PASSES = 16
     #: pysyncobj's own (set in SyncObj.__init__): when a follower starts an election, in monotonic seconds
     _SyncObj__raftElectionDeadline: float
+    #: pysyncobj's own: per follower, the index of the next entry the leader sends it
+    _SyncObj__raftNextIndex: dict[Any, int]
 
     def __init__(self, *args: Any, election_timeout: tuple[float, float], compaction_bytes: int, **kwargs: Any) -> None:
         # Set before super() starts the tick thread, which reads them.
@@ -105,6 +107,31 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
         if self._log_bytes >= self._compact_at:
             self._compact_at = math.inf  # asked: not again until the log shrinks
             self.forceLogCompaction()
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
+        """pysyncobj's message handler, except that a leader's acknowledgement never moves a follower's
+        next index back.
+
+        A leader sends entries ahead of their acknowledgements (pipelined: each send moves the follower's
+        next index past it), but pysyncobj set the next index to the acknowledged position on every
+        acknowledgement that raised the match index. Acknowledgements wait for the follower's journal
+        sync (directory.raft_transport), so under write load each one arrived behind what had been sent:
+        the leader sent the same entries again, and the follower, which had them (and had applied them),
+        deleted them from its journal and appended them anew ("truncating already-applied log entries",
+        logged as critical, dozens of times a minute during a bulk fill): twice the traffic and journal
+        writes. A refusal (`reset`) still sets the next index, as Raft has it.
+        """
+        ahead = None
+        if (
+            isinstance(message, dict)
+            and message.get("type") == "next_node_idx"
+            and message.get("success")
+            and not message.get("reset")
+        ):
+            ahead = self._SyncObj__raftNextIndex.get(node)
+        super()._SyncObj__onMessageReceived(node, message)
+        if ahead is not None and self._isLeader() and ahead > self._SyncObj__raftNextIndex.get(node, ahead):
+            self._SyncObj__raftNextIndex[node] = ahead
 
     @staticmethod
     def _sync_journal() -> None:

@@ -29,7 +29,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 from fastapi.responses import StreamingResponse
@@ -37,12 +37,11 @@ from starlette.types import Receive, Scope, Send
 
 from directory.changefeed import Ahead, Compacted
 from directory.replica import Replica
-from kvproto.index_levels import FrozenEntries
 from kvproto.state import Command, DirectoryState
 
 if TYPE_CHECKING:
     from directory.metrics import DirectoryMetrics
-from kvproto.watch_codec import MEDIA_TYPE, batch_frame, capture, complete, frame, group_of, snapshot_message, tick_frame
+from kvproto.watch_codec import MEDIA_TYPE, batch_frame, capture, group_of, snapshot_frame_parts, tick_frame
 
 log = logging.getLogger("kvdir.directory")
 
@@ -76,7 +75,7 @@ class Watchers:
         self._metrics = metrics
         self._open: dict[str, int] = {}
         self._building = asyncio.Lock()
-        self._shared: tuple[bytes, int, float] | None = None  # (frame, position, made at)
+        self._shared: tuple[list[bytes | memoryview], int, float] | None = None  # (frame's parts, position, made at)
 
     def __len__(self) -> int:
         return sum(self._open.values())
@@ -107,15 +106,15 @@ class Watchers:
     def cut(self, reason: str) -> None:
         self._metrics.watch_cut.labels(reason).inc()
 
-    async def snapshot(self, replica: Replica) -> tuple[bytes, int]:
-        """A snapshot frame and its position: the shared one if it is recent and still resumable, else a new one."""
+    async def snapshot(self, replica: Replica) -> tuple[list[bytes | memoryview], int]:
+        """A snapshot frame (in parts: `snapshot_frame_parts`) and its position: the shared one if it is recent and still resumable, else a new one."""
         async with self._building:
             shared = self._shared
             if shared is not None and time.monotonic() - shared[2] < SNAPSHOT_REUSE_S and shared[1] >= replica.sm.feed.start:
                 return shared[0], shared[1]
             self._shared = None  # let the old frame go before the new one is built
             captured, position = await replica.read(lambda s: (capture(s), s.applied))
-            data = await anyio.to_thread.run_sync(_snapshot_frame, captured)
+            data = await anyio.to_thread.run_sync(snapshot_frame_parts, *captured)
             self._shared = (data, position, time.monotonic())
             return data, position
 
@@ -156,7 +155,7 @@ class _WatchResponse(StreamingResponse):
     reading holds at most a piece and the socket's buffer, and is cut off (logged and counted: the reason
     cannot reach a consumer that does not read). The stream counts against its key until it ends."""
 
-    def __init__(self, stream: AsyncIterator[bytes], watchers: Watchers, key: str) -> None:
+    def __init__(self, stream: AsyncIterator[bytes | memoryview], watchers: Watchers, key: str) -> None:
         super().__init__(stream, media_type=MEDIA_TYPE)
         self._watchers, self._key = watchers, key
 
@@ -188,11 +187,9 @@ class _WatchResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _snapshot_frame(captured: tuple[dict[str, Any], FrozenEntries]) -> bytes:
-    return frame(snapshot_message(complete(*captured)))
-
-
-async def _stream(replica: Replica, watchers: Watchers, from_: int | None, *, wait_ahead: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    replica: Replica, watchers: Watchers, from_: int | None, *, wait_ahead: bool
+) -> AsyncIterator[bytes | memoryview]:
     feed = replica.sm.feed
     bound = replica.settings.raft_max_timeout_s
     event = feed.waiter()
@@ -200,8 +197,9 @@ async def _stream(replica: Replica, watchers: Watchers, from_: int | None, *, wa
         if from_ is None:
             # After the headers (a consumer knows at once that this replica answers), and off the event
             # loop: a big snapshot takes a while to encode (5M entries: 80 MB).
-            data, position = await watchers.snapshot(replica)
-            yield data
+            parts, position = await watchers.snapshot(replica)
+            for part in parts:
+                yield part
         else:
             position = from_
         while True:

@@ -409,6 +409,35 @@ def snapshot_message(snap: dict[str, Any]) -> dict[str, Any]:
     return {"k": "snapshot", "position": snap["applied"], "group": _group(snap["epoch_counter"]), "state": snap}
 
 
+def snapshot_frame_parts(head: dict[str, Any], entries: FrozenEntries) -> list[bytes | memoryview]:
+    """`frame(snapshot_message(complete(head, entries)))` as pieces that join to the same bytes, the entry
+    columns as views of their arrays rather than copies.
+
+    At 5M entries the frame is 80 MB, and each copy of it (the columns' `tobytes`, the encoder's output, the
+    length header's concatenation) is a memcpy that holds the GIL: on a loaded two-core machine, long enough
+    that the replica's Raft thread missed its heartbeats and the followers elected another leader. Here only the head (nodes, replicas: small) is encoded; the columns go out as they are.
+    """
+    keys, nodes, slots = entries.entries()
+    columns = {"keys": np.ascontiguousarray(keys, dtype="<u8"), "holders": np.ascontiguousarray(nodes, dtype="<u4")}
+    columns["slots"] = np.ascontiguousarray(slots, dtype="<u4")
+    # The columns are the last fields of the last field: encoded empty, they end the message, after map headers
+    # that already count them.
+    body = _encoder.encode(snapshot_message({**head, **dict.fromkeys(columns, b"")}))
+    empty = b"".join(_encoder.encode(name) + _bin_header(0) for name in columns)
+    parts: list[bytes | memoryview] = []
+    prefix = body[: len(body) - len(empty)]
+    for name, column in columns.items():
+        parts += [prefix + _encoder.encode(name) + _bin_header(column.nbytes), column.data.cast("B")]
+        prefix = b""
+    parts[0] = HEADER.pack(sum(len(p) for p in parts)) + parts[0]
+    return parts
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of `n` bytes of binary (bin8, bin16 or bin32), as msgspec writes it."""
+    return b"\xc4" + bytes([n]) if n < 256 else b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
+
+
 def batch_frame(position: int, commands: list[Command]) -> bytes:
     return frame({"k": "batch", "position": position, "commands": [encode_command(c) for c in commands]})
 
