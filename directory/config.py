@@ -25,7 +25,11 @@ class DirectorySettings(BaseSettings):
     advertise_url: str | None = Field(None, description="URL other components reach this replica at (default http://HTTP)")
     raft: HostPort = Field("127.0.0.1:8201", description="HOST:PORT of this replica's Raft endpoint")
     peers: str = Field("", description="comma-separated Raft HOST:PORT of the other replicas")
-    data_dir: Path | None = Field(None, description="directory for the Raft journal and snapshots (default: in memory only)")
+    data_dir: Path | None = Field(
+        None,
+        description="directory for the Raft journal and snapshots (default: the journal in memory, snapshots in a "
+        "scratch directory under TMPDIR, removed at stop: nothing survives a restart)",
+    )
     fsync: bool = Field(
         True,
         description="sync the Raft journal, term and vote to disk before acting on them (survives power loss; with --data-dir)",

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -182,6 +183,13 @@ class Replica:
             ChangeFeed(settings.watch_buffer_bytes),
         )
         conf = raft_conf(settings, self._log_role_change)
+        # Without a data dir the log stays in memory, but pysyncobj then writes its compaction snapshots on the Raft
+        # thread (pickled and gzipped: over a second at 5M entries, an election each time); with a file to write
+        # them to, it forks a child for them. So the snapshot goes to a private scratch file, removed at stop.
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        if conf.fullDumpFile is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="kvdir-raft-")
+            conf.fullDumpFile = os.path.join(self._scratch.name, "raft.dump")
         journal.install(settings.fsync, conf.fullDumpFile)
         journal.isolate_dump_children()
         raft_transport.install(settings.raft_max_frame_bytes, settings.raft_max_pending_connections, journal.unsynced)
@@ -210,6 +218,7 @@ class Replica:
             self.raft.waitBinded()
         except SyncObjException as exc:
             self.raft.destroy()
+            self._remove_scratch()
             raise RuntimeError(
                 f"cannot listen for Raft on {settings.raft} after {BIND_TRIES} tries "
                 f"over {BIND_TRIES * BIND_RETRY_S:g} s: is another process using that port?"
@@ -252,6 +261,11 @@ class Replica:
         if self.committer is not None:
             await self.committer.close()
         self.raft.destroy()
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            self._scratch.cleanup()
 
     async def submit(self, cmd: Command, timeout: float | None = None) -> Result:
         assert self.committer is not None, "Replica.start() was not called"
