@@ -75,7 +75,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     The tokenizer and the policy are made here, so a bad `--tokenizer` or
     `--policy` fails before the server starts.
     """
-    local = None if settings.tokenizer == "engine" else LocalTokenizer(load_tokenizer(settings.tokenizer))
+    local = (
+        None
+        if settings.tokenizer == "engine"
+        else LocalTokenizer(load_tokenizer(settings.tokenizer, settings.tokenize_cache_entries))
+    )
     policy = make_policy(settings.policy, cost=cost_model(settings))
     router = Router(policy, random.Random(settings.seed), PrefixHasher(settings.block_size, settings.namespace))
 

@@ -38,6 +38,12 @@ class GatewaySettings(DirectoryClientSettings):
         "bytes",
         description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)",
     )
+    tokenize_cache_entries: int = Field(
+        256,
+        ge=0,
+        description="prompts remembered so that a prompt extending one (a chat's next turn, a shared system "
+        "prompt) tokenizes only what follows (byte-level BPE tokenizers; others tokenize whole); 0: off",
+    )
     namespace: str = Field(
         "",
         description="hash namespace (deployment, tenant; models, adapters and salts are in the KV identity): must match the engines'",

@@ -14,6 +14,8 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from kvproto.prefix_tokens import PrefixTokenCache
+
 
 class Tokenizer(Protocol):
     """Text <-> token ids. Implementations are stateless and thread-safe."""
@@ -43,28 +45,32 @@ class HFTokenizer:
     `encode` goes through `encode_batch_fast`, which makes the same ids as
     `encode` without tracking character offsets: nobody here reads them, and
     tracking them costs time on the gateway's request path, before routing.
+    With `prefix_cache_entries`, it reuses the tokens of the remembered text a
+    prompt extends (kvproto.prefix_tokens: the same ids, for the tokenizers it
+    supports; the others tokenize whole).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, prefix_cache_entries: int = 0) -> None:
         from tokenizers import Tokenizer as _HF
 
         self._tok = _HF.from_file(str(path))
         self.name = f"hf:{Path(path).name}"
+        self.prefix_cache = PrefixTokenCache(self._tok, prefix_cache_entries)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return self.prefix_cache.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
 
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """`None` or "bytes" -> ByteTokenizer; otherwise a path to a tokenizer.json."""
+def load_tokenizer(spec: str | None, prefix_cache_entries: int = 0) -> Tokenizer:
+    """`None` or "bytes" -> ByteTokenizer; otherwise a path to a tokenizer.json (see HFTokenizer for the cache)."""
     if spec in (None, "", "bytes"):
         return ByteTokenizer()
     if not Path(spec).is_file():
         raise ValueError(f"tokenizer {spec!r}: expected 'bytes' or the path of a tokenizer.json file")
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, prefix_cache_entries)
 
 
 def render_chat(messages: Sequence[Mapping[str, object]]) -> str:
