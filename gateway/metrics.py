@@ -50,12 +50,18 @@ class GatewayMetrics:
             buckets=(0, 16, 64, 256, 1024, 4096, 16384),
             registry=r,
         )
+        self.tokenize_seconds = Histogram(
+            "kvdir_gateway_tokenize_seconds",
+            "Tokenizing a prompt (what a remembered prompt left to do)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.route_seconds = Histogram(
-            "kvdir_gateway_route_seconds", "Tokenize + hash + lookup + decide", buckets=_LATENCY, registry=r
+            "kvdir_gateway_route_seconds", "Hash + lookup + decide (tokenizing apart)", buckets=_LATENCY, registry=r
         )
         self.added_seconds = Histogram(
             "kvdir_gateway_added_seconds",
-            "From a request's arrival to its forwarding, tokenization excluded",
+            "From a request's arrival to its forwarding, tokenizing and hashing excluded",
             buckets=_LATENCY,
             registry=r,
         )

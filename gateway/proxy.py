@@ -238,6 +238,7 @@ class Proxy:
         t0 = time.perf_counter()
         hashes = [] if kv.unhashed is not None else self.router.hashes(tokens, kv.identity)
         timing = Timing(arrival, tokenize_s, t0, time.perf_counter() - t0)
+        self.metrics.tokenize_seconds.observe(tokenize_s)
         holders, lookup_failure = await self.lookup(hashes)
         self.router.learn_block_bytes(self.registry.engines.values())
         req = self.router.request(len(tokens), hashes, kv.max_tokens)

@@ -60,6 +60,7 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
     metrics = httpx.get(g.url + "/metrics").text
     assert 'kvdir_gateway_decisions_total{reason="affinity"} 1.0' in metrics
     assert "kvdir_gateway_reported_cached_tokens_total" in metrics
+    assert "kvdir_gateway_tokenize_seconds_count 2.0" in metrics  # both turns, timed apart from routing
     page = httpx.get(g.url + "/").text
     assert "kvdir gateway" in page and node in page
 
