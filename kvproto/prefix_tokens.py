@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SEGMENT_CHARS = 512  # a cut is sought this many characters after the last one
+MAX_HELD_TOKENS = 2_000_000  # tokens remembered in all (~70 MB of ids), whatever the entry count: long contexts
 KEY_CHARS = 256  # texts are found by their first this many characters
 _CUT = re.compile(r"(?<=\S) (?=\S)")
 
@@ -88,12 +89,15 @@ def _common_prefix(a: str, b: str) -> int:
 
 class PrefixTokenCache:
     """A tokenizer.json's `encode`, reusing the tokens of the remembered text sharing the longest prefix with the
-    text; `entries` texts at most are remembered (least recently used dropped), one per `KEY_CHARS` opening."""
+    text; `entries` texts and `max_tokens` tokens at most are remembered (least recently used dropped), one text
+    per `KEY_CHARS` opening."""
 
-    def __init__(self, hf: Any, entries: int) -> None:
+    def __init__(self, hf: Any, entries: int, max_tokens: int = MAX_HELD_TOKENS) -> None:
         self._hf = hf  # a tokenizers.Tokenizer
         self.enabled = entries > 0 and supported(json.loads(hf.to_str()))
         self._capacity = entries
+        self._max_tokens = max_tokens
+        self.held_tokens = 0
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.tokenized_chars = 0  # characters tokenized rather than reused, in all (what tests and benches read)
@@ -134,8 +138,9 @@ class PrefixTokenCache:
             if len(ends) < len(cuts):
                 ends.append(len(ids))
         with self._lock:
+            replaced = self._entries.pop(key, None)
+            self.held_tokens += len(ids) - (len(replaced.ids) if replaced is not None else 0)
             self._entries[key] = _Entry(text, cuts, ends, ids)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
+            while len(self._entries) > self._capacity or self.held_tokens > self._max_tokens:
+                self.held_tokens -= len(self._entries.popitem(last=False)[1].ids)
         return ids

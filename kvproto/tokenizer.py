@@ -18,7 +18,7 @@ from kvproto.prefix_tokens import PrefixTokenCache
 
 
 class Tokenizer(Protocol):
-    """Text <-> token ids. Implementations are stateless and thread-safe."""
+    """Text <-> token ids. Implementations are deterministic (a cache never changes an answer) and thread-safe."""
 
     name: str
 

@@ -100,6 +100,16 @@ def test_the_least_recently_used_prompt_is_forgotten() -> None:
     assert cache.tokenized_chars - before < len(texts[2]) / 2
 
 
+def test_the_remembered_tokens_are_capped_whatever_the_entry_count() -> None:
+    hf = TOKENIZERS["gpt2"]
+    texts = [f"{i} " + " ".join(CORPUS) for i in range(10)]  # as many tokens each
+    cache = PrefixTokenCache(hf, entries=100, max_tokens=3 * len(hf.encode(texts[0]).ids))
+    for text in texts:
+        assert cache.encode(text) == hf.encode(text, add_special_tokens=False).ids
+        assert cache.held_tokens <= cache._max_tokens
+    assert len(cache._entries) == 3  # three prompts' tokens, not the 100 entries allowed
+
+
 @pytest.mark.parametrize(
     "change",
     [
