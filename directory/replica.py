@@ -20,9 +20,11 @@ import logging
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -173,6 +175,25 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
         super()._onTick(timeToWait)
 
 
+SCRATCH_PREFIX = "kvdir-raft-"  # a replica without a data dir: TMPDIR/kvdir-raft-<pid>-<random>, its snapshots
+
+
+def _sweep_scratch() -> None:
+    """Remove the scratch directories of replicas that are gone: one killed (SIGKILL, OOM) could not remove its
+    own, and each held up to a snapshot of its state. A directory whose pid is alive (or reused) is left."""
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, the scratch directory of a replica that is gone", path)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 class Replica:
     """One directory replica: Raft node, state machine, group commit and lease keeper."""
 
@@ -188,7 +209,8 @@ class Replica:
         # them to, it forks a child for them. So the snapshot goes to a private scratch file, removed at stop.
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
         if conf.fullDumpFile is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="kvdir-raft-")
+            _sweep_scratch()
+            self._scratch = tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
             conf.fullDumpFile = os.path.join(self._scratch.name, "raft.dump")
         journal.install(settings.fsync, conf.fullDumpFile)
         journal.isolate_dump_children()

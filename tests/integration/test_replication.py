@@ -338,9 +338,15 @@ print(os.waitstatus_to_exitcode(status))
 def test_a_replica_without_a_data_dir_snapshots_to_a_scratch_file_it_removes(tmp_path) -> None:
     """Without a data dir pysyncobj wrote its compaction snapshot on the Raft thread (13 term increments in a
     5M-entry fill of three such replicas, 0 now); with a file it forks for it. The replica gets a private
-    scratch file under TMPDIR, and removes it when it stops."""
+    scratch file under TMPDIR, removes it when it stops, and at start removes those of replicas that are gone."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = scratch / f"kvdir-raft-{gone.stdout.strip()}-x"  # a SIGKILLed replica's: its process is gone
+    stale.mkdir()
+    (stale / "raft.dump").write_bytes(b"old")
+    alive = scratch / f"kvdir-raft-{os.getpid()}-y"  # a running process's: left alone
+    alive.mkdir()
     http, raft = free_ports(2)
     url = f"http://127.0.0.1:{http}"
     with open(tmp_path / "replica.log", "wb") as out:
@@ -351,12 +357,13 @@ def test_a_replica_without_a_data_dir_snapshots_to_a_scratch_file_it_removes(tmp
         )  # fmt: skip
     try:
         wait_for(lambda: _answers(url), what="the replica to serve", timeout=60)
+        assert not stale.exists() and alive.exists()
         asyncio.run(fill(url, 300_000))  # about 5 MB of log: past the 1 MiB threshold
         wait_for(lambda: list(scratch.glob("kvdir-raft-*/raft.dump")), what="a snapshot in the scratch file", timeout=60)
     finally:
         proc.terminate()
         proc.wait(30)
-    assert not list(scratch.iterdir())  # stopped by SIGTERM: the scratch directory went with it
+    assert list(scratch.iterdir()) == [alive]  # stopped by SIGTERM: its scratch directory went with it
 
 
 def _answers(url: str) -> bool:
