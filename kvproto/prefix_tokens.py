@@ -114,7 +114,7 @@ class PrefixTokenCache:
             old = self._entries.get(key)
         cuts: list[int] = [0]
         ends: list[int] = [0]
-        ids: list[int] = []
+        ids: list[int] = []  # a list of its own: the remembered one is sliced, never extended
         if old is not None:
             shared = _common_prefix(old.text, text)
             # A cut is reused only if the characters on both its sides are shared (the rule reads them).
@@ -132,7 +132,6 @@ class PrefixTokenCache:
             pos = m.start()
             cuts.append(pos)
         self.tokenized_chars += len(text) - start
-        ids = list(ids)
         for tokens in self._tokens(segments):
             ids += tokens
             if len(ends) < len(cuts):

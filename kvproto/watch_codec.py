@@ -285,8 +285,17 @@ def capture(s: DirectoryState) -> tuple[dict[str, Any], FrozenEntries]:
 
 def complete(head: dict[str, Any], entries: FrozenEntries) -> dict[str, Any]:
     """`snapshot_of`'s result from `capture`'s: O(entries), on any thread, without the state lock."""
+    return {**head, **{name: column.tobytes() for name, column in _columns(entries).items()}}
+
+
+def _columns(entries: FrozenEntries) -> dict[str, np.ndarray]:
+    """A snapshot's entry fields, in their order, as the little-endian arrays their bytes are."""
     keys, nodes, slots = entries.entries()
-    return {**head, "keys": _b64(keys), "holders": _b32(nodes), "slots": _b32(slots)}
+    return {
+        "keys": np.ascontiguousarray(keys, dtype="<u8"),
+        "holders": np.ascontiguousarray(nodes, dtype="<u4"),
+        "slots": np.ascontiguousarray(slots, dtype="<u4"),
+    }
 
 
 def _head(s: DirectoryState) -> dict[str, Any]:
@@ -415,11 +424,10 @@ def snapshot_frame_parts(head: dict[str, Any], entries: FrozenEntries) -> list[b
 
     At 5M entries the frame is 80 MB, and each copy of it (the columns' `tobytes`, the encoder's output, the
     length header's concatenation) is a memcpy that holds the GIL: on a loaded two-core machine, long enough
-    that the replica's Raft thread missed its heartbeats and the followers elected another leader. Here only the head (nodes, replicas: small) is encoded; the columns go out as they are.
+    that the replica's Raft thread missed its heartbeats and the followers elected another leader. Here only
+    the head (nodes, replicas: small) is encoded; the columns go out as they are.
     """
-    keys, nodes, slots = entries.entries()
-    columns = {"keys": np.ascontiguousarray(keys, dtype="<u8"), "holders": np.ascontiguousarray(nodes, dtype="<u4")}
-    columns["slots"] = np.ascontiguousarray(slots, dtype="<u4")
+    columns = _columns(entries)
     # The columns are the last fields of the last field: encoded empty, they end the message, after map headers
     # that already count them.
     body = _encoder.encode(snapshot_message({**head, **dict.fromkeys(columns, b"")}))
