@@ -74,9 +74,13 @@ def engine_fingerprint(
     kv_cache_dtype: str,
     block_size: int,
     page_bytes: Sequence[int],
+    tp_size: int = 1,
 ) -> str:
     """The KV fingerprint of an engine (docs/protocol.md §2.1): equal only where KV computed by one is valid
     in the other. It covers the model (path or hub id, revision, and the weight files' digest where local),
-    the dtypes, the block size and the KV layout (each layer's page bytes; not how many blocks it has)."""
-    parts = [model, revision, weights_digest(model), dtype, kv_cache_dtype, block_size, list(page_bytes)]
+    the dtypes, the block size and the KV layout (each layer's page bytes on one rank, and the TP rank count
+    that slices the heads; not how many blocks it has). TP 1 leaves the digest as it was before ranks."""
+    parts: list[Any] = [model, revision, weights_digest(model), dtype, kv_cache_dtype, block_size, list(page_bytes)]
+    if tp_size != 1:
+        parts.append(tp_size)
     return "vllm-" + xxhash.xxh3_128_hexdigest(json.dumps(parts, separators=(",", ":")).encode())

@@ -65,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from adapters.config import ConnectorSettings
 from adapters.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name
@@ -76,12 +77,17 @@ from adapters.vllm_plan import (
     blocks_to_pull,
     check_tags,
     coalesce,
+    complete_on_every_rank,
+    mirrored,
     page_pieces,
     plan_from_params,
+    pull_outcome,
+    rank_layouts,
 )
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import identity_hashes
+from kvproto.ranks import rank_sessions
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo
 from kvproto.session import NodeSession
 from kvtransfer.backends import create_engine
@@ -103,7 +109,7 @@ log = logging.getLogger("kvdir.vllm")
 
 @dataclass(slots=True)
 class KvdirHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
-    """The worker's transfer session and KV layout, for the scheduler half to register."""
+    """A worker's transfer session and KV layout (its TP rank's), for the scheduler half to register."""
 
     session: str
     layout: KvLayout
@@ -132,26 +138,36 @@ class KvdirMeta(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped f
 
 @dataclass(slots=True)
 class KvdirWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
-    """Worker -> scheduler, one step: blocks now complete (block, hash), pulled and failed block counts, and
-    the page bytes and seconds of the reads that completed (tags, pages, tags: the pull bandwidth)."""
+    """Worker -> scheduler, one step, of one TP rank or (`aggregate`d by vLLM) of all: blocks now complete
+    (block, hash) as each rank reports them, the destination blocks of its loads and those that failed, the
+    requests whose pull failed, and per rank the page bytes and seconds of its reads that completed (tags,
+    pages, tags: the pull bandwidth; the ranks read at once)."""
 
     complete: list[tuple[int, int]] = field(default_factory=list)
-    pulled_blocks: int = 0
-    failed_blocks: int = 0
-    failed_pulls: int = 0
-    read_bytes: int = 0
-    read_s: float = 0.0
+    loaded: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    failed_reqs: list[str] = field(default_factory=list)
+    read_bytes: dict[int, int] = field(default_factory=dict)
+    read_s: dict[int, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvdirWorkerMeta)
         return KvdirWorkerMeta(
             self.complete + other.complete,
-            self.pulled_blocks + other.pulled_blocks,
-            self.failed_blocks + other.failed_blocks,
-            self.failed_pulls + other.failed_pulls,
-            self.read_bytes + other.read_bytes,
-            self.read_s + other.read_s,
+            self.loaded + other.loaded,
+            self.failed + other.failed,
+            self.failed_reqs + other.failed_reqs,
+            _add(self.read_bytes, other.read_bytes),
+            _add(self.read_s, other.read_s),
         )
+
+    def pulled(self) -> tuple[int, int, int]:
+        """(blocks pulled, blocks failed, pulls failed) over every rank (vllm_plan.pull_outcome)."""
+        return pull_outcome(self.loaded, self.failed, self.failed_reqs)
+
+
+def _add(a: dict[int, Any], b: dict[int, Any]) -> dict[int, Any]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
 
 
 @contextlib.contextmanager
@@ -188,8 +204,8 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-PeerInfo = tuple[str, KvLayout, str | None]
-"""A pull source as the directory lists it: its transfer session, its KV layout and its KV fingerprint."""
+PeerInfo = tuple[list[str | None], list[KvLayout], str | None]
+"""A pull source as the directory lists it: each TP rank's transfer session and KV layout, and its KV fingerprint."""
 
 
 class _PeerCache:
@@ -246,10 +262,10 @@ class _PeerCache:
             if not n.transfer_url:
                 continue
             try:
-                layout = KvLayout.from_regions(n.regions)
+                layouts = rank_layouts(n.regions)
             except PlanError:  # not a connector engine (a worker stub, an events-fed engine): never a source here
                 continue
-            out[(n.node_id, n.epoch)] = (n.transfer_url, layout, n.fingerprint)
+            out[(n.node_id, n.epoch)] = (rank_sessions(n.regions, n.transfer_url), layouts, n.fingerprint)
         return out
 
 
@@ -261,6 +277,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.s = ConnectorSettings(**extra)
         self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         mc = vllm_config.model_config
         # Blocks are hashed under (namespace, this model, the request's LoRA adapter and cache salt): docs/protocol.md §1.1.
         self.model_name = self.s.model or served_name(mc.served_model_name, mc.model)
@@ -298,6 +315,12 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             "Time in those reads: tags, pages, tags again (page bytes / this = the pull bandwidth)",
             registry=r,
         )
+        self.m_rank_read_bytes = Counter(
+            "kvdir_connector_pull_rank_page_bytes_total", "KV page bytes read from peers, by TP rank", ["rank"], registry=r
+        )
+        self.m_rank_read_s = Counter(
+            "kvdir_connector_pull_rank_read_seconds_total", "Time in those reads, by TP rank", ["rank"], registry=r
+        )
         self.m_plans = Counter(
             "kvdir_connector_plans_total", "Requests that carried a pull plan, by outcome", ["outcome"], registry=r
         )
@@ -311,12 +334,19 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._pool = gpu_block_pool
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """Register the node once the worker's KV memory is registered with its transfer engine (tensor-parallel 1)."""
-        hs = metadata.get(0)
-        if not isinstance(hs, KvdirHandshake):
-            raise RuntimeError(f"KvdirConnector: no handshake from worker rank 0 (got {sorted(metadata)})")
-        if len(metadata) != 1:
-            raise RuntimeError("KvdirConnector supports tensor-parallel size 1 only")
+        """Register the node once every TP rank's worker registered its KV memory with its transfer engine: one
+        registration, each rank's regions behind its own session, the slots mirrored on every rank."""
+        handshakes = [metadata.get(rank) for rank in range(self.tp_size)]
+        if sorted(metadata) != list(range(self.tp_size)) or not all(isinstance(h, KvdirHandshake) for h in handshakes):
+            raise RuntimeError(
+                f"KvdirConnector: a handshake from each of TP ranks 0..{self.tp_size - 1} is due, got {sorted(metadata)}"
+            )
+        ranks: list[KvdirHandshake] = handshakes  # type: ignore[assignment]  # checked just above
+        why = mirrored([h.layout for h in ranks])
+        if why:
+            raise RuntimeError(f"KvdirConnector: the TP ranks' KV layouts are not mirrored: {why}")
+        hs = ranks[0]
+        regions = [r for rank, h in enumerate(ranks) for r in h.layout.regions(rank, h.session if rank else None)]
         self.fingerprint = self.kv_fingerprint(hs.layout)
         loop = _Loop("kvdir-publisher")
         client = DirectoryClient(self.s.directory_urls, deadline=5.0, token=self.s.directory_token, tenant=self.s.tenant)
@@ -326,7 +356,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             self.s.api_url,
             holdings=self._holdings,
             transfer_url=hs.session,
-            regions=hs.layout.regions(),
+            regions=regions,
             capacity_blocks=hs.layout.num_blocks,
             block_size=self.block_size,
             models=[self.model_name],
@@ -340,7 +370,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         log.info(
             "kvdir connector: node %s, transfer %s, %d blocks, model %s, KV fingerprint %s",
             self.s.node_id,
-            hs.session,
+            ", ".join(h.session for h in ranks),
             hs.layout.num_blocks,
             self.model_name,
             self.fingerprint,
@@ -354,7 +384,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         model, revision, dtype, kv_dtype = self._model
         pages = [r.page_bytes for r in layout.layers]
         return engine_fingerprint(
-            model=model, revision=revision, dtype=dtype, kv_cache_dtype=kv_dtype, block_size=self.block_size, page_bytes=pages
+            model=model,
+            revision=revision,
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            block_size=self.block_size,
+            page_bytes=pages,
+            tp_size=self.tp_size,
         )
 
     def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
@@ -475,18 +511,25 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         wm = connector_output.kv_connector_worker_meta
         if not isinstance(wm, KvdirWorkerMeta):
             return
-        self.m_pulled.inc(wm.pulled_blocks)
-        self.m_failed.inc(wm.failed_blocks)
-        self.m_failed_pulls.inc(wm.failed_pulls)
-        self.m_read_bytes.inc(wm.read_bytes)
-        self.m_read_s.inc(wm.read_s)
-        self._bandwidth.add(wm.read_bytes, wm.read_s)
-        if not wm.complete or self._pool is None:
+        pulled, failed, failed_pulls = wm.pulled()
+        self.m_pulled.inc(pulled)
+        self.m_failed.inc(failed)
+        self.m_failed_pulls.inc(failed_pulls)
+        for rank, n in wm.read_bytes.items():
+            self.m_rank_read_bytes.labels(str(rank)).inc(n)
+            self.m_rank_read_s.labels(str(rank)).inc(wm.read_s.get(rank, 0.0))
+        read_bytes = sum(wm.read_bytes.values())
+        read_s = max(wm.read_s.values(), default=0.0)  # the ranks read at once: the step's pull took the longest
+        self.m_read_bytes.inc(read_bytes)
+        self.m_read_s.inc(read_s)
+        self._bandwidth.add(read_bytes, read_s)
+        complete = complete_on_every_rank(wm.complete, self.tp_size)  # a block only some ranks hold is no block
+        if not complete or self._pool is None:
             return
         blocks = self._pool.blocks
         fresh = []
         with self._lock:
-            for b, h in wm.complete:
+            for b, h in complete:
                 vh = blocks[b].block_hash
                 if vh is not None:  # not in the prefix cache (caching off): nothing a peer could be sent for
                     self._published[h] = (b, vh)
@@ -503,6 +546,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
     # ------------------------------------------------------------------ worker half
 
     def _init_worker(self) -> None:
+        self.rank = 0  # this worker's TP rank, once its KV memory is known (register_kv_caches)
         self._transfer: TransferEngine | None = None
         self._layout: KvLayout | None = None
         self.fingerprint = None  # once the KV layout is known (register_kv_caches)
@@ -524,6 +568,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                 raise RuntimeError(f"KvdirConnector: layer {name}'s blocks are not contiguous pages ({stride} vs {page} B)")
             layers.append(LayerRegion(t.data_ptr(), page, t.shape[0]))
             spans.append((t.data_ptr(), t.data_ptr() + page * t.shape[0]))
+        self.rank = get_tensor_model_parallel_rank()
         self._tags = np.zeros((min(r.num_blocks for r in layers), 2), dtype="<u8")
         self._layout = KvLayout(tuple(layers), self._tags.ctypes.data)
         self.fingerprint = self.kv_fingerprint(self._layout)  # what a pull's source must have registered
@@ -541,7 +586,11 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._transfer.register(self._tags.ctypes.data, self._tags.nbytes)
         self._peers.start()
         log.info(
-            "kvdir connector: %d layers, %d blocks registered at %s", len(layers), self._tags.shape[0], self._transfer.session
+            "kvdir connector: TP rank %d: %d layers, %d blocks registered at %s",
+            self.rank,
+            len(layers),
+            self._tags.shape[0],
+            self._transfer.session,
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
@@ -570,12 +619,12 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                     "pull of %d blocks from %s failed unexpectedly; recomputing", len(load.dst_blocks), load.source_node
                 )
                 bad = list(load.dst_blocks)
+            self._report.loaded += load.dst_blocks
             if bad:
                 self._load_errors.update(bad)
                 self._failed_reqs.add(load.req_id)
-                self._report.failed_blocks += len(bad)
-                self._report.failed_pulls += 1
-            self._report.pulled_blocks += len(load.dst_blocks) - len(bad)
+                self._report.failed += bad
+                self._report.failed_reqs.append(load.req_id)
 
     def _pull(self, load: Load) -> list[int]:
         """Read the load's pages (tags, pages, tags) into a staging buffer, copy them into the destination
@@ -595,11 +644,16 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             peer = self._peers.get(load.source_node, load.source_epoch)
             if peer is None:
                 raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered (as last seen)")
-            session, theirs, fingerprint = peer
+            sessions, layouts, fingerprint = peer
             if fingerprint != self.fingerprint:  # another model's, revision's or layout's KV (docs/protocol.md §2.1)
                 raise PlanError(
                     f"{load.source_node} registered KV fingerprint {fingerprint}, not this engine's {self.fingerprint}"
                 )
+            if len(layouts) != self.tp_size:  # its heads are sliced over another rank count (docs/protocol.md §2.2)
+                raise PlanError(f"{load.source_node} has {len(layouts)} TP ranks, this engine {self.tp_size}")
+            session, theirs = sessions[self.rank], layouts[self.rank]  # rank r reads the holder's rank r
+            if session is None:
+                raise PlanError(f"{load.source_node}'s rank {self.rank} registered no transfer session")
             why = self._layout.compatible(theirs)
             if why:
                 raise PlanError(f"{load.source_node} has {why}")
@@ -617,8 +671,9 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                 self._transfer.read(session, *first)
                 self._transfer.read(session, staged, src, lengths)
                 self._transfer.read(session, *again)
-            self._report.read_s += time.perf_counter() - t0
-            self._report.read_bytes += sum(lengths)
+            rank = self.rank
+            self._report.read_s[rank] = self._report.read_s.get(rank, 0.0) + time.perf_counter() - t0
+            self._report.read_bytes[rank] = self._report.read_bytes.get(rank, 0) + sum(lengths)
         except Exception as exc:  # any failure, expected (these four) or not, is a recompute (start_load_kv)
             if getattr(self._transfer, "abandoned_in_flight", 0):
                 self._orphans += [tags, staging]
@@ -660,7 +715,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report, self._report = self._report, KvdirWorkerMeta()
-        if not (report.complete or report.pulled_blocks or report.failed_blocks):
+        if not (report.complete or report.loaded):
             return None
         return report
 

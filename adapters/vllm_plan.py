@@ -3,9 +3,10 @@
 * **Which blocks to pull** (`blocks_to_pull`): only those the engine lacks locally, never the block
   holding the prompt's last token (vLLM always computes that token to sample from it).
 * **Pull plans** (`plan_from_params`): the gateway's `PullPlan` inside a request's `kv_transfer_params`.
-* **Regions** (`KvLayout`): how an engine's KV memory is described to the directory: one region per
-  layer (`layer` set, block `b` of layer `l` at `base_addr + b * block_bytes`) and one *tag* region
-  (`rkey` `TAG_RKEY`): 16 bytes per block, `(kvdir hash, generation)` little-endian u64.
+* **Regions** (`KvLayout`): how an engine's KV memory is described to the directory: per TP rank, one
+  region per layer (`layer` set, block `b` of layer `l` at `base_addr + b * block_bytes`) and one *tag*
+  region (`rkey` `TAG_RKEY`): 16 bytes per block, `(kvdir hash, generation)` little-endian u64. Ranks are
+  mirrored (`mirrored`): the same block id on every rank, each rank's pages holding its share of the heads.
 * **Stale-slot validation** (`check_tags`): a reader compares the tags it read before and after the
   pages; see the connector's docstring for why that makes a stale read impossible to miss.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from kvproto.ranks import tp_size
 from kvproto.schemas import PULL_PLAN_FIELD, PullPlan, Region
 
 TAG_RKEY = "kvdir-tags"
@@ -69,23 +71,42 @@ class KvLayout:
     def num_blocks(self) -> int:
         return min(r.num_blocks for r in self.layers)
 
-    def regions(self) -> list[Region]:
+    def regions(self, rank: int = 0, transfer_url: str | None = None) -> list[Region]:
+        """The regions of TP rank `rank`, read through `transfer_url` (None: the node's own)."""
         out = [
-            Region(rank=0, base_addr=r.base, length=r.page_bytes * r.num_blocks, block_bytes=r.page_bytes, layer=i)
+            Region(
+                rank=rank,
+                base_addr=r.base,
+                length=r.page_bytes * r.num_blocks,
+                block_bytes=r.page_bytes,
+                layer=i,
+                transfer_url=transfer_url,
+            )
             for i, r in enumerate(self.layers)
         ]
         out.append(
-            Region(rank=0, base_addr=self.tags_base, length=TAG_BYTES * self.num_blocks, block_bytes=TAG_BYTES, rkey=TAG_RKEY)
+            Region(
+                rank=rank,
+                base_addr=self.tags_base,
+                length=TAG_BYTES * self.num_blocks,
+                block_bytes=TAG_BYTES,
+                rkey=TAG_RKEY,
+                transfer_url=transfer_url,
+            )
         )
         return out
 
     @classmethod
-    def from_regions(cls, regions: Sequence[Any]) -> KvLayout:
-        """The layout a peer registered (`Region`s or the directory's `RegionInfo`s); PlanError if it has none."""
-        layers = sorted((r for r in regions if r.layer is not None and r.rkey == 0), key=lambda r: r.layer)
-        tags = [r for r in regions if r.rkey == TAG_RKEY]
+    def from_regions(cls, regions: Sequence[Any], rank: int = 0) -> KvLayout:
+        """TP rank `rank`'s layout as a peer registered it (`Region`s or the directory's `RegionInfo`s); PlanError
+        if that rank has none."""
+        mine = [r for r in regions if r.rank == rank]
+        layers = sorted((r for r in mine if r.layer is not None and r.rkey == 0), key=lambda r: r.layer)
+        tags = [r for r in mine if r.rkey == TAG_RKEY]
         if not layers or len(tags) != 1 or [r.layer for r in layers] != list(range(len(layers))):
-            raise PlanError("the source registered no kvdir connector layout (per-layer regions and a tag region)")
+            raise PlanError(
+                f"the source registered no kvdir connector layout for rank {rank} (per-layer regions and a tag region)"
+            )
         return cls(tuple(LayerRegion(r.base_addr, r.block_bytes, r.length // r.block_bytes) for r in layers), tags[0].base_addr)
 
     def compatible(self, other: KvLayout) -> str | None:
@@ -94,8 +115,26 @@ class KvLayout:
             return f"{len(other.layers)} layers, not {len(self.layers)}"
         for i, (a, b) in enumerate(zip(self.layers, other.layers)):
             if a.page_bytes != b.page_bytes:
-                return f"layer {i} pages of {b.page_bytes} B, not {a.page_bytes}"
+                return f"layer {i} pages of {b.page_bytes} B, not {a.page_bytes} B"
         return None
+
+
+def rank_layouts(regions: Sequence[Any]) -> list[KvLayout]:
+    """Every TP rank's layout, rank order (kvproto.ranks); PlanError if a rank has none."""
+    return [KvLayout.from_regions(regions, rank) for rank in range(tp_size(regions))]
+
+
+def mirrored(layouts: Sequence[KvLayout]) -> str | None:
+    """Why these ranks' layouts are not one engine's mirrored TP layout (None if they are): every rank must have
+    the same layers, page sizes and block count, as one block id locates a block on every rank."""
+    first = layouts[0]
+    for rank, other in enumerate(layouts[1:], 1):
+        why = first.compatible(other)
+        if why:
+            return f"rank {rank} has {why}"
+        if other.num_blocks != first.num_blocks:
+            return f"rank {rank} has {other.num_blocks} blocks, rank 0 {first.num_blocks}"
+    return None
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -138,3 +177,21 @@ def check_tags(expected: Sequence[int], before: Sequence[tuple[int, int]], after
     mean the pages read were that block's complete KV throughout.
     """
     return [i for i, (h, b, a) in enumerate(zip(expected, before, after)) if b[0] != h or a != b]
+
+
+def pull_outcome(loaded: Sequence[int], failed: Sequence[int], failed_reqs: Sequence[str]) -> tuple[int, int, int]:
+    """(blocks pulled, blocks failed, pulls failed) of one step over every TP rank's report: each rank lists
+    its loads' destination blocks and those that failed there. A block one rank failed failed on all: vLLM
+    recomputes every block any rank reports (the union of their load errors), on every rank."""
+    bad = set(failed)
+    return len(set(loaded) - bad), len(bad), len(set(failed_reqs))
+
+
+def complete_on_every_rank(complete: Sequence[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
+    """The (block, hash) pairs that each of `ranks` TP ranks reported complete this step, in first-report order:
+    only those hold the block's whole KV. A rank whose pull failed does not report the pulled blocks, so they
+    are not published while vLLM recomputes them (no rank may be the only one holding a block)."""
+    counts: dict[tuple[int, int], int] = {}
+    for pair in complete:
+        counts[pair] = counts.get(pair, 0) + 1
+    return [pair for pair, n in counts.items() if n >= ranks]

@@ -80,7 +80,7 @@ def _profile(request: Request, body: RegisterRequest) -> tuple[st.NodeProfile, l
     if body.fingerprint is None:
         warnings.append("no fingerprint: the engine is never a pull source nor a pull destination")
     models = tuple(dict.fromkeys(body.models))
-    return st.NodeProfile(models, body.fingerprint, tenant, body.shared), warnings
+    return st.NodeProfile(models, body.fingerprint, tenant, body.shared, body.dp_rank), warnings
 
 
 async def _shard_index(replica: Replica) -> int:
@@ -147,8 +147,14 @@ def _node_info(view: NodeView) -> dict[str, Any]:
 
 def _profile_info(p: st.NodeProfile | None) -> dict[str, Any]:
     if p is None:
-        return {"models": [], "fingerprint": None, "tenant": "", "shared": False}
-    return {"models": list(p.models), "fingerprint": p.fingerprint, "tenant": p.tenant, "shared": p.shared}
+        return {"models": [], "fingerprint": None, "tenant": "", "shared": False, "dp_rank": None}
+    return {
+        "models": list(p.models),
+        "fingerprint": p.fingerprint,
+        "tenant": p.tenant,
+        "shared": p.shared,
+        "dp_rank": p.dp_rank,
+    }
 
 
 @router.get("/v1/nodes", response_model=NodesResponse)

@@ -102,6 +102,9 @@ class Candidate:
     # Its registered KV fingerprint (docs/protocol.md §2.1): a pull is planned only from a holder whose
     # fingerprint equals it (the router leaves `can_pull` off for a node that registered none).
     kv_fingerprint: str | None = None
+    # Its tensor-parallel rank count (docs/protocol.md §2.2): rank r's pages hold r's share of the KV heads, so a
+    # pull is planned only from a holder with as many ranks.
+    tp_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ import httpx
 from kvproto import schemas
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
+from kvproto.ranks import tp_size
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, Origin
 
 log = logging.getLogger("kvdir.gateway")
@@ -112,6 +113,8 @@ class EngineState:
     adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> its base model, from /v1/models ("parent")
     models_known: bool = False  # its registration or its /v1/models said what it serves
     fingerprint: str | None = None  # its KV fingerprint as registered (None: never a pull source nor destination)
+    tp_size: int = 1  # its tensor-parallel ranks, from its registered regions (a pull needs as many on both ends)
+    dp_rank: int | None = None  # the data-parallel rank behind its api_url it is: requests name it in a header
     running: float = 0.0
     waiting: float = 0.0
     pull_gbps: float = 0.0  # pull bandwidth it measured (PULL_GBPS_LABEL; 0: none reported)
@@ -262,6 +265,8 @@ class EngineRegistry:
             e.waiting = n.load.get("waiting", 0.0)
             e.pull_gbps = n.load.get(PULL_GBPS_LABEL, 0.0)
             e.fingerprint = n.fingerprint
+            e.tp_size = tp_size(n.regions)
+            e.dp_rank = n.dp_rank
             e.registered_models = frozenset(n.models)
             e.models_known = e.models_known or bool(n.models)
             e.last_seen = time.monotonic()

@@ -112,8 +112,7 @@ class KvdirPolicy:
         best_follows = False
         options: list[_Option] = []
         for c in healthy:
-            # Only between equal fingerprints: another model's (or weights', or layout's) KV is not this one's.
-            br = evaluate(req, c, cost, pull_to_blocks=pull_to if c.kv_fingerprint == holder.kv_fingerprint else 0)
+            br = evaluate(req, c, cost, pull_to_blocks=pull_to if pullable(holder, c) is None else 0)
             score = br.score_s
             dup = dup_to > br.cached_tokens
             if dup:
@@ -180,6 +179,10 @@ class KvdirPolicy:
             f" + compute {br.compute_s:.6f} [({req.prompt_tokens}-{br.cached_tokens})/{cost.prefill_tokens_per_s:g}]"
             f"; longest {holder.node_id}={longest} blocks"
         )
+        if longest > c.cached_blocks and c.node_id != holder.node_id and not br.pulled_blocks:
+            why = pullable(holder, c)
+            if why:
+                s += f"; no pull from {holder.node_id}: {why}"
         if c.inflight_blocks > c.cached_blocks:
             s += f"; {c.inflight_blocks} blocks being computed there"
         if br.displace_s:
@@ -215,3 +218,13 @@ def _break_tie(tied: list[_Option], rng: random.Random) -> _Option:
         tied.sort(key=lambda o: o[3].node_id)
         return rng.choice(tied)
     return tied[0]
+
+
+def pullable(holder: Candidate, to: Candidate) -> str | None:
+    """Why `to` may not read `holder`'s KV (None: it may): another model's, weights' or layout's KV is not this
+    one's (fingerprints differ), and heads sliced over another TP rank count do not fit its ranks' pages."""
+    if to.kv_fingerprint != holder.kv_fingerprint:
+        return f"KV fingerprint {holder.kv_fingerprint} there, {to.kv_fingerprint} here"
+    if to.tp_size != holder.tp_size:
+        return f"{holder.tp_size} TP ranks there, {to.tp_size} here"
+    return None

@@ -52,11 +52,12 @@ from gateway.peers import PeerNotes
 from gateway.router import HolderView, NoEngineAvailable, Route, Router
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity
-from kvproto.schemas import Origin
+from kvproto.schemas import DP_RANK_HEADER, Origin
 
 log = logging.getLogger("kvdir.gateway")
 
 _TAIL_BYTES = 65536  # the end of a stream kept to read its final usage chunk
+_DP_RANK = DP_RANK_HEADER.lower().encode()
 _CONNECT_FAILED = (httpcore.ConnectError, httpcore.ConnectTimeout)  # nothing was sent: the next engine may take it
 _UPSTREAM_FAILED = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError)  # httpcore's, all of them
 
@@ -332,10 +333,13 @@ class Proxy:
     async def _post(self, engine: EngineState, path: str, body: bytes) -> httpcore.Response:
         """POST `body` (JSON) to `path` on `engine`: the response once its headers are in, its body still to read."""
         url, host = _target(engine.origin, path)
+        headers = [(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if engine.dp_rank is not None:  # one rank of a data-parallel engine: its API server routes by this header
+            headers.append((_DP_RANK, b"%d" % engine.dp_rank))
         request = httpcore.Request(
             b"POST",
             url,
-            headers=[(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+            headers=headers,
             content=body,
             extensions={"timeout": self._timeout},
         )

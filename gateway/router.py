@@ -83,6 +83,8 @@ class EngineView(Protocol):
     def pull_gbps(self) -> float: ...  # pull bandwidth it measured, GB/s (its PULL_GBPS_LABEL load label; 0: none)
     @property
     def fingerprint(self) -> str | None: ...  # its registered KV fingerprint (None: never a pull source nor destination)
+    @property
+    def tp_size(self) -> int: ...  # its tensor-parallel ranks, as registered (a pull needs as many on both ends)
 
 
 class HolderView(Protocol):
@@ -137,6 +139,7 @@ def make_candidate(
     inflight_blocks: int = 0,
     link_bytes_per_s: float = 0.0,
     kv_fingerprint: str | None = None,
+    tp_size: int = 1,
 ) -> Candidate:
     """A candidate from an engine's reported load and the gateway's own count of requests in flight there.
 
@@ -159,6 +162,7 @@ def make_candidate(
         inflight_blocks=inflight_blocks,
         link_bytes_per_s=link_bytes_per_s,
         kv_fingerprint=kv_fingerprint,
+        tp_size=tp_size,
     )
 
 
@@ -212,6 +216,7 @@ def build_candidates(
                 inflight_blocks=inflight.get((e.node_id, e.epoch), 0),
                 link_bytes_per_s=reported_link(e.pull_gbps),
                 kv_fingerprint=e.fingerprint,
+                tp_size=e.tp_size,
             )
         )
     return out

@@ -94,6 +94,9 @@ class UpSettings(BaseSettings):
     worker_capacity_blocks: int = Field(4096, ge=1, description="KV slots of each worker stub")
     worker_time_scale: float = Field(1.0, ge=0, description="time scale of the workers' simulated prefill and decode")
     worker_transfer: TransferName = Field("mooncake", description="transfer engine of the workers: mooncake or tcp")
+    worker_tp: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks of each worker stub (mirrored slots, a transfer engine each)"
+    )
     gateway: bool = Field(True, description="start the gateway on BASE_PORT")
     policy: PolicyName = Field("kvdir", description="routing policy of the gateway")
     demo: bool = Field(False, description="after start-up, drive a short demo workload and print what it did")
@@ -446,6 +449,8 @@ def run_up(settings: UpSettings) -> int:
             settings.worker_transfer,
             "--transfer-host",
             settings.host,
+            "--tp",
+            str(settings.worker_tp),
         ],
         token_files=auth.engines if auth else None,
     )

@@ -244,11 +244,13 @@ class DirectoryClient:
         models: Iterable[str] = (),
         fingerprint: str | None = None,
         shared: bool = False,
+        dp_rank: int | None = None,
         deadline: float | None = None,
     ) -> RegisterResponse:
         """Register (or re-register) a node; the same `incarnation` makes retries return the same epoch.
 
-        `models`, `fingerprint` and `shared` are its profile (docs/protocol.md §2.1); its tenant is the client's.
+        `models`, `fingerprint`, `shared` and `dp_rank` are its profile (docs/protocol.md §2.1); its tenant is
+        the client's.
         """
         body: dict[str, Any] = {
             "node_id": node_id,
@@ -261,6 +263,7 @@ class DirectoryClient:
             "models": list(models),
             "fingerprint": fingerprint,
             "shared": shared,
+            "dp_rank": dp_rank,
             **self._tenant,
         }
         return RegisterResponse.model_validate(await self._node_request(node_id, "POST", "/v1/nodes", body, deadline=deadline))

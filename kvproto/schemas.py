@@ -23,6 +23,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvproto.hashing import U32_MAX, U64_MAX
+from kvproto.ranks import check_ranks
 
 TENANT_MAX_LEN = 64
 TENANT_PATTERN = r"^[A-Za-z0-9._-]*$"
@@ -138,6 +139,17 @@ class Region(_Body):
     block_bytes: Annotated[int, msgspec.Meta(ge=1, extra_json_schema={"maximum": U64_MAX})]
     rkey: U64 | Annotated[str, msgspec.Meta(max_length=RKEY_MAX_LEN)] = 0
     layer: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    transfer_url: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                min_length=1,
+                max_length=TRANSFER_URL_MAX_LEN,
+                description="the session this region is read through, if not the node's transfer_url (a TP rank's own)",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         check_u64(self.base_addr, "base_addr")
@@ -196,9 +208,23 @@ class RegisterRequest(_Body):
     shared: Annotated[
         bool, msgspec.Meta(description="routed to by every tenant's gateway (a token not confined to a tenant only)")
     ] = False
+    dp_rank: (
+        Annotated[
+            int,
+            msgspec.Meta(
+                ge=0,
+                le=65535,
+                description="the data-parallel rank this node is behind api_url: requests carry X-data-parallel-rank",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         self.api_url = origin(self.api_url)
+        why = check_ranks(self.regions)
+        if why:
+            raise ValueError(f"regions: {why}")
 
 
 class HeartbeatRequest(_Body):
@@ -250,6 +276,8 @@ class LookupRequest(_Body):
     tenant: Tenant | None = None
 
 
+DP_RANK_HEADER = "X-data-parallel-rank"
+"""The request header naming the data-parallel rank to serve it: vLLM's OpenAI API server's (docs/engines.md)."""
 PULL_PLAN_FIELD = "kvdir_pull"
 """The completion-body field that carries a `PullPlan` (written by the gateway only: it drops one a client sent)."""
 KV_TRANSFER_PARAMS_FIELD = "kv_transfer_params"
@@ -346,6 +374,7 @@ class RegionInfo(_Model):
     rkey: int | str = 0
     block_bytes: int
     layer: int | None = None
+    transfer_url: str | None = None
 
 
 class NodeInfo(_Model):
@@ -363,6 +392,7 @@ class NodeInfo(_Model):
     fingerprint: str | None = None
     tenant: str = ""
     shared: bool = False
+    dp_rank: int | None = None
 
 
 class NodesResponse(_Model):

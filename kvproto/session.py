@@ -94,6 +94,7 @@ class NodeSession:
         models: Iterable[str] = (),
         fingerprint: str | None = None,
         shared: bool = False,
+        dp_rank: int | None = None,
         load: Callable[[], Mapping[str, float]] | None = None,
         collect: Callable[[], None] | None = None,
         on_published: Callable[[int, float], None] | None = None,
@@ -114,6 +115,7 @@ class NodeSession:
         self.models = list(models)
         self.fingerprint = fingerprint
         self.shared = shared
+        self.dp_rank = dp_rank
         self.holdings = holdings
         self.load = load
         self.collect = collect
@@ -226,6 +228,7 @@ class NodeSession:
             models=self.models,
             fingerprint=self.fingerprint,
             shared=self.shared,
+            dp_rank=self.dp_rank,
         )
         if reg.epoch != self.epoch:
             for warning in reg.warnings:

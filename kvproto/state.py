@@ -49,13 +49,20 @@ class NodeProfile:
     dtype, KV layout, block size); pulls are planned and accepted only between equal fingerprints, and
     never from or to an engine without one. `tenant`: the registrant's tenant, decided by the API from the
     token; a tenant's gateway routes only to its own tenant's engines and to `shared` ones (set only by a
-    token not confined to a tenant).
+    token not confined to a tenant). `dp_rank`: the data-parallel rank of the engine behind `api_url` that
+    this node is (its own cache), which a request to it names (None: the API server has one rank).
     """
 
     models: tuple[str, ...] = ()
     fingerprint: str | None = None
     tenant: str = ""
     shared: bool = False
+    dp_rank: int | None = None
+
+    def __setstate__(self, state: list[Any]) -> None:
+        """Unpickle a profile of any version: one written before `dp_rank` existed has four fields."""
+        for f, value in zip(fields(self), [*state, None][: len(fields(self))]):
+            object.__setattr__(self, f.name, value)
 
 
 @dataclass(frozen=True, slots=True)

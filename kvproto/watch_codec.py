@@ -173,12 +173,15 @@ def _b32(a: np.ndarray) -> bytes:
 
 
 def _profile(p: NodeProfile) -> list[Any]:
-    return [list(p.models), p.fingerprint, p.tenant, p.shared]
+    return [list(p.models), p.fingerprint, p.tenant, p.shared, p.dp_rank]
 
 
 def _unprofile(v: Any) -> NodeProfile:
-    models, fingerprint, tenant, shared = _list(v)
-    return NodeProfile(tuple(_str(m) for m in _list(models)), _opt_str(fingerprint), _str(tenant), _bool(shared))
+    models, fingerprint, tenant, shared, *rest = _list(v)  # no fifth: a replica of before DP ranks
+    if len(rest) > 1:
+        raise WireError(f"a profile of {4 + len(rest)} fields")
+    dp_rank = _opt_int(rest[0], 0, 65535) if rest else None
+    return NodeProfile(tuple(_str(m) for m in _list(models)), _opt_str(fingerprint), _str(tenant), _bool(shared), dp_rank)
 
 
 def encode_command(c: Command) -> list[Any]:

@@ -3,7 +3,7 @@
 vLLM's CPU build lives in its own venv (`make vllm-install`: `.venv-vllm`, or `$KVDIR_VLLM_VENV`); this module
 only starts processes there and talks HTTP to them, so kvdir itself never imports vLLM. Engines run the tiny
 random Llama of tests/compose/make_tiny_model.py (no hub access), block size 32 (the CPU attention needs a
-multiple of 32), one engine core and one worker per engine, each engine in its own process group.
+multiple of 32), one engine core and one worker per TP rank per engine, each engine in its own process group.
 """
 
 from __future__ import annotations
@@ -69,8 +69,12 @@ class VllmEngine:
         connector: dict[str, Any] | None = None,
         served_name: str = MODEL,
         extra_args: tuple[str, ...] = (),
+        tp: int = 1,
     ) -> None:
+        """`tp`: tensor-parallel ranks, one worker process each (multiprocessing executor), rank r's OpenMP
+        threads bound to CPU r modulo the CPUs here (vLLM's CPU build refuses TP > 1 on one NUMA node unless told)."""
         self.name = name
+        self.tp = tp
         self.served_name = served_name
         self.extra_args = extra_args
         self.venv = venv
@@ -109,6 +113,11 @@ class VllmEngine:
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
             "PYTHONPATH": str(ROOT),
         }
+        tp_args: tuple[str, ...] = ()
+        if self.tp > 1:
+            cpus = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(self.tp))
+            tp_args = ("--tensor-parallel-size", str(self.tp), "--distributed-executor-backend", "mp")
         cmd = [
             str(self.venv / "bin" / "vllm"),
             "serve",
@@ -130,6 +139,7 @@ class VllmEngine:
             "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             json.dumps(config),
+            *tp_args,
             *self.extra_args,
         ]
         with open(self.log, "ab") as logf:

@@ -12,6 +12,10 @@ characters than that, is refused unparsed and untokenized.
 Answers report `usage.prompt_tokens_details.cached_tokens` (prompt tokens not
 recomputed: local hits plus pulled blocks) and, in the extension field
 `kvdir`, where the time went and what was pulled (their shapes are worker_stub.responses').
+With `--dp N` the API serves N data-parallel ranks, each an engine, pool and directory node of its own
+(`NODE_ID-dpR`); a request names its rank in `X-data-parallel-rank`, as with vLLM, else goes to the least busy;
+`/health` and `/metrics` answer for the rank the header names; without it, `/health` for the whole engine (its
+ranks listed) and `/metrics` for rank 0.
 The routes only translate HTTP: what a worker holds is a WorkerRuntime (worker_stub.runtime).
 """
 
@@ -48,7 +52,7 @@ from kvproto.openai_api import (
     openapi_body,
     parse_request,
 )
-from kvproto.schemas import PULL_PLAN_FIELD, PullPlan
+from kvproto.schemas import DP_RANK_HEADER, PULL_PLAN_FIELD, PullPlan
 from kvproto.tokenizer import Tokenizer, load_tokenizer, max_chars_per_token
 from worker_stub.config import WorkerSettings
 from worker_stub.responses import SSE_DONE, Completion, decode, kvdir_extension, sse_event, usage
@@ -56,25 +60,57 @@ from worker_stub.runtime import Generation, WorkerRuntime
 from worker_stub.stub_engine import QueueFull
 
 
+def _named(request: Request) -> WorkerRuntime | None:
+    """The runtime of the data-parallel rank the request names in `DP_RANK_HEADER` (as vLLM's API server takes
+    it), None if it names none; 400 for a rank this engine does not have."""
+    runtimes: list[WorkerRuntime] = request.app.state.runtimes
+    named = request.headers.get(DP_RANK_HEADER)
+    if named is None:
+        return None
+    if not named.isdigit() or int(named) >= len(runtimes):
+        raise OpenAIError(
+            400, f"{DP_RANK_HEADER}: {named[:32]!r} is not one of this engine's data-parallel ranks 0..{len(runtimes) - 1}"
+        )
+    return runtimes[int(named)]
+
+
 async def _runtime(request: Request) -> WorkerRuntime:
-    """The runtime the lifespan stored on the app (async: a sync dependency would take a threadpool hop)."""
-    runtime: WorkerRuntime = request.app.state.runtime
+    """The runtime to serve a request: the rank it names, else the least busy. (Async: a sync dependency would
+    take a threadpool hop.)"""
+    named = _named(request)
+    if named is not None:
+        return named
+    runtimes: list[WorkerRuntime] = request.app.state.runtimes
+    return runtimes[0] if len(runtimes) == 1 else min(runtimes, key=lambda r: r.engine.running + r.engine.waiting)
+
+
+async def _ops_runtime(request: Request) -> WorkerRuntime:
+    """The runtime `/health` and `/metrics` answer for: the rank the request names, else rank 0."""
+    named = _named(request)
+    if named is not None:
+        return named
+    runtime: WorkerRuntime = request.app.state.runtimes[0]
     return runtime
 
 
 RuntimeDep = Annotated[WorkerRuntime, Depends(_runtime)]
+OpsRuntimeDep = Annotated[WorkerRuntime, Depends(_ops_runtime)]
 
 
 def _lifespan(settings: WorkerSettings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = WorkerRuntime.build(settings)
-        app.state.runtime = runtime
-        runtime.start()
+        runtimes: list[WorkerRuntime] = []
         try:
+            for rank in range(settings.dp):
+                runtimes.append(WorkerRuntime.build(settings, dp_rank=rank if settings.dp > 1 else None))
+            app.state.runtimes = runtimes
+            for runtime in runtimes:
+                runtime.start()
             yield
         finally:
-            await runtime.aclose()
+            for runtime in runtimes:
+                await runtime.aclose()
 
     return lifespan
 
@@ -130,7 +166,7 @@ async def _body(settings: WorkerSettings, completion: Completion, gen: Generatio
     async for piece in gen.rest:
         parts.append(piece)
     text = decode(b"".join(parts))
-    return completion.body(text, usage(gen.stats), kvdir_extension(settings.node_id, gen.stats, gen.ttft))
+    return completion.body(text, usage(gen.stats), kvdir_extension(gen.node_id, gen.stats, gen.ttft))
 
 
 async def _sse(settings: WorkerSettings, completion: Completion, gen: Generation) -> AsyncIterator[bytes]:
@@ -140,7 +176,7 @@ async def _sse(settings: WorkerSettings, completion: Completion, gen: Generation
             yield sse_event(completion.chunk(decode(gen.first)))
         async for piece in gen.rest:
             yield sse_event(completion.chunk(decode(piece)))
-        yield sse_event(completion.last_chunk(usage(gen.stats), kvdir_extension(settings.node_id, gen.stats, gen.ttft)))
+        yield sse_event(completion.last_chunk(usage(gen.stats), kvdir_extension(gen.node_id, gen.stats, gen.ttft)))
         yield SSE_DONE
     finally:
         await gen.rest.aclose()
@@ -206,15 +242,24 @@ def _add_openai_routes(app: FastAPI, settings: WorkerSettings, tokenizer: Tokeni
         return JSONResponse(_models(settings))
 
 
+def _rank_health(runtime: WorkerRuntime) -> dict[str, Any]:
+    return {"ok": True, "node_id": runtime.node_id, "epoch": runtime.publisher.epoch, "load": runtime.engine.load()}
+
+
 def _add_ops_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.get("/health")
-    async def health(runtime: RuntimeDep) -> Response:
-        return JSONResponse(
-            {"ok": True, "node_id": settings.node_id, "epoch": runtime.publisher.epoch, "load": runtime.engine.load()}
-        )
+    async def health(request: Request) -> Response:
+        named = _named(request)
+        runtimes: list[WorkerRuntime] = request.app.state.runtimes
+        ranks = [_rank_health(r) for r in ([named] if named is not None else runtimes)]
+        if named is not None or len(runtimes) == 1:
+            return JSONResponse(ranks[0])
+        # The whole engine: its node id, and an epoch (rank 0's) once every rank has registered.
+        epoch = ranks[0]["epoch"] if all(r["epoch"] is not None for r in ranks) else None
+        return JSONResponse({"ok": True, "node_id": settings.node_id, "epoch": epoch, "ranks": ranks})
 
     @app.get("/metrics")
-    async def metrics(runtime: RuntimeDep) -> Response:
+    async def metrics(runtime: OpsRuntimeDep) -> Response:
         return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

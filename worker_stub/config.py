@@ -12,7 +12,7 @@ import json
 from typing import Literal, get_args
 
 import xxhash
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from kvproto.addresses import HostPort, is_wildcard
@@ -65,7 +65,16 @@ class WorkerSettings(DirectoryClientSettings):
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the gateway's")
     capacity_blocks: int = Field(4096, ge=1, le=2**31, description="KV slots per TP rank")
     block_bytes: int = Field(16384, ge=64, description="bytes of one block on one rank")
-    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (one memory region each, mirrored slots)")
+    tp: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks (one memory region and transfer engine each, mirrored slots)"
+    )
+    dp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="data-parallel ranks behind this API, each an engine, pool and node of its own (NODE_ID-dpR, "
+        "named by X-data-parallel-rank)",
+    )
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="simulated prefill rate of uncached tokens")
     decode_tokens_per_s: float = Field(80.0, gt=0, description="simulated decode rate of one sequence")
     max_running: int = Field(32, ge=1, description="requests served at once; more wait in a queue")
@@ -114,3 +123,10 @@ class WorkerSettings(DirectoryClientSettings):
         if any(len(a) > 256 for a in names):
             raise ValueError("adapter names are at most 256 characters")
         return v
+
+    @model_validator(mode="after")
+    def _rank_node_ids_fit(self) -> WorkerSettings:
+        """With `--dp N` each rank is node `NODE_ID-dpR`: that id must be a valid node id too."""
+        if self.dp > 1 and len(self.node_id) + len(f"-dp{self.dp - 1}") > NODE_ID_MAX_LEN:
+            raise ValueError(f"node_id: at most {NODE_ID_MAX_LEN - len(f'-dp{self.dp - 1}')} characters with dp {self.dp}")
+        return self

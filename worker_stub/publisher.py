@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from kvproto.client import DirectoryClient
 from kvproto.schemas import Region
@@ -34,11 +34,12 @@ class Publisher:
         pool: KVPool,
         directory: DirectoryClient,
         *,
-        transfer_url: str | None,
+        transfer_sessions: Sequence[str],
         block_size: int,
         models: list[str],
         fingerprint: str,
         shared: bool,
+        dp_rank: int | None,
         load: Callable[[], dict[str, float]],
         interval: float,
         heartbeat_interval: float,
@@ -53,9 +54,16 @@ class Publisher:
             node_id,
             api_url,
             holdings=self._holdings,
-            transfer_url=transfer_url,
+            transfer_url=transfer_sessions[0] if transfer_sessions else None,
             regions=[
-                Region(rank=r.rank, base_addr=r.base_addr, length=r.length, rkey=0, block_bytes=r.block_bytes)
+                Region(
+                    rank=r.rank,
+                    base_addr=r.base_addr,
+                    length=r.length,
+                    rkey=0,
+                    block_bytes=r.block_bytes,
+                    transfer_url=transfer_sessions[r.rank] if r.rank > 0 else None,
+                )
                 for r in pool.regions
             ],
             capacity_blocks=pool.capacity_blocks,
@@ -63,6 +71,7 @@ class Publisher:
             models=models,
             fingerprint=fingerprint,
             shared=shared,
+            dp_rank=dp_rank,
             load=load,
             collect=self._collect,
             on_published=on_published,

@@ -25,6 +25,7 @@ log = logging.getLogger("kvdir.worker")
 class Generation:
     """A request past its first token (queueing, pull and prefill are done): the rest is still to decode."""
 
+    node_id: str  # the directory node that served it (a data-parallel rank's own)
     first: bytes | None
     rest: AsyncGenerator[bytes, None]
     stats: RequestStats
@@ -36,58 +37,76 @@ class WorkerRuntime:
     """One worker's engine and the services around it; the app stores it once, on `app.state.runtime`."""
 
     settings: WorkerSettings
+    node_id: str
+    """The directory node it is: the worker's, or with `--dp N` its data-parallel rank's (`NODE_ID-dpR`)."""
     pool: KVPool
-    transfer: TransferEngine
+    transfers: list[TransferEngine]
+    """One per TP rank, rank order."""
     directory: DirectoryClient
     engine: Engine
     publisher: Publisher
     metrics: WorkerMetrics
 
     @classmethod
-    def build(cls, settings: WorkerSettings) -> WorkerRuntime:
-        """Everything wired up, the publisher not yet started."""
+    def build(cls, settings: WorkerSettings, dp_rank: int | None = None) -> WorkerRuntime:
+        """Everything wired up, the publisher not yet started; `dp_rank`: the data-parallel rank it is (its own
+        node, registered with that rank so that gateways name it in each request)."""
+        node_id = settings.node_id if dp_rank is None else f"{settings.node_id}-dp{dp_rank}"
         pool = KVPool(settings.capacity_blocks, settings.block_bytes, settings.tp)
-        transfer = create_engine(settings.transfer, settings.transfer_host)
-        for region in pool.regions:
-            transfer.register(region.base_addr, region.length)
+        # One transfer engine per TP rank, as each rank of a real engine is its own process with its own.
+        transfers: list[TransferEngine] = []
+        try:
+            for region in pool.regions:
+                transfers.append(create_engine(settings.transfer, settings.transfer_host))
+                transfers[-1].register(region.base_addr, region.length)
+        except BaseException:
+            for t in transfers:
+                t.close()
+            raise
         directory = DirectoryClient(settings.directory_urls, deadline=5.0, token=settings.directory_token, tenant=settings.tenant)
-        engine = Engine(settings, pool, transfer, directory)
+        engine = Engine(settings, pool, transfers, directory)
         metrics = WorkerMetrics(engine)
         publisher = Publisher(
-            settings.node_id,
+            node_id,
             settings.url,
             pool,
             directory,
-            transfer_url=transfer.session,
+            transfer_sessions=[t.session for t in transfers],
             block_size=settings.block_size,
             models=[settings.model, *settings.adapter_names],
             fingerprint=settings.kv_fingerprint,
             shared=settings.shared,
+            dp_rank=dp_rank,
             load=engine.load,
             interval=settings.publish_interval_s,
             heartbeat_interval=settings.heartbeat_interval_s,
             on_published=metrics.on_published,
         )
         metrics.watch_publisher(publisher)
-        return cls(settings, pool, transfer, directory, engine, publisher, metrics)
+        return cls(settings, node_id, pool, transfers, directory, engine, publisher, metrics)
 
     def start(self) -> None:
         settings = self.settings
         self.publisher.start()
         log.info(
-            "worker %s serving %s (transfer %s at %s)", settings.node_id, settings.url, settings.transfer, self.transfer.session
+            "worker %s serving %s (transfer %s at %s)",
+            self.node_id,
+            settings.url,
+            settings.transfer,
+            ", ".join(t.session for t in self.transfers),
         )
 
     async def aclose(self) -> None:
         """The publisher first: it deregisters through the directory client, which closes next; each closes
-        even when the one before it failed (the transfer engine's listener and memory are always released)."""
+        even when the one before it failed (the transfer engines' listeners and memory are always released)."""
         try:
             await self.publisher.stop()
         finally:
             try:
                 await self.directory.aclose()
             finally:
-                self.transfer.close()
+                for t in self.transfers:
+                    t.close()
 
     async def generate(
         self, endpoint: str, tokens: list[int], max_tokens: int, plan: PullPlan | None, kv: KvIdentity
@@ -99,4 +118,4 @@ class WorkerRuntime:
         first = await anext(gen, None)  # queueing, pull and prefill happen here
         ttft = stats.queue_s + stats.pull_s + stats.prefill_s
         self.metrics.on_first_token(stats, ttft)
-        return Generation(first, gen, stats, ttft)
+        return Generation(self.node_id, first, gen, stats, ttft)

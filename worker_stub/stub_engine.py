@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.ranks import rank_sessions, tp_size
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
 from kvtransfer.bandwidth import PullBandwidth
 from kvtransfer.engine import TransferEngine, TransferError
@@ -46,6 +47,7 @@ class RequestStats:
     pull_s: float = 0.0
     pull_transfer_s: float = 0.0
     pull_bytes: int = 0
+    pull_rank_s: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     pull_failures: list[str] = field(default_factory=list)
@@ -59,11 +61,12 @@ class Engine:
     """One worker's request execution. Use from a single asyncio loop."""
 
     def __init__(
-        self, settings: WorkerSettings, pool: KVPool, transfer: TransferEngine | None, directory: DirectoryClient
+        self, settings: WorkerSettings, pool: KVPool, transfers: Sequence[TransferEngine], directory: DirectoryClient
     ) -> None:
+        """`transfers`: one transfer engine per TP rank, rank order (empty: this engine never pulls)."""
         self.s = settings
         self.pool = pool
-        self.transfer = transfer
+        self.transfers = list(transfers)
         self.directory = directory
         self.running = 0
         self.waiting = 0
@@ -213,8 +216,9 @@ class Engine:
         return peer
 
     async def _pull(self, hashes: list[int], lease: Lease, plan: PullPlan, stats: RequestStats) -> set[int]:
-        """Read the planned blocks from the peer into this lease's new slots; returns the verified ones."""
-        if self.transfer is None:
+        """Read the planned blocks from the peer into this lease's new slots, every rank from the peer's same rank
+        through its own transfer engine, all ranks at once; returns the blocks verified on every rank."""
+        if not self.transfers:
             stats.pull_failures.append("no transfer engine")
             return set()
         index = {h: i for i, h in enumerate(hashes)}
@@ -232,40 +236,41 @@ class Engine:
                 f"source {plan.source_node} epoch {plan.source_epoch} is not registered with a transfer URL"
             )
             return set()
-        mine_fp = self.s.kv_fingerprint
-        if peer.fingerprint != mine_fp or plan.fingerprint not in (None, mine_fp):
-            # Another model's, revision's or layout's KV (docs/protocol.md §2.1): never read, recomputed.
+        why = self._refusal(plan, peer)
+        if why:
+            # Another model's, revision's or layout's KV, or heads sliced over another rank count (docs/protocol.md
+            # §2.1, §2.2): never read, recomputed.
             self.counters["pull_refused"] += 1
-            stats.pull_failures.append(
-                f"source {plan.source_node} has KV fingerprint {peer.fingerprint!r} (plan: {plan.fingerprint!r}), "
-                f"not this engine's {mine_fp!r}"
-            )
-            log.warning("pull plan from %s refused: KV fingerprint %r is not %r", plan.source_node, peer.fingerprint, mine_fp)
+            stats.pull_failures.append(why)
+            log.warning("pull plan from %s refused: %s", plan.source_node, why)
             return set()
+        sessions = rank_sessions(peer.regions, peer.transfer_url)
         regions = {r.rank: r for r in peer.regions}
-        local, remote, lengths = [], [], []
+        reads = []
         for mine in self.pool.regions:
             theirs = regions.get(mine.rank)
-            if theirs is None or theirs.block_bytes != mine.block_bytes:
+            session = sessions[mine.rank]
+            if theirs is None or theirs.block_bytes != mine.block_bytes or session is None:
                 self.counters["pull_errors"] += 1
                 stats.pull_failures.append(f"source has no matching region for rank {mine.rank}")
                 return set()
-            for _, slot, src in wanted:
-                local.append(mine.base_addr + slot * mine.block_bytes)
-                remote.append(theirs.base_addr + src * theirs.block_bytes)
-                lengths.append(mine.block_bytes)
+            local = [mine.base_addr + slot * mine.block_bytes for _, slot, _ in wanted]
+            remote = [theirs.base_addr + src * theirs.block_bytes for _, _, src in wanted]
+            reads.append((mine.rank, session, local, remote, [mine.block_bytes] * len(wanted)))
         t = time.perf_counter()
-        try:
-            await asyncio.to_thread(self.transfer.read, peer.transfer_url, local, remote, lengths)
-            stats.pull_transfer_s = time.perf_counter() - t
-            stats.pull_bytes = sum(lengths)
-            self.pull_bandwidth.add(stats.pull_bytes, stats.pull_transfer_s)
-        except TransferError as exc:
+        outcomes = await asyncio.gather(*(self._read_rank(*r) for r in reads))
+        stats.pull_transfer_s = time.perf_counter() - t
+        stats.pull_rank_s = [s for s, _ in outcomes]
+        errors = [f"rank {r[0]}: {e}" for r, (_, e) in zip(reads, outcomes) if e is not None]
+        if errors:
+            # One rank's read failed: every rank recomputes (no rank may keep a block the others lack).
             self.counters["pull_errors"] += 1
             self.counters["pull_failed_blocks"] += len(wanted)
-            stats.pull_failures.append(f"transfer: {exc}")
-            log.warning("pull from %s failed: %s; recomputing", plan.source_node, exc)
+            stats.pull_failures.append(f"transfer: {'; '.join(errors)}")
+            log.warning("pull from %s failed: %s; recomputing", plan.source_node, "; ".join(errors))
             return set()
+        stats.pull_bytes = sum(sum(r[4]) for r in reads)
+        self.pull_bandwidth.add(stats.pull_bytes, stats.pull_transfer_s)
         good = {h for h, slot, _ in wanted if self.pool.verify(h, slot)}
         bad = len(wanted) - len(good)
         self.counters["pulled_blocks"] += len(good)
@@ -274,3 +279,27 @@ class Engine:
             stats.pull_failures.append(f"{bad} blocks failed verification (slot reused on the source?)")
             log.info("pull from %s: %d of %d blocks failed verification; recomputing them", plan.source_node, bad, len(wanted))
         return good
+
+    def _refusal(self, plan: PullPlan, peer: NodeInfo) -> str | None:
+        """Why this engine must not read `peer`'s KV for `plan` (None: it may)."""
+        mine_fp = self.s.kv_fingerprint
+        if peer.fingerprint != mine_fp or plan.fingerprint not in (None, mine_fp):
+            return (
+                f"source {plan.source_node} has KV fingerprint {peer.fingerprint!r} (plan: {plan.fingerprint!r}), "
+                f"not this engine's {mine_fp!r}"
+            )
+        theirs = tp_size(peer.regions)
+        if theirs != self.s.tp:
+            return f"source {plan.source_node} has {theirs} TP ranks, this engine {self.s.tp}: its KV heads are sliced otherwise"
+        return None
+
+    async def _read_rank(
+        self, rank: int, session: str, local: list[int], remote: list[int], lengths: list[int]
+    ) -> tuple[float, TransferError | None]:
+        """One rank's read (seconds, error): on a thread, so that every rank's read runs at once."""
+        t = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.transfers[rank].read, session, local, remote, lengths)
+        except TransferError as exc:
+            return time.perf_counter() - t, exc
+        return time.perf_counter() - t, None

@@ -58,6 +58,7 @@ class SimEngine:
     can_pull = True
     pull_gbps = 0.0  # pulls are priced at the simulated link (the cost model's)
     fingerprint = SIM_FINGERPRINT
+    tp_size = 1  # a simulated engine is one holder: a DP rank is an engine of its own, as in the gateway
 
     def __init__(
         self,

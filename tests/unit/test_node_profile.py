@@ -29,6 +29,7 @@ from kvproto.watch_codec import (
 
 PROFILE = NodeProfile(("Qwen/Qwen3-8B", "ü-lora"), "fp-0123abcd", "acme", False)
 SHARED = NodeProfile(("m",), None, "", True)
+DP_RANK = NodeProfile(("m",), "fp", "", False, 3)
 REGION = {"rank": 0, "base_addr": 4096, "length": 1 << 20, "block_bytes": 512, "rkey": 7}
 
 
@@ -47,19 +48,41 @@ def _through_frames(cmd: Register) -> Register:
 # -- the watch stream ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", [PROFILE, SHARED, NodeProfile(), None], ids=["tenant", "shared", "empty", "none"])
+@pytest.mark.parametrize(
+    "profile", [PROFILE, SHARED, DP_RANK, NodeProfile(), None], ids=["tenant", "shared", "dp-rank", "empty", "none"]
+)
 def test_register_round_trips_through_a_watch_frame(profile: NodeProfile | None) -> None:
     cmd = register(profile=profile)
     encoded = encode_command(cmd)
     assert encoded[0] == "G" and len(encoded) == 10
     assert encoded[9] == (
-        None if profile is None else [list(profile.models), profile.fingerprint, profile.tenant, profile.shared]
+        None if profile is None else [list(profile.models), profile.fingerprint, profile.tenant, profile.shared, profile.dp_rank]
     )
     got = _through_frames(cmd)
     assert got == cmd
     assert got.profile == profile
     if got.profile is not None:
         assert type(got.profile.models) is tuple  # msgpack's lists come back as the dataclass's tuples
+
+
+def test_a_profile_of_a_replica_of_before_dp_ranks_decodes_without_one() -> None:
+    """A profile of four fields, as a replica of before DP ranks sends it, in a command and in a snapshot."""
+    encoded = encode_command(register(profile=PROFILE))
+    encoded[9] = encoded[9][:4]
+    got = decode_command(encoded)
+    assert isinstance(got, Register) and got.profile == PROFILE and got.profile.dp_rank is None
+    snap = snapshot_of(_state_with_profiles())
+    snap["nodes"][0][11] = snap["nodes"][0][11][:4]
+    assert state_from(snap).nodes["worker-1"].profile == PROFILE
+
+
+def test_an_old_profile_pickle_loads_without_a_dp_rank() -> None:
+    """A profile's pickled state as the class of before DP ranks wrote it: four values."""
+    p = object.__new__(NodeProfile)
+    p.__setstate__([("m",), "fp", "t", True])
+    assert p == NodeProfile(("m",), "fp", "t", True) and p.dp_rank is None
+    for got in _loads_both(pickle.dumps(DP_RANK, PICKLE_PROTOCOL)):
+        assert got == DP_RANK
 
 
 def test_a_register_frame_of_an_older_replica_decodes_without_a_profile() -> None:
@@ -73,7 +96,18 @@ def test_a_register_frame_of_an_older_replica_decodes_without_a_profile() -> Non
     assert isinstance(got, Register) and got.profile is None
 
 
-@pytest.mark.parametrize("bad", [[1, 2], "x", [["m"], None, "t"], [5, None, "", False], [["m"], None, "", False, 1]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1, 2],
+        "x",
+        [["m"], None, "t"],
+        [5, None, "", False],
+        [["m"], None, "", False, "1"],
+        [["m"], None, "", False, -1],
+        [["m"], None, "", False, 1, 2],
+    ],
+)
 def test_a_malformed_profile_in_a_frame_is_a_wire_error(bad: object) -> None:
     encoded = [*encode_command(register(profile=None))[:9], bad]
     with pytest.raises(WireError, match="malformed command"):

@@ -55,6 +55,7 @@ class Engine:
     blocks: int = 0
     pull_gbps: float = 0.0
     fingerprint: str | None = "fp-1"
+    tp_size: int = 1
 
 
 def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
@@ -151,6 +152,20 @@ def test_no_pull_is_planned_unless_both_fingerprints_are_equal(puller: str | Non
     engines = [Engine("a", fingerprint=puller), Engine("b", epoch=7, running=64.0, fingerprint=holder)]
     route = router().route(req(50), engines, holders)
     assert route.decision.reason != "pull" and route.pull_plan is None
+
+
+@pytest.mark.parametrize(("puller", "holder"), [(2, 1), (1, 2), (2, 4)])
+def test_no_pull_is_planned_between_engines_of_different_tp_sizes(puller: int, holder: int) -> None:
+    """The same saturated holder: a rank's pages hold its share of the heads, so ranks must match one to one.
+    The decision says why it did not pull."""
+    holders = {"b": Holder(node_id="b", epoch=7, matched_blocks=50, slots=list(range(100, 150)))}
+    engines = [Engine("a", tp_size=puller), Engine("b", epoch=7, running=64.0, tp_size=holder)]
+    route = router().route(req(50), engines, holders)
+    assert route.decision.reason != "pull" and route.pull_plan is None
+    if route.decision.node_id == "a":
+        assert f"no pull from b: {holder} TP ranks there, {puller} here" in route.decision.detail
+    same = [Engine("a", tp_size=puller), Engine("b", epoch=7, running=64.0, tp_size=puller)]
+    assert router().route(req(50), same, holders).decision.reason == "pull"  # equal sizes: the pull of before
 
 
 def test_an_unhashed_prompt_is_routed_by_load_without_a_pull() -> None:
@@ -296,6 +311,30 @@ def test_the_registry_reads_the_reported_bandwidth_from_the_node_list() -> None:
             return {k: e.pull_gbps for k, e in reg.engines.items()}
 
     assert asyncio.run(update()) == {"a": 3.5, "b": 0.0}
+
+
+def test_the_registry_learns_each_engines_tp_size_and_dp_rank() -> None:
+    """TP ranks from the registered regions (kvproto.ranks); DP ranks of one API server are engines of their own."""
+
+    def region(rank: int) -> dict[str, object]:
+        return {"rank": rank, "base_addr": 0, "length": 1 << 20, "block_bytes": 4096, "transfer_url": f"tcp://r{rank}"}
+
+    async def update() -> dict[str, tuple[int, int | None, str]]:
+        async with httpx.AsyncClient() as http:
+            reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], refresh_s=1.0, unhealthy_s=1.0)
+            api = "http://127.0.0.1:9000"
+            nodes = [
+                NodeInfo(node_id="tp4", epoch=1, alive=True, api_url="http://127.0.0.1:9001", blocks=0,
+                         transfer_url="tcp://r0", regions=[region(r) for r in range(4)]),
+                NodeInfo(node_id="dp0", epoch=1, alive=True, api_url=api, blocks=0, dp_rank=0),
+                NodeInfo(node_id="dp1", epoch=1, alive=True, api_url=api, blocks=0, dp_rank=1),
+            ]  # fmt: skip
+            await reg._update(nodes)
+            return {k: (e.tp_size, e.dp_rank, e.origin) for k, e in reg.engines.items()}
+
+    got = asyncio.run(update())
+    assert got["tp4"][:2] == (4, None)
+    assert got["dp0"][:2] == (1, 0) and got["dp1"][:2] == (1, 1) and got["dp0"][2] == got["dp1"][2]
 
 
 def test_the_registry_keeps_its_tenants_engines_and_knows_what_each_serves() -> None:

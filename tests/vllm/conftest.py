@@ -31,8 +31,10 @@ def vllm_venv() -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """test_first_pull.py first: its fresh engines stop before the session's two start (two vLLM engines at most)."""
-    items.sort(key=lambda item: item.path.name != "test_first_pull.py")  # stable: file order otherwise
+    """test_first_pull.py, then test_tp.py first: their own engines stop before the session's two start (two vLLM
+    engines at most)."""
+    first = ("test_first_pull.py", "test_tp.py")
+    items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first else len(first))  # stable
 
 
 def start_gateway(data: Path, directory: Cluster) -> Gateway:
