@@ -6,15 +6,25 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KvdirConnector", "kv_conn
 docs/engines.md). Only this module imports vLLM. vLLM runs the *scheduler* half in the EngineCore process and
 the *worker* half in the worker process; they share only what vLLM passes between them:
 
-* worker -> scheduler, once: `get_handshake_metadata` carries the transfer session and the KV layout, which
-  the scheduler half registers with the directory (`set_xfer_handshake_metadata`). That is vLLM's own channel
-  for exactly this, so no file or directory round trip is needed and the scheduler registers only once the
-  memory it describes is registered with the transfer engine.
+* worker -> scheduler, once per TP rank: `get_handshake_metadata` carries the rank's transfer session and KV
+  layout, which the scheduler half registers with the directory, every rank in one registration
+  (`set_xfer_handshake_metadata`, keyed by TP rank). That is vLLM's own channel for exactly this, so no file
+  or directory round trip is needed and the scheduler registers only once the memory it describes is
+  registered with the transfer engines.
 * scheduler -> worker, per step: `KvdirMeta` (blocks written this step, blocks complete after it, loads).
-* worker -> scheduler, per step: `KvdirWorkerMeta` (blocks whose KV is now complete, load failures).
+* worker -> scheduler, per step: `KvdirWorkerMeta` (blocks whose KV is now complete, load failures), each
+  rank's aggregated by vLLM.
+
+**Tensor parallelism** (docs/protocol.md §2.2). Every rank's worker holds its share of the heads at the same
+block ids, so one slot list locates a block on every rank. Every rank gets the same per-step metadata: a load
+makes rank r read the holder's rank r (its session and layout), all ranks at once, each validating its own
+tags. vLLM recomputes the union of the ranks' failed blocks on every rank, and the scheduler publishes only
+blocks every rank reported complete, so no rank keeps a block the others lack. A holder of another rank count
+has another fingerprint (the TP size is in it) and is refused. Data-parallel ranks are nodes of their own
+(`NODE_ID-dpR`).
 
 **Holder.** The worker registers the KV allocation with the transfer engine (kvtransfer.backends) plus a tag
-array of 16 bytes per block, `(kvdir hash, generation)`. One registration per engine: the scheduler half
+array of 16 bytes per block, `(kvdir hash, generation)`, per TP rank. One registration per engine: the scheduler half
 registers the node (a fresh incarnation per start, so a restart gets a new epoch), heartbeats it and
 publishes `(kvdir chained XXH3 hash, vLLM block id)` for each block the worker reports complete, from a
 background thread (`NodeSession`), never from the scheduler step. Removals come from the connector too: the
@@ -277,7 +287,14 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.s = ConnectorSettings(**extra)
         self.block_size = vllm_config.cache_config.block_size
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        pc = vllm_config.parallel_config
+        self.tp_size = pc.tensor_parallel_size
+        # Each data-parallel rank is an engine core with its own cache: a node of its own (docs/protocol.md §2.2).
+        # Behind one API server (vLLM's internal load balancing) the gateway names the rank in a header.
+        dp = pc.data_parallel_size > 1
+        rank = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
+        self.node_id = f"{self.s.node_id}-dp{rank}" if dp else self.s.node_id
+        self.dp_rank = rank if dp and not pc.data_parallel_external_lb else None
         mc = vllm_config.model_config
         # Blocks are hashed under (namespace, this model, the request's LoRA adapter and cache salt): docs/protocol.md §1.1.
         self.model_name = self.s.model or served_name(mc.served_model_name, mc.model)
@@ -352,7 +369,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         client = DirectoryClient(self.s.directory_urls, deadline=5.0, token=self.s.directory_token, tenant=self.s.tenant)
         self._session = NodeSession(
             client,
-            self.s.node_id,
+            self.node_id,
             self.s.api_url,
             holdings=self._holdings,
             transfer_url=hs.session,
@@ -361,6 +378,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             block_size=self.block_size,
             models=[self.model_name],
             fingerprint=self.fingerprint,
+            dp_rank=self.dp_rank,
             load=lambda: {"running": float(len(self._requests)), "waiting": 0.0, **self._bandwidth.labels(PULL_GBPS_LABEL)},
             collect=self._collect,
             on_published=lambda n, _lag: self.m_published.inc(n),
@@ -369,7 +387,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         asyncio.run_coroutine_threadsafe(self._session.run(self.s.publish_interval_s, self.s.heartbeat_interval_s), loop.loop)
         log.info(
             "kvdir connector: node %s, transfer %s, %d blocks, model %s, KV fingerprint %s",
-            self.s.node_id,
+            self.node_id,
             ", ".join(h.session for h in ranks),
             hs.layout.num_blocks,
             self.model_name,
@@ -440,7 +458,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             return 0, False
         if plan is None:
             return 0, False
-        if plan.source_node == self.s.node_id:
+        if plan.source_node == self.node_id:
             self.m_plans.labels("own").inc()
             return 0, False
         if plan.fingerprint is not None and plan.fingerprint != self.fingerprint:

@@ -36,15 +36,18 @@ def vllm_venv() -> Path:
     return venv
 
 
-def make_tiny_model(venv: Path, out: Path, seed: int | None = None) -> Path:
+def make_tiny_model(venv: Path, out: Path, seed: int | None = None, kv_heads: int = 1) -> Path:
     """Write the tiny random model and its tokenizer into `out` (a few seconds), with the venv's transformers;
-    `seed` draws its weights (another seed: another model of the same architecture)."""
+    `seed` draws its weights (another seed: another model of the same architecture); `kv_heads` 2 splits its KV
+    over two TP ranks (with 1, each rank holds the one head)."""
     subprocess.run(
         [
             str(venv / "bin" / "python"),
             str(ROOT / "tests/compose/make_tiny_model.py"),
             str(out),
             *([str(seed)] if seed is not None else []),
+            "--kv-heads",
+            str(kv_heads),
         ],
         check=True,
         capture_output=True,

@@ -254,6 +254,12 @@ class Engine:
                 self.counters["pull_errors"] += 1
                 stats.pull_failures.append(f"source has no matching region for rank {mine.rank}")
                 return set()
+            slots = theirs.length // theirs.block_bytes
+            if (top := max(src for _, _, src in wanted)) >= slots:
+                # Past that rank's registered memory: no rank reads (a partial load would leave the ranks unequal).
+                self.counters["pull_errors"] += 1
+                stats.pull_failures.append(f"slot {top} is outside rank {mine.rank}'s {slots} slots on {plan.source_node}")
+                return set()
             local = [mine.base_addr + slot * mine.block_bytes for _, slot, _ in wanted]
             remote = [theirs.base_addr + src * theirs.block_bytes for _, _, src in wanted]
             reads.append((mine.rank, session, local, remote, [mine.block_bytes] * len(wanted)))

@@ -50,6 +50,10 @@ def _shards(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _tp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor-parallel ranks of both engines (default 1)")
+
+
 def _engines_per_adapter(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engines-per-adapter",
@@ -107,7 +111,12 @@ TARGETS = (
         "TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with the kvdir connector "
         "(needs `make vllm-install`)",
         "kvtools.bench.vllm:main",
-        (_quick, _plot("TTFT by path and prefix size")),
+        (_quick, _plot("TTFT by path and prefix size"), _tp),
+    ),
+    Target(
+        "ranks",
+        "a pull's metadata (directory entries, plan, lookup, registration) and read time on worker stubs at TP 1, 2 and 8",
+        "kvtools.bench.ranks:main",
     ),
     Target(
         "routers",

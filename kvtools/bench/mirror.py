@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,12 @@ import numpy as np
 from gateway.config import GatewaySettings
 from gateway.lookup import HolderLookup
 from gateway.mirror import Feed, Mirror
-from kvdir.local_cluster import Cluster, free_ports
+from kvdir.local_cluster import Cluster
 from kvdir.progress import Meter, stderr_meter
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.state import Publish
+from kvtools.bench.clusters import bench_directory
 from kvtools.bench.report import emit, header, pct, say
 from kvtools.plots import LagSeries, lag_over_time, latency_cdf
 
@@ -180,21 +180,14 @@ def main(*, as_json: bool, quick: bool, minutes: float = 10.0, plot: str | None 
     rate = 20_000.0
     phases = ((0, 15.0 if quick else 60.0), (3, 15.0 if quick else 60.0 * minutes))
     series: list[LagSeries] = []
-    ports = free_ports(6)
-    with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
-        cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
-        try:
-            cluster.start()
-            cluster.wait_ready(60)
-            with stderr_meter("mirror", sum(seconds for _, seconds in phases), unit="s") as meter:
-                for kills, seconds in phases:
-                    meter.note(f"publishing {rate:,.0f} blocks/s for {seconds:.0f} s with {kills} leader kills...")
-                    meter.stage(f"{kills} kills", seconds, time.monotonic())
-                    run, lagged = asyncio.run(_run(cluster, seconds, rate, kills, meter))
-                    results.update({f"{k}{'' if kills == 0 else '_with_kills'}": v for k, v in run.items()})
-                    series.append(lagged)
-        finally:
-            cluster.stop()
+    with bench_directory() as (cluster, _):
+        with stderr_meter("mirror", sum(seconds for _, seconds in phases), unit="s") as meter:
+            for kills, seconds in phases:
+                meter.note(f"publishing {rate:,.0f} blocks/s for {seconds:.0f} s with {kills} leader kills...")
+                meter.stage(f"{kills} kills", seconds, time.monotonic())
+                run, lagged = asyncio.run(_run(cluster, seconds, rate, kills, meter))
+                results.update({f"{k}{'' if kills == 0 else '_with_kills'}": v for k, v in run.items()})
+                series.append(lagged)
     emit(results, as_json)
     if plot:
         lag_over_time(Path(plot) / "mirror_lag.png", series, target_s=0.1)

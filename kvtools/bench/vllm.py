@@ -9,7 +9,10 @@ A's slots in `kv_transfer_params`), **local** (at once again: B now holds the pr
 cache reset, no plan). Every pulled request must load every block of the prefix with no failure (the
 connector's counters) and report the prefix as cached; otherwise the bench stops.
 The connector times its reads (tags, pages, tags); the raw figure is one batched Mooncake read of the same
-pages of A by this process. Engines and the directory are started and stopped here; the vLLM venv is
+pages of A by this process. With `--tp N` both engines run N tensor-parallel ranks (a worker process each):
+each rank reads its share of the pages from A's same rank, all at once; the connector times each rank's
+reads, and the raw figure is rank 0's pages read alone. The model has two KV heads, so TP 1 and TP 2 move the
+same bytes per prefix (one head per rank at TP 2). Engines and the directory are started and stopped here; the vLLM venv is
 `$KVDIR_VLLM_VENV` or the checkout's `.venv-vllm` (`make vllm-install`).
 """
 
@@ -43,6 +46,8 @@ PULLED = "kvdir_connector_pulled_blocks_total"
 FAILED = "kvdir_connector_pull_failed_blocks_total"
 READ_BYTES = "kvdir_connector_pull_page_bytes_total"
 READ_S = "kvdir_connector_pull_read_seconds_total"
+RANK_READ_S = 'kvdir_connector_pull_rank_read_seconds_total{{rank="{}"}}'
+KV_HEADS = 2
 
 
 def ttft(engine: VllmEngine, prompt: list[int], **extra: Any) -> tuple[float, int]:
@@ -74,7 +79,10 @@ def ttft(engine: VllmEngine, prompt: list[int], **extra: Any) -> tuple[float, in
 
 
 def _holder(directory: str, hashes: list[int], node_id: str) -> dict[str, Any] | None:
+    """The node's holder entry; None also while the replica answers 503 (an election on busy cores)."""
     r = httpx.post(directory + "/v1/lookup", json={"hashes": hashes, "with_slots": True}, timeout=5)
+    if r.status_code == 503:
+        return None
     r.raise_for_status()
     return next((h for h in r.json()["holders"] if h["node_id"] == node_id), None)
 
@@ -93,7 +101,8 @@ def _held(directory: str, engine: VllmEngine, prefix: list[int]) -> dict[str, An
 
 
 def _counters(engine: VllmEngine) -> dict[str, float]:
-    return {k: engine.metric(k) for k in (PULLED, FAILED, READ_BYTES, READ_S)}
+    names = (PULLED, FAILED, READ_BYTES, READ_S, *(RANK_READ_S.format(r) for r in range(engine.tp)))
+    return {k: engine.metric(k) for k in names}
 
 
 def _pages_of(directory: str, holder: dict[str, Any]) -> tuple[str, KvLayout]:
@@ -146,6 +155,7 @@ def bench_size(
     local: list[float] = []
     recomputed: list[float] = []
     bandwidth, read_s = [], []
+    rank_read_s: list[list[float]] = [[] for _ in range(b.tp)]
     for done in range(1, rounds + 1):
         prompt = [*prefix, *(int(x) for x in rng.integers(*vocab, TAIL))]
         b.reset_cache()
@@ -158,6 +168,9 @@ def bench_size(
             raise RuntimeError(f"{n}-token pull: {got:.0f} of {blocks} blocks loaded, {bad:.0f} failed, {cached} cached ({why})")
         pulled.append(t)
         read_s.append(after[READ_S] - before[READ_S])
+        for r, times in enumerate(rank_read_s):
+            key = RANK_READ_S.format(r)
+            times.append(after[key] - before[key])
         bandwidth.append((after[READ_BYTES] - before[READ_BYTES]) / read_s[-1])
         t, cached = ttft(b, prompt)
         if cached < n:
@@ -172,27 +185,31 @@ def bench_size(
             progress(done)
     session, layout = _pages_of(directory, holder)
     raw, pieces = raw_reads(session, layout, holder["slots"], max(5, rounds * 4))
-    page_bytes = sum(r.page_bytes for r in layout.layers) * blocks
+    page_bytes = sum(r.page_bytes for r in layout.layers) * blocks  # rank 0's: what the raw read reads
     med = statistics.median
-    out = {
+    out: dict[str, Any] = {
         f"p{n}_pulled_ttft_ms": med(pulled) * 1e3,
         f"p{n}_recomputed_ttft_ms": med(recomputed) * 1e3,
         f"p{n}_local_ttft_ms": med(local) * 1e3,
         f"p{n}_pulled_vs_recomputed": med(pulled) / med(recomputed),
         f"p{n}_pulled_vs_local": med(pulled) / med(local),
-        f"p{n}_pull_bytes": page_bytes,
+        f"p{n}_pull_bytes": page_bytes * b.tp,  # every rank's share (mirrored layouts: equal shares)
         f"p{n}_raw_read_pieces": pieces,
         f"p{n}_pull_read_ms": med(read_s) * 1e3,
         f"p{n}_raw_read_ms": med(raw) * 1e3,
         f"p{n}_pull_gbps": med(bandwidth) / 1e9,
-        f"p{n}_raw_read_gbps": page_bytes / med(raw) / 1e9,
+        f"p{n}_raw_read_gbps": page_bytes / med(raw) / 1e9,  # one rank's pages
     }
     out[f"p{n}_pull_vs_raw"] = out[f"p{n}_pull_gbps"] / out[f"p{n}_raw_read_gbps"]
+    if b.tp > 1:
+        # Each rank's reads, against rank 0's pages read alone (raw_read_ms): overlapping ranks cost about one.
+        out[f"p{n}_rank_read_ms"] = [round(med(t) * 1e3, 3) for t in rank_read_s]
     return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
-def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
-    """The bench; with `plot`, also vllm_ttft.png there (TTFT by path and prefix size)."""
+def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) -> int:
+    """The bench, both engines at `tp` tensor-parallel ranks; with `plot`, also vllm_ttft.png there (TTFT by path
+    and prefix size)."""
     results: dict[str, Any] = header(quick)
     try:
         venv = vllm_venv()
@@ -200,13 +217,15 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
         say(f"kvdir bench vllm: {exc}")
         return 2
     rounds = 2 if quick else 5
-    results.update(model="tiny random Llama (2 layers, 1 KV head, head_dim 64, bf16)", block_size=BLOCK, rounds=rounds)
+    results.update(
+        model=f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)", block_size=BLOCK, rounds=rounds, tp=tp
+    )
     tmp = tempfile.mkdtemp(prefix="kvdir-bench-vllm-")
     ttfts: dict[int, dict[str, list[float]]] = {}
     ok = False
     try:
         say("making the tiny model...")
-        model = make_tiny_model(venv, Path(tmp) / MODEL)
+        model = make_tiny_model(venv, Path(tmp) / MODEL, kv_heads=KV_HEADS)
         vocab = (3, json.loads((model / "config.json").read_text())["vocab_size"])  # 0-2 are special tokens
         ports = free_ports(6)
         cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
@@ -215,7 +234,7 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
             cluster.start()
             cluster.wait_ready(60)
             for name in ("bench-a", "bench-b"):
-                engines.append(VllmEngine(name, venv, model, cluster.replica_urls, Path(tmp)))
+                engines.append(VllmEngine(name, venv, model, cluster.replica_urls, Path(tmp), tp=tp))
                 engines[-1].start()
             say("starting two vllm engines (about 30 s each on two cores)...")
             for e in engines:
@@ -249,7 +268,7 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
         ttft_by_prefix(
             Path(plot) / "vllm_ttft.png",
             ttfts,
-            title=f"vLLM CPU, tiny model: TTFT on engine B by path\n(bars: medians of {rounds} rounds; dots: each round)",
+            title=f"vLLM CPU, tiny model, TP {tp}: TTFT on engine B by path\n(bars: medians of {rounds} rounds; dots: each round)",
         )
         say(f"wrote vllm_ttft.png into {plot}")
     return 0

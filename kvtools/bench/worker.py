@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 
 from kvdir.local_cluster import Cluster, Workers, free_ports
 from kvdir.progress import clocked, stderr_meter
+from kvtools.bench.clusters import bench_directory, pull_pair
 from kvtools.bench.loadgen import LoadSpec, load_in_process, run_load
 from kvtools.bench.report import emit, header, pct, say
 from worker_stub.transfer_bench import measure_read_bandwidth
@@ -26,50 +26,12 @@ def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str
     tp, block_bytes = 4, 1 << 20
     blocks = 64 if quick else 256
     total = blocks * tp * block_bytes
-    w = Workers(
-        tmp,
-        free_ports(2),
-        urls,
-        extra_args=(
-            "--transfer",
-            engine,
-            "--tp",
-            str(tp),
-            "--block-bytes",
-            str(block_bytes),
-            "--capacity-blocks",
-            str(blocks),
-            "--time-scale",
-            "0",
-        ),
-    )
-    try:
-        w.start()
-        w.wait_ready(120)
-        tokens = list(range(blocks * 16))
-        with httpx.Client(timeout=300) as http:
-            body = {"model": "kvdir-stub", "prompt": tokens, "max_tokens": 1}
-            http.post(w.urls[0] + "/v1/completions", json=body).raise_for_status()
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                res = http.post(urls[0] + "/v1/lookup", json={"tokens": tokens, "model": "kvdir-stub", "with_slots": True}).json()
-                if res["holders"] and res["holders"][0]["matched_blocks"] == blocks:
-                    break
-                time.sleep(0.05)
-            h = res["holders"][0]
-            plan = {"source_node": h["node_id"], "source_epoch": h["epoch"], "slots": h["slots"]}
-            rates, with_verify = [], []
-            for round_ in range(3):
-                # The puller's pool holds one prefix: computing a filler first evicts the last pull.
-                filler = [10_000_000 + round_ * 100_000 + i for i in range(blocks * 16)]
-                http.post(w.urls[1] + "/v1/completions", json={**body, "prompt": filler}).raise_for_status()
-                k = http.post(w.urls[1] + "/v1/completions", json={**body, "kvdir_pull": plan}).json()["kvdir"]
-                if k["pulled_tokens"] != blocks * 16:
-                    raise RuntimeError(f"pull failed: {k}")
-                rates.append(k["pull_bytes"] / k["pull_transfer_s"] / 1e9)
-                with_verify.append(k["pull_bytes"] / k["pull_s"] / 1e9)
-    finally:
-        w.stop()
+    rates, with_verify = [], []
+    with pull_pair(tmp, urls, blocks=blocks, tp=tp, block_bytes=block_bytes, engine=engine) as pair:
+        for round_ in range(3):
+            k = pair.pull(round_)
+            rates.append(k["pull_bytes"] / k["pull_transfer_s"] / 1e9)
+            with_verify.append(k["pull_bytes"] / k["pull_s"] / 1e9)
     say(f"  raw {engine} reads of {total >> 20} MiB in one process pair...")
     raw = measure_read_bandwidth(engine, total, block_bytes, pieces_per_batch=blocks * tp, repeats=3)
     pull_gbps = statistics.median(rates)
@@ -151,16 +113,9 @@ def bench_publish_and_overhead(tmp: Path, c: Cluster, quick: bool) -> dict[str, 
 
 def main(*, as_json: bool, quick: bool) -> int:
     results: dict[str, Any] = header(quick)
-    ports = free_ports(6)
-    with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
-        c = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
-        try:
-            c.start()
-            c.wait_ready(60)
-            say("pull of a 1 GiB prefix (4 ranks x 256 blocks x 1 MiB) between two workers (mooncake, tcp)...")
-            results.update(bench_pull(Path(tmp), c.replica_urls, quick, "mooncake"))
-            results.update(bench_publish_and_overhead(Path(tmp), c, quick))
-        finally:
-            c.stop()
+    with bench_directory() as (c, tmp):
+        say("pull of a 1 GiB prefix (4 ranks x 256 blocks x 1 MiB) between two workers (mooncake, tcp)...")
+        results.update(bench_pull(tmp, c.replica_urls, quick, "mooncake"))
+        results.update(bench_publish_and_overhead(tmp, c, quick))
     emit(results, as_json)
     return 0

@@ -27,7 +27,15 @@ _TO_FIELD = {"": lambda v: v, "ms": lambda v: v / 1e3, "G": lambda v: v * 1e9}
 # (flag, SimParams field, unit, type, help; the default is appended)
 _MODEL: tuple[tuple[str, str, str, type, str], ...] = (
     ("--nodes", "nodes", "", int, "engines"),
-    ("--capacity-blocks", "capacity_blocks", "", int, "KV cache per node, in blocks"),
+    (
+        "--dp-ranks",
+        "dp_ranks",
+        "",
+        int,
+        "data-parallel ranks per node, each an engine with its own cache (--capacity-blocks), prefill and queue: a holder "
+        "and routing candidate of its own, as the gateway treats DP ranks",
+    ),
+    ("--capacity-blocks", "capacity_blocks", "", int, "KV cache per engine (per node, or per DP rank), in blocks"),
     ("--trace-block-tokens", "block_tokens", "", int, "tokens per block of the trace's hash_ids, also used by --synthetic"),
     ("--prefill-tokens-per-s", "prefill_tokens_per_s", "", float, "prefill rate per node, one prefill at a time"),
     ("--decode-tokens-per-s", "decode_tokens_per_s", "", float, "decode rate per request"),

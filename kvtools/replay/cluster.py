@@ -137,9 +137,10 @@ class ClusterSim:
         # kvdir's gateways send each other a note per routing decision (engine, pending prefill tokens) and per
         # prefill end (gateway.peers), with the same delay: each folds the others' into the engine's pending prefill.
         self.notes = policy_name == "kvdir" and p.gateways > 1 and p.share_decisions
-        n = p.nodes
-        width = len(str(n - 1))
-        self.ids = [f"n{j:0{width}d}" for j in range(n)]  # zero padded: they sort in order
+        n = p.engines
+        width = len(str(p.nodes - 1))
+        # Zero padded: they sort in order. A node's DP ranks are engines of their own, named as the connector does.
+        self.ids = [f"n{j // p.dp_ranks:0{width}d}" + (f"-dp{j % p.dp_ranks}" if p.dp_ranks > 1 else "") for j in range(n)]
         self.index = {nid: j for j, nid in enumerate(self.ids)}
         self.full = (1 << n) - 1
         self.holders: dict[int, int] = {}  # block -> bitmask of the nodes really holding it

@@ -28,7 +28,10 @@ class SimParams:
     """
 
     nodes: int = 8
-    capacity_blocks: int = 3000  # per node
+    # Data-parallel ranks per node: each an engine of its own (its cache of capacity_blocks, its prefill, its queue),
+    # a holder and a routing candidate of its own as in the gateway (docs/protocol.md §2.2).
+    dp_ranks: int = 1
+    capacity_blocks: int = 3000  # per engine: per node, or per DP rank
     block_tokens: int = 512
     prefill_tokens_per_s: float = 10_000.0  # per node, one prefill at a time
     decode_tokens_per_s: float = 80.0  # per request
@@ -52,8 +55,8 @@ class SimParams:
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # keyword options per policy name, for make_policy
 
     def __post_init__(self) -> None:
-        if min(self.nodes, self.capacity_blocks, self.block_tokens, self.max_running, self.gateways) < 1:
-            raise ValueError("nodes, capacity_blocks, block_tokens, max_running and gateways must be >= 1")
+        if min(self.nodes, self.dp_ranks, self.capacity_blocks, self.block_tokens, self.max_running, self.gateways) < 1:
+            raise ValueError("nodes, dp_ranks, capacity_blocks, block_tokens, max_running and gateways must be >= 1")
         if min(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.link_bytes_per_s) <= 0:
             raise ValueError("rates must be > 0")
         if min(self.block_bytes, self.pull_setup_s, self.publish_lag_s, self.heartbeat_s, self.replica_sync_s) < 0:
@@ -62,6 +65,11 @@ class SimParams:
             raise ValueError("evict_scan and displace_weight must be >= 0")
         if self.timeline_buckets < 1:
             raise ValueError("timeline_buckets must be >= 1")
+
+    @property
+    def engines(self) -> int:
+        """The engines routed to: every DP rank of every node."""
+        return self.nodes * self.dp_ranks
 
     def cost_model(self) -> CostModel:
         """The policies' cost model, with this simulation's parameters."""
@@ -83,7 +91,9 @@ class SimParams:
 def describe_params(p: SimParams) -> str:
     """One line with the parameters that matter, for tables."""
     return (
-        f"{p.nodes} nodes x {p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
+        f"{p.nodes} nodes x "
+        + (f"{p.dp_ranks} DP ranks x " if p.dp_ranks > 1 else "")
+        + f"{p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
         f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
         f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
         f"publish lag {p.publish_lag_s * 1e3:g} ms, eviction scan {p.evict_scan}, displace weight {p.displace_weight:g}, {p.gateways} gateway(s), heartbeat {p.heartbeat_s:g} s, replica sync {p.replica_sync_s * 1e3:g} ms"

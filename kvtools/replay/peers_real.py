@@ -71,7 +71,7 @@ def dynamo_real(
             "trace": str(trace),
             "speedup_ratio": speedup,
             "decode_speedup_ratio": decode_speedup,
-            "workers": params.nodes,
+            "workers": params.engines,  # each DP rank a worker of its own
             "capacity_blocks": params.capacity_blocks,
             "block_tokens": params.block_tokens,
             "modes": list(MODES),

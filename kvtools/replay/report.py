@@ -141,7 +141,7 @@ def run_replay(args: argparse.Namespace, params: SimParams) -> int:
         if errors:
             print(f"kvdir replay: skipped {len(errors)} malformed line(s); first: {errors[0]}", file=err)
     else:
-        sized = {"nodes": params.nodes, "capacity_blocks": params.capacity_blocks} if args.synthetic in SIZED else {}
+        sized = {"nodes": params.engines, "capacity_blocks": params.capacity_blocks} if args.synthetic in SIZED else {}
         requests = SYNTHETIC[args.synthetic](seed=args.seed, block_tokens=params.block_tokens, **sized)
         source = {"synthetic": args.synthetic}
     if args.limit is not None:

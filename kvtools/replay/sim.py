@@ -195,7 +195,7 @@ def pooled_lru(requests: Sequence[TraceRequest], params: SimParams | None = None
     Not a strict bound (per-node LRU with pinning can keep a different set), but a close one.
     """
     p = params or SimParams()
-    rate, bt, cap = p.prefill_tokens_per_s, p.block_tokens, p.nodes * p.capacity_blocks
+    rate, bt, cap = p.prefill_tokens_per_s, p.block_tokens, p.engines * p.capacity_blocks
     lru: OrderedDict[int, None] = OrderedDict()
     ttft = np.empty(len(requests))
     hit = total = 0

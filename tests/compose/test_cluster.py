@@ -150,7 +150,8 @@ def test_a_pull_between_two_worker_containers(cluster: ComposeCluster) -> None:
     kvdir = json.loads(out)["kvdir"]
     assert kvdir["node_id"] == dest
     assert kvdir["pulled_tokens"] == holder["matched_blocks"] * 16, kvdir
-    assert kvdir["pull_bytes"] >= holder["matched_blocks"] * 16384, kvdir
+    # The workers run two TP ranks (KVDIR_TP): each rank read its 16 KiB per block from the source's same rank.
+    assert len(kvdir["pull_rank_s"]) == 2 and kvdir["pull_bytes"] >= 2 * holder["matched_blocks"] * 16384, kvdir
     # The destination publishes what it pulled: the prefix now has two holders.
     wait_for(lambda: {source, dest} <= set(_lookup(cluster, tokens)), what=f"{dest} to publish the pulled blocks", timeout=WAIT_S)
 

@@ -5,6 +5,7 @@ are separate holders and candidates, and the gateway's request reaches the rank 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx
@@ -95,6 +96,36 @@ def test_holder_and_puller_of_different_tp_sizes_never_pull(make_cluster, make_w
     assert out["pulled_tokens"] == 0
     assert out["pull_failures"] == ["source worker-1 has 4 TP ranks, this engine 2: its KV heads are sliced otherwise"]
     assert "kvdir_worker_pull_refused_total 1.0" in httpx.get(w.urls[1] + "/metrics", timeout=5).text
+
+
+def test_a_plan_past_one_ranks_memory_is_recomputed_on_every_rank(make_cluster, make_workers) -> None:
+    """A holder whose rank 1 registered room for 8 blocks (rank 0: all of them) and a plan for 25: no rank reads
+    anything (a partial load would leave the ranks unequal), the pull is counted as failed and the prompt is
+    computed; the output names the rank."""
+    c = make_cluster(3)
+    w = make_workers(c, 2, ("--transfer", "tcp", "--tp", "2"))
+    real = _served_on(c.replica_urls[0], w.urls[0], "worker-1")
+    node = _node(c.replica_urls[0], "worker-1")
+    regions = [{k: v for k, v in r.items() if v is not None} for r in node["regions"]]
+    for r in regions:
+        if r["rank"] == 1:
+            r["length"] = 8 * r["block_bytes"]
+    body = {
+        "node_id": "short-rank",
+        "api_url": "http://127.0.0.1:9",
+        "transfer_url": node["transfer_url"],
+        "regions": regions,
+        "fingerprint": node["fingerprint"],
+        "models": node["models"],
+    }
+    reg = httpx.post(c.replica_urls[0] + "/v1/nodes", json=body, timeout=10)
+    assert reg.status_code == 200, reg.text
+    plan = {"source_node": "short-rank", "source_epoch": reg.json()["epoch"], "slots": real["slots"]}
+    assert "kvdir_worker_pull_errors_total 0.0" in httpx.get(w.urls[1] + "/metrics", timeout=5).text
+    out = _complete(w.urls[1], PROMPT, kvdir_pull=plan)["kvdir"]
+    assert (out["pulled_tokens"], out["pull_bytes"], len(out["pull_failures"])) == (0, 0, 1)
+    assert re.fullmatch(r"slot \d+ is outside rank 1's 8 slots on short-rank", out["pull_failures"][0])
+    assert "kvdir_worker_pull_errors_total 1.0" in httpx.get(w.urls[1] + "/metrics", timeout=5).text
 
 
 def test_dp_ranks_are_holders_of_their_own_and_the_header_picks_one(make_cluster, make_workers) -> None:

@@ -70,7 +70,7 @@ def _events(text: str) -> list[Any]:
 
 def test_the_lifespan_builds_one_runtime_that_health_and_metrics_read() -> None:
     async def scenario(app: FastAPI, client: httpx.AsyncClient) -> None:
-        runtime = app.state.runtime
+        [runtime] = app.state.runtimes  # one data-parallel rank (--dp 1)
         assert isinstance(runtime, WorkerRuntime)
         health = (await client.get("/health")).json()
         assert health == {"ok": True, "node_id": "worker-7", "epoch": None, "load": runtime.engine.load()}
@@ -130,7 +130,7 @@ def test_a_request_past_a_full_queue_is_refused_with_429() -> None:
     async def scenario(app: FastAPI, client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
         body = {"model": MODEL, "prompt": "slow", "max_tokens": 20}
         running = asyncio.create_task(client.post("/v1/completions", json=body))
-        while app.state.runtime.engine.running == 0:
+        while app.state.runtimes[0].engine.running == 0:
             await asyncio.sleep(0.005)
         refused = await client.post("/v1/completions", json=body)
         return await running, refused

@@ -541,3 +541,18 @@ def test_k_gateways_share_decisions_so_same_instant_requests_spread() -> None:
     assert alone["ttft_p99_s"] >= 1.9 * prefill_s  # a collision: one prompt waited for another's prefill
     assert late["ttft_p99_s"] >= 1.9 * prefill_s
     assert strip(shared) == strip(simulate(trs, "kvdir", SimParams(nodes=4, gateways=4)))
+
+
+@pytest.mark.parametrize("policy", ["kvdir", "round_robin", "dynamo"])
+def test_dp_ranks_are_engines_of_their_own(policy):
+    """A node's DP ranks are holders and candidates of their own (each its own cache, prefill and queue), as the
+    gateway treats them: 2 nodes x 2 ranks route and cache exactly as 4 single-rank nodes."""
+    rng = random.Random(3)
+    trs = [req(0.1 * i, [rng.randrange(6), *(rng.randrange(10**6) for _ in range(rng.randrange(4)))]) for i in range(300)]
+    ranks = SimParams(nodes=2, dp_ranks=2, capacity_blocks=20)
+    assert ClusterSim(trs, policy, ranks).ids == ["n0-dp0", "n0-dp1", "n1-dp0", "n1-dp1"]
+    a = simulate(trs, policy, ranks)
+    b = simulate(trs, policy, SimParams(nodes=4, capacity_blocks=20))
+    for r in (a, b):
+        del r["wall_s"]
+    assert a == b and a["hit_rate"] > 0

@@ -63,7 +63,7 @@ def test_the_replay_flags_convert_units() -> None:
 
 def test_a_bad_replay_model_is_refused_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["replay", "--synthetic", "multi_turn", "--nodes", "0"]) == 2
-    assert "kvdir replay: nodes, capacity_blocks" in capsys.readouterr().err
+    assert "kvdir replay: nodes, dp_ranks, capacity_blocks" in capsys.readouterr().err
 
 
 def test_an_install_without_the_tools_has_no_such_subcommands(monkeypatch: pytest.MonkeyPatch) -> None:

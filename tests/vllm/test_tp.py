@@ -19,6 +19,7 @@ import pytest
 from mooncake.engine import TransferEngine as NativeEngine
 
 from kvdir.local_cluster import Cluster, Gateway
+from kvtools.vllm_launcher import make_tiny_model
 from kvtransfer.backends import create_engine
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory, start_gateway, vllm_venv
@@ -67,8 +68,15 @@ def tp_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def tp(model: Path, tp_directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    e = Engines(model, tp_directory, tmp_path_factory.mktemp("tp-engines"))
+def tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with two KV heads: at TP 2 each rank holds one (with one head, both ranks would hold the same
+    replicated head, and a rank reading the other rank's pages would go unnoticed)."""
+    return make_tiny_model(vllm_venv(), tmp_path_factory.mktemp("tp-model") / MODEL, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tp(tp_model: Path, tp_directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    e = Engines(tp_model, tp_directory, tmp_path_factory.mktemp("tp-engines"))
     try:
         e.a.start()
         e.b.start()
@@ -87,17 +95,25 @@ def _rank_regions(node: dict[str, Any], rank: int) -> tuple[str, list[dict[str, 
     return sessions.pop(), regions
 
 
-def _read_tags(session: str, tags_base: int, slots: list[int]) -> list[int]:
+def _read(session: str, base: int, block_bytes: int, slots: list[int]) -> np.ndarray:
+    """The `block_bytes` at each of `slots` in a holder's registered region at `base`, one row per slot."""
     te = create_engine("mooncake", "127.0.0.1")
     try:
-        buf = np.zeros((len(slots), 2), dtype="<u8")
+        buf = np.zeros((len(slots), block_bytes), dtype=np.uint8)
         te.register(buf.ctypes.data, buf.nbytes)
         te.read(
-            session, [buf.ctypes.data + 16 * i for i in range(len(slots))], [tags_base + 16 * s for s in slots], [16] * len(slots)
+            session,
+            [buf.ctypes.data + block_bytes * i for i in range(len(slots))],
+            [base + block_bytes * s for s in slots],
+            [block_bytes] * len(slots),
         )
     finally:
         te.close()
-    return [int(h) for h in buf[:, 0]]
+    return buf
+
+
+def _read_tags(session: str, tags_base: int, slots: list[int]) -> list[int]:
+    return [int(h) for h in _read(session, tags_base, 16, slots).view("<u8")[:, 0]]
 
 
 def _zero_tag(session: str, tags_base: int, slot: int) -> None:
@@ -124,6 +140,10 @@ def test_a_tp2_engine_registers_every_ranks_memory_under_one_epoch(tp: Engines) 
     for session, regions in ((s0, r0), (s1, r1)):
         tags = next(r for r in regions if r["rkey"] == TAGS)
         assert _read_tags(session, tags["base_addr"], holder["slots"]) == hashes
+    # ... and each rank's pages hold its own head: the same slot's layer-0 page differs between the ranks.
+    layer0 = [next(r for r in regions if r["layer"] == 0) for regions in (r0, r1)]
+    page = [_read(s, r["base_addr"], r["block_bytes"], holder["slots"][:1]) for s, r in zip((s0, s1), layer0)]
+    assert page[0].any() and not np.array_equal(page[0], page[1])
 
 
 def test_a_prefix_pulled_rank_to_rank_gives_the_recomputed_output(tp: Engines) -> None:
