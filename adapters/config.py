@@ -219,3 +219,11 @@ class ConnectorSettings(DirectoryClientSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat period (keep well under the lease TTL)")
     publish_interval_s: float = Field(0.05, gt=0, le=10, description="new and evicted blocks are sent this often")
     metrics: HostPort | None = Field(None, description="HOST:PORT to serve the connector's Prometheus metrics on")
+    host_blocks: int = Field(
+        0,
+        ge=0,
+        le=2**30,
+        description="blocks per TP rank of a host tier (0: none): every block the engine completes is copied there, "
+        "published with medium host once vLLM evicts it, loaded back for the engine's own requests and readable by "
+        "peers (docs/engines.md)",
+    )

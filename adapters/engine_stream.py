@@ -48,6 +48,7 @@ from adapters.engine_events import Cleared, DecodeStats, Stored
 from adapters.event_wire import Batch, decode_message
 from adapters.node_feed import SLOT, NodeFeed
 from adapters.replay_fetch import request_replay
+from kvproto import media
 from kvproto.client import DirectoryClient
 
 DRAIN = 64  # messages taken per wakeup of the receive loop
@@ -202,7 +203,7 @@ class EventsSubscriber(NodeFeed):
                 self.log.debug("seq %d: a store whose parent is unknown, skipped", batch.seq)
             elif r.unsupported:
                 self.log.debug("seq %d: %s", batch.seq, r.unsupported)
-            medium = ev.medium if isinstance(ev, Stored) else None
+            medium = media.lenient(ev.medium) if isinstance(ev, Stored) else None  # the engine's name, kvdir's
             # publish, then remove: an LRU eviction in the same event wins
             self.session.stored_in(SLOT, r.publish, medium)
             if r.remove:

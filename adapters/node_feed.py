@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from adapters.config import EventsSettings
 from adapters.hash_mapper import HashMapper
+from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import RequestRejected, StaleEpochError
 from kvproto.session import NodeSession
@@ -141,7 +142,7 @@ class NodeFeed:
         self._down_since_registered = False
 
     def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
-        return ((h, SLOT, medium) for h, medium in self.mapper.snapshot().items())
+        return ((h, SLOT, media.lenient(medium)) for h, medium in self.mapper.snapshot().items())
 
     async def _flush(self) -> None:
         """One flush of the session, observing the lag of the engine's oldest change it committed."""

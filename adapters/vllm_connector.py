@@ -40,6 +40,22 @@ buffer and copies them into those blocks, before the forward pass. A failed or s
 in `get_block_ids_with_load_errors`; with `kv_load_failure_policy="recompute"` vLLM discards that step's
 output for the request and recomputes from the first bad block.
 
+**Host tier** (`host_blocks` > 0, docs/protocol.md §2.3, issue #32). Each rank's worker keeps a host pool of
+`host_blocks` slots per layer, plus its own tag array, registered with its transfer engine as regions of medium
+`host`. Every block the engine completes is copied there after the forward pass that completed it
+(`wait_for_save`), into the slot the scheduler chose (adapters.host_slots: the same on every rank, reused least
+recently used first). Saved at completion, not when vLLM frees or evicts the block: at completion the worker
+knows the block's bytes are whole and that nothing writes them until the next step, where vLLM tells a
+connector nothing of an eviction (the scheduler learns of it afterwards, when the block's hash is gone, by
+which time the block may hold another request's KV) and saving at `request_finished` would mean holding every
+finished request's blocks (`delay_free`) until a copy reported back. The cost is one device-to-host copy per
+computed block, which a GPU overlaps with compute on a copy stream. While vLLM holds a block the node publishes
+its device block id; once vLLM evicted it, its host slot (medium `host`), until the host tier reuses the slot.
+A request whose prefix continues in the host tier past vLLM's own hit loads those blocks back
+(`get_num_new_matched_tokens`, then `start_load_kv`, before any pull), through the same tag check as a pull;
+a peer's plan may name host slots, which it reads from the host regions. A host slot is written under the same
+seqlock as a device block (hash zeroed and generation bumped first, the hash set last).
+
 **Stale slots: validation after the read** (a seqlock), not holder-side pinning. Before a step writes into
 a block (new allocation, recompute, a load), the holder's worker zeroes the block's tag hash and bumps its
 generation; after the forward pass it sets the hash of each block that is now complete. A reader reads the
@@ -78,6 +94,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from adapters.config import ConnectorSettings
+from adapters.host_slots import HostSlots
 from adapters.kv_identity import engine_fingerprint, mm_extra, request_identity, served_name
 from adapters.vllm_plan import (
     TAG_BYTES,
@@ -88,12 +105,14 @@ from adapters.vllm_plan import (
     check_tags,
     coalesce,
     complete_on_every_rank,
+    host_layouts,
     mirrored,
     page_pieces,
     plan_from_params,
     pull_outcome,
     rank_layouts,
 )
+from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import identity_hashes
@@ -119,10 +138,12 @@ log = logging.getLogger("kvdir.vllm")
 
 @dataclass(slots=True)
 class KvdirHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
-    """A worker's transfer session and KV layout (its TP rank's), for the scheduler half to register."""
+    """A worker's transfer session and KV layout (its TP rank's), and its host tier's, for the scheduler half to
+    register."""
 
     session: str
     layout: KvLayout
+    host: KvLayout | None = None
 
 
 @dataclass(slots=True)
@@ -138,12 +159,25 @@ class Load:
 
 
 @dataclass(slots=True)
+class HostLoad:
+    """One request's blocks loaded back from this engine's host tier: destination blocks, host slots, hashes."""
+
+    req_id: str
+    dst_blocks: list[int]
+    host_slots: list[int]
+    hashes: list[int]
+
+
+@dataclass(slots=True)
 class KvdirMeta(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
-    """Scheduler -> worker, one step: blocks written, blocks complete after it (req id, block, hash), loads."""
+    """Scheduler -> worker, one step: blocks written, blocks complete after it (req id, block, hash), loads from
+    peers and from the host tier, and the complete blocks to save to the host tier (req id, block, slot, hash)."""
 
     written: list[int] = field(default_factory=list)
     complete: list[tuple[str, int, int]] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    host_loads: list[HostLoad] = field(default_factory=list)
+    saves: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -159,6 +193,10 @@ class KvdirWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM 
     failed_reqs: list[str] = field(default_factory=list)
     read_bytes: dict[int, int] = field(default_factory=dict)
     read_s: dict[int, float] = field(default_factory=dict)
+    saved: list[tuple[int, int]] = field(default_factory=list)  # (hash, host slot) saved to the host tier
+    unsaved: list[tuple[int, int]] = field(default_factory=list)  # (hash, host slot) not saved (its request failed)
+    host_loaded: list[int] = field(default_factory=list)  # destination blocks loaded from the host tier
+    host_failed: list[int] = field(default_factory=list)  # those of them that failed the tag check
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvdirWorkerMeta)
@@ -169,6 +207,10 @@ class KvdirWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM 
             self.failed_reqs + other.failed_reqs,
             _add(self.read_bytes, other.read_bytes),
             _add(self.read_s, other.read_s),
+            self.saved + other.saved,
+            self.unsaved + other.unsaved,
+            self.host_loaded + other.host_loaded,
+            self.host_failed + other.host_failed,
         )
 
     def pulled(self) -> tuple[int, int, int]:
@@ -214,8 +256,9 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-PeerInfo = tuple[list[str | None], list[KvLayout], str | None]
-"""A pull source as the directory lists it: each TP rank's transfer session and KV layout, and its KV fingerprint."""
+PeerInfo = tuple[list[str | None], list[KvLayout], str | None, list[KvLayout] | None]
+"""A pull source as the directory lists it: each TP rank's transfer session and KV layout, its KV fingerprint, and
+each rank's host-tier layout (None: it has no host tier)."""
 
 
 class _PeerCache:
@@ -272,10 +315,10 @@ class _PeerCache:
             if not n.transfer_url:
                 continue
             try:
-                layouts = rank_layouts(n.regions)
+                layouts, host = rank_layouts(n.regions), host_layouts(n.regions)
             except PlanError:  # not a connector engine (a worker stub, an events-fed engine): never a source here
                 continue
-            out[(n.node_id, n.epoch)] = (rank_sessions(n.regions, n.transfer_url), layouts, n.fingerprint)
+            out[(n.node_id, n.epoch)] = (rank_sessions(n.regions, n.transfer_url), layouts, n.fingerprint, host)
         return out
 
 
@@ -314,8 +357,14 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._pending_loads: dict[str, tuple[Any, int, int]] = {}  # req id -> (plan, first block, count)
         self._loads: list[Load] = []
         self._published: dict[int, tuple[int, Any]] = {}  # kvdir hash -> (block id, vLLM block hash)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _published and _host: the scheduler's thread and the publisher's
         self._changes: queue.SimpleQueue[list[tuple[int, int]]] = queue.SimpleQueue()
+        # The host tier's slots (adapters.host_slots), and what became of them, for the publisher: ("hosted" (hash,
+        # slot): a block only the host tier holds now; "gone" hash: the host tier dropped it).
+        self._host = HostSlots(self.s.host_blocks) if self.s.host_blocks else None
+        self._host_changes: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._pending_host: dict[str, tuple[int, list[int]]] = {}  # req id -> (first block, host slots) to load
+        self._host_loads: list[HostLoad] = []
         self._session: NodeSession | None = None
         self._bandwidth = PullBandwidth()  # of the worker's completed reads (KvdirWorkerMeta): heartbeats report it
         r = self.registry = CollectorRegistry()
@@ -342,6 +391,16 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             "kvdir_connector_plans_total", "Requests that carried a pull plan, by outcome", ["outcome"], registry=r
         )
         self.m_published = Counter("kvdir_connector_published_blocks_total", "Blocks published to the directory", registry=r)
+        self.m_host_saved = Counter("kvdir_connector_host_saved_blocks_total", "Blocks saved to the host tier", registry=r)
+        self.m_host_loaded = Counter(
+            "kvdir_connector_host_loaded_blocks_total", "Blocks loaded back from the host tier and validated", registry=r
+        )
+        self.m_host_failed = Counter(
+            "kvdir_connector_host_load_failed_blocks_total", "Host-tier loads that failed the tag check: recomputed", registry=r
+        )
+        self.m_host_evicted = Counter(
+            "kvdir_connector_host_evicted_blocks_total", "Blocks the host tier dropped to make room", registry=r
+        )
         self.m_removed = Counter("kvdir_connector_removed_blocks_total", "Published blocks found evicted", registry=r)
         if self.s.metrics:
             host, _, port = self.s.metrics.rpartition(":")
@@ -364,6 +423,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             raise RuntimeError(f"KvdirConnector: the TP ranks' KV layouts are not mirrored: {why}")
         hs = ranks[0]
         regions = [r for rank, h in enumerate(ranks) for r in h.layout.regions(rank, h.session if rank else None)]
+        if self._host is not None:
+            hosts = [h.host for h in ranks if h.host is not None]
+            why = "a rank has none" if len(hosts) != len(ranks) else mirrored(hosts)
+            if why:
+                raise RuntimeError(f"KvdirConnector: the TP ranks' host tiers are not mirrored: {why}")
+            for rank, (h, layout) in enumerate(zip(ranks, hosts)):
+                regions += layout.regions(rank, h.session if rank else None, "host")
         self.fingerprint = self.kv_fingerprint(hs.layout)
         loop = _Loop("kvdir-publisher")
         client = DirectoryClient(self.s.directory_urls, deadline=5.0, token=self.s.directory_token, tenant=self.s.tenant)
@@ -386,10 +452,11 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         )
         asyncio.run_coroutine_threadsafe(self._session.run(self.s.publish_interval_s, self.s.heartbeat_interval_s), loop.loop)
         log.info(
-            "kvdir connector: node %s, transfer %s, %d blocks, model %s, KV fingerprint %s",
+            "kvdir connector: node %s, transfer %s, %d blocks, %d host blocks, model %s, KV fingerprint %s",
             self.node_id,
             ", ".join(h.session for h in ranks),
             hs.layout.num_blocks,
+            self.s.host_blocks,
             self.model_name,
             self.fingerprint,
         )
@@ -413,7 +480,10 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
         with self._lock:
-            return iter([(h, b, None) for h, (b, _) in self._published.items()])
+            out: list[tuple[int, int, str | None]] = [(h, b, None) for h, (b, _) in self._published.items()]
+            if self._host is not None:  # the device wins: a block vLLM holds is published at its block id
+                out += [(h, slot, "host") for h, slot in self._host.items() if h not in self._published]
+            return iter(out)
 
     def _collect(self) -> None:
         """Publisher thread: queue the newly complete blocks; drop the published ones the pool no longer holds."""
@@ -427,12 +497,27 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         if stored:
             self._session.stored(stored)
         blocks = self._pool.blocks
+        news: dict[int, int | None] = {}  # hash -> its host slot now, None: in neither tier
         with self._lock:
             gone = [h for h, (b, vh) in self._published.items() if blocks[b].block_hash != vh]
             for h in gone:
                 del self._published[h]
+                # Evicted from the device: where the host tier holds it, it lies there now.
+                news[h] = self._host.slot_of(h) if self._host is not None else None
+            while True:  # the host tier's own news since the last round, in order
+                try:
+                    what, h, slot = self._host_changes.get_nowait()
+                except queue.Empty:
+                    break
+                if h not in self._published:  # else the device copy is what the directory lists
+                    news[h] = slot if what == "hosted" else None
+        hosted = [(h, slot) for h, slot in news.items() if slot is not None]
+        removed = [h for h, slot in news.items() if slot is None]
+        if hosted:
+            self._session.stored(hosted, "host")
+        if removed:
+            self._session.removed(removed)
         if gone:
-            self._session.removed(gone)
             self.m_removed.inc(len(gone))
 
     def _request_hashes(self, req: Request, n_blocks: int) -> list[int]:
@@ -450,6 +535,17 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
+        if self._host is not None:
+            # The prompt's blocks past vLLM's own hit that this engine's host tier holds: loaded back, before any pull.
+            first, most = blocks_to_pull(request.num_prompt_tokens, num_computed_tokens, 1 << 30, self.block_size)
+            if most > 0:
+                hashes = self._request_hashes(request, first + most)
+                with self._lock:
+                    slots = self._host.run(hashes[first:])
+                if slots:
+                    self._pending_host[request.request_id] = (first, slots)
+                    self._pending_loads.pop(request.request_id, None)
+                    return len(slots) * self.block_size, False
         try:
             plan = plan_from_params(request.kv_transfer_params)
         except PlanError as exc:
@@ -480,6 +576,14 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         return count * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        host = self._pending_host.pop(request.request_id, None)
+        if host is not None and num_external_tokens:
+            first, slots = host
+            block_ids = blocks.get_block_ids()[0]
+            hashes = self._request_hashes(request, first + len(slots))
+            dst = block_ids[first : first + len(slots)]
+            self._host_loads.append(HostLoad(request.request_id, dst, slots, hashes[first : first + len(slots)]))
+            return
         pending = self._pending_loads.pop(request.request_id, None)
         if pending is None or num_external_tokens == 0:
             return
@@ -523,7 +627,28 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         for load in meta.loads:
             meta.written += load.dst_blocks
             meta.complete += [(load.req_id, b, h) for b, h in zip(load.dst_blocks, load.hashes)]
+        meta.host_loads, self._host_loads = self._host_loads, []
+        for hl in meta.host_loads:
+            meta.written += hl.dst_blocks
+            meta.complete += [(hl.req_id, b, h) for b, h in zip(hl.dst_blocks, hl.hashes)]
+        if self._host is not None:
+            self._plan_saves(meta)
         return meta
+
+    def _plan_saves(self, meta: KvdirMeta) -> None:
+        """Every block this step completes is saved to the host tier, in the slot chosen here for every rank; a
+        block the host tier drops to make room leaves the node unless vLLM still holds it (the publisher's)."""
+        assert self._host is not None
+        with self._lock:
+            for rid, b, h in meta.complete:
+                got = self._host.reserve(h)
+                if got is None:  # held there already (loaded back from there, say), or no slot free
+                    continue
+                slot, evicted = got
+                meta.saves.append((rid, b, slot, h))
+                if evicted is not None:
+                    self.m_host_evicted.inc()
+                    self._host_changes.put(("gone", evicted, slot))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         wm = connector_output.kv_connector_worker_meta
@@ -541,6 +666,8 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self.m_read_bytes.inc(read_bytes)
         self.m_read_s.inc(read_s)
         self._bandwidth.add(read_bytes, read_s)
+        if self._host is not None:
+            self._host_saved(wm)
         complete = complete_on_every_rank(wm.complete, self.tp_size)  # a block only some ranks hold is no block
         if not complete or self._pool is None:
             return
@@ -554,11 +681,28 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
                     fresh.append((h, b))
         self._changes.put(fresh)
 
+    def _host_saved(self, wm: KvdirWorkerMeta) -> None:
+        """Saves every rank made are usable (a save some rank missed frees its slot); the host loads' outcome."""
+        assert self._host is not None
+        done = complete_on_every_rank(wm.saved, self.tp_size)
+        ok = set(done)
+        with self._lock:
+            for h, slot in done:
+                if self._host.confirm(h, slot) and h not in self._published:
+                    self._host_changes.put(("hosted", h, slot))  # its device copy went before the save was confirmed
+            for h, slot in {*wm.saved, *wm.unsaved} - ok:
+                self._host.fail(h, slot)
+        self.m_host_saved.inc(len(done))
+        bad = set(wm.host_failed)
+        self.m_host_loaded.inc(len(set(wm.host_loaded) - bad))
+        self.m_host_failed.inc(len(bad))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._hashes.pop(rid, None)
         self._pending_loads.pop(rid, None)
+        self._pending_host.pop(rid, None)
         return False, None
 
     # ------------------------------------------------------------------ worker half
@@ -569,6 +713,11 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._layout: KvLayout | None = None
         self.fingerprint = None  # once the KV layout is known (register_kv_caches)
         self._tags = np.zeros((0, 2), dtype="<u8")
+        # The host tier (host_blocks > 0): per layer, host_blocks pages; its own tag array; its layout.
+        self._host_pages: list[np.ndarray] = []
+        self._host_tags = np.zeros((0, 2), dtype="<u8")
+        self._host_layout: KvLayout | None = None
+        self._device_pages: list[np.ndarray] = []  # each layer's KV as a (blocks, page bytes) view, for host copies
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._report = KvdirWorkerMeta()
@@ -602,6 +751,8 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         for lo, hi in merged:
             self._transfer.register(lo, hi - lo)
         self._transfer.register(self._tags.ctypes.data, self._tags.nbytes)
+        if self.s.host_blocks:
+            self._register_host_tier(list(kv_caches.values()), layers)
         self._peers.start()
         log.info(
             "kvdir connector: TP rank %d: %d layers, %d blocks registered at %s",
@@ -611,10 +762,25 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             self._transfer.session,
         )
 
+    def _register_host_tier(self, tensors: list[torch.Tensor], layers: list[LayerRegion]) -> None:
+        """Allocate the host tier (each layer's pages and a tag array, pages touched now as the device's are) and
+        register it with the transfer engine; the device's pages as byte views, to copy blocks out and back."""
+        assert self._transfer is not None
+        n = self.s.host_blocks
+        self._device_pages = [t.view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in tensors]
+        self._host_pages = [np.zeros((n, r.page_bytes), dtype=np.uint8) for r in layers]
+        self._host_tags = np.zeros((n, 2), dtype="<u8")
+        for a in (*self._host_pages, self._host_tags):
+            self._transfer.register(a.ctypes.data, a.nbytes)
+        self._host_layout = KvLayout(
+            tuple(LayerRegion(a.ctypes.data, r.page_bytes, n) for a, r in zip(self._host_pages, layers)),
+            self._host_tags.ctypes.data,
+        )
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._transfer is None or self._layout is None:
             return None
-        return KvdirHandshake(self._transfer.session, self._layout)
+        return KvdirHandshake(self._transfer.session, self._layout, self._host_layout)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass: blocks about to be written lose their hash and get a new generation."""
@@ -628,6 +794,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdirMeta)
+        for hl in meta.host_loads:
+            bad = self._load_host(hl)
+            self._report.host_loaded += hl.dst_blocks
+            if bad:
+                self._load_errors.update(bad)
+                self._failed_reqs.add(hl.req_id)
+                self._report.host_failed += bad
         for load in meta.loads:
             try:
                 bad = self._pull(load)
@@ -662,26 +835,44 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             peer = self._peers.get(load.source_node, load.source_epoch)
             if peer is None:
                 raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered (as last seen)")
-            sessions, layouts, fingerprint = peer
+            sessions, layouts, fingerprint, host = peer
             if fingerprint != self.fingerprint:  # another model's, revision's or layout's KV (docs/protocol.md §2.1)
                 raise PlanError(
                     f"{load.source_node} registered KV fingerprint {fingerprint}, not this engine's {self.fingerprint}"
                 )
             if len(layouts) != self.tp_size:  # its heads are sliced over another rank count (docs/protocol.md §2.2)
                 raise PlanError(f"{load.source_node} has {len(layouts)} TP ranks, this engine {self.tp_size}")
-            session, theirs = sessions[self.rank], layouts[self.rank]  # rank r reads the holder's rank r
+            session = sessions[self.rank]  # rank r reads the holder's rank r
             if session is None:
                 raise PlanError(f"{load.source_node}'s rank {self.rank} registered no transfer session")
-            why = self._layout.compatible(theirs)
-            if why:
-                raise PlanError(f"{load.source_node} has {why}")
-            if max(load.src_slots) >= theirs.num_blocks:
-                raise PlanError(f"slot {max(load.src_slots)} is outside {load.source_node}'s {theirs.num_blocks} blocks")
-            t_remote = [theirs.tags_base + TAG_BYTES * s for s in load.src_slots]
-            first, again = (
-                coalesce([tags[k].ctypes.data + TAG_BYTES * i for i in range(n)], t_remote, [TAG_BYTES] * n) for k in (0, 1)
-            )
-            dst, src, lengths = page_pieces(self._layout, theirs, load.dst_blocks, load.src_slots)
+            # The plan's locations (docs/protocol.md §2.3): each block read from the source's tier it names, the
+            # tiers' pieces in one batch per read.
+            by_tier: dict[int, list[int]] = {}
+            for i, loc in enumerate(load.src_slots):
+                by_tier.setdefault(loc >> media.SHIFT, []).append(i)
+            first: tuple[list[int], list[int], list[int]] = ([], [], [])
+            again: tuple[list[int], list[int], list[int]] = ([], [], [])
+            dst, src, lengths = [], [], []
+            for code, idx in by_tier.items():
+                theirs = layouts[self.rank] if code == media.DEVICE else host[self.rank] if host and code == media.HOST else None
+                if theirs is None:
+                    raise PlanError(f"{load.source_node} registered no tier {code} (docs/protocol.md §2.3) for rank {self.rank}")
+                why = self._layout.compatible(theirs)
+                if why:
+                    raise PlanError(f"{load.source_node} has {why}")
+                slots = [load.src_slots[i] & media.SLOT_MASK for i in idx]
+                if max(slots) >= theirs.num_blocks:
+                    raise PlanError(f"slot {max(slots)} is outside {load.source_node}'s {theirs.num_blocks} blocks there")
+                t_remote = [theirs.tags_base + TAG_BYTES * s for s in slots]
+                for k, out in ((0, first), (1, again)):
+                    for acc, part in zip(
+                        out, coalesce([tags[k].ctypes.data + TAG_BYTES * i for i in idx], t_remote, [TAG_BYTES] * len(idx))
+                    ):
+                        acc += part
+                d, r, n_ = page_pieces(self._layout, theirs, [load.dst_blocks[i] for i in idx], slots)
+                dst += d
+                src += r
+                lengths += n_
             staging = np.empty(sum(lengths), dtype=np.uint8)
             staged = [staging.ctypes.data + off for off in itertools.accumulate(lengths, initial=0)][:-1]
             t0 = time.perf_counter()
@@ -709,6 +900,30 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             log.info("pull from %s: %d of %d blocks stale; recomputing them", load.source_node, len(bad), n)
         return [load.dst_blocks[i] for i in bad]
 
+    def _load_host(self, hl: HostLoad) -> list[int]:
+        """Copy a request's blocks back from the host tier (tags, pages, tags: a peer may be reading, never
+        writing; this worker writes host slots only after the forward pass); the destination blocks not known good."""
+        slots = np.asarray(hl.host_slots, dtype=np.int64)
+        before = [tuple(int(x) for x in row) for row in self._host_tags[slots]]
+        for dev, host in zip(self._device_pages, self._host_pages):
+            dev[hl.dst_blocks] = host[slots]
+        after = [tuple(int(x) for x in row) for row in self._host_tags[slots]]
+        bad = check_tags(hl.hashes, before, after)  # type: ignore[arg-type]
+        if bad:
+            log.info("host-tier load: %d of %d blocks stale; recomputing them", len(bad), len(slots))
+        return [hl.dst_blocks[i] for i in bad]
+
+    def _save_host(self, saves: list[tuple[int, int, int]]) -> None:
+        """Copy complete device blocks into their host slots under the seqlock: hash zeroed and generation bumped,
+        pages, then the hash."""
+        blocks = np.asarray([b for b, _, _ in saves], dtype=np.int64)
+        slots = np.asarray([s for _, s, _ in saves], dtype=np.int64)
+        self._host_tags[slots, 0] = 0
+        self._host_tags[slots, 1] += 1
+        for dev, host in zip(self._device_pages, self._host_pages):
+            host[slots] = dev[blocks]
+        self._host_tags[slots, 0] = np.asarray([h for _, _, h in saves], dtype="<u8")
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
@@ -725,6 +940,12 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         for b, h in done:
             self._tags[b, 0] = h
         self._report.complete += done
+        if meta.saves and self._host_pages:
+            ok = [(b, slot, h) for rid, b, slot, h in meta.saves if rid not in self._failed_reqs]
+            if ok:
+                self._save_host(ok)
+            self._report.saved += [(h, slot) for _, slot, h in ok]
+            self._report.unsaved += [(h, slot) for rid, _, slot, h in meta.saves if rid in self._failed_reqs]
         self._failed_reqs.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -733,7 +954,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report, self._report = self._report, KvdirWorkerMeta()
-        if not (report.complete or report.loaded):
+        if not (report.complete or report.loaded or report.saved or report.unsaved or report.host_loaded):
             return None
         return report
 

@@ -71,8 +71,9 @@ class KvLayout:
     def num_blocks(self) -> int:
         return min(r.num_blocks for r in self.layers)
 
-    def regions(self, rank: int = 0, transfer_url: str | None = None) -> list[Region]:
-        """The regions of TP rank `rank`, read through `transfer_url` (None: the node's own)."""
+    def regions(self, rank: int = 0, transfer_url: str | None = None, medium: str | None = None) -> list[Region]:
+        """The regions of TP rank `rank`, read through `transfer_url` (None: the node's own), in `medium` (None:
+        the device; "host": the rank's host tier, docs/protocol.md §2.3)."""
         out = [
             Region(
                 rank=rank,
@@ -81,6 +82,7 @@ class KvLayout:
                 block_bytes=r.page_bytes,
                 layer=i,
                 transfer_url=transfer_url,
+                medium=medium,
             )
             for i, r in enumerate(self.layers)
         ]
@@ -92,20 +94,22 @@ class KvLayout:
                 block_bytes=TAG_BYTES,
                 rkey=TAG_RKEY,
                 transfer_url=transfer_url,
+                medium=medium,
             )
         )
         return out
 
     @classmethod
-    def from_regions(cls, regions: Sequence[Any], rank: int = 0) -> KvLayout:
-        """TP rank `rank`'s layout as a peer registered it (`Region`s or the directory's `RegionInfo`s); PlanError
-        if that rank has none."""
-        mine = [r for r in regions if r.rank == rank]
+    def from_regions(cls, regions: Sequence[Any], rank: int = 0, medium: str | None = None) -> KvLayout:
+        """TP rank `rank`'s layout in `medium` as a peer registered it (`Region`s or the directory's
+        `RegionInfo`s); PlanError if that rank has none there."""
+        mine = [r for r in regions if r.rank == rank and r.medium == medium]
         layers = sorted((r for r in mine if r.layer is not None and r.rkey == 0), key=lambda r: r.layer)
         tags = [r for r in mine if r.rkey == TAG_RKEY]
         if not layers or len(tags) != 1 or [r.layer for r in layers] != list(range(len(layers))):
             raise PlanError(
-                f"the source registered no kvdir connector layout for rank {rank} (per-layer regions and a tag region)"
+                f"the source registered no kvdir connector layout for rank {rank}"
+                f"{f' in {medium}' if medium else ''} (per-layer regions and a tag region)"
             )
         return cls(tuple(LayerRegion(r.base_addr, r.block_bytes, r.length // r.block_bytes) for r in layers), tags[0].base_addr)
 
@@ -119,9 +123,17 @@ class KvLayout:
         return None
 
 
-def rank_layouts(regions: Sequence[Any]) -> list[KvLayout]:
-    """Every TP rank's layout, rank order (kvproto.ranks); PlanError if a rank has none."""
-    return [KvLayout.from_regions(regions, rank) for rank in range(tp_size(regions))]
+def rank_layouts(regions: Sequence[Any], medium: str | None = None) -> list[KvLayout]:
+    """Every TP rank's layout in `medium` (None: the device), rank order (kvproto.ranks); PlanError if a rank has
+    none there."""
+    return [KvLayout.from_regions(regions, rank, medium) for rank in range(tp_size(regions))]
+
+
+def host_layouts(regions: Sequence[Any]) -> list[KvLayout] | None:
+    """Every TP rank's host-tier layout (docs/protocol.md §2.3), None for a source without a host tier."""
+    if not any(r.medium == "host" for r in regions):
+        return None
+    return rank_layouts(regions, "host")
 
 
 def mirrored(layouts: Sequence[KvLayout]) -> str | None:

@@ -42,7 +42,13 @@ class DirectorySettings(BaseSettings):
     max_blocks_per_publish: int = Field(16384, ge=1, description="most blocks in one publish or remove (422 above)")
     max_hashes_per_lookup: int = Field(16384, ge=1, description="most hashes (or blocks of tokens) in one lookup (422 above)")
     max_tokens_per_lookup: int = Field(1 << 20, ge=1, description="most tokens in one lookup by tokens (422 above)")
-    max_regions_per_node: int = Field(256, ge=1, le=4096, description="most memory regions in one registration (422 above)")
+    max_regions_per_node: int = Field(
+        2048,
+        ge=1,
+        le=16384,
+        description="most memory regions in one registration (422 above): the vLLM connector registers one per layer "
+        "and tag array, per TP rank and tier (an 80-layer model at TP 8 with a host tier: 1,296)",
+    )
     max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
     watch_buffer_bytes: int = Field(

@@ -60,6 +60,15 @@ class GatewaySettings(DirectoryClientSettings):
         "reports no measured pull_gbps of its own",
     )
     pull_setup_ms: float = Field(2.0, ge=0, description="fixed cost of one pull (handshake, lookup)")
+    host_copy_gbps: float = Field(
+        20.0,
+        gt=0,
+        description="engines' host-to-device copy rate in GB/s, all ranks together: what loading a cached block from "
+        "an engine's host tier costs (docs/protocol.md §2.3)",
+    )
+    disk_read_gbps: float = Field(
+        2.0, gt=0, description="engines' disk-to-device rate in GB/s, all ranks together, for blocks on an engine's disk tier"
+    )
     max_running: int = Field(32, ge=1, description="engines' concurrency, for the queueing estimate")
     displace_weight: float = Field(
         8.0,

@@ -16,11 +16,15 @@ The model, per healthy candidate ``c`` and request ``req``:
 - ``queue_s = pending_prefill_tokens / prefill_tokens_per_s
   + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval_s``
 - ``cached_tokens = min(min(cached_blocks, len(hashes)) * block_size, prompt_tokens)``
+- ``load_s = (host_blocks * block_bytes) / host_copy_bytes_per_s + (disk_blocks * block_bytes) /
+  disk_read_bytes_per_s``: the candidate's own cached blocks that lie in a lower tier (docs/protocol.md
+  §2.3) are copied to the device first; device blocks are free. Where the pull source's blocks lie does not
+  change a pull's price (the link is the bottleneck).
 - ``compute_s = (prompt_tokens - cached_tokens) / prefill_tokens_per_s``
 - ``pull_s(n) = pull_setup_s + n * (block_bytes / link)``, ``link`` being the pull bandwidth the candidate
   reported (``c.link_bytes_per_s``: what its reads measured) or else the configured ``link_bytes_per_s``
-- recompute: ``ttft = queue_s + compute_s``; pull up to block ``P`` (the longest
-  holder's servable prefix): ``ttft = queue_s + pull_s(P - c.blocks) +
+- recompute: ``ttft = queue_s + load_s + compute_s``; pull up to block ``P`` (the longest
+  holder's servable prefix): ``ttft = queue_s + load_s + pull_s(P - c.blocks) +
   (prompt_tokens - P.cached_tokens) / prefill_tokens_per_s``, taken only when
   ``pull_s < (P.cached_tokens - c.cached_tokens) / prefill_tokens_per_s``
   (strictly: at the break-even the node recomputes; no network, no dependency
@@ -69,6 +73,7 @@ __all__ = [
     "estimate_ttft",
     "evaluate",
     "link_rate",
+    "load_seconds",
     "pull_seconds",
     "queue_seconds",
     "queued_ahead",
@@ -105,6 +110,10 @@ class Candidate:
     # Its tensor-parallel rank count (docs/protocol.md §2.2): rank r's pages hold r's share of the KV heads, so a
     # pull is planned only from a holder with as many ranks.
     tp_size: int = 1
+    # Of its cached_blocks, those in its host tier and on its disk (docs/protocol.md §2.3): copied to the device
+    # before they serve (load_s), where device blocks are free.
+    host_blocks: int = 0
+    disk_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +139,8 @@ class CostModel:
     mean_output_tokens: float | None = None
     # Weight of the recompute time of what a full node evicts to store a request's uncached blocks (0: ignored).
     displace_weight: float = 8.0
+    host_copy_bytes_per_s: float = 20e9  # a node's host-to-device copy rate, all ranks together (PCIe 4.0/5.0 x16)
+    disk_read_bytes_per_s: float = 2e9  # a node's disk-to-device rate, all ranks together (an NVMe SSD)
 
 
 DEFAULT_COST = CostModel()
@@ -154,16 +165,17 @@ class TTFTBreakdown(NamedTuple):
     cached_tokens: int  # prompt tokens not recomputed (held locally or pulled)
     pulled_blocks: int = 0  # blocks read from a peer first (0: the option recomputes what it lacks)
     displace_s: float = 0.0  # weighted recompute time of what storing this request evicts (not in the TTFT)
+    load_s: float = 0.0  # copying the candidate's own host- and disk-tier blocks to the device
 
     @property
     def total_s(self) -> float:
         """The estimated TTFT."""
-        return self.queue_s + self.pull_s + self.compute_s
+        return self.queue_s + self.load_s + self.pull_s + self.compute_s
 
     @property
     def score_s(self) -> float:
         """What kvdir minimises: the TTFT plus the price of what the option displaces."""
-        return self.queue_s + self.pull_s + self.compute_s + self.displace_s
+        return self.queue_s + self.load_s + self.pull_s + self.compute_s + self.displace_s
 
 
 def blocks_held(cand: Candidate, n_hashes: int) -> int:
@@ -235,6 +247,16 @@ def pull_seconds(n_blocks: int, cost: CostModel = DEFAULT_COST, link_bytes_per_s
     return cost.pull_setup_s + n_blocks * (cost.block_bytes / link)
 
 
+def load_seconds(cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
+    """Copying the candidate's cached blocks that lie in its host tier or on its disk to the device (0 for none)."""
+    s = 0.0
+    if cand.host_blocks > 0:
+        s += cand.host_blocks * cost.block_bytes / cost.host_copy_bytes_per_s
+    if cand.disk_blocks > 0:
+        s += cand.disk_blocks * cost.block_bytes / cost.disk_read_bytes_per_s
+    return s
+
+
 def evaluate(
     req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST, *, pull_to_blocks: int = 0, force_pull: bool = False
 ) -> TTFTBreakdown:
@@ -247,7 +269,8 @@ def evaluate(
     prices the pull regardless (a what-if: `ttft_breakdown`). Otherwise the
     candidate recomputes what it lacks. `pulled_blocks` says which option it is.
     Either way the candidate stores what it does not hold: `displace_s` prices
-    the evictions that makes on a full node (the same for both options).
+    the evictions that makes on a full node (the same for both options), and
+    copies its own lower-tier blocks to the device first (`load_s`).
     """
     nh = len(req.hashes)
     have = blocks_ready(cand, nh)
@@ -259,6 +282,7 @@ def evaluate(
     if cached > prompt:
         cached = prompt
     displace_s = displace_seconds(prompt - cached, cand, cost)
+    load_s = load_seconds(cand, cost)
     target = min(max(pull_to_blocks, 0), nh)
     if target > have and (force_pull or cand.can_pull):
         pull_s = pull_seconds(target - have, cost, link_rate(cand, cost))
@@ -266,8 +290,8 @@ def evaluate(
         if pulled > prompt:
             pulled = prompt
         if force_pull or pull_s < (pulled - cached) / rate:
-            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have, displace_s)
-    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached, 0, displace_s)
+            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have, displace_s, load_s)
+    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached, 0, displace_s, load_s)
 
 
 def ttft_breakdown(

@@ -11,6 +11,10 @@ from collections.abc import Sequence
 from gateway.cost import DEFAULT_COST, Candidate, CostModel, Decision, RouteRequest, blocks_held
 from gateway.policy_base import TIE_EPSILON, healthy_candidates, plain_decision
 
+TIER_CREDITS = (1.0, 0.75, 0.25)
+"""What a cached block on the device, in host memory and on disk is worth to Dynamo's router (its KVBM tiers G1,
+G2, G3: the credits of Dynamo's tier-aware routing, docs/replay.md)."""
+
 
 class DynamoPolicy:
     """Modeled after Dynamo's KV router (not Dynamo itself); its cost function as in ai-dynamo/dynamo
@@ -18,10 +22,11 @@ class DynamoPolicy:
     tracking of lib/llm/src/kv_router/sequence.rs (docs/replay.md quotes both):
 
     cost(c) = overlap_weight * prefill_blocks + decode_blocks, with
-      prefill_blocks = (prompt_tokens - cached_blocks * block_size + pending_prefill_tokens) / block_size:
+      prefill_blocks = (prompt_tokens - credited_blocks * block_size + pending_prefill_tokens) / block_size:
           this request's uncached tokens plus those of requests sent there whose prefill has not ended
-          (Dynamo's ``new_tokens + active_tokens``; ``cached_blocks`` is the directory's view, as
-          Dynamo's overlap is from engine events);
+          (Dynamo's ``new_tokens + active_tokens``; the cached blocks are the directory's view, as
+          Dynamo's overlap is from engine events), each cached block credited by its tier as Dynamo's
+          KVBM-aware routing does (`tier_credits`: device 1.0, host 0.75, disk 0.25);
       decode_blocks = new_blocks + active_blocks: the distinct blocks of the sequences this router has
           in flight on the node (each shared prefix counted once), plus this request's blocks that
           are not among them.
@@ -44,11 +49,13 @@ class DynamoPolicy:
         overlap_weight: float = 1.0,
         temperature: float = 0.0,
         track_finished: bool = False,
+        tier_credits: tuple[float, float, float] = TIER_CREDITS,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         self.cost = cost or DEFAULT_COST
         self.overlap_weight = overlap_weight
+        self.tier_credits = tier_credits
         self.temperature = temperature
         self.track_finished = track_finished
         self._seqs: dict[str, OrderedDict[int, RouteRequest]] = {}  # node -> in-flight requests (by id), oldest first
@@ -86,7 +93,9 @@ class DynamoPolicy:
                 self._trim(c)
             active = self._active.get(c.node_id, {})
             new_blocks = sum(1 for h in req.hashes if h not in active)
-            uncached = max(0, req.prompt_tokens - blocks_held(c, nh) * bs)
+            _, host, disk = self.tier_credits
+            held = blocks_held(c, nh) - (1.0 - host) * c.host_blocks - (1.0 - disk) * c.disk_blocks
+            uncached = max(0, req.prompt_tokens - held * bs)
             out.append(w * (uncached + c.pending_prefill_tokens) / bs + new_blocks + len(active))
         return out
 

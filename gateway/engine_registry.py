@@ -257,7 +257,7 @@ class EngineRegistry:
             seen.add(n.node_id)
             e.epoch = n.epoch
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
-            e.block_bytes = sum(r.block_bytes for r in n.regions)
+            e.block_bytes = sum(r.block_bytes for r in n.regions if r.medium is None)  # a device copy, all ranks
             e.block_size = n.block_size or 0
             e.capacity_blocks = n.capacity_blocks
             e.blocks = n.blocks

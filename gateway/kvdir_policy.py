@@ -169,6 +169,11 @@ class KvdirPolicy:
             f" + (max(0,{c.running}+{c.inflight}-{cost.max_running}+1)={queued_ahead(c, cost)} + {c.waiting})"
             f"*{slot_interval_seconds(req, cost):.6f}]"
         )
+        if br.load_s:
+            s += (
+                f" + load {br.load_s:.6f} [{c.host_blocks} host + {c.disk_blocks} disk of {c.cached_blocks} cached blocks"
+                f" *{cost.block_bytes} at {cost.host_copy_bytes_per_s:g} / {cost.disk_read_bytes_per_s:g}]"
+            )
         if br.pull_s:
             measured = " (measured by it)" if c.link_bytes_per_s > 0 else ""
             s += (

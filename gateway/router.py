@@ -28,6 +28,7 @@ from gateway.cost import Candidate, CostModel, Decision, RouteRequest
 from gateway.inflight import InflightPrefixes
 from gateway.policy import Policy
 from gateway.prefix_hasher import PrefixHasher
+from kvproto import media
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD, PullPlan
 
@@ -108,6 +109,8 @@ def cost_model(settings: GatewaySettings) -> CostModel:
         prefill_tokens_per_s=settings.prefill_tokens_per_s,
         link_bytes_per_s=settings.link_gbps * 1e9,
         pull_setup_s=settings.pull_setup_ms / 1000,
+        host_copy_bytes_per_s=settings.host_copy_gbps * 1e9,
+        disk_read_bytes_per_s=settings.disk_read_gbps * 1e9,
         max_running=settings.max_running,
         decode_tokens_per_s=settings.decode_tokens_per_s,
         displace_weight=settings.displace_weight,
@@ -145,12 +148,19 @@ def make_candidate(
 
     The engine's `running` includes the requests this gateway has in flight to
     it, which the cost model counts separately (`inflight`): they are counted once.
+    `slots` are the holder's locations (kvproto.media): how many of the first `cached_blocks` lie in its host
+    tier or on its disk is read from them.
     """
+    slots = tuple(slots)
+    lower = [0] * len(media.MEDIA)
+    if slots and max(slots[:cached_blocks], default=0) > media.SLOT_MASK:  # some lie in a lower tier
+        for loc in slots[:cached_blocks]:
+            lower[loc >> media.SHIFT] += 1
     return Candidate(
         node_id=node_id,
         epoch=epoch,
         cached_blocks=cached_blocks,
-        slots=tuple(slots),
+        slots=slots,
         running=max(0, int(reported_running) - inflight),
         waiting=int(waiting),
         pending_prefill_tokens=pending_prefill_tokens,
@@ -163,6 +173,8 @@ def make_candidate(
         link_bytes_per_s=link_bytes_per_s,
         kv_fingerprint=kv_fingerprint,
         tp_size=tp_size,
+        host_blocks=lower[media.HOST],
+        disk_blocks=lower[media.DISK],
     )
 
 

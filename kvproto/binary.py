@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
+from kvproto import media
 from kvproto.schemas import BlockSize, Consistency, Epoch, IdentityPart, Label, Namespace, NodeId, Tenant
 
 JSON = "application/json"
@@ -33,9 +34,12 @@ class PublishBatch(_Batch):
     node_id: NodeId
     epoch: Epoch
     hashes: bytes
-    slots: bytes  # slots[i] is where hashes[i] is held
+    slots: bytes  # slots[i] is where hashes[i] is held, in `medium`
     medium: Label | None = None
     tenant: Tenant | None = None
+
+    def __post_init__(self) -> None:
+        self.medium = media.canonical(self.medium)
 
 
 class RemoveBatch(_Batch):

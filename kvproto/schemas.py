@@ -22,6 +22,7 @@ import httpx
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvproto import media
 from kvproto.hashing import U32_MAX, U64_MAX
 from kvproto.ranks import check_ranks
 
@@ -150,8 +151,19 @@ class Region(_Body):
         ]
         | None
     ) = None
+    medium: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                max_length=32,
+                description="where the region lies: device (the default), host or disk (docs/protocol.md §2.3)",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
+        self.medium = media.canonical(self.medium)
         check_u64(self.base_addr, "base_addr")
         check_u64(self.length, "length")
         check_u64(self.block_bytes, "block_bytes")
@@ -176,7 +188,7 @@ class RegisterRequest(_Body):
     ]
     transfer_url: Annotated[str, msgspec.Meta(min_length=1, max_length=TRANSFER_URL_MAX_LEN)] | None = None
     regions: list[Region] = []
-    capacity_blocks: Annotated[int, msgspec.Meta(ge=1, le=U32_MAX + 1)] | None = None
+    capacity_blocks: Annotated[int, msgspec.Meta(ge=1, le=media.MAX_SLOTS)] | None = None
     block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     incarnation: (
         Annotated[
@@ -234,7 +246,7 @@ class HeartbeatRequest(_Body):
 
 class BlockRef(_Body):
     hash: U64
-    slot: U32
+    slot: Annotated[int, msgspec.Meta(ge=0, le=media.SLOT_MASK, description="the slot within the publish's medium")]
 
 
 class PublishRequest(_Body):
@@ -242,7 +254,12 @@ class PublishRequest(_Body):
     epoch: Epoch
     blocks: list[BlockRef]
     medium: Label | None = None
+    """Where the blocks lie (kvproto.media: device, host or disk, or an engine's name for one): each block's entry
+    for this node moves there."""
     tenant: Tenant | None = None
+
+    def __post_init__(self) -> None:
+        self.medium = media.canonical(self.medium)
 
 
 class RemoveRequest(_Body):
@@ -375,6 +392,7 @@ class RegionInfo(_Model):
     block_bytes: int
     layer: int | None = None
     transfer_url: str | None = None
+    medium: str | None = None
 
 
 class NodeInfo(_Model):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import xxhash
 
+from kvproto import media
 from kvproto.index import BlockIndex
 from kvproto.shardmap import SHARD_BITS, home_of
 
@@ -406,15 +407,18 @@ class DirectoryState:
         node = self._current(cmd.node_id, cmd.epoch)
         if isinstance(node, Result):
             return node
-        if node.capacity_blocks is not None and len(cmd.slots) and int(cmd.slots.max()) >= node.capacity_blocks:
-            return Result(INVALID, detail=f"slot out of range: node {node.node_id!r} has {node.capacity_blocks} slots")
+        code = media.applied_code(cmd.medium)
+        why = media.out_of_range(cmd.slots, code, media.capacities(node.capacity_blocks, node.regions)[code], node.node_id)
+        if why:
+            return Result(INVALID, detail=why)
         if (
             len(self.index) + len(cmd.hashes) > self.max_entries
             and len(self.index) + self.index.missing(node.idx, cmd.hashes) > self.max_entries
         ):
             # Only new entries count against the limit, so a retried or slot-updating publish still succeeds.
             return Result(INDEX_FULL, detail=f"the index holds its maximum of {self.max_entries} entries")
-        return Result(OK, self.index.put(node.idx, cmd.hashes, cmd.slots))
+        # One location per (block, node): a publish in another medium moves the entry (kvproto.media).
+        return Result(OK, self.index.put(node.idx, cmd.hashes, media.locations(cmd.slots, code)))
 
     def _remove(self, cmd: Remove) -> Result:
         node = self._current(cmd.node_id, cmd.epoch)

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvproto import media
 from kvproto.index_levels import FrozenEntries
 from kvproto.state import (
     EPOCH_BASE_BITS,
@@ -389,17 +390,22 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
     if len(keys):
         # Per node index (at most MAX_NODES), so these arrays are small whatever the holders say.
         registered = np.zeros(max(s._next_idx, 1), dtype=bool)
-        capacity = np.full(max(s._next_idx, 1), 1 << 32, dtype=np.int64)
+        # Slots per node index and medium (kvproto.media: a location's top bits name its medium).
+        capacity = np.full((max(s._next_idx, 1), len(media.MEDIA)), media.MAX_SLOTS, dtype=np.int64)
         for n in s.nodes.values():
             registered[n.idx] = True
-            if n.capacity_blocks is not None:
-                capacity[n.idx] = n.capacity_blocks
+            for code, cap in enumerate(media.capacities(n.capacity_blocks, n.regions)):
+                if cap is not None:
+                    capacity[n.idx, code] = cap
         beyond = holders >= len(registered)
         if beyond.any() or not registered[holders].all():
             unknown = np.unique(holders[beyond | ~registered[np.minimum(holders, len(registered) - 1)]])
             raise ValueError(f"entries of unregistered node indices {unknown[:5].tolist()}")
-        if (slots.astype(np.int64) >= capacity[holders]).any():
-            raise ValueError("a slot beyond its node's capacity_blocks")
+        codes = slots >> np.uint32(media.SHIFT)
+        if (codes >= len(media.MEDIA)).any():
+            raise ValueError("a location in no medium")
+        if ((slots & np.uint32(media.SLOT_MASK)).astype(np.int64) >= capacity[holders, codes]).any():
+            raise ValueError("a slot beyond its node's capacity in its medium")
         order = np.lexsort((holders, keys))  # the order `load` sorts in: given sorted, its sort is a pass
         keys, holders, slots = keys[order], holders[order], slots[order]
         if ((keys[1:] == keys[:-1]) & (holders[1:] == holders[:-1])).any():

@@ -73,9 +73,13 @@ def replay_plots(
     written = []
 
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names)), 4))
+    host = [100 * results[n]["host_hit_rate"] for n in names]
     local = [100 * results[n]["local_hit_rate"] for n in names]
+    device = [a - b for a, b in zip(local, host)]
     pulled = [100 * results[n]["pulled_hit_rate"] for n in names]
-    ax.bar(x, local, label="local")
+    ax.bar(x, device, label="local, device")
+    if any(host):
+        ax.bar(x, host, bottom=device, label="local, host tier")
     ax.bar(x, pulled, bottom=local, label="pulled")
     ax.axhline(100 * oracle_tokens, color="k", linestyle="--", label=f"oracle {100 * oracle_tokens:.1f}%")
     ax.set_xticks(x, shown, rotation=20, ha="right")

@@ -63,8 +63,21 @@ class WorkerSettings(DirectoryClientSettings):
         description="hash namespace (deployment, tenant; models, adapters and salts are in the KV identity): must match the gateway's",
     )
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the gateway's")
-    capacity_blocks: int = Field(4096, ge=1, le=2**31, description="KV slots per TP rank")
+    capacity_blocks: int = Field(4096, ge=1, le=2**30, description="KV slots per TP rank")
     block_bytes: int = Field(16384, ge=64, description="bytes of one block on one rank")
+    host_blocks: int = Field(
+        0,
+        ge=0,
+        le=2**30,
+        description="slots per TP rank of a host tier: blocks evicted from the device pool are kept there, published "
+        "with medium host, loaded back on a hit and readable by peers (0: none)",
+    )
+    host_copy_gbps: float = Field(
+        20.0,
+        gt=0,
+        description="simulated host-to-device copy rate of a block loaded from the host tier, all ranks together, GB/s "
+        "(gigabytes): match the gateway's --host-copy-gbps",
+    )
     tp: int = Field(
         1, ge=1, le=64, description="tensor-parallel ranks (one memory region and transfer engine each, mirrored slots)"
     )

@@ -57,6 +57,17 @@ class WorkerMetrics:
         Gauge("kvdir_worker_free_slots", "Free KV slots", registry=r).set_function(lambda: pool.free_slots)
         Gauge("kvdir_worker_cached_blocks", "Blocks cached", registry=r).set_function(lambda: pool.cached_blocks)
         Gauge("kvdir_worker_evictions_total", "Blocks evicted (LRU)", registry=r).set_function(lambda: pool.stats["evictions"])
+        host = pool.host
+        if host is not None:
+            Gauge("kvdir_worker_host_blocks", "Blocks in the host tier", registry=r).set_function(lambda: host.used_slots)
+            for key, help_text in (
+                ("stored", "Blocks the device pool evicted into the host tier"),
+                ("evictions", "Blocks evicted from the host tier (LRU): gone from this node"),
+                ("loads", "Blocks loaded back from the host tier for a request"),
+            ):
+                Gauge(f"kvdir_worker_host_{key}_total", help_text, registry=r).set_function(
+                    cast(Callable[[], float], lambda k=key: host.stats[k])
+                )
 
     def watch_publisher(self, publisher: Publisher) -> None:
         """Read the publisher's backlog and epoch at scrape time."""
@@ -71,5 +82,6 @@ class WorkerMetrics:
         """Count a request's prompt once its prefill is done: what was cached is known by then."""
         self.ttft.observe(ttft)
         self.prompt_tokens.inc(stats.prompt_tokens)
-        self.cached_tokens.labels("local").inc(stats.local_cached_tokens)
+        self.cached_tokens.labels("local").inc(stats.local_cached_tokens - stats.host_cached_tokens)
+        self.cached_tokens.labels("host").inc(stats.host_cached_tokens)
         self.cached_tokens.labels("pulled").inc(stats.pulled_tokens)

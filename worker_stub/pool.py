@@ -21,16 +21,22 @@ goes first; only the reading side marks its block, so the two copies are never
 both preferred victims. The mark is a hint (the peer may have evicted its copy
 since): it reorders eviction within that window and nothing else.
 
+With a host tier (`host_blocks`, worker_stub.host_tier) an evicted block is copied there instead of dropped,
+and `acquire` loads the blocks of a prompt's cached prefix that lie there back into device slots (`Lease.loaded`):
+a block moves between the tiers, so its published location (kvproto.media) is always the one place it is held.
+
 Not thread-safe: the worker drives it from one asyncio loop, and no method awaits.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvproto import media
 from worker_stub.change_log import ChangeLog
+from worker_stub.host_tier import HostTier
 from worker_stub.slot_memory import SlotMemory
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "DEFAULT_COPY_SCAN", "KVPool", "Lease", "PoolFull"]
@@ -56,7 +62,9 @@ class Lease:
 
     `slots[i]` is the slot of `hashes[i]` (a hash repeated in one request maps to
     one slot). `cached` counts the leading hashes whose content was already valid:
-    the prefix hit. `new_slots` are the (hash, slot) pairs reserved for missing
+    the prefix hit. `loaded` are the (hash, slot) pairs of the blocks after it
+    that the host tier held: copied back into device slots, they continue the hit
+    once committed. `new_slots` are the (hash, slot) pairs reserved for missing
     blocks; their bytes are garbage until filled or pulled, and `commit` decides
     which of them become cached. After `commit`, uncommitted slots are no longer
     the lease's to write.
@@ -69,6 +77,7 @@ class Lease:
     _held: list[int] = field(repr=False)  # distinct slots this lease holds a refcount on, in order
     _pending: dict[int, int] = field(repr=False)  # new hash -> slot, not yet committed
     _private: set[int] = field(default_factory=set, repr=False)  # filled slots that lost a race
+    loaded: list[tuple[int, int]] = field(default_factory=list)
     released: bool = False
 
 
@@ -82,12 +91,18 @@ class KVPool(SlotMemory):
     """
 
     def __init__(
-        self, capacity_blocks: int, block_bytes: int = DEFAULT_BLOCK_BYTES, tp: int = 1, copy_scan: int = DEFAULT_COPY_SCAN
+        self,
+        capacity_blocks: int,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        tp: int = 1,
+        copy_scan: int = DEFAULT_COPY_SCAN,
+        host_blocks: int = 0,
     ) -> None:
         if copy_scan < 0:
             raise ValueError(f"copy_scan must be >= 0, got {copy_scan}")
         super().__init__(capacity_blocks, block_bytes, tp)
         self.copy_scan = copy_scan
+        self.host = HostTier(host_blocks, block_bytes, tp) if host_blocks > 0 else None
         self._slot_of: dict[int, int] = {}  # the local prefix index: cached hash -> slot
         self._hash_at: list[int | None] = [None] * capacity_blocks  # cached or reserved hash per slot
         self._ref: list[int] = [0] * capacity_blocks  # lease holds + pins
@@ -131,8 +146,33 @@ class KVPool(SlotMemory):
         return hash in self._slot_of
 
     def blocks(self) -> list[tuple[int, int]]:
-        """Every cached (hash, slot): what to publish again after re-registering under a new epoch."""
+        """Every cached (hash, slot) on the device: what to publish again after re-registering under a new epoch,
+        with `host_blocks`."""
         return list(self._slot_of.items())
+
+    def host_blocks(self) -> list[tuple[int, int]]:
+        """Every (hash, host slot) of the host tier (none without one)."""
+        return self.host.blocks() if self.host is not None else []
+
+    def location(self, hash: int) -> int | None:
+        """Where `hash` is held (kvproto.media: a device slot, or a host slot in the host medium); None: nowhere."""
+        s = self._slot_of.get(hash)
+        if s is not None:
+            return s
+        h = self.host.slot_of(hash) if self.host is not None else None
+        return None if h is None else media.location(h, media.HOST)
+
+    def host_prefix(self, hashes: Sequence[int], start: int) -> int:
+        """How many of `hashes` from `start` on the host tier holds: what a request loads back after its device hit."""
+        host = self.host
+        if host is None:
+            return 0
+        n = 0
+        for h in hashes[start:]:
+            if h not in host:
+                break
+            n += 1
+        return n
 
     @property
     def free_slots(self) -> int:
@@ -175,6 +215,7 @@ class KVPool(SlotMemory):
         hashes = [int(h) for h in hashes]
         slot_of = self._slot_of
         cached = self.lookup_prefix(hashes)
+        from_host = set(hashes[cached : cached + self.host_prefix(hashes, cached)])
         distinct = list(dict.fromkeys(hashes))
         missing = [h for h in distinct if h not in slot_of]
         if missing:
@@ -188,23 +229,34 @@ class KVPool(SlotMemory):
             if h in slot_of:
                 self._incref(slot_of[h], h)
         pending: dict[int, int] = {}
+        loaded: list[tuple[int, int]] = []
         for h in missing:
-            s = self._take_slot()
+            saved = None
+            if h in from_host and self.host is not None:  # moving back: out of the host tier first
+                self._touch_event(h)
+                saved = self.host.take(h)
+            s = self._take_slot(protect=from_host)
             self._hash_at[s] = h
             self._ref[s] = 1
             pending[h] = s
+            if saved is not None:
+                for rank, data in enumerate(saved):
+                    self.slot_view(rank, s)[:] = data
+                loaded.append((h, s))
         held = [pending[h] if h in pending else slot_of[h] for h in distinct]
         prefix_hits = len(set(hashes[:cached]))
         self.stats["hits"] += prefix_hits
         self.stats["late_hits"] += len(distinct) - len(missing) - prefix_hits
         self.stats["misses"] += len(missing)
+        loaded_set = {h for h, _ in loaded}
         return Lease(
             slots=[pending[h] if h in pending else slot_of[h] for h in hashes],
             cached=cached,
-            new_slots=list(pending.items()),
+            new_slots=[(h, s) for h, s in pending.items() if h not in loaded_set],
             _pool=self,
             _held=held,
             _pending=pending,
+            loaded=loaded,
         )
 
     def commit(self, lease: Lease, valid: Iterable[int]) -> None:
@@ -295,9 +347,9 @@ class KVPool(SlotMemory):
     # -- events --------------------------------------------------------------------
 
     def drain_events(self) -> tuple[list[tuple[int, int]], list[int]]:
-        """(stored (hash, slot), removed hashes) since the last call, for publishing to the directory: each
+        """(stored (hash, location), removed hashes) since the last call, for publishing to the directory: each
         hash's net change (`worker_stub.change_log`), a hash in at most one list."""
-        return self._changes.drain(self._slot_of)
+        return self._changes.drain(self.location)
 
     # -- internals -----------------------------------------------------------------
 
@@ -308,8 +360,9 @@ class KVPool(SlotMemory):
             raise ValueError("lease already released")
 
     def _touch_event(self, h: int) -> None:
-        """Note a change of `h` for drain_events, keeping what was true at the last drain."""
-        self._changes.touch(h, self._slot_of.get(h))
+        """Note a change of `h` for drain_events (call it before the change), keeping what was true at the last
+        drain."""
+        self._changes.touch(h, self.location(h))
 
     def _incref(self, s: int, h: int | None) -> None:
         if self._ref[s] == 0:
@@ -324,7 +377,9 @@ class KVPool(SlotMemory):
             if h is not None and self._slot_of.get(h) == s:
                 self._lru[h] = s
 
-    def _take_slot(self) -> int:
+    def _take_slot(self, protect: Container[int] = ()) -> int:
+        """A free slot, else the coldest evictable one's (copies first), its block moved to the host tier if there
+        is one, making room there by evicting its least recently stored block not in `protect`."""
         if self._free:
             return self._free.pop()
         victim: int | None = None
@@ -343,6 +398,15 @@ class KVPool(SlotMemory):
         self._copied.discard(h)
         self._touch_event(h)
         del self._slot_of[h]
+        host = self.host
+        if host is not None:
+            # The block lives on in the host tier: its bytes are copied before the slot is reused. With every block
+            # there protected (a request is loading them back), it is dropped instead.
+            victim = host.victim(protect) if host.full else None
+            if not host.full or victim is not None:
+                if victim is not None:
+                    self._touch_event(victim)
+                host.store(h, self, s, victim)
         self._hash_at[s] = None
         self.stats["evictions"] += 1
         return s

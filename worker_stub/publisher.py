@@ -13,9 +13,11 @@ the engine's load.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
+from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.schemas import Region
 from kvproto.session import NodeSession
@@ -63,8 +65,11 @@ class Publisher:
                     rkey=0,
                     block_bytes=r.block_bytes,
                     transfer_url=transfer_sessions[r.rank] if r.rank > 0 else None,
+                    medium=medium,
                 )
-                for r in pool.regions
+                for medium, memory in ((None, pool), ("host", pool.host))
+                if memory is not None
+                for r in memory.regions
             ],
             capacity_blocks=pool.capacity_blocks,
             block_size=block_size,
@@ -116,9 +121,15 @@ class Publisher:
 
     def _collect(self) -> None:
         stored, removed = self.pool.drain_events()
-        self.session.stored(stored)
+        by_medium: dict[int, list[tuple[int, int]]] = {}
+        for h, loc in stored:
+            code, slot = media.split(loc)
+            by_medium.setdefault(code, []).append((h, slot))
+        for code, blocks in by_medium.items():
+            self.session.stored(blocks, None if code == media.DEVICE else media.MEDIA[code])
         self.session.removed(removed)
 
     def _holdings(self) -> Iterator[tuple[int, int, str | None]]:
         self.pool.drain_events()  # superseded by the snapshot below
-        return ((h, slot, None) for h, slot in self.pool.blocks())
+        device = ((h, slot, None) for h, slot in self.pool.blocks())
+        return itertools.chain(device, ((h, slot, "host") for h, slot in self.pool.host_blocks()))

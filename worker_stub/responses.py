@@ -31,6 +31,8 @@ def kvdir_extension(node_id: str, stats: RequestStats, ttft: float) -> dict[str,
     return {
         "node_id": node_id,
         "local_cached_tokens": stats.local_cached_tokens,
+        "host_cached_tokens": stats.host_cached_tokens,
+        "host_load_s": stats.host_load_s,
         "pulled_tokens": stats.pulled_tokens,
         "queue_s": stats.queue_s,
         "pull_s": stats.pull_s,

@@ -52,13 +52,16 @@ class WorkerRuntime:
         """Everything wired up, the publisher not yet started; `dp_rank`: the data-parallel rank it is (its own
         node, registered with that rank so that gateways name it in each request)."""
         node_id = settings.node_id if dp_rank is None else f"{settings.node_id}-dp{dp_rank}"
-        pool = KVPool(settings.capacity_blocks, settings.block_bytes, settings.tp)
+        pool = KVPool(settings.capacity_blocks, settings.block_bytes, settings.tp, host_blocks=settings.host_blocks)
         # One transfer engine per TP rank, as each rank of a real engine is its own process with its own.
         transfers: list[TransferEngine] = []
         try:
             for region in pool.regions:
                 transfers.append(create_engine(settings.transfer, settings.transfer_host))
                 transfers[-1].register(region.base_addr, region.length)
+                if pool.host is not None:  # the rank's host tier, read through the same engine
+                    host = pool.host.regions[region.rank]
+                    transfers[-1].register(host.base_addr, host.length)
         except BaseException:
             for t in transfers:
                 t.close()

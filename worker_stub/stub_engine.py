@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
+from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import KvIdentity, identity_hashes
@@ -41,6 +42,7 @@ class QueueFull(Exception):
 class RequestStats:
     prompt_tokens: int = 0
     local_cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of local_cached_tokens: loaded from the host tier (host_load_s)
     pulled_tokens: int = 0
     completion_tokens: int = 0
     queue_s: float = 0.0
@@ -51,6 +53,7 @@ class RequestStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     pull_failures: list[str] = field(default_factory=list)
+    host_load_s: float = 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -183,24 +186,34 @@ class Engine:
     ) -> None:
         bs = self.s.block_size
         cached = lease.cached if lease is not None else 0
-        stats.local_cached_tokens = cached * bs
+        loaded = {h for h, _ in lease.loaded} if lease is not None else set()
+        if loaded:
+            # Copied back from the host tier already (worker_stub.pool); the copy's modeled time, all ranks at once.
+            t = time.perf_counter()
+            await self._sleep(len(loaded) * self.pool.block_bytes * self.pool.tp / (self.s.host_copy_gbps * 1e9))
+            stats.host_load_s = time.perf_counter() - t
+        host_run = cached
+        while host_run < len(hashes) and hashes[host_run] in loaded:
+            host_run += 1
+        stats.local_cached_tokens = host_run * bs
+        stats.host_cached_tokens = (host_run - cached) * bs
         pulled: set[int] = set()
         if lease is not None and pull is not None and lease.new_slots:
             t = time.perf_counter()
             pulled = await self._pull(hashes, lease, pull, stats)
             stats.pull_s = time.perf_counter() - t
-        # The prefix served without compute: local hits, then pulled blocks continuing the run.
-        run = cached
-        while run < len(hashes) and hashes[run] in pulled:
+        # The prefix served without compute: local hits (device, then host), then pulled blocks continuing the run.
+        run = host_run
+        while run < len(hashes) and (hashes[run] in pulled or hashes[run] in loaded):
             run += 1
-        stats.pulled_tokens = (run - cached) * bs
+        stats.pulled_tokens = (run - host_run) * bs
         t = time.perf_counter()
         await self._sleep((n_tokens - run * bs) / self.s.prefill_tokens_per_s)
         if lease is not None:
             for h, slot in lease.new_slots:
                 if h not in pulled:
                     self.pool.fill(h, slot)
-            self.pool.commit(lease, [h for h, _ in lease.new_slots])
+            self.pool.commit(lease, [*(h for h, _ in lease.new_slots), *loaded])
         stats.prefill_s = time.perf_counter() - t
 
     async def _peer(self, node_id: str, epoch: int) -> NodeInfo | None:
@@ -245,23 +258,32 @@ class Engine:
             log.warning("pull plan from %s refused: %s", plan.source_node, why)
             return set()
         sessions = rank_sessions(peer.regions, peer.transfer_url)
-        regions = {r.rank: r for r in peer.regions}
+        regions = {(r.rank, r.medium): r for r in peer.regions}
         reads = []
         for mine in self.pool.regions:
-            theirs = regions.get(mine.rank)
             session = sessions[mine.rank]
-            if theirs is None or theirs.block_bytes != mine.block_bytes or session is None:
+            if session is None:
                 self.counters["pull_errors"] += 1
-                stats.pull_failures.append(f"source has no matching region for rank {mine.rank}")
+                stats.pull_failures.append(f"source has no transfer session for rank {mine.rank}")
                 return set()
-            slots = theirs.length // theirs.block_bytes
-            if (top := max(src for _, _, src in wanted)) >= slots:
-                # Past that rank's registered memory: no rank reads (a partial load would leave the ranks unequal).
-                self.counters["pull_errors"] += 1
-                stats.pull_failures.append(f"slot {top} is outside rank {mine.rank}'s {slots} slots on {plan.source_node}")
-                return set()
-            local = [mine.base_addr + slot * mine.block_bytes for _, slot, _ in wanted]
-            remote = [theirs.base_addr + src * theirs.block_bytes for _, _, src in wanted]
+            local, remote = [], []
+            for _, slot, loc in wanted:
+                code, src = media.split(loc)  # the plan's location: the source's slot in one of its media
+                medium = None if code == media.DEVICE else media.MEDIA[code]
+                theirs = regions.get((mine.rank, medium))
+                if theirs is None or theirs.block_bytes != mine.block_bytes:
+                    self.counters["pull_errors"] += 1
+                    stats.pull_failures.append(f"source has no matching {media.MEDIA[code]} region for rank {mine.rank}")
+                    return set()
+                if src >= (slots := theirs.length // theirs.block_bytes):
+                    # Past that rank's registered memory: no rank reads (a partial load would leave the ranks unequal).
+                    self.counters["pull_errors"] += 1
+                    stats.pull_failures.append(
+                        f"slot {src} is outside rank {mine.rank}'s {slots} {media.MEDIA[code]} slots on {plan.source_node}"
+                    )
+                    return set()
+                local.append(mine.base_addr + slot * mine.block_bytes)
+                remote.append(theirs.base_addr + src * theirs.block_bytes)
             reads.append((mine.rank, session, local, remote, [mine.block_bytes] * len(wanted)))
         t = time.perf_counter()
         outcomes = await asyncio.gather(*(self._read_rank(*r) for r in reads))

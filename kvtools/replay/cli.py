@@ -36,6 +36,21 @@ _MODEL: tuple[tuple[str, str, str, type, str], ...] = (
         "and routing candidate of its own, as the gateway treats DP ranks",
     ),
     ("--capacity-blocks", "capacity_blocks", "", int, "KV cache per engine (per node, or per DP rank), in blocks"),
+    (
+        "--host-blocks",
+        "host_blocks",
+        "",
+        int,
+        "a host tier per engine, in blocks: what the device evicts lives on there, loaded back on a hit and readable "
+        "by peers (0: none)",
+    ),
+    (
+        "--host-copy-gbps",
+        "host_copy_bytes_per_s",
+        "G",
+        float,
+        "host-to-device copy rate of a block loaded from the host tier, GB/s (as the gateway's --host-copy-gbps)",
+    ),
     ("--trace-block-tokens", "block_tokens", "", int, "tokens per block of the trace's hash_ids, also used by --synthetic"),
     ("--prefill-tokens-per-s", "prefill_tokens_per_s", "", float, "prefill rate per node, one prefill at a time"),
     ("--decode-tokens-per-s", "decode_tokens_per_s", "", float, "decode rate per request"),

@@ -65,6 +65,7 @@ class _Flight:
     inflight_key: int = -1  # its gateway's gateway.inflight entry
     uncached: int = 0  # prompt tokens to prefill
     pred_uncached: int = 0  # what the gateway counts in the node's pending prefill tokens
+    ready: float = 0.0  # when its prefix's host-tier blocks are on the device (its arrival if none): prefill no sooner
     pull_src: int = -1
     pull_n: int = 0  # blocks pulled (pinned on the source until the pull is done)
     pull_pending: bool = False
@@ -147,7 +148,7 @@ class ClusterSim:
         k = p.gateways
         self.nodes = [
             _Node(
-                NodeCache(j, p.capacity_blocks, self.holders, p.evict_scan),
+                NodeCache(j, p.capacity_blocks, self.holders, p.evict_scan, p.host_blocks),
                 inflight=[0] * k,
                 pending=[0.0] * k,
                 own_reported=[0.0] * k,
@@ -260,7 +261,8 @@ class ClusterSim:
         # The gateway's own routing step (gateway.router.Router.route) over the simulated engines (views.SimEngine).
         router = self.routers[gw]
         self.now = t
-        holders = {ids[j]: SimHolder(k, slots_of(k)) for j, k in enumerate(view) if k}
+        locations = self.directory.locations
+        holders = {ids[j]: SimHolder(k, locations(blocks, k, j) or slots_of(k)) for j, k in enumerate(view) if k}
         rreq = router.request(prompt, blocks, r.output_tokens)
         d = router.route(rreq, self.views[gw], holders, now=t).decision
         router.routed(rreq, d)
@@ -273,9 +275,14 @@ class ClusterSim:
 
         have, longest = leading_runs(blocks, self.holders, self.full, n_nodes)
         local = have[n]
+        f = _Flight(i, r, n, local, gw=gw, rreq=rreq, decision=d, ready=t)
         if local:
-            node.cache.pin(blocks[:local])
-        f = _Flight(i, r, n, local, gw=gw, rreq=rreq, decision=d)
+            loaded = node.cache.pin(blocks[:local])
+            if loaded:  # the prefix's host-tier blocks, copied to the device before the prefill
+                f.ready = t + len(loaded) * self.params.block_bytes / self.params.host_copy_bytes_per_s
+                moved = set(loaded)
+                self.tally.host_tokens += sum(min(bt, prompt - j * bt) for j, b in enumerate(blocks[:local]) if b in moved)
+                self._settle(n, t, [], loaded)
         # The engine reuses blocks another request is computing there (vLLM, the worker stub): it waits for them.
         comp = node.computing
         nb = len(blocks)
@@ -331,7 +338,7 @@ class ClusterSim:
             return local
         source = self.nodes[src]
         dest = self.nodes[f.node]
-        source.cache.pin(f.req.blocks[local:reach])
+        source.cache.pin(f.req.blocks[local:reach], read=True)
         start = t
         if dest.link_in_free > start:
             start = dest.link_in_free
@@ -366,6 +373,8 @@ class ClusterSim:
             s = now
         if a is not None and s < a.prefill_end:
             s = a.prefill_end
+        if s < f.ready:
+            s = f.ready
         e = s + f.uncached / self.params.prefill_tokens_per_s
         node.prefill_free = e
         f.prefill_end = e
@@ -397,11 +406,12 @@ class ClusterSim:
         else:
             self._on_note(now, note)
 
-    def _settle(self, n: int, now: float, adds: list[int]) -> None:
-        """Evict node `n` down to capacity; publish its stores `adds` and evictions (after the lag, if any)."""
-        removes = self.nodes[n].cache.settle()
-        if adds or removes:
-            change = Publish(n, adds, removes)
+    def _settle(self, n: int, now: float, adds: list[int], loaded: list[int] | None = None) -> None:
+        """Evict node `n` down to capacity; publish its stores `adds`, the blocks it `loaded` from its host tier,
+        its evictions and its moves to its host tier (after the lag, if any)."""
+        removes, hosted = self.nodes[n].cache.settle()
+        if adds or removes or hosted or loaded:
+            change = Publish(n, adds, removes, hosted, loaded or ())
             lag = self.params.publish_lag_s
             if lag > 0:
                 self._push(now + lag, _PUBLISH, change)
@@ -413,7 +423,7 @@ class ClusterSim:
     def _on_pull_done(self, t: float, f: _Flight) -> None:
         """The source releases the pulled blocks (deepest first); the prefill may start."""
         b0 = f.local + f.shared
-        self.nodes[f.pull_src].cache.unpin(reversed(f.req.blocks[b0 : b0 + f.pull_n]))
+        self.nodes[f.pull_src].cache.unpin_read(reversed(f.req.blocks[b0 : b0 + f.pull_n]))
         self._settle(f.pull_src, t, [])
         f.pull_pending = False
         if f.admitted:
@@ -433,7 +443,7 @@ class ClusterSim:
             if comp.get(b) is f:
                 del comp[b]
         self.routers[f.gw].prefilled(f.inflight_key, t, ok=True)
-        self._settle(f.node, t, node.cache.store(r.blocks[f.local :]))
+        self._settle(f.node, t, *node.cache.store(r.blocks[f.local :]))
         self._push(t + r.output_tokens / self.params.decode_tokens_per_s, _DECODE_DONE, f)
 
     def _on_decode_done(self, t: float, f: _Flight) -> None:
@@ -499,11 +509,18 @@ class ClusterSim:
             or any(abs(x) > 1e-6 for nd in nodes for x in nd.peer_pending)
         ):
             raise AssertionError("replay bookkeeping leak: requests or pins left at the end")
-        if self.directory.masks != self.holders or sum(len(nd.cache.lru) for nd in nodes) != sum(
+        if self.directory.masks != self.holders or sum(len(nd.cache.lru) + len(nd.cache.host) for nd in nodes) != sum(
             m.bit_count() for m in self.holders.values()
         ):
             raise AssertionError("replay bookkeeping: the directory view or the block index disagrees with the caches")
-        if any(len(nd.cache.lru) > self.params.capacity_blocks for nd in nodes):
+        in_host: dict[int, int] = {}
+        for j, nd in enumerate(nodes):
+            for b in nd.cache.host:
+                in_host[b] = in_host.get(b, 0) | 1 << j
+        if self.directory.host_masks != in_host or any(nd.cache.host_pins for nd in nodes):
+            raise AssertionError("replay bookkeeping: the directory's host tiers disagree with the caches")
+        p = self.params
+        if any(len(nd.cache.lru) > p.capacity_blocks or len(nd.cache.host) > p.host_blocks for nd in nodes):
             raise AssertionError("replay bookkeeping: a cache holds more than its capacity at rest")
 
     def figures(self) -> dict[str, Any]:
@@ -528,6 +545,7 @@ class ClusterSim:
             "prompt_tokens": prompt_total,
             "hit_rate": tally.hit_tokens / prompt_total if prompt_total else 0.0,
             "local_hit_rate": (tally.hit_tokens - tally.pulled_tokens) / prompt_total if prompt_total else 0.0,
+            "host_hit_rate": tally.host_tokens / prompt_total if prompt_total else 0.0,
             "pulled_hit_rate": tally.pulled_tokens / prompt_total if prompt_total else 0.0,
             "block_hit_rate": tally.hit_blocks / tally.blocks if tally.blocks else 0.0,
             "redundant_prefill": tally.redundant / prompt_total if prompt_total else 0.0,
@@ -545,6 +563,7 @@ class ClusterSim:
             "pull_blocks": tally.pull_blocks,
             "bytes_moved": tally.pull_blocks * self.params.block_bytes,
             "evictions": sum(nd.cache.evictions for nd in self.nodes),
+            "host_evictions": sum(nd.cache.host_evictions for nd in self.nodes),
             "copies_per_block": self.copies_sum / self.copies_n if self.copies_n else 0.0,
             "prediction_error": tally.pred_err / prompt_total if prompt_total else 0.0,
             "prediction_exact": tally.pred_exact / total if total else 1.0,

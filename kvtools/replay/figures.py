@@ -29,6 +29,7 @@ class Tally:
     blocks: int = 0
     hit_tokens: int = 0
     pulled_tokens: int = 0
+    host_tokens: int = 0  # of the local hits, those loaded from the node's host tier
     hit_blocks: int = 0
     redundant: int = 0
     pred_err: int = 0

@@ -32,6 +32,10 @@ class SimParams:
     # a holder and a routing candidate of its own as in the gateway (docs/protocol.md §2.2).
     dp_ranks: int = 1
     capacity_blocks: int = 3000  # per engine: per node, or per DP rank
+    # A host tier per engine (issue #32): blocks evicted from the device live on there, loaded back on a hit at
+    # host_copy_bytes_per_s, readable by peers (0: none).
+    host_blocks: int = 0
+    host_copy_bytes_per_s: float = 20e9
     block_tokens: int = 512
     prefill_tokens_per_s: float = 10_000.0  # per node, one prefill at a time
     decode_tokens_per_s: float = 80.0  # per request
@@ -57,8 +61,10 @@ class SimParams:
     def __post_init__(self) -> None:
         if min(self.nodes, self.dp_ranks, self.capacity_blocks, self.block_tokens, self.max_running, self.gateways) < 1:
             raise ValueError("nodes, dp_ranks, capacity_blocks, block_tokens, max_running and gateways must be >= 1")
-        if min(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.link_bytes_per_s) <= 0:
+        if min(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.link_bytes_per_s, self.host_copy_bytes_per_s) <= 0:
             raise ValueError("rates must be > 0")
+        if self.host_blocks < 0:
+            raise ValueError("host_blocks must be >= 0")
         if min(self.block_bytes, self.pull_setup_s, self.publish_lag_s, self.heartbeat_s, self.replica_sync_s) < 0:
             raise ValueError("block_bytes, pull_setup_s, publish_lag_s, heartbeat_s and replica_sync_s must be >= 0")
         if self.evict_scan < 0 or self.displace_weight < 0:
@@ -81,6 +87,7 @@ class SimParams:
             max_running=self.max_running,
             decode_tokens_per_s=self.decode_tokens_per_s,
             displace_weight=self.displace_weight,
+            host_copy_bytes_per_s=self.host_copy_bytes_per_s,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,7 +100,9 @@ def describe_params(p: SimParams) -> str:
     return (
         f"{p.nodes} nodes x "
         + (f"{p.dp_ranks} DP ranks x " if p.dp_ranks > 1 else "")
-        + f"{p.capacity_blocks} blocks of {p.block_tokens} tokens, prefill "
+        + f"{p.capacity_blocks} blocks of {p.block_tokens} tokens"
+        + (f" + {p.host_blocks} host blocks ({p.host_copy_bytes_per_s / 1e9:g} GB/s)" if p.host_blocks else "")
+        + ", prefill "
         f"{p.prefill_tokens_per_s:g} tok/s, decode {p.decode_tokens_per_s:g} tok/s, max_running {p.max_running}, "
         f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
         f"publish lag {p.publish_lag_s * 1e3:g} ms, eviction scan {p.evict_scan}, displace weight {p.displace_weight:g}, {p.gateways} gateway(s), heartbeat {p.heartbeat_s:g} s, replica sync {p.replica_sync_s * 1e3:g} ms"

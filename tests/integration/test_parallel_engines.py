@@ -124,7 +124,7 @@ def test_a_plan_past_one_ranks_memory_is_recomputed_on_every_rank(make_cluster, 
     assert "kvdir_worker_pull_errors_total 0.0" in httpx.get(w.urls[1] + "/metrics", timeout=5).text
     out = _complete(w.urls[1], PROMPT, kvdir_pull=plan)["kvdir"]
     assert (out["pulled_tokens"], out["pull_bytes"], len(out["pull_failures"])) == (0, 0, 1)
-    assert re.fullmatch(r"slot \d+ is outside rank 1's 8 slots on short-rank", out["pull_failures"][0])
+    assert re.fullmatch(r"slot \d+ is outside rank 1's 8 device slots on short-rank", out["pull_failures"][0])
     assert "kvdir_worker_pull_errors_total 1.0" in httpx.get(w.urls[1] + "/metrics", timeout=5).text
 
 

@@ -792,13 +792,13 @@ def test_subscriber_flushes_clear_then_removals_then_stores_and_keeps_failed_rou
     async def go() -> None:
         await sub.on_batch(_batch(0, _chain(t[:32], 16, [1, 2], medium="GPU")))
         await session.flush()
-        assert fake.calls == [("publish", 1, frozenset(ours[:2]), "GPU")]
+        assert fake.calls == [("publish", 1, frozenset(ours[:2]), None)]  # vLLM's "GPU" is kvdir's device (None)
         fake.calls.clear()
         await sub.on_batch(_batch(1, Removed((2,), "GPU"), Cleared(), _chain(t[:16], 16, [1], medium="GPU")))
         fake.fail = DirectoryUnavailable("down")
         with pytest.raises(DirectoryUnavailable):
             await session.flush()
-        assert session.pending_clear and session.pending_stores == {ours[0]: "GPU"}  # kept for the next round
+        assert session.pending_clear and session.pending_stores == {ours[0]: None}  # kept for the next round
         await sub.on_batch(_batch(2, Removed((1,), "GPU")))  # newer changes win over the kept ones
         assert session.pending_stores == {} and session.pending_removals == {ours[0]}
         await session.flush()

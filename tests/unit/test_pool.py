@@ -12,10 +12,11 @@ import struct
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvproto import media
 from kvproto.hashing import block_hashes
 from worker_stub.pool import KVPool, Lease, PoolFull
 from worker_stub.slot_memory import Region
@@ -569,3 +570,55 @@ TestPoolMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+# -- the host tier (issue #32) ------------------------------------------------------------
+
+
+def test_an_evicted_block_moves_to_the_host_tier_and_a_hit_loads_it_back() -> None:
+    pool = KVPool(2, block_bytes=32, tp=2, host_blocks=2)
+    stored_in(pool, [1, 2])
+    pool.drain_events()
+    stored_in(pool, [3, 4])  # evicts 2 then 1 (a prefix is eaten from its end) into the host tier
+    assert pool.host is not None and sorted(h for h, _ in pool.host_blocks()) == [1, 2]
+    assert all(pool.host.verify(h, s) for h, s in pool.host_blocks())  # the bytes came along, every rank
+    stored, removed = pool.drain_events()
+    assert removed == [] and {h: media.split(loc)[0] for h, loc in stored} == {1: media.HOST, 2: media.HOST, 3: 0, 4: 0}
+    lease = pool.acquire([1, 2])
+    assert (lease.cached, [h for h, _ in lease.loaded], lease.new_slots) == (0, [1, 2], [])
+    assert all(pool.verify(h, s) for h, s in lease.loaded)  # copied back into device slots
+    pool.commit(lease, [1, 2])
+    pool.release(lease)
+    assert pool.location(1) == pool.slot_of(1) and pool.host.stats["loads"] == 2
+    # 3 and 4 went to the host tier to make room: one location per block, wherever it is now.
+    assert sorted(h for h, _ in pool.host_blocks()) == [3, 4]
+
+
+def test_a_block_evicted_from_the_host_tier_is_gone_from_the_node() -> None:
+    pool = KVPool(1, block_bytes=16, host_blocks=1)
+    for h in (1, 2, 3):
+        stored_in(pool, [h])
+    stored, removed = pool.drain_events()
+    assert removed == [] or removed == [1]  # 1 was stored and evicted between drains, or published then removed
+    assert {h for h, _ in stored} == {2, 3} and pool.location(1) is None
+    assert pool.host is not None and pool.host.stats["evictions"] == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=3), min_size=1, max_size=30))
+def test_published_locations_follow_every_move_between_the_tiers(prompts: list[list[int]]) -> None:
+    """Whatever the prompts, a hash is in one tier at most, its bytes check out there, and what the drained
+    events built (a directory's view of this node) is exactly where each block is."""
+    pool = KVPool(3, block_bytes=16, tp=2, host_blocks=2)
+    assert pool.host is not None
+    published: dict[int, int] = {}
+    for p in prompts:
+        stored_in(pool, p)
+        stored, removed = pool.drain_events()
+        for h in removed:
+            del published[h]
+        published.update(stored)
+        device, host = dict(pool.blocks()), dict(pool.host_blocks())
+        assert not device.keys() & host.keys()
+        assert all(pool.verify(h, s) for h, s in device.items()) and all(pool.host.verify(h, s) for h, s in host.items())
+        assert published == {**device, **{h: media.location(s, media.HOST) for h, s in host.items()}}

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.policy import POLICIES
+from kvproto import media
 from kvtools.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
 from kvtools.replay.cli import main as replay_main
 from kvtools.replay.cluster import ClusterSim
@@ -147,9 +148,9 @@ def test_oracle_of_a_known_trace():
 def test_node_cache_stores_pins_and_reports_new_blocks():
     holders: dict[int, int] = {}
     c = NodeCache(1, capacity=4, holders=holders)
-    assert c.store([10, 11, 12]) == [10, 11, 12]  # all new
+    assert c.store([10, 11, 12]) == ([10, 11, 12], [])  # all new
     assert holders == {10: 0b10, 11: 0b10, 12: 0b10} and c.pins == {10: 1, 11: 1, 12: 1} and not c.lru
-    assert c.store([10, 11, 13]) == [13]  # 10 and 11 held already: one more user each
+    assert c.store([10, 11, 13]) == ([13], [])  # 10 and 11 held already: one more user each
     assert c.pins == {10: 2, 11: 2, 12: 1, 13: 1} and len(c) == 4
 
 
@@ -173,12 +174,12 @@ def test_node_cache_settle_evicts_the_coldest_unused_blocks_only():
     a, b = NodeCache(0, capacity=2, holders=holders), NodeCache(1, capacity=2, holders=holders)
     b.store([1])
     a.store([1, 2, 3, 4])
-    assert a.settle() == [] and len(a) == 4  # everything in use: over capacity for now
+    assert a.settle() == ([], []) and len(a) == 4  # everything in use: over capacity for now
     a.unpin([3, 1, 2])  # 4 stays pinned
-    assert a.settle() == [3, 1] and a.evictions == 2  # coldest first, down to capacity
+    assert a.settle() == ([3, 1], []) and a.evictions == 2  # coldest first, down to capacity
     assert list(a.lru) == [2] and a.pins == {4: 1}
     assert holders == {1: 0b10, 2: 0b01, 4: 0b01}  # 3 gone; 1 still on node 1
-    assert a.settle() == [] and a.evictions == 2
+    assert a.settle() == ([], []) and a.evictions == 2
 
 
 def test_node_cache_eviction_prefers_a_block_another_node_holds():
@@ -188,14 +189,58 @@ def test_node_cache_eviction_prefers_a_block_another_node_holds():
         b.store([1])
         a.store([1, 2, 3])
         a.unpin([2, 1, 3])  # LRU order 2, 1, 3: 2 is the coldest, 1 has a copy on node 1
-        assert a.settle() == evicted, scan
+        assert a.settle() == (evicted, []), scan
     # within the scan window only: 3 has a copy but is the warmest of three
     holders = {}
     a, b = NodeCache(0, capacity=2, holders=holders, scan=2), NodeCache(1, capacity=2, holders=holders)
     b.store([3])
     a.store([1, 2, 3])
     a.unpin([1, 2, 3])
-    assert a.settle() == [1] and holders[3] == 0b11
+    assert a.settle() == ([1], []) and holders[3] == 0b11
+
+
+def test_node_cache_host_tier_keeps_evicted_blocks_loads_them_back_and_lets_peers_read_them():
+    holders: dict[int, int] = {}
+    a = NodeCache(0, capacity=2, holders=holders, host_capacity=2)
+    a.store([1, 2, 3, 4])
+    a.unpin([4, 3, 2, 1])
+    assert a.settle() == ([], [4, 3])  # off the device into the host tier: still held (peers may pull them)
+    assert list(a.host) == [4, 3] and holders == {1: 1, 2: 1, 3: 1, 4: 1} and a.in_host(4) and not a.in_host(1)
+    assert a.pin([3], read=True) == [] and a.host_pins == {3: 1} and list(a.host) == [4]  # a peer reads it there
+    a.store([5, 6])
+    a.unpin([6, 5])
+    # 2 and 1 go to the host tier, which holds 2 blocks, the one being read included: its two coldest unread
+    # blocks leave the node.
+    assert a.settle() == ([4, 2], [1]) and holders.keys() == {1, 3, 5, 6} and a.host_evictions == 2
+    a.unpin_read([3])
+    assert list(a.host) == [1, 3] and not a.host_pins  # back at the warm end once read
+    assert a.pin([1]) == [1] and a.pins == {1: 1} and list(a.host) == [3]  # loaded back to the device
+    assert a.store([1, 3]) == ([], [3])  # computed again where it lay in the host tier: moved, not new
+    with pytest.raises(KeyError):
+        a.pin([99])
+
+
+def test_directory_view_tracks_host_tiers_and_hands_out_their_locations():
+    d = DirectoryView()
+    d.publish(Publish(1, [10, 11, 12], []))
+    assert d.locations((10, 11, 12), 3, 1) is None  # all on the device: plain slots
+    d.publish(Publish(1, [], [], hosted=[11, 12]))
+    assert d.locations((10, 11, 12), 3, 1) == (0, media.location(1, media.HOST), media.location(2, media.HOST))
+    assert d.locations((10, 11, 12), 1, 1) is None and d.locations((10, 11, 12), 3, 0) is None
+    d.publish(Publish(1, [], [12], loaded=[11]))
+    assert d.masks == {10: 0b10, 11: 0b10} and d.host_masks == {}
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_a_host_tier_is_bookkept_for_every_policy_and_turns_evictions_into_host_hits(policy):
+    """A working set three times the device caches: with host tiers as large again, what the devices evict is
+    served from the host tiers (counted apart), the books balance (ClusterSim._check), and nothing is lost."""
+    rng = random.Random(5)
+    trs = [req(0.05 * i, [rng.randrange(40), *(1000 * i + j for j in range(2))]) for i in range(400)]
+    base = simulate(trs, policy, SimParams(nodes=2, capacity_blocks=20))
+    tiered = simulate(trs, policy, SimParams(nodes=2, capacity_blocks=20, host_blocks=60))
+    assert base["host_hit_rate"] == 0.0 < tiered["host_hit_rate"] <= tiered["local_hit_rate"]
+    assert tiered["hit_rate"] > base["hit_rate"] and tiered["host_evictions"] < base["evictions"]
 
 
 def test_directory_view_publish_and_leading_runs():

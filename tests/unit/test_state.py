@@ -330,9 +330,11 @@ def test_slot_beyond_capacity_is_invalid(st):
     assert view(st, [1, 2]) == [("a", e, 1)]
     r = pub(st, "a", e, [2, 3], [0, 3])  # slot capacity-1 is fine
     assert r.ok and r.value == 2
-    # without a capacity, any u32 slot goes
+    # without a capacity, any slot below 2^30 goes (the top bits name the medium: kvproto.media)
     e2 = reg(st, "b")
-    assert pub(st, "b", e2, [1], [2**32 - 1]).ok
+    assert pub(st, "b", e2, [1], [2**30 - 1]).ok
+    r = pub(st, "b", e2, [2], [2**30])
+    assert r.status == INVALID and "2^30" in r.detail
 
 
 def test_node_limit():

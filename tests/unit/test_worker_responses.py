@@ -10,6 +10,8 @@ from worker_stub.stub_engine import RequestStats
 STATS = RequestStats(
     prompt_tokens=40,
     local_cached_tokens=16,
+    host_cached_tokens=4,
+    host_load_s=0.03125,
     pulled_tokens=8,
     completion_tokens=3,
     queue_s=0.5,
@@ -36,6 +38,8 @@ def test_the_kvdir_extension_names_the_node_and_where_the_time_went() -> None:
     assert kvdir_extension("worker-9", STATS, 1.75) == {
         "node_id": "worker-9",
         "local_cached_tokens": 16,
+        "host_cached_tokens": 4,
+        "host_load_s": 0.03125,
         "pulled_tokens": 8,
         "queue_s": 0.5,
         "pull_s": 0.25,

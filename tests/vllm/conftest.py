@@ -31,9 +31,9 @@ def vllm_venv() -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """test_first_pull.py, then test_tp.py first: their own engines stop before the session's two start (two vLLM
-    engines at most)."""
-    first = ("test_first_pull.py", "test_tp.py")
+    """test_first_pull.py, test_tp.py and test_host_tier.py first: their own engines stop before the session's two
+    start (two vLLM engines at most)."""
+    first = ("test_first_pull.py", "test_tp.py", "test_host_tier.py")
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first else len(first))  # stable
 
 

@@ -1,0 +1,124 @@
+"""Where a block lies on its node: the medium, part of a directory entry's *location* (docs/protocol.md §2.3).
+
+A node may keep a block on its device (GPU memory: the engine uses it as is), in a registered host pool (a
+host-to-device copy away) or on disk. An entry holds one location per (block, node): the slot within that
+medium's regions, with the medium in the location's top two bits. A device location is its plain slot, so a
+node without lower tiers publishes and reads exactly what it did before tiers existed, and the index, the
+watch stream and the gateway's mirror carry locations as the u32 slots they always were.
+
+Engines name media their own way (vLLM's KV events say "GPU" and "CPU"): `canonical` maps the names kvdir
+accepts to one of `MEDIA`; the directory refuses any other (422), and the state machine, which must apply any
+entry of its log, reads an unknown one (none can be committed since) as the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+MEDIA = ("device", "host", "disk")
+DEVICE, HOST, DISK = 0, 1, 2
+SHIFT = 30
+SLOT_MASK = (1 << SHIFT) - 1
+MAX_SLOTS = 1 << SHIFT
+"""Slots per medium and node: a location keeps the slot in its low 30 bits."""
+
+_ALIASES = {
+    "device": DEVICE,
+    "gpu": DEVICE,
+    "cuda": DEVICE,
+    "hbm": DEVICE,
+    "host": HOST,
+    "cpu": HOST,
+    "cpu_pinned": HOST,
+    "dram": HOST,
+    "disk": DISK,
+    "ssd": DISK,
+    "nvme": DISK,
+}
+ACCEPTED = tuple(_ALIASES)
+
+
+def code_of(label: str | None) -> int:
+    """The medium code of a label (None: the device); ValueError for a label kvdir does not know."""
+    if label is None:
+        return DEVICE
+    code = _ALIASES.get(label.lower())
+    if code is None:
+        raise ValueError(f"medium {label[:64]!r} is not one of {', '.join(ACCEPTED)} (case-insensitive)")
+    return code
+
+
+def applied_code(label: str | None) -> int:
+    """`code_of` for the state machine: total and deterministic, an unknown label (in an old log) the device."""
+    code = _ALIASES.get(label.lower()) if label is not None else DEVICE
+    return DEVICE if code is None else code
+
+
+def canonical(label: str | None) -> str | None:
+    """The canonical name of a label, None for the device (what a publish of device blocks leaves out)."""
+    code = code_of(label)
+    return None if code == DEVICE else MEDIA[code]
+
+
+def lenient(label: str | None) -> str | None:
+    """`canonical` for a label an engine sent, None (the device) for one kvdir does not know: what an adapter
+    publishes, so that one engine's unusual name never gets a whole batch refused."""
+    return MEDIA[applied_code(label)] if applied_code(label) != DEVICE else None
+
+
+def location(slot: int, code: int) -> int:
+    """The location of `slot` in medium `code`."""
+    return (code << SHIFT) | slot
+
+
+def locations(slots: np.ndarray, code: int) -> np.ndarray:
+    """`location` over a uint32 array (the array itself for the device)."""
+    if code == DEVICE:
+        return slots
+    return slots | np.uint32(code << SHIFT)
+
+
+def split(loc: int) -> tuple[int, int]:
+    """(medium code, slot) of a location."""
+    return loc >> SHIFT, loc & SLOT_MASK
+
+
+def medium_name(loc: int) -> str:
+    """The medium of a location, by name."""
+    return MEDIA[loc >> SHIFT]
+
+
+def count_in(locs: Iterable[int], code: int) -> int:
+    """How many of `locs` lie in medium `code`."""
+    return sum(1 for loc in locs if loc >> SHIFT == code)
+
+
+def capacities(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any]]) -> list[int | None]:
+    """Slots a node has per medium code, from its registration: the device's `capacity_blocks`, a lower tier's
+    from its regions (the fewest whole blocks any of them holds). None: unchecked (a node that registered no
+    regions at all: an events adapter, whose entries are metadata only); 0: none registered."""
+    out: list[int | None] = [capacity_blocks]
+    for code in range(1, len(MEDIA)):
+        mine = [r for r in regions if r.get("medium") == MEDIA[code]]
+        if mine:
+            out.append(min(int(r["length"]) // max(int(r["block_bytes"]), 1) for r in mine))
+        else:
+            out.append(None if not regions else 0)
+    return out
+
+
+def out_of_range(slots: np.ndarray, code: int, capacity: int | None, node_id: str) -> str | None:
+    """Why a publish of `slots` in medium `code` does not fit the node (None if it does)."""
+    if len(slots) == 0:
+        return None
+    top = int(slots.max())
+    if top >= MAX_SLOTS:
+        return f"slot {top} out of range: a slot is below 2^{SHIFT} (docs/protocol.md §2.3)"
+    if capacity is None or top < capacity:
+        return None
+    if capacity == 0:
+        return f"node {node_id!r} registered no {MEDIA[code]} regions"
+    return f"slot out of range: node {node_id!r} has {capacity} {MEDIA[code]} slots"
