@@ -105,8 +105,10 @@ class EngineState:
     can_pull: bool = False  # has a transfer endpoint, so it understands kvdir_pull plans
     block_bytes: int = 0  # KV bytes of one block over all ranks
     block_size: int = 0  # tokens per KV block, as registered (0: unknown): predictions are rounded to it
-    capacity_blocks: int | None = None  # KV blocks it can hold, as registered (None: unknown)
-    blocks: int = 0  # blocks the directory lists for it: with capacity_blocks, its free space
+    # KV blocks it can hold over its tiers, as registered: its device's, plus its host tier's (docs/protocol.md
+    # §2.3; a block the device evicts there is not lost). None: unknown.
+    capacity_blocks: int | None = None
+    blocks: int = 0  # blocks the directory lists for it, in any tier: with capacity_blocks, its free space
     max_model_len: int | None = None  # from its /v1/models, once it answered
     registered_models: frozenset[str] = frozenset()  # model and adapter names its registration lists
     listed_models: frozenset[str] = frozenset()  # the ids its /v1/models lists (empty until it answered)
@@ -259,7 +261,8 @@ class EngineRegistry:
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
             e.block_bytes = sum(r.block_bytes for r in n.regions if r.medium is None)  # a device copy, all ranks
             e.block_size = n.block_size or 0
-            e.capacity_blocks = n.capacity_blocks
+            host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host"), default=0)
+            e.capacity_blocks = None if n.capacity_blocks is None else n.capacity_blocks + host
             e.blocks = n.blocks
             e.running = n.load.get("running", 0.0)
             e.waiting = n.load.get("waiting", 0.0)

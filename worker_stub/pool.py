@@ -62,9 +62,9 @@ class Lease:
 
     `slots[i]` is the slot of `hashes[i]` (a hash repeated in one request maps to
     one slot). `cached` counts the leading hashes whose content was already valid:
-    the prefix hit. `loaded` are the (hash, slot) pairs of the blocks after it
-    that the host tier held: copied back into device slots, they continue the hit
-    once committed. `new_slots` are the (hash, slot) pairs reserved for missing
+    the prefix hit. `loaded` are the (hash, slot) pairs of the missing blocks the
+    host tier held, copied back into device slots (`commit` caches them): those
+    right after the hit continue it. `new_slots` are the (hash, slot) pairs reserved for missing
     blocks; their bytes are garbage until filled or pulled, and `commit` decides
     which of them become cached. After `commit`, uncommitted slots are no longer
     the lease's to write.
@@ -162,18 +162,6 @@ class KVPool(SlotMemory):
         h = self.host.slot_of(hash) if self.host is not None else None
         return None if h is None else media.location(h, media.HOST)
 
-    def host_prefix(self, hashes: Sequence[int], start: int) -> int:
-        """How many of `hashes` from `start` on the host tier holds: what a request loads back after its device hit."""
-        host = self.host
-        if host is None:
-            return 0
-        n = 0
-        for h in hashes[start:]:
-            if h not in host:
-                break
-            n += 1
-        return n
-
     @property
     def free_slots(self) -> int:
         return len(self._free)
@@ -215,9 +203,11 @@ class KVPool(SlotMemory):
         hashes = [int(h) for h in hashes]
         slot_of = self._slot_of
         cached = self.lookup_prefix(hashes)
-        from_host = set(hashes[cached : cached + self.host_prefix(hashes, cached)])
         distinct = list(dict.fromkeys(hashes))
         missing = [h for h in distinct if h not in slot_of]
+        # Every missing block the host tier holds moves back (a block lives in one tier), the leading ones
+        # continuing the hit, any later one at least not computed twice.
+        from_host = {h for h in missing if h in self.host} if self.host is not None else set()
         if missing:
             # this request's own cached blocks are about to be pinned: they cannot make room
             own_evictable = sum(1 for h in distinct if h in self._lru)
@@ -260,14 +250,15 @@ class KVPool(SlotMemory):
         )
 
     def commit(self, lease: Lease, valid: Iterable[int]) -> None:
-        """Cache the lease's new blocks named in `valid` (filled, or pulled and verified); free the rest.
+        """Cache the lease's new blocks named in `valid` (filled, or pulled and verified) and those it loaded from
+        the host tier; free the rest.
 
         Emits a store event per block cached. If another lease cached the same
         hash first (two requests missed it at once), this copy stays with the
         lease until release and is then freed: one hash, one slot in the index.
         """
         self._check_lease(lease)
-        valid_set = set(valid)
+        valid_set = set(valid) | {h for h, _ in lease.loaded}  # loaded from the host tier: valid bytes already
         unknown = valid_set.difference(lease._pending)
         if unknown:
             raise ValueError(f"not uncommitted new blocks of this lease: {sorted(unknown)[:8]}")

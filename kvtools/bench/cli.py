@@ -114,6 +114,12 @@ TARGETS = (
         (_quick, _plot("TTFT by path and prefix size"), _tp),
     ),
     Target(
+        "vllm-tiers",
+        "TTFT of a prefix served from the vLLM connector's host tier vs a device hit vs recomputing it "
+        "(needs `make vllm-install`)",
+        "kvtools.bench.vllm_tiers:main",
+    ),
+    Target(
         "ranks",
         "a pull's metadata (directory entries, plan, lookup, registration) and read time on worker stubs at TP 1, 2 and 8",
         "kvtools.bench.ranks:main",

@@ -18,12 +18,14 @@ same bytes per prefix (one head per rank at TP 2). Engines and the directory are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +209,53 @@ def bench_size(
     return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
+@dataclass(frozen=True)
+class BenchEngines:
+    """What `bench_engines` started: the directory's first replica, the engines in spec order, the model's vocabulary
+    range (ids 0-2 are special tokens)."""
+
+    directory: str
+    engines: list[VllmEngine]
+    vocab: tuple[int, int]
+
+
+@contextlib.contextmanager
+def bench_engines(label: str, venv: Path, specs: Sequence[dict[str, Any]]) -> Iterator[BenchEngines]:
+    """The tiny model (two KV heads), a 3-replica directory and one `vllm serve` per spec (`name` and the other
+    `VllmEngine` keyword arguments), started and ready; all stopped on exit. Their logs stay in a temporary
+    directory, removed unless something failed."""
+    tmp = tempfile.mkdtemp(prefix="kvdir-bench-vllm-")
+    ok = False
+    try:
+        say("making the tiny model...")
+        model = make_tiny_model(venv, Path(tmp) / MODEL, kv_heads=KV_HEADS)
+        vocab = (3, json.loads((model / "config.json").read_text())["vocab_size"])
+        ports = free_ports(6)
+        cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
+        engines: list[VllmEngine] = []
+        try:
+            cluster.start()
+            cluster.wait_ready(60)
+            for spec in specs:
+                kw = dict(spec)
+                engines.append(VllmEngine(kw.pop("name"), venv, model, cluster.replica_urls, Path(tmp), **kw))
+                engines[-1].start()
+            say(f"starting {len(engines)} vllm engines (about 30 s each on two cores)...")
+            for e in engines:
+                e.wait_ready()
+            yield BenchEngines(cluster.replica_urls[0], engines, vocab)
+        finally:
+            for e in engines:
+                e.stop()
+            cluster.stop()
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            say(f"{label}: the engines' and replicas' logs are kept in {tmp}")
+
+
 def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) -> int:
     """The bench, both engines at `tp` tensor-parallel ranks; with `plot`, also vllm_ttft.png there (TTFT by path
     and prefix size)."""
@@ -220,49 +269,23 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) ->
     results.update(
         model=f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)", block_size=BLOCK, rounds=rounds, tp=tp
     )
-    tmp = tempfile.mkdtemp(prefix="kvdir-bench-vllm-")
     ttfts: dict[int, dict[str, list[float]]] = {}
-    ok = False
-    try:
-        say("making the tiny model...")
-        model = make_tiny_model(venv, Path(tmp) / MODEL, kv_heads=KV_HEADS)
-        vocab = (3, json.loads((model / "config.json").read_text())["vocab_size"])  # 0-2 are special tokens
-        ports = free_ports(6)
-        cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
-        engines: list[VllmEngine] = []
-        try:
-            cluster.start()
-            cluster.wait_ready(60)
-            for name in ("bench-a", "bench-b"):
-                engines.append(VllmEngine(name, venv, model, cluster.replica_urls, Path(tmp), tp=tp))
-                engines[-1].start()
-            say("starting two vllm engines (about 30 s each on two cores)...")
-            for e in engines:
-                e.wait_ready()
-            a, b = engines
-            directory = cluster.replica_urls[0]
-            rng = np.random.default_rng(14)
-            # Both engines' first requests, and B's first pull (its directory lookup, the transfer handshake), are
-            # set-up costs, not what is measured.
-            for e in engines:
-                e.complete([int(x) for x in rng.integers(*vocab, 40)], max_tokens=1)
-            bench_size(directory, a, b, 64, 1, rng, vocab)
-            say(f"pulled, local and recomputed TTFT, {rounds} rounds per prefix size...")
-            with stderr_meter("vllm TTFT", len(SIZES) * rounds, unit="rounds") as meter:
-                for n in SIZES:
-                    meter.stage(f"{n}-token prefix", rounds, time.monotonic())
-                    figures, ttfts[n] = bench_size(directory, a, b, n, rounds, rng, vocab, clocked(meter))
-                    results.update(figures)
-        finally:
-            for e in engines:
-                e.stop()
-            cluster.stop()
-        ok = True
-    finally:
-        if ok:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            say(f"kvdir bench vllm: the engines' and replicas' logs are kept in {tmp}")
+    specs = [{"name": name, "tp": tp} for name in ("bench-a", "bench-b")]
+    with bench_engines("kvdir bench vllm", venv, specs) as run:
+        a, b = run.engines
+        vocab = run.vocab
+        rng = np.random.default_rng(14)
+        # Both engines' first requests, and B's first pull (its directory lookup, the transfer handshake), are
+        # set-up costs, not what is measured.
+        for e in run.engines:
+            e.complete([int(x) for x in rng.integers(*vocab, 40)], max_tokens=1)
+        bench_size(run.directory, a, b, 64, 1, rng, vocab)
+        say(f"pulled, local and recomputed TTFT, {rounds} rounds per prefix size...")
+        with stderr_meter("vllm TTFT", len(SIZES) * rounds, unit="rounds") as meter:
+            for n in SIZES:
+                meter.stage(f"{n}-token prefix", rounds, time.monotonic())
+                figures, ttfts[n] = bench_size(run.directory, a, b, n, rounds, rng, vocab, clocked(meter))
+                results.update(figures)
     emit(results, as_json)
     if plot:
         ttft_by_prefix(

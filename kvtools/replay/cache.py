@@ -46,6 +46,15 @@ from kvproto import media
 __all__ = ["DirectoryView", "NodeCache", "Publish", "leading_runs"]
 
 
+def _clear(masks: dict[int, int], b: int, keep: int) -> None:
+    """Keep only the bits `keep` of block `b`'s mask, dropping the block when none is left."""
+    m = masks.get(b, 0) & keep
+    if m:
+        masks[b] = m
+    else:
+        masks.pop(b, None)
+
+
 class Publish(NamedTuple):
     """One node's change, as the directory will learn of it: blocks stored (``adds``) and evicted (``removes``),
     moved from its device to its host tier (``hosted``) and back (``loaded``)."""
@@ -213,11 +222,7 @@ class NodeCache:
         keep = self._keep
         while over > 0 and host:
             b = host.popitem(last=False)[0]
-            m = holders[b] & keep
-            if m:
-                holders[b] = m
-            else:
-                del holders[b]
+            _clear(holders, b, keep)
             removes.append(b)
             over -= 1
         self.host_evictions += len(removes)
@@ -251,11 +256,7 @@ class NodeCache:
                     b = copy
                     del lru[b]
                 if not keep_holders:
-                    m = holders[b] & keep
-                    if m:
-                        holders[b] = m
-                    else:
-                        del holders[b]
+                    _clear(holders, b, keep)
                 removes.append(b)
                 over -= 1
             self.evictions += len(removes)
@@ -276,22 +277,15 @@ class DirectoryView:
         """Apply one node's change (its evictions, then its stores and moves; no block is in two of them)."""
         masks = self.masks
         bit = 1 << change.node
+        keep = ~bit
         for b in change.removes:
-            m = masks.get(b, 0) & ~bit
-            if m:
-                masks[b] = m
-            else:
-                masks.pop(b, None)
+            _clear(masks, b, keep)
         for b in change.adds:
             masks[b] = masks.get(b, 0) | bit
         if change.hosted or change.loaded or change.removes:
             host = self.host_masks
             for b in (*change.removes, *change.loaded):
-                m = host.get(b, 0) & ~bit
-                if m:
-                    host[b] = m
-                else:
-                    host.pop(b, None)
+                _clear(host, b, keep)
             for b in change.hosted:
                 host[b] = host.get(b, 0) | bit
 

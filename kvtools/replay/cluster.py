@@ -103,7 +103,8 @@ class _Node:
 
     @property
     def cached(self) -> int:
-        return len(self.cache)
+        """Blocks held in any tier (what the directory lists for the node)."""
+        return len(self.cache) + len(self.cache.host) + len(self.cache.host_pins)
 
 
 class ClusterSim:
@@ -176,7 +177,7 @@ class ClusterSim:
                     self,
                     block_size=0,  # the trace's blocks, the gateway's size: a prompt's last, partial block is cached too
                     block_bytes=p.block_bytes,
-                    capacity_blocks=p.capacity_blocks,
+                    capacity_blocks=p.capacity_blocks + p.host_blocks,  # both tiers, as the gateway counts them
                     prefill_tokens_per_s=p.prefill_tokens_per_s,
                 )
                 for j, nd in enumerate(self.nodes)

@@ -97,3 +97,31 @@ def test_a_peers_read_of_a_host_slot_reused_meanwhile_is_recomputed(make_cluster
     out = _complete(w.urls[1], PROMPT, kvdir_pull=plan)
     assert out["kvdir"]["pulled_tokens"] == 0 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert out["kvdir"]["pull_failures"] == ["9 blocks failed verification (slot reused on the source?)"]
+
+
+def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(make_cluster, make_workers, make_gateway) -> None:
+    """worker-1 holds the prompt in its host tier only. At the default copy rate the gateway sends the prompt
+    there (microseconds of copy against recomputing it elsewhere or pulling it), and the engine serves it from
+    there; told the copy crawls (--host-copy-gbps 1e-9), a gateway has worker-2 pull it from worker-1's host
+    tier instead."""
+    c = make_cluster(3)
+    w = make_workers(c, 2, ARGS)
+    d = c.replica_urls[0]
+    _complete(w.urls[0], PROMPT)
+    _evict(w.urls[0], 1)
+    _on(d, "worker-1", "host")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    g = make_gateway(c, 2)
+    r = httpx.post(g.url + "/v1/completions", json=body, timeout=60)
+    assert (r.status_code, r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"]) == (200, "worker-1", "affinity"), r.text
+    assert (
+        int(r.headers["x-kvdir-predicted-cached-tokens"]) == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == FULL
+    )
+    assert r.json()["kvdir"]["host_cached_tokens"] == FULL
+
+    _evict(w.urls[0], 1)
+    _on(d, "worker-1", "host")
+    crawl = make_gateway(c, 2, ("--host-copy-gbps", "1e-9"))
+    r = httpx.post(crawl.url + "/v1/completions", json=body, timeout=60)
+    assert (r.status_code, r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"]) == (200, "worker-2", "pull"), r.text
+    assert r.json()["kvdir"]["pulled_tokens"] == FULL  # read from worker-1's host tier
