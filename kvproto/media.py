@@ -13,7 +13,7 @@ entry of its log, reads an unknown one (none can be committed since) as the devi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,14 +59,18 @@ def applied_code(label: str | None) -> int:
 
 def canonical(label: str | None) -> str | None:
     """The canonical name of a label, None for the device (what a publish of device blocks leaves out)."""
-    code = code_of(label)
-    return None if code == DEVICE else MEDIA[code]
+    return tier(code_of(label))
 
 
 def lenient(label: str | None) -> str | None:
     """`canonical` for a label an engine sent, None (the device) for one kvdir does not know: what an adapter
     publishes, so that one engine's unusual name never gets a whole batch refused."""
-    return MEDIA[applied_code(label)] if applied_code(label) != DEVICE else None
+    return tier(applied_code(label))
+
+
+def tier(code: int) -> str | None:
+    """The `medium` a region or a publish of medium `code` names: None for the device (its default)."""
+    return None if code == DEVICE else MEDIA[code]
 
 
 def location(slot: int, code: int) -> int:
@@ -91,23 +95,17 @@ def medium_name(loc: int) -> str:
     return MEDIA[loc >> SHIFT]
 
 
-def count_in(locs: Iterable[int], code: int) -> int:
-    """How many of `locs` lie in medium `code`."""
-    return sum(1 for loc in locs if loc >> SHIFT == code)
-
-
-def capacities(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any]]) -> list[int | None]:
-    """Slots a node has per medium code, from its registration: the device's `capacity_blocks`, a lower tier's
-    from its regions (the fewest whole blocks any of them holds). None: unchecked (a node that registered no
-    regions at all: an events adapter, whose entries are metadata only); 0: none registered."""
-    out: list[int | None] = [capacity_blocks]
-    for code in range(1, len(MEDIA)):
-        mine = [r for r in regions if r.get("medium") == MEDIA[code]]
-        if mine:
-            out.append(min(int(r["length"]) // max(int(r["block_bytes"]), 1) for r in mine))
-        else:
-            out.append(None if not regions else 0)
-    return out
+def capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any]], code: int) -> int | None:
+    """Slots a node has in medium `code`, from its registration: the device's `capacity_blocks`, a lower tier's
+    from its regions (the fewest whole blocks any of them holds; the regions are read only for a lower tier, so a
+    device publish costs nothing more). None: unchecked (a node that registered no regions at all: an events
+    adapter, whose entries are metadata only); 0: none registered."""
+    if code == DEVICE:
+        return capacity_blocks
+    mine = [r for r in regions if r.get("medium") == MEDIA[code]]
+    if mine:
+        return min(int(r["length"]) // max(int(r["block_bytes"]), 1) for r in mine)
+    return None if not regions else 0
 
 
 def out_of_range(slots: np.ndarray, code: int, capacity: int | None, node_id: str) -> str | None:

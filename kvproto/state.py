@@ -408,7 +408,7 @@ class DirectoryState:
         if isinstance(node, Result):
             return node
         code = media.applied_code(cmd.medium)
-        why = media.out_of_range(cmd.slots, code, media.capacities(node.capacity_blocks, node.regions)[code], node.node_id)
+        why = media.out_of_range(cmd.slots, code, media.capacity(node.capacity_blocks, node.regions, code), node.node_id)
         if why:
             return Result(INVALID, detail=why)
         if (

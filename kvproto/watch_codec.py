@@ -394,7 +394,8 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
         capacity = np.full((max(s._next_idx, 1), len(media.MEDIA)), media.MAX_SLOTS, dtype=np.int64)
         for n in s.nodes.values():
             registered[n.idx] = True
-            for code, cap in enumerate(media.capacities(n.capacity_blocks, n.regions)):
+            for code in range(len(media.MEDIA)):
+                cap = media.capacity(n.capacity_blocks, n.regions, code)
                 if cap is not None:
                     capacity[n.idx, code] = cap
         beyond = holders >= len(registered)

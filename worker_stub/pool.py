@@ -22,8 +22,8 @@ both preferred victims. The mark is a hint (the peer may have evicted its copy
 since): it reorders eviction within that window and nothing else.
 
 With a host tier (`host_blocks`, worker_stub.host_tier) an evicted block is copied there instead of dropped,
-and `acquire` loads the blocks of a prompt's cached prefix that lie there back into device slots (`Lease.loaded`):
-a block moves between the tiers, so its published location (kvproto.media) is always the one place it is held.
+and `acquire` loads the missing blocks of a prompt that lie there back into device slots (`Lease.loaded`): a
+block moves between the tiers, so its published location (kvproto.media) is always the one place it is held.
 
 Not thread-safe: the worker drives it from one asyncio loop, and no method awaits.
 """

@@ -126,7 +126,7 @@ class Publisher:
             code, slot = media.split(loc)
             by_medium.setdefault(code, []).append((h, slot))
         for code, blocks in by_medium.items():
-            self.session.stored(blocks, None if code == media.DEVICE else media.MEDIA[code])
+            self.session.stored(blocks, media.tier(code))
         self.session.removed(removed)
 
     def _holdings(self) -> Iterator[tuple[int, int, str | None]]:

@@ -213,7 +213,7 @@ class Engine:
             for h, slot in lease.new_slots:
                 if h not in pulled:
                     self.pool.fill(h, slot)
-            self.pool.commit(lease, [*(h for h, _ in lease.new_slots), *loaded])
+            self.pool.commit(lease, [h for h, _ in lease.new_slots])  # and the loaded blocks: commit caches those
         stats.prefill_s = time.perf_counter() - t
 
     async def _peer(self, node_id: str, epoch: int) -> NodeInfo | None:
@@ -269,8 +269,11 @@ class Engine:
             local, remote = [], []
             for _, slot, loc in wanted:
                 code, src = media.split(loc)  # the plan's location: the source's slot in one of its media
-                medium = None if code == media.DEVICE else media.MEDIA[code]
-                theirs = regions.get((mine.rank, medium))
+                if code >= len(media.MEDIA):
+                    self.counters["pull_errors"] += 1
+                    stats.pull_failures.append(f"location {loc} lies in no medium (docs/protocol.md §2.3)")
+                    return set()
+                theirs = regions.get((mine.rank, media.tier(code)))
                 if theirs is None or theirs.block_bytes != mine.block_bytes:
                     self.counters["pull_errors"] += 1
                     stats.pull_failures.append(f"source has no matching {media.MEDIA[code]} region for rank {mine.rank}")

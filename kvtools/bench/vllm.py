@@ -50,6 +50,7 @@ READ_BYTES = "kvdir_connector_pull_page_bytes_total"
 READ_S = "kvdir_connector_pull_read_seconds_total"
 RANK_READ_S = 'kvdir_connector_pull_rank_read_seconds_total{{rank="{}"}}'
 KV_HEADS = 2
+MODEL_KIND = f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)"
 
 
 def ttft(engine: VllmEngine, prompt: list[int], **extra: Any) -> tuple[float, int]:
@@ -266,9 +267,7 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) ->
         say(f"kvdir bench vllm: {exc}")
         return 2
     rounds = 2 if quick else 5
-    results.update(
-        model=f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)", block_size=BLOCK, rounds=rounds, tp=tp
-    )
+    results.update(model=MODEL_KIND, block_size=BLOCK, rounds=rounds, tp=tp)
     ttfts: dict[int, dict[str, list[float]]] = {}
     specs = [{"name": name, "tp": tp} for name in ("bench-a", "bench-b")]
     with bench_engines("kvdir bench vllm", venv, specs) as run:

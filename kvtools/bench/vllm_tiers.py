@@ -24,7 +24,7 @@ import numpy as np
 from kvproto import media
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvtools.bench.report import emit, header, say
-from kvtools.bench.vllm import KV_HEADS, TAIL, bench_engines, ttft
+from kvtools.bench.vllm import MODEL_KIND, TAIL, bench_engines, ttft
 from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, vllm_venv
 
 SIZES = (1024, 1792)
@@ -103,7 +103,7 @@ def main(*, as_json: bool, quick: bool) -> int:
         return 2
     rounds = 2 if quick else 5
     results.update(
-        model=f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)",
+        model=MODEL_KIND,
         block_size=BLOCK,
         device_blocks=DEVICE_BLOCKS,
         host_blocks=HOST_BLOCKS,

@@ -97,6 +97,10 @@ def test_a_peers_read_of_a_host_slot_reused_meanwhile_is_recomputed(make_cluster
     out = _complete(w.urls[1], PROMPT, kvdir_pull=plan)
     assert out["kvdir"]["pulled_tokens"] == 0 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert out["kvdir"]["pull_failures"] == ["9 blocks failed verification (slot reused on the source?)"]
+    # A location in no medium (top bits 3) is refused, not a server error: nothing read, the prompt computed.
+    bad = {**plan, "slots": [3 << media.SHIFT] * 9}
+    out = _complete(w.urls[1], "?" + PROMPT, kvdir_pull=bad)  # blocks worker-2 does not hold
+    assert out["kvdir"]["pull_failures"] == [f"location {3 << media.SHIFT} lies in no medium (docs/protocol.md §2.3)"]
 
 
 def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(make_cluster, make_workers, make_gateway) -> None:
