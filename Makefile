@@ -92,7 +92,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	 && mkdir -p "$$site/vllm-$(VLLM_VERSION)+cpu.dist-info" \
 	 && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $(VLLM_VERSION) > "$$site/vllm-$(VLLM_VERSION)+cpu.dist-info/METADATA"
 	$(VLLM_PIP) install --quiet --no-deps -e .
-	$(VLLM_PIP) install --quiet xxhash==4.1.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(VLLM_PIP) install --quiet xxhash==4.1.0 mooncake-transfer-engine-non-cuda==0.3.13.post1 \
+	  pandas==2.3.3  # `vllm bench serve` reads a custom dataset (kvdir bench routers' multi-turn) with pandas
 	@touch $(VLLM_STAMP)
 
 # Real `vllm serve` processes with the kvdir connector (tests/vllm; pytest runs in the main venv, the engines in

@@ -151,6 +151,7 @@ def _add_routes(app: FastAPI) -> None:
                 "directory": rt.registry.directory_ok,
                 "policy": rt.settings.policy,
                 "max_prompt_tokens": rt.max_prompt_tokens(),
+                "block_size_mismatch": rt.registry.mismatched_block_size,
             }
         )
 

@@ -150,8 +150,11 @@ class EngineRegistry:
         unhealthy_s: float,
         networks: Sequence[Network] = (),
         tenant: str = "",
+        block_size: int = 0,
     ) -> None:
+        """`block_size`: the tokens per block the gateway hashes (0: not checked against the engines')."""
         self.directory = directory
+        self.block_size = block_size
         self.tenant = tenant
         self.http = http
         self.static = static
@@ -166,6 +169,7 @@ class EngineRegistry:
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
         self._foreign: set[str] = set()  # engines of other tenants, not routed to (logged once each)
         self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `_loop`)
+        self._mismatched: set[str] = set()  # engines whose published blocks are hashed at another block size
 
     @property
     def max_model_len(self) -> int | None:
@@ -261,6 +265,7 @@ class EngineRegistry:
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
             e.block_bytes = sum(r.block_bytes for r in n.regions if r.medium is None)  # a device copy, all ranks
             e.block_size = n.block_size or 0
+            self._check_block_size(e)
             host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host"), default=0)
             e.capacity_blocks = None if n.capacity_blocks is None else n.capacity_blocks + host
             e.blocks = n.blocks
@@ -280,6 +285,28 @@ class EngineRegistry:
         for node_id in [k for k in gone if not silent or self.directory.home_shard(k) not in silent]:
             log.info("engine %s left the directory", node_id)
             del self.engines[node_id]
+
+    @property
+    def mismatched_block_size(self) -> list[str]:
+        """Engines that registered a block size other than the gateway's: no hash of theirs can match its own."""
+        return sorted(self._mismatched & self.engines.keys())
+
+    def _check_block_size(self, e: EngineState) -> None:
+        """Warn once when `e` publishes blocks of another size than the gateway hashes: a silent 0% hit rate
+        otherwise (every lookup misses, every request is routed by load)."""
+        wrong = bool(self.block_size and e.block_size and e.block_size != self.block_size)
+        if wrong and e.node_id not in self._mismatched:
+            self._mismatched.add(e.node_id)
+            log.warning(
+                "engine %s hashes %d-token blocks and this gateway %d (--block-size): none of its cached blocks can "
+                "be found, it is routed by load alone",
+                e.node_id,
+                e.block_size,
+                self.block_size,
+            )
+        elif not wrong and e.node_id in self._mismatched:
+            self._mismatched.discard(e.node_id)
+            log.info("engine %s now hashes %d-token blocks, as this gateway does", e.node_id, e.block_size)
 
     def _probe_models(self) -> None:
         """Ask engines' /v1/models, in the background, what they serve (model ids, adapters' "parent") and their

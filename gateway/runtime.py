@@ -66,7 +66,14 @@ class GatewayRuntime:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=32)
         http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=2.0), limits=limits)
         registry = EngineRegistry(
-            directory, http, settings.static_engines, settings.refresh_s, settings.unhealthy_s, settings.networks, settings.tenant
+            directory,
+            http,
+            settings.static_engines,
+            settings.refresh_s,
+            settings.unhealthy_s,
+            settings.networks,
+            settings.tenant,
+            settings.block_size,
         )
         await registry.refresh()
         registry.start()

@@ -36,10 +36,11 @@ def vllm_venv() -> Path:
     return venv
 
 
-def make_tiny_model(venv: Path, out: Path, seed: int | None = None, kv_heads: int = 1) -> Path:
+def make_tiny_model(venv: Path, out: Path, seed: int | None = None, kv_heads: int = 1, size: str = "tiny") -> Path:
     """Write the tiny random model and its tokenizer into `out` (a few seconds), with the venv's transformers;
     `seed` draws its weights (another seed: another model of the same architecture); `kv_heads` 2 splits its KV
-    over two TP ranks (with 1, each rank holds the one head)."""
+    over two TP ranks (with 1, each rank holds the one head); `size` "bench" makes a ~32M-parameter one
+    instead, with the same tokenizer."""
     subprocess.run(
         [
             str(venv / "bin" / "python"),
@@ -48,6 +49,8 @@ def make_tiny_model(venv: Path, out: Path, seed: int | None = None, kv_heads: in
             *([str(seed)] if seed is not None else []),
             "--kv-heads",
             str(kv_heads),
+            "--size",
+            size,
         ],
         check=True,
         capture_output=True,

@@ -63,6 +63,15 @@ def _engines_per_adapter(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _engines(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engines",
+        choices=["stubs", "vllm"],
+        default="stubs",
+        help="route over 4 worker stubs or 2 real vLLM engines with the kvdir connector (default stubs)",
+    )
+
+
 @dataclass(frozen=True)
 class Target:
     """A benchmark: its subcommand, what it measures, its flags, and the `module:function` that runs it."""
@@ -126,9 +135,10 @@ TARGETS = (
     ),
     Target(
         "routers",
-        "kvdir's gateway against the real SGLang router (cache_aware) and round robin, live on worker stubs, driven by "
-        "vllm bench serve (needs `make vllm-install` and `make peers-install`)",
+        "kvdir's gateway against the real SGLang router (cache_aware) and round robin, live on worker stubs or real "
+        "vLLM engines, driven by vllm bench serve (needs `make vllm-install` and `make peers-install`)",
         "kvtools.bench.routers:main",
+        (_quick, _engines),
     ),
     Target(
         "shards",

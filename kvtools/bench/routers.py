@@ -1,48 +1,129 @@
 """`kvdir bench routers`: kvdir's gateway against the real SGLang router, live, on the same engines.
 
-Each router runs in front of a fresh cluster of worker stubs (a directory replica and `ENGINES` stubs with the
-tiny model's tokenizer, so every router starts with cold caches): kvdir's gateway (`--policy kvdir`), the
-SGLang router as it ships (`sglang-router`, a Rust binary, `--policy cache_aware`, from the peers venv:
-`make peers-install`) and the SGLang router's round robin. vLLM's own client drives each one (`vllm bench
-serve`, its prefix-repetition dataset: `PREFIXES` prompts of `PREFIX_TOKENS` shared tokens each, from the
-vLLM venv: `make vllm-install`) at a light load and at one near the stubs' saturation, and reports what it
-measures: TTFT p50/p90/p99, throughput, failed requests.
+Each router runs in front of a fresh cluster (a directory replica and its engines, so every router starts with
+cold caches): kvdir's gateway (`--policy kvdir`), the SGLang router as it ships (`sglang-router`, a Rust binary,
+`--policy cache_aware`, from the peers venv: `make peers-install`) and the SGLang router's round robin; on the
+stubs also kvdir's gateway with its model of SGLang's policy (`--policy sglang`), which the simulated replay
+uses: how far that model is from the real router, on the same engines. The
+engines are either worker stubs (`--engines stubs`: 4, with the tiny model's tokenizer) or real `vllm serve`
+engines with the kvdir connector (`--engines vllm`: 2, on a ~32M-parameter random model whose prefill of a
+2,048-token prompt takes a few hundred ms here). vLLM's own client drives each one (`vllm bench serve`, from
+the vLLM venv: `make vllm-install`) on two datasets, at a light load and at one near the engines' saturation,
+and reports what it measures: TTFT p50/p90/p99, throughput, failed requests; beside them the share of prompt
+tokens the engines served from cache, by their own counters, and for kvdir's gateway its decisions. The datasets:
+- **prefix repetition** (vLLM's own): a few long shared prefixes with short suffixes;
+- **multi-turn** (vLLM 0.32's client has none, so it is written here as a custom dataset): sessions that share
+  a system prompt, each turn's prompt the whole conversation so far plus a new user message, sent in turn order
+  with every session's turn k before any turn k+1 (`--disable-shuffle`). The earlier replies in a prompt are
+  written here, not the engine's own output: what a prompt shares with the last one is what routing sees.
 
-The hot path is measured apart (`added_latency`): one stub at a low rate, straight to the stub and through
-each router, on short prompts and on long ones (one shared 4,096-token prefix with 128-token suffixes, the
-per-request cost that grows with the prompt: reading, tokenizing, hashing it); the TTFT difference is what
-the router adds per request. Each of those runs draws its own prompts (its own seed), so no run is served
-the suffixes an earlier one left cached.
+The hot path is measured apart (`added_latency`): one engine at a low rate, straight to it and through each
+router, on short prompts and on long ones (one shared long prefix with short suffixes: the per-request cost that
+grows with the prompt: reading, tokenizing, hashing it); the TTFT difference is what the router adds per
+request. Each of those runs draws its own prompts (its own seed), so no run is served the suffixes an earlier
+one left cached.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import random
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from tokenizers import Tokenizer
 
 from kvdir.local_cluster import ChildExited, Cluster, Gateway, NotReady, Workers, free_ports, stop_all
 from kvtools.bench.report import emit, header, say
 from kvtools.replay.peers_real import DEFAULT_PYTHON as PEERS_PYTHON
-from kvtools.vllm_launcher import MODEL, make_tiny_model, vllm_venv
+from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
 
-ENGINES = 4
-PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 12, 4096, 128, 16
-LOADS = {"light": 2.0, "near saturation": 6.0}  # requests/s over the 4 stubs (10,000 prefill tokens/s each)
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "request_throughput", "completed", "failed")
-ROUTERS = ("kvdir", "sglang", "round_robin")
+ROUTERS = ("kvdir", "sglang", "round_robin", "modeled_sglang")  # the last: kvdir's gateway with `--policy sglang`
+CACHE_COUNTERS = {  # per engine kind: (prompt tokens, prompt tokens served from cache) counters on the engine's /metrics
+    "stubs": (("kvdir_worker_prompt_tokens_total",), ("kvdir_worker_cached_tokens_total",)),
+    "vllm": (("vllm:prefix_cache_queries_total",), ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")),
+}
+Urls = tuple[list[str], list[str]]  # (directory replicas, engines)
 
 
-def _stub_args(tokenizer: Path) -> tuple[str, ...]:
-    return ("--model", MODEL, "--tokenizer", str(tokenizer), "--max-model-len", "8192", "--transfer", "tcp")
+@dataclass(frozen=True)
+class MultiTurn:
+    """A multi-turn dataset's shape, in tokens of the model's tokenizer (words of its corpus, about one each)."""
+
+    sessions: int
+    turns: int
+    system: int
+    user: int
+    reply: int
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One kind of engine: how many, how to start them, what the gateway is told of them, the datasets' sizes and
+    the two loads (requests/s over all engines)."""
+
+    engines: int
+    model_size: str
+    prefix: tuple[int, int, int, int]  # prefixes, prefix tokens, suffix tokens, output tokens
+    multi_turn: MultiTurn
+    loads: dict[str, float]
+    prompts: tuple[int, int]  # prefix-repetition prompts per run, full and --quick
+    routers: tuple[str, ...]  # of ROUTERS
+    gateway_args: tuple[str, ...]
+    hot_long: int  # the long hot-path prompts' shared prefix, tokens
+
+
+SETUPS = {
+    # 10,000 prefill tokens/s and 80 decode tokens/s per stub (their defaults, and the gateway's)
+    "stubs": Setup(
+        engines=4,
+        model_size="tiny",
+        prefix=(12, 4096, 128, 16),
+        multi_turn=MultiTurn(sessions=32, turns=6, system=1024, user=256, reply=64),
+        loads={"light": 2.0, "near saturation": 6.0},
+        prompts=(240, 60),
+        routers=ROUTERS,
+        gateway_args=(),
+        hot_long=4096,
+    ),
+    # measured here (`vllm serve` on one core each, the ~32M model): ~9,000 prefill tokens/s on long prompts, ~45 ms
+    # TTFT of a fully cached one, and pulls over Mooncake's TCP on two shared cores at ~40 MB/s (below the
+    # break-even: the gateway is told so, else it learns it from each engine's first pull, which stalls that
+    # engine for up to 2 s). `--max-running 4` stands for what a CPU engine's batch costs: each request beyond
+    # 3 running waits a quarter of a running one's decode, about the ~45 ms fixed cost of a step here.
+    "vllm": Setup(
+        engines=2,
+        model_size="bench",
+        prefix=(8, 2048, 128, 16),
+        multi_turn=MultiTurn(sessions=16, turns=6, system=512, user=160, reply=48),
+        loads={"light": 1.0, "near saturation": 2.5},
+        prompts=(120, 48),
+        routers=ROUTERS[:3],
+        gateway_args=(
+            "--block-size",
+            str(BLOCK),
+            "--prefill-tokens-per-s",
+            "9000",
+            "--decode-tokens-per-s",
+            "60",
+            "--max-running",
+            "4",
+            "--link-gbps",
+            "0.04",
+        ),
+        hot_long=2048,
+    ),
+}
+VLLM_BLOCKS = 512  # each vLLM engine's KV blocks of 32 tokens: 16,384 tokens, the prefix dataset's 8 prefixes once
 
 
 @contextmanager
@@ -92,103 +173,210 @@ def _serve_bench(
     return figures
 
 
-def _prefix_dataset(prefixes: int = PREFIXES) -> list[str]:
+def _prefix_dataset(prefixes: int, prefix_tokens: int, suffix_tokens: int, output_tokens: int) -> list[str]:
     return [
         "--dataset-name",
         "prefix_repetition",
         "--prefix-repetition-prefix-len",
-        str(PREFIX_TOKENS),
+        str(prefix_tokens),
         "--prefix-repetition-suffix-len",
-        str(SUFFIX_TOKENS),
+        str(suffix_tokens),
         "--prefix-repetition-num-prefixes",
         str(prefixes),
         "--prefix-repetition-output-len",
-        str(OUTPUT_TOKENS),
+        str(output_tokens),
     ]
 
 
+def write_multi_turn(path: Path, tokenizer: Path, shape: MultiTurn, seed: int = 0) -> tuple[list[str], int]:
+    """Write `shape`'s conversations as a custom dataset (JSONL, one prompt per line, in the order they are sent)
+    and return `vllm bench serve`'s flags for it and the number of prompts. Each message is words of the
+    tokenizer's vocabulary drawn with `seed`, in the tiny chat template's turns; a prompt ends by opening the
+    assistant's turn, and the next turn's prompt repeats it with a reply and the next user message."""
+    tok = Tokenizer.from_file(str(tokenizer))
+    words = sorted({w.lstrip("Ġ") for w in tok.get_vocab() if w.startswith("Ġ") and w[1:].isalpha()})
+    rng = random.Random(seed)
+
+    def text(tokens: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(tokens))
+
+    system = f"<|system|>{text(shape.system)}\n"
+    conversations = [system for _ in range(shape.sessions)]
+    lines = []
+    for turn in range(shape.turns):
+        for s in range(shape.sessions):
+            if turn:
+                conversations[s] += f"{text(shape.reply)}\n"
+            conversations[s] += f"<|user|>{text(shape.user)}\n<|assistant|>"
+            lines.append(json.dumps({"prompt": conversations[s], "output_tokens": shape.reply}))
+    path.write_text("\n".join(lines) + "\n")
+    flags = ["--dataset-name", "custom", "--dataset-path", str(path), "--disable-shuffle", "--skip-chat-template"]
+    return flags, len(lines)
+
+
 @contextmanager
-def _cluster(tmp: Path, engines: int, tokenizer: Path) -> Iterator[tuple[Cluster, Workers]]:
+def _stubs(tmp: Path, engines: int, model: Path) -> Iterator[Urls]:
     ports = free_ports(2 + engines)
     c = Cluster(tmp, ports[:1], ports[1:2], log_level="warning")
-    w = Workers(tmp, ports[2:], c.replica_urls, extra_args=_stub_args(tokenizer))
+    args = ("--model", MODEL, "--tokenizer", str(model / "tokenizer.json"), "--max-model-len", "8192", "--transfer", "tcp")
+    w = Workers(tmp, ports[2:], c.replica_urls, extra_args=args)
     try:
         c.start()
         c.wait_ready(60)
         w.start()
         w.wait_ready(60)
-        yield c, w
+        yield c.replica_urls, w.urls
     finally:
         w.stop()
         c.stop()
 
 
 @contextmanager
-def _router(name: str, tmp: Path, c: Cluster, w: Workers, tokenizer: Path) -> Iterator[str]:
-    """`name`'s URL in front of the cluster's stubs."""
-    if name == "kvdir":
-        g = Gateway(tmp, free_ports(1)[0], c.replica_urls, extra_args=("--tokenizer", str(tokenizer)))
-        try:
-            g.wait_ready(60, engines=len(w.urls))
-            yield g.url
-        finally:
-            g.stop()
-        return
-    with _sglang(w.urls, "cache_aware" if name == "sglang" else "round_robin", tmp / f"{name}.log") as url:
-        yield url
+def _vllm(tmp: Path, engines: int, model: Path) -> Iterator[Urls]:
+    """A directory replica and `engines` vLLM engines with the kvdir connector, started together."""
+    ports = free_ports(2)
+    c = Cluster(tmp, ports[:1], ports[1:2], log_level="warning")
+    started: list[VllmEngine] = []
+    try:
+        c.start()
+        c.wait_ready(60)
+        started = [
+            VllmEngine(f"vllm-{i}", vllm_venv(), model, c.replica_urls, tmp, num_blocks=VLLM_BLOCKS) for i in range(engines)
+        ]
+        for e in started:
+            e.start()
+        for e in started:
+            e.wait_ready()
+        yield c.replica_urls, [e.url for e in started]
+    finally:
+        for e in started:
+            e.stop()
+        c.stop()
 
 
-def bench_prefixes(tmp: Path, tokenizer_dir: Path, quick: bool) -> dict[str, Any]:
-    """Every router at every load of `LOADS`, each on a fresh cluster."""
-    prompts = 60 if quick else 240
-    tokenizer = tokenizer_dir / "tokenizer.json"
-    out: dict[str, Any] = {}
-    for load, rate in LOADS.items():
-        for name in ROUTERS:
-            run = tmp / f"{name}-{rate:g}"
-            run.mkdir()
-            say(f"  {name} at {rate:g} requests/s ({load}), {prompts} prompts on a fresh cluster...")
-            with _cluster(run, ENGINES, tokenizer) as (c, w), _router(name, run, c, w, tokenizer) as url:
-                figures = _serve_bench(url, tokenizer_dir, run / "result.json", _prefix_dataset(), rate, prompts)
-            out.update({f"{load} {name} {k}": v for k, v in figures.items()})
+CLUSTERS: dict[str, Callable[[Path, int, Path], AbstractContextManager[Urls]]] = {"stubs": _stubs, "vllm": _vllm}
+
+
+GATEWAY_COUNTERS = (  # what kvdir's gateway did in a run, from its /metrics: (prefix of the sample, name reported)
+    ('kvdir_gateway_decisions_total{reason="', "decisions"),
+    ("kvdir_gateway_prompt_tokens_total ", "prompt tokens"),
+    ("kvdir_gateway_reported_cached_tokens_total ", "cached tokens reported"),
+)
+
+
+def counter_sum(metrics: str, names: Sequence[str]) -> float:
+    """The sum of every sample of the counters `names` on a /metrics page (all label sets)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(tuple(f"{n}{sep}" for n in names for sep in " {")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def cache_hit_rate(kind: str, engines: Sequence[str]) -> float:
+    """The share of prompt tokens the engines served from cache (local or pulled), by their own counters: the same
+    measure whatever routed the requests."""
+    prompt, cached = CACHE_COUNTERS[kind]
+    pages = [httpx.get(url + "/metrics", timeout=10).text for url in engines]
+    total = sum(counter_sum(page, prompt) for page in pages)
+    return sum(counter_sum(page, cached) for page in pages) / total if total else 0.0
+
+
+def gateway_counts(metrics: str) -> dict[str, float]:
+    """The `GATEWAY_COUNTERS` samples of a /metrics page: decisions by reason, prompt and cached tokens."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        for prefix, name in GATEWAY_COUNTERS:
+            if line.startswith(prefix):
+                label = line[len(prefix) :].split('"', 1)[0] if prefix.endswith('"') else ""
+                out[f"{name} {label}".strip()] = float(line.rsplit(" ", 1)[1])
     return out
 
 
-HOT_PATH = {  # name: (dataset, requests/s, prompts, prompts with --quick); both rates light enough that nothing queues
-    "short": (["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "1"], 20.0, 400, 100),
-    "long": (_prefix_dataset(1), 2.0, 120, 30),
-}
+@contextmanager
+def _router(
+    name: str, tmp: Path, urls: Urls, model: Path, gateway_args: Sequence[str], counts: dict[str, float] | None = None
+) -> Iterator[str]:
+    """`name`'s URL in front of the cluster's engines; for kvdir's gateway, `counts` gets what it did
+    (`gateway_counts`) when the block ends."""
+    directory, engines = urls
+    if name in ("kvdir", "modeled_sglang"):
+        policy = "sglang" if name == "modeled_sglang" else "kvdir"
+        args = ("--tokenizer", str(model / "tokenizer.json"), "--policy", policy, *gateway_args)
+        g = Gateway(tmp, free_ports(1)[0], directory, extra_args=args)
+        try:
+            g.wait_ready(120, engines=len(engines))
+            yield g.url
+            if counts is not None:
+                counts.update(gateway_counts(httpx.get(g.url + "/metrics", timeout=10).text))
+        finally:
+            g.stop()
+        return
+    with _sglang(engines, "cache_aware" if name == "sglang" else "round_robin", tmp / f"{name}.log") as url:
+        yield url
 
 
-def added_latency(tmp: Path, tokenizer_dir: Path, quick: bool) -> dict[str, Any]:
-    """TTFT straight to one stub and through each router, at a low rate (no queueing), on each `HOT_PATH` prompt
-    shape: the difference is what the router adds. Every run has its own seed (its own prompts)."""
-    tokenizer = tokenizer_dir / "tokenizer.json"
+def compare(tmp: Path, engines: str, model: Path, quick: bool) -> dict[str, Any]:
+    """Every router on every dataset at every load of the setup, each on a fresh cluster."""
+    setup = SETUPS[engines]
+    multi, turns = write_multi_turn(tmp / "multi_turn.jsonl", model / "tokenizer.json", setup.multi_turn)
+    datasets = {
+        "prefix repetition": (_prefix_dataset(*setup.prefix), setup.prompts[1] if quick else setup.prompts[0]),
+        "multi-turn": (multi, turns // 3 if quick else turns),
+    }
+    out: dict[str, Any] = {}
+    for (dataset, (flags, prompts)), (load, rate) in itertools.product(datasets.items(), setup.loads.items()):
+        for name in setup.routers:
+            run = tmp / f"{dataset.replace(' ', '_')}-{name}-{rate:g}"
+            run.mkdir()
+            say(f"  {dataset}: {name} at {rate:g} requests/s ({load}), {prompts} prompts on a fresh cluster...")
+            counts: dict[str, float] = {}
+            with (
+                CLUSTERS[engines](run, setup.engines, model) as urls,
+                _router(name, run, urls, model, setup.gateway_args, counts) as url,
+            ):
+                figures = _serve_bench(url, model, run / "result.json", flags, rate, prompts)
+                figures["engines' cache hit rate"] = cache_hit_rate(engines, urls[1])
+            say(f"    {', '.join(f'{k} {v:.4g}' for k, v in {**figures, **counts}.items() if v is not None)}")
+            out.update({f"{dataset} {load} {name} {k}": v for k, v in {**figures, **counts}.items()})
+    return out
+
+
+def added_latency(tmp: Path, engines: str, model: Path, quick: bool) -> dict[str, Any]:
+    """TTFT straight to one engine and through each router, at a low rate (no queueing), on short prompts and on
+    long ones: the difference is what the router adds. Every run has its own seed (its own prompts)."""
+    setup = SETUPS[engines]
+    hot_path = {  # name: (dataset, requests/s, prompts, prompts with --quick); both light enough that nothing queues
+        "short": (["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "1"], 20.0, 400, 100),
+        "long": (_prefix_dataset(1, setup.hot_long, 128, 16), 2.0, 120, 30),
+    }
     seeds = itertools.count(1)
     out: dict[str, Any] = {}
-    with _cluster(tmp, 1, tokenizer) as (c, w):
-        for shape, (dataset, rate, full, few) in HOT_PATH.items():
+    with CLUSTERS[engines](tmp, 1, model) as urls:
+        for shape, (dataset, rate, full, few) in hot_path.items():
             prompts = few if quick else full
-            direct = _serve_bench(w.urls[0], tokenizer_dir, tmp / f"direct-{shape}.json", dataset, rate, prompts, next(seeds))
+            direct = _serve_bench(urls[1][0], model, tmp / f"direct-{shape}.json", dataset, rate, prompts, next(seeds))
             for name in ("kvdir", "sglang"):
-                with _router(name, tmp, c, w, tokenizer) as url:
-                    via = _serve_bench(url, tokenizer_dir, tmp / f"{name}-{shape}.json", dataset, rate, prompts, next(seeds))
+                with _router(name, tmp, urls, model, setup.gateway_args) as url:
+                    via = _serve_bench(url, model, tmp / f"{name}-{shape}.json", dataset, rate, prompts, next(seeds))
                 for p in ("median", "p99"):
                     out[f"{shape} prompts {name} added {p} ttft ms"] = via[f"{p}_ttft_ms"] - direct[f"{p}_ttft_ms"]
             out[f"{shape} prompts direct median ttft ms"] = direct["median_ttft_ms"]
     return out
 
 
-def main(*, as_json: bool, quick: bool) -> int:
+def main(*, as_json: bool, quick: bool, engines: str = "stubs") -> int:
     results = header(quick)
+    results["engines"] = engines
+    setup = SETUPS[engines]
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
-        tokenizer_dir = make_tiny_model(vllm_venv(), Path(tmp) / MODEL)
-        say("the hot path: one stub, 64-token prompts at 20/s and 4,224-token ones at 2/s, straight and through each router...")
-        (Path(tmp) / "hot").mkdir()
-        results.update(added_latency(Path(tmp) / "hot", tokenizer_dir, quick))
-        say(
-            f"prefix repetition: {PREFIXES} prefixes x {PREFIX_TOKENS} tokens over {ENGINES} stubs, each router on a fresh cluster"
+        model = make_tiny_model(
+            vllm_venv(), Path(tmp) / MODEL, kv_heads=4 if setup.model_size == "bench" else 1, size=setup.model_size
         )
-        results.update(bench_prefixes(Path(tmp), tokenizer_dir, quick))
+        say(f"the hot path: one of the {engines}, short and long prompts, straight and through each router...")
+        (Path(tmp) / "hot").mkdir()
+        results.update(added_latency(Path(tmp) / "hot", engines, model, quick))
+        say(f"prefix repetition and multi-turn over {setup.engines} {engines}, each router on a fresh cluster")
+        results.update(compare(Path(tmp), engines, model, quick))
     emit(results, as_json)
     return 0

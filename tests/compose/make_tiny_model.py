@@ -4,7 +4,9 @@ Test machines reach no model hub. Run with the vllm-cpu image's Python (it has t
 tokenizers): `python make_tiny_model.py OUT_DIR [SEED]` (another seed draws other weights: another model of the
 same architecture and tokenizer), `--kv-heads 2` gives it two KV heads (one per rank at tensor-parallel 2,
 where one head would be replicated on both). The shapes are the smallest vLLM's CPU attention accepts
-(head_dim 64); the output is noise, but prefix caching and KV events behave as with any model.
+(head_dim 64); the output is noise, but prefix caching and KV events behave as with any model. `--size bench`
+writes a larger one of the same tokenizer (8 layers, hidden 512, 8 heads over 4 KV heads: about 32M
+parameters), whose prefill takes long enough on a CPU for routing to matter.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def main(out: Path, seed: int | None = None, kv_heads: int = 1) -> None:
+SIZES = {  # name: (layers, hidden, intermediate, attention heads); head_dim 64 in both
+    "tiny": (2, 128, 256, 2),
+    "bench": (8, 512, 2048, 8),
+}
+
+
+def main(out: Path, seed: int | None = None, kv_heads: int = 1, size: str = "tiny") -> None:
+    layers, hidden, intermediate, heads = SIZES[size]
     out.mkdir(parents=True, exist_ok=True)
     if seed is not None:
         torch.manual_seed(seed)
@@ -45,10 +54,10 @@ def main(out: Path, seed: int | None = None, kv_heads: int = 1) -> None:
     fast.save_pretrained(out)
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         bos_token_id=1,
@@ -61,9 +70,10 @@ def main(out: Path, seed: int | None = None, kv_heads: int = 1) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    heads = 1
-    if "--kv-heads" in args:
-        i = args.index("--kv-heads")
-        heads = int(args[i + 1])
-        del args[i : i + 2]
-    main(Path(args[0]), int(args[1]) if len(args) > 1 else None, heads)
+    opts = {"--kv-heads": "1", "--size": "tiny"}
+    for flag in opts:
+        if flag in args:
+            i = args.index(flag)
+            opts[flag] = args[i + 1]
+            del args[i : i + 2]
+    main(Path(args[0]), int(args[1]) if len(args) > 1 else None, int(opts["--kv-heads"]), opts["--size"])

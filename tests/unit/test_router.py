@@ -456,3 +456,27 @@ def test_route_reports_a_follower_of_a_prefix_being_computed_as_inflight() -> No
     r.prefilled(key, now=0.2, ok=False)  # failed: nothing is being computed any more
     again = r.route(req(8, extra=3), [Engine("a"), Engine("b")], {}, now=0.3)
     assert again.decision.reason == "balance"
+
+
+def test_an_engine_hashing_another_block_size_is_warned_of_once_and_listed(caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway at 16-token blocks in front of an engine that publishes 32-token ones finds none of its blocks:
+    said once (not at every refresh), listed until the engine registers the gateway's size."""
+
+    def node(n: str, block_size: int | None) -> NodeInfo:
+        return NodeInfo(
+            node_id=n, epoch=1, alive=True, api_url=f"http://127.0.0.1:{9000 + len(n)}", blocks=0, block_size=block_size
+        )
+
+    async def run() -> list[list[str]]:
+        async with httpx.AsyncClient() as http:
+            reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], 1.0, 1.0, block_size=16)
+            seen = []
+            for b in (32, 32, 16):
+                await reg._update([node("a", b), node("bb", None), node("ccc", 16)])
+                seen.append(reg.mismatched_block_size)
+            return seen
+
+    with caplog.at_level("INFO", logger="kvdir.gateway"):
+        assert asyncio.run(run()) == [["a"], ["a"], []]
+    warned = [r.getMessage() for r in caplog.records if "this gateway 16 (--block-size)" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("engine a hashes 32-token blocks")
