@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import httpx
 
 from kvdir.local_cluster import free_ports
 
-__all__ = ["BLOCK", "MODEL", "VllmEngine", "make_tiny_model", "vllm_venv"]
+__all__ = ["BLOCK", "MODEL", "VllmEngine", "make_tiny_model", "running", "vllm_venv"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -219,3 +221,18 @@ class VllmEngine:
             return [ln for ln in self.log.read_text(errors="replace").splitlines() if needle in ln]
         except OSError:
             return []
+
+
+@contextmanager
+def running(engines: Sequence[VllmEngine]) -> Iterator[None]:
+    """Every engine started (all at once: they load side by side) and ready; all stopped on exit, however the block
+    or a start ends."""
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        yield
+    finally:
+        for e in engines:
+            e.stop()

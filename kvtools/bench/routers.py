@@ -39,12 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from tokenizers import Tokenizer
 
 from kvdir.local_cluster import ChildExited, Cluster, Gateway, NotReady, Workers, free_ports, stop_all
 from kvtools.bench.report import emit, header, say
 from kvtools.replay.peers_real import DEFAULT_PYTHON as PEERS_PYTHON
-from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
+from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, running, vllm_venv
 
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "request_throughput", "completed", "failed")
 ROUTERS = ("kvdir", "sglang", "round_robin", "modeled_sglang")  # the last: kvdir's gateway with `--policy sglang`
@@ -236,41 +238,37 @@ def _vllm(tmp: Path, engines: int, model: Path) -> Iterator[Urls]:
     """A directory replica and `engines` vLLM engines with the kvdir connector, started together."""
     ports = free_ports(2)
     c = Cluster(tmp, ports[:1], ports[1:2], log_level="warning")
-    started: list[VllmEngine] = []
     try:
         c.start()
         c.wait_ready(60)
         started = [
             VllmEngine(f"vllm-{i}", vllm_venv(), model, c.replica_urls, tmp, num_blocks=VLLM_BLOCKS) for i in range(engines)
         ]
-        for e in started:
-            e.start()
-        for e in started:
-            e.wait_ready()
-        yield c.replica_urls, [e.url for e in started]
+        with running(started):
+            yield c.replica_urls, [e.url for e in started]
     finally:
-        for e in started:
-            e.stop()
         c.stop()
 
 
 CLUSTERS: dict[str, Callable[[Path, int, Path], AbstractContextManager[Urls]]] = {"stubs": _stubs, "vllm": _vllm}
 
 
-GATEWAY_COUNTERS = (  # what kvdir's gateway did in a run, from its /metrics: (prefix of the sample, name reported)
-    ('kvdir_gateway_decisions_total{reason="', "decisions"),
-    ("kvdir_gateway_prompt_tokens_total ", "prompt tokens"),
-    ("kvdir_gateway_reported_cached_tokens_total ", "cached tokens reported"),
-)
+GATEWAY_COUNTERS = {  # what kvdir's gateway did in a run, from its /metrics: sample name -> name reported
+    "kvdir_gateway_decisions_total": "decisions",  # one per reason
+    "kvdir_gateway_prompt_tokens_total": "prompt tokens",
+    "kvdir_gateway_reported_cached_tokens_total": "cached tokens reported",
+}
+
+
+def _samples(metrics: str) -> Iterator[Sample]:
+    """Every sample of a /metrics page, parsed by prometheus_client."""
+    for family in text_string_to_metric_families(metrics):
+        yield from family.samples
 
 
 def counter_sum(metrics: str, names: Sequence[str]) -> float:
     """The sum of every sample of the counters `names` on a /metrics page (all label sets)."""
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(tuple(f"{n}{sep}" for n in names for sep in " {")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(s.value for s in _samples(metrics) if s.name in names)
 
 
 def cache_hit_rate(kind: str, engines: Sequence[str]) -> float:
@@ -284,13 +282,11 @@ def cache_hit_rate(kind: str, engines: Sequence[str]) -> float:
 
 def gateway_counts(metrics: str) -> dict[str, float]:
     """The `GATEWAY_COUNTERS` samples of a /metrics page: decisions by reason, prompt and cached tokens."""
-    out: dict[str, float] = {}
-    for line in metrics.splitlines():
-        for prefix, name in GATEWAY_COUNTERS:
-            if line.startswith(prefix):
-                label = line[len(prefix) :].split('"', 1)[0] if prefix.endswith('"') else ""
-                out[f"{name} {label}".strip()] = float(line.rsplit(" ", 1)[1])
-    return out
+    return {
+        f"{GATEWAY_COUNTERS[s.name]} {s.labels.get('reason', '')}".strip(): s.value
+        for s in _samples(metrics)
+        if s.name in GATEWAY_COUNTERS
+    }
 
 
 @contextmanager

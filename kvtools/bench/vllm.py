@@ -39,7 +39,7 @@ from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import RegionInfo
 from kvtools.bench.report import emit, header, say
 from kvtools.plots import ttft_by_prefix
-from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, vllm_venv
+from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, running, vllm_venv
 from kvtransfer.backends import create_engine
 
 SIZES = (256, 1024, 1792)
@@ -233,21 +233,14 @@ def bench_engines(label: str, venv: Path, specs: Sequence[dict[str, Any]]) -> It
         vocab = (3, json.loads((model / "config.json").read_text())["vocab_size"])
         ports = free_ports(6)
         cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
-        engines: list[VllmEngine] = []
         try:
             cluster.start()
             cluster.wait_ready(60)
-            for spec in specs:
-                kw = dict(spec)
-                engines.append(VllmEngine(kw.pop("name"), venv, model, cluster.replica_urls, Path(tmp), **kw))
-                engines[-1].start()
+            engines = [VllmEngine(kw.pop("name"), venv, model, cluster.replica_urls, Path(tmp), **kw) for kw in map(dict, specs)]
             say(f"starting {len(engines)} vllm engines (about 30 s each on two cores)...")
-            for e in engines:
-                e.wait_ready()
-            yield BenchEngines(cluster.replica_urls[0], engines, vocab)
+            with running(engines):
+                yield BenchEngines(cluster.replica_urls[0], engines, vocab)
         finally:
-            for e in engines:
-                e.stop()
             cluster.stop()
         ok = True
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvdir.local_cluster import Cluster, Gateway, free_ports
-from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model
+from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, running
 
 __all__ = ["BLOCK", "MODEL", "PROMPT", "Engine", "running_directory", "start_gateway", "vllm_venv"]
 
@@ -93,15 +93,8 @@ def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def engines(model: Path, directory: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine]]:
     logs = tmp_path_factory.mktemp("engines")
     started = {name: Engine(name, vllm_venv(), model, directory.replica_urls, logs) for name in ("vllm-a", "vllm-b")}
-    try:
-        for e in started.values():
-            e.start()
-        for e in started.values():
-            e.wait_ready()
+    with running(list(started.values())):
         yield started
-    finally:
-        for e in started.values():
-            e.stop()
 
 
 @pytest.fixture(scope="session")

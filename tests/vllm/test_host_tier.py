@@ -17,6 +17,7 @@ import pytest
 from kvdir.local_cluster import Cluster
 from kvproto import media
 from kvproto.hashing import KvIdentity, identity_hashes
+from kvtools.vllm_launcher import running
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory, vllm_venv
 from tests.vllm.test_connector import FAILED, PULL, _holder, _plan, _recomputed
@@ -42,23 +43,13 @@ class Pair:
         )
         self.b = Engine("host-b", vllm_venv(), model, directory.replica_urls, logs)
 
-    def stop(self) -> None:
-        self.a.stop()
-        self.b.stop()
-
 
 @pytest.fixture(scope="module")
 def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     with running_directory(tmp_path_factory.mktemp("host-directory")) as directory:
         p = Pair(model, directory, tmp_path_factory.mktemp("host-engines"))
-        try:
-            p.a.start()
-            p.b.start()
-            p.a.wait_ready()
-            p.b.wait_ready()
+        with running([p.a, p.b]):
             yield p
-        finally:
-            p.stop()
 
 
 def _hashes(engine: Engine) -> list[int]:
