@@ -14,7 +14,11 @@ whether any replica's Raft term moved (an election) and what the attacked proces
 - *peer notes*: a gateway with ``--peers`` and a peer token, in front of 2 worker stubs, is sent
   one POST of 512 notes asking 1e9 tokens for 600 s on one engine, the same again (a replay), then the
   same from 200 invented senders; reported: the pending tokens and notes it holds, the statuses, its
-  memory growth and how long until the notes are gone.
+  memory growth and how long until the notes are gone;
+- *origin hijack* and *registration flood*: on one replica with tokens confined to tenants
+  (kvtools.bench.tenant_attacks says what each reports).
+
+`--only NAME ...` runs some of them (their names in ATTACKS).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import numpy as np
 
 from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
 from kvproto.client import DirectoryClient
+from kvtools.bench.cli import ATTACKS
 from kvtools.bench.proc import cpu_s, rss_mib
 from kvtools.bench.report import emit, header, say
+from kvtools.bench.tenant_attacks import origin_hijack, registration_flood, tenanted
 
 
 def raft_terms(c: Cluster) -> list[int]:
@@ -310,42 +316,67 @@ def peer_notes(c: Cluster, tmp: Path, ttl_s: float, senders: int = 200) -> dict[
         workers.stop()
 
 
-def main(*, as_json: bool, quick: bool) -> int:
+def main(*, as_json: bool, quick: bool, only: list[str] | None = None) -> int:
     results: dict[str, Any] = header(quick)
+    chosen = set(only or ATTACKS)
     seconds = 5.0 if quick else 20.0
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-attacks-") as tmp:
-        password = Path(tmp) / "raft_password"
-        password.write_text("bench-attacks-password\n")
-        ports = free_ports(6)
-        c = Cluster(
-            Path(tmp),
-            ports[:3],
-            ports[3:],
-            log_level="warning",
-            lease_ttl_s=300,
-            # 20 watchers from one address (auth off: the address is the key): past the default 8, to load the snapshot path.
-            extra_args=("--raft-password-file", str(password), "--watch-max-streams-per-token", "32", "--watch-stall-s", "4"),
-        )
-        try:
-            c.start()
-            c.wait_ready(60)
-            say("writes alone (the baseline)...")
-            results["baseline"] = _under_writes(c, seconds, lambda stop: None)
+        if chosen & set(ATTACKS[:5]):
+            _untenanted(results, Path(tmp), chosen, seconds, quick)
+        if chosen & set(ATTACKS[5:]):
+            (Path(tmp) / "tenanted").mkdir()
+            with tenanted(Path(tmp) / "tenanted") as t:
+                if "origin_hijack" in chosen:
+                    say(
+                        "origin hijack: bravo's engine token registers a node at acme's engine origin, bravo's gateway is sent 10 requests..."
+                    )
+                    results["origin_hijack"] = origin_hijack(t)
+                if "registration_flood" in chosen:
+                    say(
+                        "registration flood: 4 registrations of 2,048 ranks with 2,000-character transfer URLs, then node list polls..."
+                    )
+                    results["registration_flood"] = registration_flood(t)
+    emit(results, as_json)
+    return 0
+
+
+def _untenanted(results: dict[str, Any], tmp: Path, chosen: set[str], seconds: float, quick: bool) -> None:
+    """The attacks on a 3-replica cluster with a Raft password and no tokens."""
+    password = tmp / "raft_password"
+    password.write_text("bench-attacks-password\n")
+    ports = free_ports(6)
+    c = Cluster(
+        tmp,
+        ports[:3],
+        ports[3:],
+        log_level="warning",
+        lease_ttl_s=300,
+        # 20 watchers from one address (auth off: the address is the key): past the default 8, to load the snapshot path.
+        extra_args=("--raft-password-file", str(password), "--watch-max-streams-per-token", "32", "--watch-stall-s", "4"),
+    )
+    try:
+        c.start()
+        c.wait_ready(60)
+        say("writes alone (the baseline)...")
+        results["baseline"] = _under_writes(c, seconds, lambda stop: None)
+        if "raft_flood" in chosen:
             say(f"raft flood: 3 connections announcing 2 GiB frames at the leader for {seconds:.0f}s under writes...")
             results["raft_flood"] = raft_flood(c, seconds)
+        if "header_flood" in chosen:
             say("header flood: a 50 MiB header to /healthz...")
             results["header_flood"] = header_flood(c)
+        if "oversized_publishes" in chosen:
             say("oversized publishes: 8 concurrent 250,000-block bodies...")
             results["oversized_publishes"] = oversized_publishes(c)
+        if "stalled_watchers" in chosen:
             entries = 1_000_000 if quick else 5_000_000
             say(f"stalled watchers: {entries:,} entries at the leader, then 20 watch streams that stop reading, under writes...")
             results["stalled_watchers"] = watchers(c, entries, max(seconds, 8.0))
+        if "peer_notes" in chosen:
             ttl = 2.0 if quick else 10.0
             say(
                 f"peer notes: 512 notes of 1e9 tokens for 600 s at a gateway (--peer-note-ttl-s {ttl:g}), replayed, from 200 senders..."
             )
-            results["peer_notes"] = peer_notes(c, Path(tmp), ttl)
-        finally:
-            c.stop()
-    emit(results, as_json)
-    return 0
+            results["peer_notes"] = peer_notes(c, tmp, ttl)
+    finally:
+        c.stop()

@@ -72,6 +72,22 @@ def _engines(p: argparse.ArgumentParser) -> None:
     )
 
 
+ATTACKS = (
+    "raft_flood",
+    "header_flood",
+    "oversized_publishes",
+    "stalled_watchers",
+    "peer_notes",
+    "origin_hijack",
+    "registration_flood",
+)
+"""`kvdir bench attacks`' attacks, in the order they run (here, not in the bench's module, which loads only when it runs)."""
+
+
+def _only(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", nargs="+", choices=ATTACKS, metavar="ATTACK", help=f"run only these: {', '.join(ATTACKS)}")
+
+
 @dataclass(frozen=True)
 class Target:
     """A benchmark: its subcommand, what it measures, its flags, and the `module:function` that runs it."""
@@ -114,7 +130,7 @@ TARGETS = (
             _shards,
         ),
     ),
-    Target("attacks", "hostile clients' cost", "kvtools.bench.attacks:main"),
+    Target("attacks", "hostile clients' cost", "kvtools.bench.attacks:main", (_quick, _only)),
     Target(
         "vllm",
         "TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with the kvdir connector "

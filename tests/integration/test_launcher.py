@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvdir import local_cluster
 from kvdir.launcher import UpSettings, run_up
 from kvdir.listeners import listens, taken_ports
 from kvdir.local_cluster import NotReady, Workers, free_ports
@@ -40,6 +41,17 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     finally:
         for s in socks:
             s.close()
+
+
+def test_free_ports_never_picks_one_a_mooncake_engine_may_take_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI run's worker exited at start-up: its HTTP port, picked in 15000-17000, was another worker's
+    Mooncake port by the time it bound it."""
+    monkeypatch.setattr(local_cluster, "PORT_RANGE", (14990, 17020))
+    ports = free_ports(25)
+    assert len(set(ports)) == 25 and all(p < 15000 or p > 17000 for p in ports)
+    monkeypatch.setattr(local_cluster, "PORT_RANGE", (15100, 16000))
+    with pytest.raises(ValueError, match="no ports to pick"):
+        free_ports(1)
 
 
 def test_free_ports_never_hands_out_a_port_twice_while_the_first_taker_may_not_have_bound_it() -> None:

@@ -535,17 +535,6 @@ def test_report_writes_json_and_table(tmp_path, capsys):
     assert replay_main(["--synthetic", "hot_prefix", "--policies", "bogus"]) == 2
 
 
-def test_report_plots(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    rc = replay_main(
-        ["--synthetic", "shared_prefix", "--limit", "60", "--policies", "kvdir,sglang", "--plot", str(tmp_path / "plots")]
-    )
-    assert rc == 0
-    names = sorted(f.name for f in (tmp_path / "plots").iterdir())
-    assert names == ["hit_rate.png", "load_kvdir.png", "load_sglang.png", "ttft.png"]
-    assert all((tmp_path / "plots" / n).read_bytes()[:4] == b"\x89PNG" for n in names)
-
-
 def test_burst_on_an_uncached_prefix_is_computed_once_per_node_and_followers_queue_behind() -> None:
     """48 requests on one uncached prefix within ~50 ms over 3 nodes (`--synthetic burst`): engines reuse a
     prefix another request is computing, kvdir's gateway knows where it sent it (gateway.inflight) and predicts

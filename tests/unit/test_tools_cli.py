@@ -34,11 +34,20 @@ def test_every_bench_target_is_a_subcommand_that_calls_its_main_with_its_own_fla
     assert calls["events"] == {"as_json": True, "quick": False}  # the bench's own default engines per adapter
     assert cli.main(["bench", "events", "--engines-per-adapter", "1"]) == 0
     assert calls["events"]["engines_per_adapter"] == 1
+    assert calls["attacks"] == {"as_json": True, "quick": False, "only": None}
+    assert cli.main(["bench", "attacks", "--only", "origin_hijack", "registration_flood"]) == 0
+    assert calls["attacks"]["only"] == ["origin_hijack", "registration_flood"]
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["bench", "soak", "--replicas", "1"], ["bench", "soak", "--quick"], ["bench", "worker", "--minutes", "3"], ["bench"]],
+    [
+        ["bench", "soak", "--replicas", "1"],
+        ["bench", "soak", "--quick"],
+        ["bench", "worker", "--minutes", "3"],
+        ["bench"],
+        ["bench", "attacks", "--only", "no_such_attack"],
+    ],
 )
 def test_a_flag_the_target_does_not_take_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdir import local_cluster
 from kvdir.cli import main
 from kvdir.launcher import UpSettings, up_ports
 from kvdir.listeners import listening_inodes
-from kvdir.local_cluster import free_ports, log_tail
+from kvdir.local_cluster import log_tail
 from kvdir.progress import Progress, StartState, events, status_line
 from kvtransfer.mooncake import mooncake_rpc_ports
 
@@ -121,17 +120,6 @@ def test_mooncake_binds_in_its_rpc_range_set_as_mooncake_reads_it() -> None:
     assert mooncake_rpc_ports({"MC_MIN_PRC_PORT": "18000", "MC_MAX_PRC_PORT": "18010"}) == range(18000, 18011)
     assert mooncake_rpc_ports({"MC_MIN_RPC_PORT": "x"}) == range(15000, 17001)
     assert mooncake_rpc_ports({"MC_MIN_RPC_PORT": "17500"}) == range(15000, 17001)  # min above max: the default
-
-
-def test_free_ports_never_picks_one_a_mooncake_engine_may_take_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CI run's worker exited at start-up: its HTTP port, picked in 15000-17000, was another worker's
-    Mooncake port by the time it bound it."""
-    monkeypatch.setattr(local_cluster, "PORT_RANGE", (14990, 17020))
-    ports = free_ports(25)
-    assert len(set(ports)) == 25 and all(p < 15000 or p > 17000 for p in ports)
-    monkeypatch.setattr(local_cluster, "PORT_RANGE", (15100, 16000))
-    with pytest.raises(ValueError, match="no ports to pick"):
-        free_ports(1)
 
 
 def test_up_refuses_a_base_port_whose_ports_a_workers_mooncake_engine_may_take() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from kvdir import cli
 from kvtools.plots import LagSeries, lag_over_time, latency_cdf, ttft_by_prefix
+from kvtools.replay.cli import main as replay_main
 
 
 def is_png(path: Path) -> bool:
@@ -63,3 +64,13 @@ def test_bench_plot_is_refused_where_there_is_nothing_to_draw(capsys: pytest.Cap
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "directory", "--plot", "figs"])
     assert exit_.value.code == 2 and "unrecognized arguments: --plot figs" in capsys.readouterr().err
+
+
+def test_the_replay_report_plots(tmp_path: Path) -> None:
+    rc = replay_main(
+        ["--synthetic", "shared_prefix", "--limit", "60", "--policies", "kvdir,sglang", "--plot", str(tmp_path / "plots")]
+    )
+    assert rc == 0
+    names = sorted(f.name for f in (tmp_path / "plots").iterdir())
+    assert names == ["hit_rate.png", "load_kvdir.png", "load_sglang.png", "ttft.png"]
+    assert all((tmp_path / "plots" / n).read_bytes()[:4] == b"\x89PNG" for n in names)

@@ -1,0 +1,51 @@
+"""gateway.peers' sender against a real refused connection: sends never block, a full queue drops, a dead peer is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from gateway.engine_registry import EngineRegistry, EngineState
+from gateway.peers import PeerNotes
+from kvdir.local_cluster import free_ports
+from kvproto.client import DirectoryClient
+from kvproto.schemas import Origin
+
+
+def registry(http: httpx.AsyncClient, *ids: str) -> EngineRegistry:
+    reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], refresh_s=1.0, unhealthy_s=1.0)
+    for i, n in enumerate(ids):
+        reg.engines[n] = EngineState(n, Origin("http", "127.0.0.1", 9000 + i), epoch=1)
+    return reg
+
+
+def run(body) -> None:
+    async def main() -> None:
+        async with httpx.AsyncClient() as http:
+            await body(http)
+
+    asyncio.run(main())
+
+
+def test_sends_never_block_a_full_queue_drops_and_a_dead_peer_is_counted() -> None:
+    async def body(http: httpx.AsyncClient) -> None:
+        (port,) = free_ports(1)  # nothing listens there: connections are refused
+        p = PeerNotes(registry(http, "a"), [f"http://127.0.0.1:{port}"], queue_size=2)
+        assert p.routed("a", 1, 0) == -1  # nothing to prefill: no note
+        keys = [p.routed("a", 1, 100) for _ in range(3)]
+        assert keys == [0, 1, 2] and p.stats["dropped"] == 1  # before any send: the third did not fit
+        p.prefilled(-1)
+        assert p.stats["dropped"] == 1
+        p.start()
+        try:
+            deadline = time.monotonic() + 10
+            while p.stats["send_failures"] == 0:
+                assert time.monotonic() < deadline, "the refused batch was never counted"
+                await asyncio.sleep(0.01)
+            assert p.stats["sent"] == 0
+        finally:
+            await p.stop()
+
+    run(body)
