@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
-.PHONY: install run lint test test-faults test-scale test-browser browser-deps test-compose test-vllm vllm-install peers-install test-peers bench clean sysdeps
+.PHONY: install run lint test flakes test-faults test-scale test-browser browser-deps test-compose test-vllm vllm-install peers-install test-peers bench clean sysdeps
 
 install: $(STAMP)
 
@@ -38,9 +38,16 @@ lint: install
 # Two passes (tests/conftest.py says why): two pytest-xdist workers, a test file each at a time, for everything
 # but the tests marked serial; then those alone. Exit status 5 is "no test selected" (an ARGS subset).
 TEST_WORKERS ?= 2
+PARALLEL_MARKS := not serial and not scale and not browser and not faults
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not serial and not scale and not browser and not faults' $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m '$(PARALLEL_MARKS)' $(ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -m 'serial and not scale and not browser and not faults' $(ARGS) || [ $$? -eq 5 ]
+
+# The parallel pass N times, each in another test order and seed (pytest-randomly), naming every test that failed
+# in any run and its seeds (tests/support/flakes.py): run it before submitting a change to timing-sensitive code.
+N ?= 5
+flakes: install
+	$(PY) -m tests.support.flakes --runs $(N) --workers $(TEST_WORKERS) --marks '$(PARALLEL_MARKS)' $(ARGS)
 
 # The fault harness (tests/faults: kills, pauses, partitions, power loss and full restarts of real replicas under
 # load, checked for lost writes and stale reads), one run at a time: about 3 minutes on 2 cores, which `make test`
