@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,16 +20,9 @@ from directory.api import create_app
 from directory.config import DirectorySettings
 from directory.replica import Replica
 from kvdir.local_cluster import free_ports
+from tests.support.wait import until
 
 HOLD_LIMIT_S = 10.0  # the lock holder gives up after this long: a loop that blocked fails the test instead of hanging it
-
-
-async def _until(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager
@@ -40,7 +32,7 @@ async def _replica_app(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient,
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         replica: Replica = app.state.replica
-        await _until(lambda: replica.ready, "the single replica to lead")
+        await until(lambda: replica.ready, "the single replica to lead", timeout=30.0)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as client:
             yield client, replica
 
@@ -83,14 +75,14 @@ def test_requests_are_served_while_the_raft_thread_holds_the_state_lock(tmp_path
             holder = threading.Thread(target=hold, name="stand-in raft thread")
             holder.start()
             try:
-                await _until(held.is_set, "the stand-in to take the lock")
+                await until(held.is_set, "the stand-in to take the lock", timeout=30.0)
                 pending = [
                     asyncio.create_task(client.post("/v1/lookup", json=lookup)),
                     asyncio.create_task(client.get("/v1/nodes/n1")),
                     asyncio.create_task(client.get("/v1/digest")),
                 ]
                 # A handler that waited for the lock on the loop would freeze this coroutine until the holder gave up.
-                await _until(lambda: waiting.is_set() or outcome, "a read to wait for the lock off the loop")
+                await until(lambda: waiting.is_set() or outcome, "a read to wait for the lock off the loop", timeout=30.0)
                 assert not outcome, "the event loop was blocked while the state lock was held"
                 health = await asyncio.wait_for(client.get("/healthz"), HOLD_LIMIT_S)
                 assert health.status_code == 200

@@ -6,12 +6,12 @@ cluster cannot be held in the "every replica stale" or "only one stale" state on
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 from gateway.mirror import Feed
 from kvproto.state import DirectoryState, Register, new_epoch_base
 from kvproto.watch_codec import MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
+from tests.support.wait import until
 
 TICK_S = 0.05
 
@@ -67,13 +67,6 @@ class FakeReplica:
             writer.close()
 
 
-async def _until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def _run(scenario: Callable[[FakeReplica, FakeReplica], Awaitable[None]], a_fresh: bool, b_fresh: bool) -> None:
     async def main() -> None:
         async with FakeReplica(a_fresh) as a, FakeReplica(b_fresh) as b:
@@ -87,10 +80,10 @@ def test_a_source_stale_like_every_other_replica_is_kept() -> None:
         feed = Feed([a.url, b.url], None, max_lag_s=0.3)
         feed.start()
         try:
-            await _until(lambda: feed.state is not None, "the snapshot")
-            # Five lag bounds of "not caught up" from both: B was asked, said it is stale too, A is kept.
-            await _until(lambda: any("from=" in t for t in b.requests), "B to be asked whether it is fresher")
-            await asyncio.sleep(1.5)
+            await until(lambda: feed.state is not None, "the snapshot", timeout=5.0)
+            # A stale source is asked about once per probe round: a third question to B means the feed took B's
+            # first two answers ("not caught up" too) and kept A each time.
+            await until(lambda: sum("from=" in t for t in b.requests) >= 3, "B to be asked three times", timeout=5.0)
             assert feed.failovers == 0 and a.requests == ["/v1/watch"]
             assert not feed.fresh()  # still stale: the gateway's lookups go over REST meanwhile
         finally:
@@ -104,7 +97,7 @@ def test_a_stale_source_is_left_for_a_replica_that_is_caught_up() -> None:
         feed = Feed([a.url, b.url], None, max_lag_s=0.3)
         feed.start()
         try:
-            await _until(feed.fresh, "a fresh feed, from B")
+            await until(feed.fresh, "a fresh feed, from B", timeout=5.0)
             assert feed.failovers == 1 and feed.snapshots == 1  # resumed from its position on B, no new snapshot
             assert b.requests[-1] == f"/v1/watch?from=1&group={group_of(_state())}"
         finally:
@@ -133,7 +126,7 @@ def test_a_failure_of_any_kind_restarts_the_feed_from_a_snapshot_and_is_counted(
         feed = Feed([a.url, b.url], None, max_lag_s=0.3)
         feed.start()
         try:
-            await _until(feed.fresh, "a fresh feed after the failure")
+            await until(feed.fresh, "a fresh feed after the failure", timeout=5.0)
             assert feed.restarts == 1 and feed.snapshots == 1 and len(calls) == 2
             assert a.requests == ["/v1/watch"] and b.requests[0] == "/v1/watch"  # the next replica, from a snapshot
             assert feed._task is not None and not feed._task.done()

@@ -4,28 +4,15 @@ re-registration and republishing after a 409, and the back-off after rejections.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvproto.client import DirectoryClient
 from kvproto.schemas import Region
 from kvproto.session import NodeSession
+from tests.support.wait import until
 
 NODE = "session-1"
 API = "http://127.0.0.1:9"
-
-
-async def _until(cond: Callable[[], Awaitable[Any]], timeout: float = 15.0, what: str = "condition") -> Any:
-    """Poll an async condition until it is truthy or `timeout` passes."""
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        last = await cond()
-        if last:
-            return last
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 async def _held(client: DirectoryClient, hashes: list[int]) -> dict[int, int]:
@@ -109,15 +96,15 @@ def test_an_expired_lease_is_renewed_by_registering_again(make_cluster) -> None:
             s = _session(client, holds, load=lambda: {"running": 1.0})
             assert await s.sync() is None
             assert await s.heartbeat()
-            await _until(lambda: _held(client, [31]), what="the entry published")
+            await until(lambda: _held(client, [31]), what="the entry published")
 
             async def expired() -> bool:
                 return not await _held(client, [31])
 
-            await _until(expired, what="the lease to run out")  # no heartbeats from here on
+            await until(expired, what="the lease to run out")  # no heartbeats from here on
             task = asyncio.create_task(s.run(interval=0.05, heartbeat_interval=0.1))
             try:
-                await _until(lambda: _held(client, [31]), what="the entry republished")
+                await until(lambda: _held(client, [31]), what="the entry republished")
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

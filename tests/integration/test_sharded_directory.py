@@ -16,6 +16,7 @@ from kvproto.client import DirectoryClient
 from kvproto.errors import StaleEpochError
 from kvproto.session import NodeSession
 from kvproto.shardmap import ShardMap, apply_order
+from tests.support.wait import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,12 +99,15 @@ def test_a_move_under_publishing_load_loses_nothing_acknowledged_and_fences_the_
         async with DirectoryClient(sc.replica_urls, deadline=20) as d, DirectoryClient(m1.urls("s1"), deadline=20) as w:
             tasks = [asyncio.create_task(publisher(d, n)) for n in ids]
             tasks.append(asyncio.create_task(watcher(w)))
-            await _until(lambda: len(acked) == len(ids) and all(len(v) >= 20 for v in acked.values()))
+            await until(lambda: len(acked) == len(ids) and all(len(v) >= 20 for v in acked.values()), timeout=30.0)
             async with httpx.AsyncClient(timeout=10) as http:
                 for shard in apply_order(m2, homes):
                     r = await http.put(m1.urls(shard)[0] + "/v1/shards", content=m2.document())
                     assert r.status_code == 200, r.text
-            await _until(lambda: any(node == mover and e != old_epoch[mover] and len(v) >= 20 for (node, e), v in acked.items()))
+            await until(
+                lambda: any(node == mover and e != old_epoch[mover] and len(v) >= 20 for (node, e), v in acked.items()),
+                timeout=30.0,
+            )
             stop.set()
             await asyncio.gather(*tasks)
 
@@ -126,14 +130,6 @@ def test_a_move_under_publishing_load_loses_nothing_acknowledged_and_fences_the_
             assert not any(x.node_id == mover for x in (await d.lookup([next(iter(stale))])).holders)
 
     asyncio.run(go())
-
-
-async def _until(cond, timeout: float = 30.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > end:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def test_a_node_between_shards_backs_off_until_its_new_home_has_the_map(make_sharded) -> None:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import httpx
 
 from gateway.mirror import Mirror
 from kvproto.client import DirectoryClient
 from kvproto.shardmap import ShardMap
-from tests.support.wait import wait_for
+from tests.support.wait import until, wait_for
 
 MODEL = "kvdir-stub"
 PROMPT = "A shared system prompt about KV caches, long enough to span several blocks of sixteen tokens. " * 4
@@ -79,9 +78,9 @@ def test_the_gateway_mirrors_every_shard_and_routes_by_affinity_on_each(make_sha
         mirror = Mirror([shard_url["s0"]], None, max_lag_s=0.5, directory=directory)
         mirror.start()
         try:
-            await _until(lambda: mirror.fresh() and sorted(mirror.feeds) == c.names, "a fresh mirror of both shards")
+            await until(lambda: mirror.fresh() and sorted(mirror.feeds) == c.names, "a fresh mirror of both shards")
             want = {s: _digest(shard_url[s])["digest"] for s in c.names}  # heartbeats leave digests as they are
-            await _until(
+            await until(
                 lambda: all((f := mirror.feeds[s].state) is not None and f.digest() == want[s] for s in c.names),
                 "each shard's state mirrored exactly",
             )
@@ -91,7 +90,7 @@ def test_the_gateway_mirrors_every_shard_and_routes_by_affinity_on_each(make_sha
                 for s in c.names:
                     r = await http.put(shard_url[s] + "/v1/shards", content=newer)
                     assert r.status_code == 200, r.text
-            await _until(lambda: mirror.map_version == 2 and mirror.fresh(), "the mirror following map version 2")
+            await until(lambda: mirror.map_version == 2 and mirror.fresh(), "the mirror following map version 2")
             assert sorted(mirror.feeds) == c.names
         finally:
             await mirror.stop()
@@ -100,14 +99,6 @@ def test_the_gateway_mirrors_every_shard_and_routes_by_affinity_on_each(make_sha
     asyncio.run(in_process())
     wait_for(lambda: _metrics(g.url)["kvdir_gateway_mirror_shard_map_version"] == 2, what="the gateway on map version 2")
     wait_for(lambda: _metrics(g.url)["kvdir_gateway_mirror_lag_seconds"] <= 0.5, what="the gateway's mirror fresh again")
-
-
-async def _until(cond, what: str, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def _engines(url: str) -> int:

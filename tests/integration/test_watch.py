@@ -10,7 +10,6 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -21,16 +20,9 @@ from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.watch_codec import FrameReader, group_of
 from tests.support.cluster import leader_index
+from tests.support.wait import until
 
 WAIT_S = 30.0
-
-
-async def _until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def _leader_digest(cluster: Cluster) -> dict[str, object]:
@@ -75,14 +67,16 @@ def test_the_mirror_equals_the_replicas_through_writes_a_leader_kill_and_a_resta
         try:
             nodes = {f"n{i}": (await client.register(f"n{i}", "http://127.0.0.1:1")).epoch for i in range(4)}
             await _write(client, rng, nodes, 40)
-            await _until(mirror.fresh, "a fresh mirror")
+            await until(mirror.fresh, "a fresh mirror", timeout=WAIT_S)
             leader = leader_index(cluster)
             cluster.kill(leader)
             await _write(client, rng, nodes, 40)
             cluster.start_replica(leader)
             await _write(client, rng, nodes, 40)
             want = await _leader_digest(cluster)
-            await _until(lambda: mirror.position >= int(want["applied"]), f"the mirror at position {want['applied']}")  # type: ignore[call-overload]
+            await until(
+                lambda: mirror.position >= int(want["applied"]), f"the mirror at position {want['applied']}", timeout=WAIT_S
+            )  # type: ignore[call-overload]
             assert mirror.position == want["applied"]
             assert mirror.state is not None and mirror.state.digest() == want["digest"]
             assert len(mirror.state.index) == want["entries"] > 0
@@ -103,7 +97,11 @@ def test_a_position_no_longer_kept_answers_410_and_the_mirror_resnapshots(make_c
         try:
             epoch = (await client.register("n1", "http://127.0.0.1:1")).epoch
             await client.publish("n1", epoch, [(h, h % 100) for h in range(1, 11)])
-            await _until(lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 10, "10 entries")
+            await until(
+                lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 10,
+                "10 entries",
+                timeout=WAIT_S,
+            )
             await mirror.stop()
             old = mirror.position
             for k in range(5):  # 5 publishes of 40 blocks (~600 bytes each): past the 2,000 bytes kept
@@ -117,9 +115,9 @@ def test_a_position_no_longer_kept_answers_410_and_the_mirror_resnapshots(make_c
             resumed.state, resumed.position = mirror.state, old
             resumed.start()
             try:
-                await _until(lambda: resumed.snapshots == 1 and resumed.fresh(), "a re-snapshot")
+                await until(lambda: resumed.snapshots == 1 and resumed.fresh(), "a re-snapshot", timeout=WAIT_S)
                 want = await _leader_digest(cluster)
-                await _until(lambda: resumed.position >= int(want["applied"]), "the new position")  # type: ignore[call-overload]
+                await until(lambda: resumed.position >= int(want["applied"]), "the new position", timeout=WAIT_S)  # type: ignore[call-overload]
                 assert resumed.state is not None and resumed.state.digest() == want["digest"]
                 assert len(resumed.state.index) == 210
             finally:
@@ -143,18 +141,20 @@ def test_a_stalled_source_is_detected_within_the_bound_and_the_mirror_recovers(m
         pids = [p.pid for p in cluster.procs if p is not None]
         try:
             epoch = (await client.register("n1", "http://127.0.0.1:1")).epoch
-            await _until(mirror.fresh, "a fresh mirror")
+            await until(mirror.fresh, "a fresh mirror", timeout=WAIT_S)
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             stopped = time.monotonic()
             try:
-                await _until(lambda: not mirror.fresh(), "a stale mirror", timeout=5)
+                await until(lambda: not mirror.fresh(), "a stale mirror", timeout=5)
                 assert time.monotonic() - stopped < 0.5 + 1.0  # the bound, and a tick of slack (no sleeps involved)
             finally:
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
             await client.publish("n1", epoch, [(5, 1), (6, 2)])
-            await _until(lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 2, "recovery")
+            await until(
+                lambda: mirror.fresh() and mirror.state is not None and len(mirror.state.index) == 2, "recovery", timeout=WAIT_S
+            )
             holders = await mirror.lookup([5, 6])
             assert holders is not None
             assert [(h.node_id, h.matched_blocks, h.slots) for h in holders] == [("n1", 2, [1, 2])]
@@ -259,7 +259,9 @@ def test_the_mirror_resnapshots_a_directory_rebuilt_from_empty_data_dirs(make_cl
                 node = f"old{k % 3}"
                 await client.publish(node, epochs[node], [(1000 + k, k)])
             want = await _leader_digest(cluster)
-            await _until(lambda: mirror.fresh() and mirror.position == want["applied"], "the mirror of the old directory")
+            await until(
+                lambda: mirror.fresh() and mirror.position == want["applied"], "the mirror of the old directory", timeout=WAIT_S
+            )
             old_position, old_group = mirror.position, group_of(mirror.state)  # type: ignore[arg-type]
             assert mirror.snapshots == 1 and old_group is not None
 
@@ -274,8 +276,8 @@ def test_the_mirror_resnapshots_a_directory_rebuilt_from_empty_data_dirs(make_cl
             await client.publish("new", epoch, [(7, 1), (8, 2)])
             want = await _leader_digest(cluster)
             assert int(want["applied"]) < old_position  # type: ignore[call-overload]
-            await _until(lambda: mirror.snapshots == 2 and mirror.fresh(), "a snapshot of the new directory")
-            await _until(lambda: mirror.position == want["applied"], f"the mirror at position {want['applied']}")
+            await until(lambda: mirror.snapshots == 2 and mirror.fresh(), "a snapshot of the new directory", timeout=WAIT_S)
+            await until(lambda: mirror.position == want["applied"], f"the mirror at position {want['applied']}", timeout=WAIT_S)
             assert mirror.state is not None and group_of(mirror.state) not in (None, old_group)
             assert mirror.state.digest() == want["digest"] and set(mirror.state.nodes) == {"new"}
 
@@ -284,7 +286,9 @@ def test_the_mirror_resnapshots_a_directory_rebuilt_from_empty_data_dirs(make_cl
                 await client.publish("new", epoch, [(100 + k, k)])
             want = await _leader_digest(cluster)
             assert int(want["applied"]) > old_position  # type: ignore[call-overload]
-            await _until(lambda: mirror.fresh() and mirror.position == want["applied"], "the mirror past the old position")
+            await until(
+                lambda: mirror.fresh() and mirror.position == want["applied"], "the mirror past the old position", timeout=WAIT_S
+            )
             assert mirror.state.digest() == want["digest"] and mirror.snapshots == 2
             holders = await mirror.lookup([1000])
             assert holders == []  # the dead directory's entries are gone
