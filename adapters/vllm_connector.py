@@ -101,22 +101,21 @@ from adapters.vllm_plan import (
     KvLayout,
     LayerRegion,
     PlanError,
+    PullSource,
     blocks_to_pull,
     check_tags,
     coalesce,
     complete_on_every_rank,
-    host_layouts,
     mirrored,
     page_pieces,
     plan_from_params,
     pull_outcome,
-    rank_layouts,
+    pull_sources,
 )
 from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import identity_hashes
-from kvproto.ranks import rank_sessions
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo
 from kvproto.session import NodeSession
 from kvtransfer.backends import create_engine
@@ -256,11 +255,6 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-PeerInfo = tuple[list[str | None], list[KvLayout], str | None, list[KvLayout] | None]
-"""A pull source as the directory lists it: each TP rank's transfer session and KV layout, its KV fingerprint, and
-each rank's host-tier layout (None: it has no host tier)."""
-
-
 class _PeerCache:
     """The directory's nodes as pull sources, refreshed in the background, so that no engine step waits on the
     directory: a load whose source epoch is not in the last list is recomputed at once.
@@ -269,9 +263,11 @@ class _PeerCache:
     the last list stays (a source that restarted has a new epoch, so a stale entry is never its memory).
     """
 
-    def __init__(self, s: ConnectorSettings) -> None:
+    def __init__(self, s: ConnectorSettings, node_id: str) -> None:
+        """`node_id`: the engine's own node, whose registered tenant decides which sources it may read."""
         self.s = s
-        self._known: dict[tuple[str, int], PeerInfo] = {}
+        self.node_id = node_id
+        self._known: dict[tuple[str, int], PullSource] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -284,7 +280,7 @@ class _PeerCache:
         self._stop.set()
         self._wake.set()
 
-    def get(self, node_id: str, epoch: int) -> PeerInfo | None:
+    def get(self, node_id: str, epoch: int) -> PullSource | None:
         """The source if the last list has it at `epoch`; else None, and a refresh is asked for (never waited for)."""
         peer = self._known.get((node_id, epoch))
         if peer is None:
@@ -304,22 +300,9 @@ class _PeerCache:
                 except DirectoryError as exc:
                     log.debug("directory node list unavailable (%s): pull sources as last seen", exc)
                 else:
-                    self._known = self._index(nodes)  # replaced whole: readers see one list or the next
+                    self._known = pull_sources(nodes, self.node_id)  # replaced whole: readers see one list or the next
                 await asyncio.to_thread(self._wake.wait, self.s.peer_refresh_s)
                 self._wake.clear()
-
-    @staticmethod
-    def _index(nodes: list[NodeInfo]) -> dict[tuple[str, int], PeerInfo]:
-        out: dict[tuple[str, int], PeerInfo] = {}
-        for n in nodes:
-            if not n.transfer_url:
-                continue
-            try:
-                layouts, host = rank_layouts(n.regions), host_layouts(n.regions)
-            except PlanError:  # not a connector engine (a worker stub, an events-fed engine): never a source here
-                continue
-            out[(n.node_id, n.epoch)] = (rank_sessions(n.regions, n.transfer_url), layouts, n.fingerprint, host)
-        return out
 
 
 class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
@@ -721,7 +704,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._report = KvdirWorkerMeta()
-        self._peers = _PeerCache(self.s)  # the sources' sessions and layouts, kept fresh off the engine step
+        self._peers = _PeerCache(self.s, self.node_id)  # the sources' sessions and layouts, kept fresh off the engine step
         self._orphans: list[np.ndarray] = []  # destinations of abandoned reads (see `_pull`)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -835,7 +818,9 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
             peer = self._peers.get(load.source_node, load.source_epoch)
             if peer is None:
                 raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered (as last seen)")
-            sessions, layouts, fingerprint, host = peer
+            sessions, layouts, fingerprint, host, refusal = peer
+            if refusal is not None:  # a shared engine reads only shared sources, a tenant's its own and shared ones
+                raise PlanError(refusal)
             if fingerprint != self.fingerprint:  # another model's, revision's or layout's KV (docs/protocol.md §2.1)
                 raise PlanError(
                     f"{load.source_node} registered KV fingerprint {fingerprint}, not this engine's {self.fingerprint}"

@@ -9,18 +9,21 @@
   mirrored (`mirrored`): the same block id on every rank, each rank's pages holding its share of the heads.
 * **Stale-slot validation** (`check_tags`): a reader compares the tags it read before and after the
   pages; see the connector's docstring for why that makes a stale read impossible to miss.
+* **Pull sources** (`pull_sources`): the directory's nodes an engine could read from, each with why its tenant
+  rules it out for this engine, if it does (kvproto.pull_tenancy).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from kvproto.ranks import tp_size
-from kvproto.schemas import PULL_PLAN_FIELD, PullPlan, Region
+from kvproto.pull_tenancy import tenancy_refusal
+from kvproto.ranks import rank_sessions, tp_size
+from kvproto.schemas import PULL_PLAN_FIELD, NodeInfo, PullPlan, Region
 
 TAG_RKEY = "kvdir-tags"
 """The `rkey` of the region holding the per-block tags (the KV regions have rkey 0)."""
@@ -147,6 +150,38 @@ def mirrored(layouts: Sequence[KvLayout]) -> str | None:
         if other.num_blocks != first.num_blocks:
             return f"rank {rank} has {other.num_blocks} blocks, rank 0 {first.num_blocks}"
     return None
+
+
+class PullSource(NamedTuple):
+    """A pull source as the directory lists it."""
+
+    sessions: list[str | None]  # each TP rank's transfer session
+    layouts: list[KvLayout]  # each TP rank's KV layout
+    fingerprint: str | None  # its registered KV fingerprint
+    host: list[KvLayout] | None  # each TP rank's host-tier layout (None: it has no host tier)
+    refusal: str | None  # why this engine may not read it, by tenant (None: it may)
+
+
+def pull_sources(nodes: Sequence[NodeInfo], node_id: str) -> dict[tuple[str, int], PullSource]:
+    """The connector engines among `nodes` by (node id, epoch), as the engine `node_id` (one of them, or its tenant
+    is unknown and it reads from none) may use them: each says whether its tenant rules it out for this engine."""
+    me = next((n for n in nodes if n.node_id == node_id), None)
+    out: dict[tuple[str, int], PullSource] = {}
+    for n in nodes:
+        if not n.transfer_url:
+            continue
+        try:
+            layouts, host = rank_layouts(n.regions), host_layouts(n.regions)
+        except PlanError:  # not a connector engine (a worker stub, an events-fed engine): never a source here
+            continue
+        if me is None:
+            refusal: str | None = f"this engine ({node_id}) is not in the directory's node list yet: its tenant is unknown"
+        else:
+            refusal = tenancy_refusal(
+                tenant=me.tenant, shared=me.shared, source=n.node_id, source_tenant=n.tenant, source_shared=n.shared
+            )
+        out[(n.node_id, n.epoch)] = PullSource(rank_sessions(n.regions, n.transfer_url), layouts, n.fingerprint, host, refusal)
+    return out
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], list[int], list[int]]:

@@ -11,6 +11,7 @@ from directory.errors import ApiError
 from directory.metrics import DirectoryMetrics
 from directory.replica import Replica
 from directory.tenancy import Tenancy
+from kvproto import state as st
 from kvproto.rate_limit import TokenBuckets
 
 
@@ -32,6 +33,25 @@ def may_write(request: Request, node_id: str) -> None:
     if principal is None or not principal.may_write(node_id):
         role = principal.role if principal is not None else "no"
         raise ApiError(403, "forbidden", f"this {role} token may not write node {node_id!r}")
+
+
+async def may_write_node(request: Request, replica: Replica, node_id: str) -> None:
+    """`may_write`, and for a token confined to a tenant 403 when `node_id`'s current registration is another
+    tenant's: a node belongs to the tenant that registered it, whatever the token patterns let overlap."""
+    may_write(request, node_id)
+    principal: Principal | None = request.scope.get(PRINCIPAL) if request.app.state.auth else None
+    if principal is None or principal.tenant is None:
+        return
+    owner = await replica.read(lambda s: _owner(s, node_id))
+    if owner is not None and owner != principal.tenant:
+        raise ApiError(
+            403, "forbidden", f"node {node_id!r} is registered by another tenant: this token is confined to {principal.tenant!r}"
+        )
+
+
+def _owner(state: st.DirectoryState, node_id: str) -> str | None:
+    node = state.nodes.get(node_id)
+    return None if node is None else st.tenant_of(node.profile)
 
 
 def may_append(request: Request) -> None:

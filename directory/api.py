@@ -32,6 +32,7 @@ from directory.auth import BearerAuth
 from directory.config import DirectorySettings
 from directory.errors import add_error_handlers, error_response
 from directory.metrics import DirectoryMetrics
+from directory.node_list import NodeList
 from directory.replica import Replica
 from kvproto.addresses import is_loopback, parse_hostport
 from kvproto.http_limits import BodyLimit
@@ -72,6 +73,7 @@ def _lifespan(
         metrics = DirectoryMetrics(replica)
         await replica.start(on_commit=metrics.on_commit)
         app.state.replica, app.state.metrics = replica, metrics
+        app.state.node_list = NodeList(replica)
         app.state.watchers = watch.Watchers(
             settings.watch_max_streams, settings.watch_max_streams_per_token, settings.watch_stall_s, metrics
         )

@@ -21,7 +21,8 @@ only matters for engine tokens. Every role may read (GET routes and
 `POST /v1/lookup`): engines read `/v1/nodes` to find a pull source's transfer
 endpoint. Every request needs a token except `/healthz`, `/readyz` and
 `/metrics`: 401 without one or with an unknown one, 403 for a route or node the
-token's role may not write. Tokens are compared in constant time (SHA-256 of
+token's role may not write. Engine tokens confined to different tenants must have node patterns that
+match no common node id (the file is refused otherwise). Tokens are compared in constant time (SHA-256 of
 both sides through `hmac.compare_digest`, against every entry, so neither the
 match nor its position nor the length leaks through timing).
 """
@@ -39,6 +40,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from directory.globs import overlap
 from kvproto.schemas import TENANT_MAX_LEN
 
 ROLES = ("engine", "gateway", "admin")
@@ -139,7 +141,22 @@ def load_tokens(path: Path) -> TokenTable:
         entries.append((token, Principal(role, pattern, no, tenant if at else None)))
     if not entries:
         raise ValueError(f"{path}: no tokens (auth would refuse every request); leave the setting unset to turn auth off")
+    _check_confined_patterns(path, [p for _, p in entries])
     return TokenTable(entries)
+
+
+def _check_confined_patterns(path: Path, principals: list[Principal]) -> None:
+    """ValueError when engine tokens confined to different tenants have node patterns that match a common node id:
+    each could then write a node the other tenant's engines register."""
+    confined = [p for p in principals if p.role == "engine" and p.tenant is not None]
+    for k, a in enumerate(confined):
+        for b in confined[k + 1 :]:
+            if a.tenant != b.tenant and overlap(a.pattern, b.pattern):
+                raise ValueError(
+                    f"{path}:{a.line} and {path}:{b.line}: engine tokens of tenants {a.tenant!r} and {b.tenant!r} have "
+                    f"node patterns {a.pattern!r} and {b.pattern!r} that match common node ids: give each tenant's "
+                    "engines node ids of their own"
+                )
 
 
 def bearer_token(scope: Scope) -> bytes | None:

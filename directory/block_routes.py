@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from directory.access import get_metrics, get_replica, may_append, may_write, tenant_keys, tenant_of
+from directory.access import get_metrics, get_replica, may_append, may_write_node, tenant_keys, tenant_of
 from directory.config import DirectorySettings
 from directory.decoding import (
     Counted,
@@ -62,7 +62,7 @@ async def publish(
     else:
         body = await decode(request, PublishRequest, Counted("blocks", Counted.OBJECTS, limit, "blocks_per_publish"))
         check_count(len(body.blocks), limit, "blocks_per_publish")
-    may_write(request, body.node_id)
+    await may_write_node(request, replica, body.node_id)
     tenant = tenant_of(request, body.tenant)
     t0 = time.perf_counter()
     if isinstance(body, PublishBatch):
@@ -88,7 +88,7 @@ async def remove(
     else:
         body = await decode(request, RemoveRequest, Counted("hashes", Counted.ARRAY, limit, "blocks_per_publish"))
         check_count(len(body.hashes), limit, "blocks_per_publish")
-    may_write(request, body.node_id)
+    await may_write_node(request, replica, body.node_id)
     tenant = tenant_of(request, body.tenant)
     t0 = time.perf_counter()
     hashes = binary.unpack(body.hashes, binary.U64) if isinstance(body, RemoveBatch) else u64(body.hashes, "hashes")
@@ -100,7 +100,7 @@ async def remove(
 @router.post("/v1/blocks/clear", response_model=RemoveResponse, openapi_extra=body_doc(ClearRequest))
 async def clear(request: Request, replica: Replica = Depends(get_replica)) -> Any:
     body = await decode(request, ClearRequest)
-    may_write(request, body.node_id)
+    await may_write_node(request, replica, body.node_id)
     res = await commit(replica, st.Clear(body.node_id, body.epoch))
     return JSONResponse({"node_id": body.node_id, "epoch": body.epoch, "removed": res.value})
 

@@ -49,6 +49,20 @@ class DirectorySettings(BaseSettings):
         description="most memory regions in one registration (422 above): the vLLM connector registers one per layer "
         "and tag array, per TP rank and tier (an 80-layer model at TP 8 with a host tier: 1,296)",
     )
+    max_registration_bytes: int = Field(
+        512 << 10,
+        ge=1024,
+        description="largest registration, as the directory stores and lists it (its fields in compact JSON; 422 "
+        "too_large above): every replica and gateway keeps each node's, and every node list carries them all "
+        "(max_regions_per_node regions of 256 bytes fit)",
+    )
+    max_transfer_urls_per_node: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="most distinct transfer sessions in one registration, the node's and its ranks' (422 too_many "
+        "above): one per TP rank",
+    )
     max_nodes: int = Field(1024, ge=1, description="most registered nodes (429 above)")
     max_entries: int = Field(20_000_000, ge=1, description="most (block, holder) entries in the index (507 above)")
     watch_buffer_bytes: int = Field(

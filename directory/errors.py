@@ -27,6 +27,7 @@ _STATUS = {
     st.INDEX_FULL: 507,
     st.INVALID: 422,
     st.WRONG_SHARD: 409,
+    st.ENDPOINT_TAKEN: 409,
 }
 _ERRORS = {
     400: "bad_request",

@@ -9,14 +9,14 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from directory.access import get_replica, may_write, tenant_of
+from directory.access import get_replica, may_write_node, tenant_of
 from directory.auth import PRINCIPAL, Principal
 from directory.decoding import Counted, body_doc, check_count, decode
 from directory.errors import RESPONSES, ApiError, commit
+from directory.node_list import NodeList, view_of
 from directory.replica import Replica
-from directory.views import NodeView
 from kvproto import state as st
 from kvproto.schemas import (
     MAX_LOAD_LABELS,
@@ -39,7 +39,8 @@ async def register(request: Request, replica: Replica = Depends(get_replica)) ->
     limit = replica.settings.max_regions_per_node
     body = await decode(request, RegisterRequest, Counted("regions", Counted.OBJECTS, limit, "regions_per_node"))
     check_count(len(body.regions), limit, "regions_per_node")
-    may_write(request, body.node_id)
+    _check_size(body, replica)
+    await may_write_node(request, replica, body.node_id)
     profile, warnings = _profile(request, body)
     shard_index = await _shard_index(replica)
     if not await replica.has_room_for(body.node_id):
@@ -62,6 +63,20 @@ async def register(request: Request, replica: Replica = Depends(get_replica)) ->
     return JSONResponse(
         {"node_id": body.node_id, "epoch": res.value, "lease_ttl_s": replica.settings.lease_ttl_s, "warnings": warnings}
     )
+
+
+def _check_size(body: RegisterRequest, replica: Replica) -> None:
+    """422 for a registration over the size limits: every replica and gateway keeps it, and every node list
+    carries it."""
+    sessions = {body.transfer_url, *(r.transfer_url for r in body.regions)} - {None}
+    check_count(len(sessions), replica.settings.max_transfer_urls_per_node, "transfer_urls_per_node")
+    size, limit = len(msgspec.json.encode(body)), replica.settings.max_registration_bytes
+    if size > limit:
+        raise ApiError(
+            422,
+            "too_large",
+            f"the registration takes {size} bytes; the limit is {limit} (--max-registration-bytes, KVDIR_MAX_REGISTRATION_BYTES)",
+        )
 
 
 def _profile(request: Request, body: RegisterRequest) -> tuple[st.NodeProfile, list[str]]:
@@ -100,7 +115,7 @@ async def _shard_index(replica: Replica) -> int:
 @router.post("/v1/nodes/{node_id:path}/heartbeat", response_model=HeartbeatResponse, openapi_extra=body_doc(HeartbeatRequest))
 async def heartbeat(request: Request, node_id: str, replica: Replica = Depends(get_replica)) -> Any:
     body = await decode(request, HeartbeatRequest, Counted("load", Counted.MAPPING, MAX_LOAD_LABELS, "load_labels"))
-    may_write(request, node_id)
+    await may_write_node(request, replica, node_id)
     res = await commit(replica, st.Heartbeat(node_id, body.epoch, body.load))
     return JSONResponse({"node_id": node_id, "epoch": res.value})
 
@@ -117,7 +132,7 @@ async def deregister(
     ),
     replica: Replica = Depends(get_replica),
 ) -> Any:
-    may_write(request, node_id)
+    await may_write_node(request, replica, node_id)
     try:
         res = await commit(replica, st.Deregister(node_id, epoch))
     except ApiError as exc:
@@ -128,43 +143,26 @@ async def deregister(
     return JSONResponse({"node_id": node_id, "removed": res.value})
 
 
-def _node_info(view: NodeView) -> dict[str, Any]:
-    node = view.node
-    return {
-        "node_id": node.node_id,
-        "epoch": node.epoch,
-        "alive": True,
-        "api_url": node.api_url,
-        "transfer_url": node.transfer_url,
-        "regions": list(node.regions),
-        "capacity_blocks": node.capacity_blocks,
-        "block_size": node.block_size,
-        "blocks": view.blocks,
-        "load": node.load,
-        **_profile_info(node.profile),
-    }
+def _node_list(request: Request) -> NodeList:
+    node_list: NodeList = request.app.state.node_list
+    return node_list
 
 
-def _profile_info(p: st.NodeProfile | None) -> dict[str, Any]:
-    if p is None:
-        return {"models": [], "fingerprint": None, "tenant": "", "shared": False, "dp_rank": None}
-    return {
-        "models": list(p.models),
-        "fingerprint": p.fingerprint,
-        "tenant": p.tenant,
-        "shared": p.shared,
-        "dp_rank": p.dp_rank,
-    }
+_JSON = "application/json"
 
 
-@router.get("/v1/nodes", response_model=NodesResponse)
-async def nodes(replica: Replica = Depends(get_replica)) -> Any:
-    return JSONResponse({"nodes": [_node_info(v) for v in await replica.nodes()]})
+@router.get("/v1/nodes", response_model=NodesResponse, responses={304: {"description": "unchanged since the ETag given"}})
+async def nodes(request: Request) -> Any:
+    """Every node this token may see (docs/protocol.md §3); 304 to an `If-None-Match` of the current ETag."""
+    etag, body = await _node_list(request).answer(view_of(request), request.headers.get("if-none-match"))
+    if body is None:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(body, media_type=_JSON, headers={"ETag": etag})
 
 
 @router.get("/v1/nodes/{node_id:path}", response_model=NodeInfo)
-async def node(node_id: str, replica: Replica = Depends(get_replica)) -> Any:
-    view = await replica.node(node_id)
-    if view is None:
+async def node(request: Request, node_id: str) -> Any:
+    body = await _node_list(request).one(view_of(request), node_id)
+    if body is None:
         raise ApiError(404, "not_found", f"node {node_id!r} is not registered")
-    return JSONResponse(_node_info(view))
+    return Response(body, media_type=_JSON)

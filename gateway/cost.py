@@ -114,6 +114,10 @@ class Candidate:
     # before they serve (load_s), where device blocks are free.
     host_blocks: int = 0
     disk_blocks: int = 0
+    # Its registered tenant and whether it is shared (docs/security.md, Tenants): a pull is planned only from a
+    # holder it may read by kvproto.pull_tenancy (a shared engine only from shared ones).
+    tenant: str = ""
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)

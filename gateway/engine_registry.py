@@ -67,6 +67,13 @@ def parse_networks(value: str) -> list[Network]:
         raise ValueError(f"engine networks: {exc}") from exc
 
 
+def reported_load(load: dict[str, float], label: str) -> float:
+    """An engine's reported load figure, as routing may count it: a negative or non-finite one (outside input,
+    which would make the engine look idler than idle and draw all traffic) is 0."""
+    value = load.get(label, 0.0)
+    return value if 0.0 < value < math.inf else 0.0
+
+
 def _unmapped(addr: IPAddress) -> IPAddress:
     return (addr.ipv4_mapped or addr) if isinstance(addr, ipaddress.IPv6Address) else addr
 
@@ -117,6 +124,8 @@ class EngineState:
     fingerprint: str | None = None  # its KV fingerprint as registered (None: never a pull source nor destination)
     tp_size: int = 1  # its tensor-parallel ranks, from its registered regions (a pull needs as many on both ends)
     dp_rank: int | None = None  # the data-parallel rank behind its api_url it is: requests name it in a header
+    tenant: str = ""  # its registered tenant
+    shared: bool = False  # registered shared: routed to by every tenant, it pulls only from shared engines
     running: float = 0.0
     waiting: float = 0.0
     pull_gbps: float = 0.0  # pull bandwidth it measured (PULL_GBPS_LABEL; 0: none reported)
@@ -167,9 +176,9 @@ class EngineRegistry:
         self._task: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
-        self._foreign: set[str] = set()  # engines of other tenants, not routed to (logged once each)
+        self._foreign: set[str] = set()  # listed engines of other tenants, not routed to (logged once each)
         self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `_loop`)
-        self._mismatched: set[str] = set()  # engines whose published blocks are hashed at another block size
+        self._mismatched: set[str] = set()  # known engines whose published blocks are hashed at another block size
 
     @property
     def max_model_len(self) -> int | None:
@@ -245,6 +254,8 @@ class EngineRegistry:
                 self._silent_shards = silent
             nodes = [n for ns in by_shard.values() if not isinstance(ns, DirectoryError) for n in ns]
             await self._update([n for n in nodes if self._ours(n)], silent)
+            # Only ids still listed are remembered: another tenant's churning registrations must not grow these.
+            self._foreign &= {n.node_id for n in nodes}
         self._probe_models()
 
     async def _update(self, nodes: Sequence[NodeInfo], silent: Set[str] = frozenset()) -> None:
@@ -266,15 +277,17 @@ class EngineRegistry:
             e.block_bytes = sum(r.block_bytes for r in n.regions if r.medium is None)  # a device copy, all ranks
             e.block_size = n.block_size or 0
             self._check_block_size(e)
-            host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host"), default=0)
+            host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host" and r.block_bytes > 0), default=0)
             e.capacity_blocks = None if n.capacity_blocks is None else n.capacity_blocks + host
             e.blocks = n.blocks
-            e.running = n.load.get("running", 0.0)
-            e.waiting = n.load.get("waiting", 0.0)
-            e.pull_gbps = n.load.get(PULL_GBPS_LABEL, 0.0)
+            e.running = reported_load(n.load, "running")
+            e.waiting = reported_load(n.load, "waiting")
+            e.pull_gbps = reported_load(n.load, PULL_GBPS_LABEL)
             e.fingerprint = n.fingerprint
             e.tp_size = tp_size(n.regions)
             e.dp_rank = n.dp_rank
+            e.tenant = n.tenant
+            e.shared = n.shared
             e.registered_models = frozenset(n.models)
             e.models_known = e.models_known or bool(n.models)
             e.last_seen = time.monotonic()
@@ -285,11 +298,12 @@ class EngineRegistry:
         for node_id in [k for k in gone if not silent or self.directory.home_shard(k) not in silent]:
             log.info("engine %s left the directory", node_id)
             del self.engines[node_id]
+        self._mismatched &= self.engines.keys()
 
     @property
     def mismatched_block_size(self) -> list[str]:
         """Engines that registered a block size other than the gateway's: no hash of theirs can match its own."""
-        return sorted(self._mismatched & self.engines.keys())
+        return sorted(self._mismatched)
 
     def _check_block_size(self, e: EngineState) -> None:
         """Warn once when `e` publishes blocks of another size than the gateway hashes: a silent 0% hit rate
@@ -326,7 +340,7 @@ class EngineRegistry:
             ]
             lens = [m["max_model_len"] for m in data if type(m.get("max_model_len")) is int]
             ids = {m["id"]: m.get("parent") for m in data if isinstance(m.get("id"), str)}
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.debug("engine %s did not list its models: %s", e.node_id, exc)
             return
         e.models_due = time.monotonic() + _MODELS_REFRESH_S

@@ -32,6 +32,7 @@ from gateway.cost import (
     slot_interval_seconds,
 )
 from gateway.policy_base import TIE_EPSILON, cache_reason, healthy_candidates, longest_holder
+from kvproto.pull_tenancy import tenancy_refusal
 
 _Option = tuple[float, int, int, Candidate, TTFTBreakdown, bool]
 """(score, cached tokens, inflight, candidate, its breakdown, whether it duplicates in-flight work)."""
@@ -151,9 +152,25 @@ class KvdirPolicy:
                 detail=detail,
             )
         held = blocks_held(chosen, nh)
-        # Reusing what another request is computing there: it queues behind that prefill.
-        reason = "inflight" if blocks_ready(chosen, nh) > held else cache_reason(held, longest)
-        return Decision(chosen.node_id, reason, cached, estimated_ttft_s=t, detail=detail)
+        ready = blocks_ready(chosen, nh)
+        if ready <= held:
+            return Decision(chosen.node_id, cache_reason(held, longest), cached, estimated_ttft_s=t, detail=detail)
+        # Reusing what another request is computing there: it queues behind that prefill. Where a holder can serve
+        # that prefix the follower carries the plan a pull there carries (the prefix may be that pull's), since it
+        # may reach the engine first: the engine reads the blocks once, for whichever comes first.
+        share = min(pull_to, ready) if chosen.can_pull and pullable(holder, chosen) is None else 0
+        if share <= held:
+            return Decision(chosen.node_id, "inflight", cached, estimated_ttft_s=t, detail=detail)
+        return Decision(
+            chosen.node_id,
+            "inflight",
+            cached,
+            pull_from=holder.node_id,
+            pull_epoch=holder.epoch,
+            pull_slots=tuple(holder.slots[:share]),
+            estimated_ttft_s=t,
+            detail=detail,
+        )
 
     def _least_worked(self, near: list[_Option]) -> list[_Option]:
         """The options on the nodes with the least recent work."""
@@ -227,9 +244,12 @@ def _break_tie(tied: list[_Option], rng: random.Random) -> _Option:
 
 def pullable(holder: Candidate, to: Candidate) -> str | None:
     """Why `to` may not read `holder`'s KV (None: it may): another model's, weights' or layout's KV is not this
-    one's (fingerprints differ), and heads sliced over another TP rank count do not fit its ranks' pages."""
+    one's (fingerprints differ), heads sliced over another TP rank count do not fit its ranks' pages, and a
+    shared engine reads no tenant's KV, nor a tenant's engine another tenant's (kvproto.pull_tenancy)."""
     if to.kv_fingerprint != holder.kv_fingerprint:
         return f"KV fingerprint {holder.kv_fingerprint} there, {to.kv_fingerprint} here"
     if to.tp_size != holder.tp_size:
         return f"{holder.tp_size} TP ranks there, {to.tp_size} here"
-    return None
+    return tenancy_refusal(
+        tenant=to.tenant, shared=to.shared, source=holder.node_id, source_tenant=holder.tenant, source_shared=holder.shared
+    )

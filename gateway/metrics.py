@@ -6,6 +6,7 @@ Names follow `kvdir_gateway_<what>_<unit>`. The routing and forwarding code
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,8 +18,26 @@ from prometheus_client.registry import Collector
 from gateway.engine_registry import EngineRegistry
 from gateway.mirror import Mirror
 
+log = logging.getLogger("kvdir.gateway")
+
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 PULL_FAILURES_KEPT = 20  # the latest pull failures the status page lists
+# What an engine's own words on a failed pull say, as the status page may show it (first match; else "other"): the
+# words themselves name peers' addresses and epochs, which the gateway's public port never shows.
+PULL_FAILURE_CATEGORIES = (
+    ("verification", "blocks failed verification"),
+    ("transfer:", "the transfer failed"),
+    ("directory:", "the directory did not answer"),
+    ("not registered", "the source is not registered at that epoch"),
+    ("no transfer engine", "the engine cannot pull"),
+    ("fingerprint", "the source's KV is another model's or layout's"),
+    ("tp ranks", "the source's KV is another model's or layout's"),
+    ("tenant", "the source's tenant may not be read from"),
+    ("region", "the plan does not fit the source's memory"),
+    ("slot", "the plan does not fit the source's memory"),
+    ("medium", "the plan does not fit the source's memory"),
+    ("session", "the plan does not fit the source's memory"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +49,13 @@ class PullFailure:
     source: str  # the holder it pulled from
     predicted: int  # cached tokens the plan promised
     reported: int | None  # cached tokens the engine reported (None: it reported none)
-    reason: str  # the engine's own words where it gives them (the worker stub's `kvdir.pull_failures`)
+    reason: str  # what went wrong, as a category (`failure_category`): never the engine's own words
+
+
+def failure_category(engine_failure: str) -> str:
+    """The category of an engine's words on a failed pull (PULL_FAILURE_CATEGORIES)."""
+    text = engine_failure.lower()
+    return next((category for words, category in PULL_FAILURE_CATEGORIES if words in text), "other")
 
 
 class GatewayMetrics:
@@ -104,8 +129,11 @@ class GatewayMetrics:
             self.pulls.labels("unreported").inc()
         elif engine_failures or (reported is not None and reported < predicted):
             self.pulls.labels("short").inc()
-            reason = "; ".join(engine_failures) or f"the engine reported {reported} of {predicted} predicted cached tokens"
-            self.pull_failures.append(PullFailure(at, node_id, source, predicted, reported, reason[:300]))
+            categories = dict.fromkeys(failure_category(f) for f in engine_failures)
+            reason = "; ".join(categories) or f"the engine reported {reported} of {predicted} predicted cached tokens"
+            self.pull_failures.append(PullFailure(at, node_id, source, predicted, reported, reason))
+            if engine_failures:
+                log.debug("pull by %s from %s fell short: %s", node_id, source, "; ".join(engine_failures)[:1000])
         else:
             self.pulls.labels("full").inc()
 

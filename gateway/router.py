@@ -86,6 +86,10 @@ class EngineView(Protocol):
     def fingerprint(self) -> str | None: ...  # its registered KV fingerprint (None: never a pull source nor destination)
     @property
     def tp_size(self) -> int: ...  # its tensor-parallel ranks, as registered (a pull needs as many on both ends)
+    @property
+    def tenant(self) -> str: ...  # its registered tenant
+    @property
+    def shared(self) -> bool: ...  # registered shared: it pulls only from shared engines (kvproto.pull_tenancy)
 
 
 class HolderView(Protocol):
@@ -143,26 +147,34 @@ def make_candidate(
     link_bytes_per_s: float = 0.0,
     kv_fingerprint: str | None = None,
     tp_size: int = 1,
+    tenant: str = "",
+    shared: bool = False,
 ) -> Candidate:
     """A candidate from an engine's reported load and the gateway's own count of requests in flight there.
 
     The engine's `running` includes the requests this gateway has in flight to
     it, which the cost model counts separately (`inflight`): they are counted once.
     `slots` are the holder's locations (kvproto.media): how many of the first `cached_blocks` lie in its host
-    tier or on its disk is read from them.
+    tier or on its disk is read from them; the holder is taken to hold only the blocks before a location in no
+    medium (an answer the directory cannot have given: nothing after it is known). A negative `waiting` (outside
+    input) counts as none.
     """
     slots = tuple(slots)
     lower = [0] * len(media.MEDIA)
     if slots and max(slots[:cached_blocks], default=0) > media.SLOT_MASK:  # some lie in a lower tier
-        for loc in slots[:cached_blocks]:
-            lower[loc >> media.SHIFT] += 1
+        for i, loc in enumerate(slots[:cached_blocks]):
+            code = loc >> media.SHIFT
+            if not 0 <= code < len(media.MEDIA):
+                cached_blocks, slots = i, slots[:i]
+                break
+            lower[code] += 1
     return Candidate(
         node_id=node_id,
         epoch=epoch,
         cached_blocks=cached_blocks,
         slots=slots,
         running=max(0, int(reported_running) - inflight),
-        waiting=int(waiting),
+        waiting=max(0, int(waiting)),
         pending_prefill_tokens=pending_prefill_tokens,
         inflight=inflight,
         healthy=healthy,
@@ -173,6 +185,8 @@ def make_candidate(
         link_bytes_per_s=link_bytes_per_s,
         kv_fingerprint=kv_fingerprint,
         tp_size=tp_size,
+        tenant=tenant,
+        shared=shared,
         host_blocks=lower[media.HOST],
         disk_blocks=lower[media.DISK],
     )
@@ -229,6 +243,8 @@ def build_candidates(
                 link_bytes_per_s=reported_link(e.pull_gbps),
                 kv_fingerprint=e.fingerprint,
                 tp_size=e.tp_size,
+                tenant=e.tenant,
+                shared=e.shared,
             )
         )
     return out

@@ -12,10 +12,14 @@ interval is the difference of two samples, so nothing is counted twice and a pag
 still shows the last ten minutes. `status_json` (and gateway.status_page's `render_page`) are pure: figures
 in, text out, the time given in them, which is what the unit tests exercise; `StatusBoard.figures` does the only I/O, the
 directory's `GET /v1/cluster` within `CLUSTER_DEADLINE_S`, whose failure is a figure like any other: the page
-then says the directory is unreachable.
+then says the directory is unreachable. Its answer (or failure) is kept for `CLUSTER_TTL_S` and shared by the
+views meanwhile, and views that find it old together wait for one read: anyone who reaches the public port may
+ask for the page, and must not be able to turn that into load on the directory.
 
 Served on the gateway's public port, the figures hold no address: engines are named by node id, replicas by
-their place in `--directory` (`_place`).
+their place in `--directory` (`_place`), pull failures by a category of what went wrong
+(gateway.metrics.failure_category), and the directory's counts are of this gateway's engines only (the
+directory's own cover every tenant's).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -44,6 +48,7 @@ log = logging.getLogger("kvdir.gateway")
 SAMPLE_S = 5.0  # one sample every this many seconds...
 HISTORY = 120  # ...this many kept: the last 10 minutes
 CLUSTER_DEADLINE_S = 1.0  # the longest a page waits for the directory's /v1/cluster
+CLUSTER_TTL_S = 2.0  # the directory's /v1/cluster answer is read at most this often
 RECENT_S = 60.0  # "recent" figures (rates, hit rate) are over the last minute
 
 PULL_OUTCOMES = ("full", "short", "unreported")  # kvdir_gateway_pulls_total{outcome}
@@ -148,7 +153,8 @@ class EngineFigures:
 
 @dataclass(frozen=True, slots=True)
 class DirectoryFigures:
-    """The directory as `GET /v1/cluster` and the engine list describe it; replicas by 1-based place in `--directory`."""
+    """The directory as `GET /v1/cluster` and the engine list describe it; replicas by 1-based place in `--directory`.
+    `nodes` and `entries` are of the engines this gateway routes to (listed by the directory), not the directory's."""
 
     replicas: int  # URLs in --directory
     engine_list_ok: bool  # the gateway's last read of the engine list succeeded
@@ -160,8 +166,8 @@ class DirectoryFigures:
     term: int | None = None
     commit_index: int | None = None
     has_quorum: bool | None = None
-    nodes: int | None = None
-    entries: int | None = None
+    nodes: int | None = None  # engines the directory lists that this gateway routes to
+    entries: int | None = None  # blocks the directory lists for them
 
     @property
     def up(self) -> bool:
@@ -276,6 +282,9 @@ class StatusBoard:
         self.span_s = sample_s * size
         self.started = time.monotonic()
         self._task: asyncio.Task[None] | None = None
+        # The last read of /v1/cluster: when, the engine list's state then, and what it said.
+        self._cluster: tuple[float, bool, DirectoryFigures] | None = None
+        self._cluster_read: asyncio.Future[DirectoryFigures] | None = None  # the read under way, shared by its callers
 
     def sample(self, now: float) -> Sample:
         m = self.metrics
@@ -310,19 +319,45 @@ class StatusBoard:
                 log.exception("status page: taking a sample failed")
 
     async def _directory(self) -> DirectoryFigures:
-        urls, listed = self.directory.urls, self.registry.directory_ok
+        """The directory's figures: its /v1/cluster as last read (again when older than CLUSTER_TTL_S or when the
+        engine list's reads have since failed or recovered, once for every caller then), with the engine list's
+        state and counts as they are now."""
+        cached = self._cluster
+        if cached is not None and time.monotonic() - cached[0] < CLUSTER_TTL_S and cached[1] == self.registry.directory_ok:
+            cluster = cached[2]
+        else:
+            if self._cluster_read is None:
+                self._cluster_read = asyncio.ensure_future(self._read_cluster())
+            cluster = await asyncio.shield(self._cluster_read)  # a caller that goes away leaves the read to the others
+        ours = [e for e in self.registry.engines.values() if e.registered]
+        return replace(cluster, engine_list_ok=self.registry.directory_ok, nodes=len(ours), entries=sum(e.blocks for e in ours))
+
+    async def _read_cluster(self) -> DirectoryFigures:
+        try:
+            listed = self.registry.directory_ok
+            figures = await self._cluster_figures()
+            self._cluster = (time.monotonic(), listed, figures)
+            return figures
+        finally:
+            self._cluster_read = None
+
+    async def _cluster_figures(self) -> DirectoryFigures:
+        """`GET /v1/cluster` as figures (the engine list's are filled in by `_directory`)."""
+        urls = self.directory.urls
         try:
             c = await self.directory.cluster(deadline=CLUSTER_DEADLINE_S)
         except DirectoryUnavailable:
-            return DirectoryFigures(len(urls), listed, False, f"no replica answered within {CLUSTER_DEADLINE_S:g} s")
+            return DirectoryFigures(len(urls), False, False, f"no replica answered within {CLUSTER_DEADLINE_S:g} s")
         except RequestRejected as exc:
-            return DirectoryFigures(len(urls), listed, False, f"refused: {exc.status} {exc.error}")
+            return DirectoryFigures(len(urls), False, False, f"refused: {exc.status} {exc.error}")
         except (DirectoryError, ValueError) as exc:
-            return DirectoryFigures(len(urls), listed, False, type(exc).__name__)
+            return DirectoryFigures(len(urls), False, False, type(exc).__name__)
+        if not isinstance(c, dict):
+            return DirectoryFigures(len(urls), False, False, "a malformed answer")
         quorum = c.get("has_quorum")
         return DirectoryFigures(
             len(urls),
-            listed,
+            False,
             True,
             answered_by=_place(c.get("self_url"), urls),
             leader=_place(c.get("leader_url"), urls),
@@ -330,8 +365,6 @@ class StatusBoard:
             term=_int(c.get("term")),
             commit_index=_int(c.get("commit_index")),
             has_quorum=quorum if isinstance(quorum, bool) else None,
-            nodes=_int(c.get("nodes")),
-            entries=_int(c.get("entries")),
         )
 
     def _mirror(self) -> MirrorFigures | None:

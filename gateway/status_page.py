@@ -2,9 +2,9 @@
 
 Plain HTML and CSS with inline SVG drawn here and a meta refresh: nothing is loaded from elsewhere (GPU
 clusters are often air-gapped) and no script runs. Rendering is pure (figures in, text out, the time given in
-them). The page is served on the gateway's public port, so it shows no address: engines are named by node id,
-replicas by their place in `--directory` ("replica 2 of 3"). Every string from outside the gateway (node ids,
-the engines' pull failure reasons, the directory's error codes) is escaped.
+them). The page is served on the gateway's public port, so it shows no address nor epoch: engines are named by
+node id, replicas by their place in `--directory` ("replica 2 of 3"), pull failures by category. Every string from
+outside the gateway (node ids, the directory's error codes) is escaped.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _directory_card(f: StatusFigures, recent: Window | None) -> str:
         ("term", f"<span id='term'>{_n(d.term)}</span>"),
         ("commit index", _n(d.commit_index)),
         ("quorum", "–" if d.has_quorum is None else ("yes" if d.has_quorum else "<b class='bad'>no</b>")),
-        ("nodes, entries", f"{_n(d.nodes)}, {_n(d.entries)}"),
+        ("its engines here, their blocks", f"{_n(d.nodes)}, {_n(d.entries)}"),
         ("answered by", _e(_replica(d.answered_by, d.replicas))),
     ]
     m = f.mirror

@@ -36,9 +36,10 @@ class ChatPrompt:
 class Tokenizer(Protocol):
     """A prompt (a completion's text or a chat's messages) -> the token ids the engine serving `model` makes of it."""
 
-    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int) -> list[int]:
+    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
         """The prompt's tokens; an OpenAIError where it is known to be over `limit` tokens before tokenizing it, or
-        where the engine refused it."""
+        where the engine refused it. `salt` is the request's cache salt: work remembered from earlier prompts is
+        reused only for prompts of the same salt (kvproto.tokenizer.Tokenizer)."""
         ...
 
 
@@ -54,10 +55,10 @@ class LocalTokenizer:
         self.tokenizer = tokenizer
         self.chars_per_token = text_tokenizers.max_chars_per_token(tokenizer)
 
-    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int) -> list[int]:
+    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
         text, param = (prompt, "prompt") if isinstance(prompt, str) else (chat_prompt(prompt.messages), "messages")
         check_prompt_chars(text, limit, self.chars_per_token, param)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, salt)
 
 
 def engine_error(response: httpx.Response) -> GatewayError:
@@ -82,7 +83,8 @@ class EngineTokenizer:
     An engine that cannot be reached is marked unhealthy and the next one is
     asked; an engine's answer other than 200 is the request's (`engine_error`);
     503 `no_engine` when no engine is left to ask. `limit` is the engine's to
-    check: it refuses a prompt over its own context.
+    check: it refuses a prompt over its own context. `salt` is not needed: the
+    gateway remembers nothing of what engines tokenized.
     """
 
     def __init__(self, registry: EngineRegistry, http: httpx.AsyncClient, timeout_s: float = TOKENIZE_TIMEOUT_S) -> None:
@@ -90,7 +92,7 @@ class EngineTokenizer:
         self.http = http
         self.timeout_s = timeout_s
 
-    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int) -> list[int]:
+    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
         payload = {"model": model, "prompt": prompt} if isinstance(prompt, str) else {"model": model, "messages": prompt.sent}
         for e in sorted(self.registry.serving(model), key=lambda e: e.inflight):
             if not e.healthy:
@@ -114,10 +116,11 @@ async def prompt_tokens(
     `limit` is read as each check is made: the engines' largest context may be
     learned while an engine tokenizes.
     """
+    salt = body.cache_salt or ""
     if isinstance(body, ChatRequest):
-        tokens = await tokenizer.encode(body.model, ChatPrompt(body.messages, raw["messages"]), limit())
+        tokens = await tokenizer.encode(body.model, ChatPrompt(body.messages, raw["messages"]), limit(), salt)
     elif isinstance(body.prompt, str):
-        tokens = await tokenizer.encode(body.model, body.prompt, limit())
+        tokens = await tokenizer.encode(body.model, body.prompt, limit(), salt)
     else:
         tokens = list(body.prompt)
     check_prompt_tokens(len(tokens), limit(), "messages" if isinstance(body, ChatRequest) else "prompt")

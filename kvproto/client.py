@@ -38,11 +38,19 @@ from typing import Any, TypeVar
 import httpx
 import msgspec
 import numpy as np
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from kvproto import binary
 from kvproto.binary import LookupBatch, PublishBatch, RemoveBatch
-from kvproto.errors import DirectoryError, DirectoryUnavailable, InvalidRequestError, NotFoundError, WrongShardError, rejection
+from kvproto.errors import (
+    DirectoryError,
+    DirectoryUnavailable,
+    InvalidRequestError,
+    MalformedAnswer,
+    NotFoundError,
+    WrongShardError,
+    rejection,
+)
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import Consistency, LookupResponse, NodeInfo, Region, RegisterResponse
 from kvproto.shardmap import ShardMap
@@ -99,6 +107,7 @@ class DirectoryClient:
         self._map_read = False
         self._map_lock: asyncio.Lock | None = None
         self._shards: dict[str, DirectoryClient] = {}
+        self._nodes: tuple[str, list[NodeInfo]] | None = None  # the last node list and its ETag (one group's)
 
     async def aclose(self) -> None:
         for c in self._shards.values():
@@ -196,7 +205,22 @@ class DirectoryClient:
     ) -> Any:
         """Send `json` (or the msgpack body `msgpack`) to the preferred replica, failing over to the others
         until `deadline` seconds pass; returns the JSON answer."""
-        headers = {"content-type": binary.MSGPACK} if msgpack is not None else None
+        return (await self._send(method, path, json, msgpack=msgpack, deadline=deadline)).json()
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        *,
+        msgpack: bytes | None = None,
+        deadline: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """`request`, returning the first answer below 400 itself (a 304 included)."""
+        headers = dict(headers or {})
+        if msgpack is not None:
+            headers["content-type"] = binary.MSGPACK
         end = time.monotonic() + (self.deadline if deadline is None else deadline)
         delay = 0.02
         attempt = 0
@@ -205,13 +229,13 @@ class DirectoryClient:
             i = (self._preferred + attempt) % len(self.urls)
             url = self.urls[i] + path
             try:
-                resp = await self._http.request(method, url, json=json, content=msgpack, headers=headers)
+                resp = await self._http.request(method, url, json=json, content=msgpack, headers=headers or None)
             except httpx.TransportError as exc:
                 last = f"{url}: {type(exc).__name__}: {exc}"
             else:
                 if resp.status_code < 400:
                     self._preferred = i
-                    return resp.json()
+                    return resp
                 if resp.status_code not in _RETRY_STATUS:
                     try:
                         body = resp.json()
@@ -285,11 +309,21 @@ class DirectoryClient:
         return removed
 
     async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:
-        """Every registered node (of every shard)."""
+        """Every registered node (of every shard) that the token may see. The last answer is kept with its ETag and
+        handed out again (the same NodeInfo objects: do not change them) when the replica answers 304: a poll of an
+        unchanged directory costs neither side an encoding nor a parse."""
         if await self.shard_map() is not None:
             parts = await self._every_shard(lambda c: c.nodes(deadline=deadline), all_needed=True)
             return [n for part in parts for n in part]
-        return [NodeInfo.model_validate(n) for n in (await self.request("GET", "/v1/nodes", deadline=deadline))["nodes"]]
+        cached = self._nodes
+        condition = {"if-none-match": cached[0]} if cached is not None else None
+        resp = await self._send("GET", "/v1/nodes", deadline=deadline, headers=condition)
+        if resp.status_code == 304 and cached is not None:
+            return list(cached[1])
+        nodes = _decoded(lambda r: [NodeInfo.model_validate(n) for n in r.json()["nodes"]], resp, "node list")
+        etag = resp.headers.get("etag")
+        self._nodes = (etag, nodes) if etag else None
+        return list(nodes)
 
     async def nodes_by_shard(self, *, deadline: float | None = None) -> dict[str, list[NodeInfo] | DirectoryError]:
         """Every registered node by shard name ("" for an unsharded directory), or the error of a shard that did
@@ -408,15 +442,27 @@ class DirectoryClient:
             else:
                 body["hashes"] = list(hashes or [])
         if await self.shard_map() is None:
-            return LookupResponse.model_validate(
-                await self.request("POST", "/v1/lookup", body, msgpack=packed, deadline=deadline)
-            )
+            answer = await self.request("POST", "/v1/lookup", body, msgpack=packed, deadline=deadline)
+            return _decoded(LookupResponse.model_validate, answer, "lookup")
         answers = await self._every_shard(
             lambda c: c.request("POST", "/v1/lookup", body, msgpack=packed, deadline=deadline), all_needed=linearizable
         )
-        parts = [LookupResponse.model_validate(a) for a in answers]
+        parts = [_decoded(LookupResponse.model_validate, a, "lookup") for a in answers]
         holders = sorted((h for p in parts for h in p.holders), key=lambda h: -h.matched_blocks)
         return LookupResponse(num_blocks=parts[0].num_blocks, holders=holders)
+
+
+def _decoded(decode: Callable[[Any], T], answer: Any, what: str) -> T:
+    """`decode(answer)` of a replica's answer; MalformedAnswer when it is not what the protocol allows (a hostile or broken
+    replica), which callers treat as any other replica failure instead of a crash of theirs."""
+    try:
+        return decode(answer)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(str(x) for x in e["loc"])
+        raise MalformedAnswer(f"a replica's {what} does not follow the protocol: {where}: {e['msg']}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MalformedAnswer(f"a replica's {what} does not follow the protocol: {exc!r}") from exc
 
 
 def _pack(values: Iterable[int], dtype: np.dtype, field: str) -> bytes:

@@ -3,6 +3,7 @@
 DirectoryError
 ├── DirectoryUnavailable      no replica answered in time (or the write's outcome is unknown)
 ├── CommitTimeout             a write was not committed before its deadline; retry it (idempotent)
+├── MalformedAnswer           a replica answered 2xx with what the protocol does not allow (a hostile or broken replica)
 └── RequestRejected           a replica answered 4xx; `status`, `error`, `detail` say why
     ├── StaleEpochError       409: the node's epoch is not current or the node expired: register again
     │   └── WrongShardError   409: the node belongs to another shard (the client rereads the shard map)
@@ -24,6 +25,10 @@ class DirectoryUnavailable(DirectoryError):
 
 
 class CommitTimeout(DirectoryError):
+    pass
+
+
+class MalformedAnswer(DirectoryError):
     pass
 
 

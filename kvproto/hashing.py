@@ -8,9 +8,11 @@ memoryview slices of one buffer, so a 100k-token prompt hashes in a few ms.
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
+import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -63,14 +65,62 @@ class KvIdentity:
         return _identity_key(self)[1]
 
 
-@functools.lru_cache(maxsize=4096)
-def _identity_key(identity: KvIdentity) -> tuple[str, int]:
-    """An identity's key and seed, computed once per identity seen lately (a JSON dump and an XXH3 per request)."""
-    i = identity
+IDENTITY_CACHE_ENTRIES = 4096
+IDENTITY_CACHE_BYTES = 8 << 20
+"""Identities whose key and seed are remembered: at most this many, holding at most this many bytes of strings."""
+
+
+class _IdentityKeys:
+    """Identity -> (key, seed), the least recently used dropped past `max_entries` or `max_bytes`.
+
+    Bounded by bytes as well as by count: the names in an identity come from clients (a request's model and
+    cache salt), so a count alone would let a few thousand long names pin any amount of memory. Thread-safe.
+    """
+
+    def __init__(self, max_entries: int = IDENTITY_CACHE_ENTRIES, max_bytes: int = IDENTITY_CACHE_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+        self._entries: OrderedDict[KvIdentity, tuple[str, int, int]] = OrderedDict()  # -> key, seed, bytes held
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, identity: KvIdentity) -> tuple[str, int]:
+        with self._lock:
+            hit = self._entries.get(identity)
+            if hit is not None:
+                self._entries.move_to_end(identity)
+                return hit[0], hit[1]
+        key, seed = _derive(identity)
+        i = identity
+        size = sum(sys.getsizeof(x) for x in (key, i.namespace, i.model, i.adapter, i.cache_salt))
+        if size > self.max_bytes:
+            return key, seed
+        with self._lock:
+            old = self._entries.pop(identity, None)
+            self.held_bytes += size - (old[2] if old is not None else 0)
+            self._entries[identity] = (key, seed, size)
+            while len(self._entries) > self.max_entries or self.held_bytes > self.max_bytes:
+                self.held_bytes -= self._entries.popitem(last=False)[1][2]
+        return key, seed
+
+
+def _derive(i: KvIdentity) -> tuple[str, int]:
+    """An identity's key and seed (a JSON dump and an XXH3)."""
     if not (i.model or i.adapter or i.cache_salt or i.namespace.startswith("[")):
         return i.namespace, seed_for(i.namespace)
     key = json.dumps([i.namespace, i.model, i.adapter, i.cache_salt], ensure_ascii=False, separators=(",", ":"))
     return key, seed_for(key)
+
+
+_identity_keys = _IdentityKeys()
+
+
+def _identity_key(identity: KvIdentity) -> tuple[str, int]:
+    """An identity's key and seed, computed once per identity seen lately (`_IdentityKeys`)."""
+    return _identity_keys.get(identity)
 
 
 def mix_extra(local: int, extra: bytes, seed: int) -> int:

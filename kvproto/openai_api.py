@@ -13,8 +13,10 @@ on the raw bytes), so a bad request is one 400 with a message on both sides, nev
 
 As OpenAI's API does, a message's `content` may be null only in an assistant message (one that
 carries `tool_calls`), `max_tokens` and `max_completion_tokens` are at most `MAX_TOKENS`, and
-unknown parameters (temperature, tools, ...) are accepted and left to the engine. This module
-imports only the web stack and kvproto.tokenizer, so both servers use it without importing each
+unknown parameters (temperature, tools, ...) are accepted and left to the engine. A `model` is at most
+as long as a registration may name one (kvproto.schemas.MODEL_NAME_MAX_LEN): a longer name is served by
+no engine, and the gateway would otherwise hash and remember whatever a client sends. This module
+imports only the web stack and kvproto, so both servers use it without importing each
 other (docs/architecture.md, "Import layers").
 """
 
@@ -32,6 +34,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException
 
+from kvproto.schemas import MODEL_NAME_MAX_LEN
 from kvproto.tokenizer import count_messages, render_chat
 
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
@@ -63,7 +66,7 @@ class OpenAIRequest(BaseModel):
     """What both servers read of a completion request; everything else is accepted as is (the gateway forwards it)."""
 
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MODEL_NAME_MAX_LEN)
     stream: bool = False
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a KV identity of its own
@@ -116,6 +119,7 @@ def chat_prompt(messages: Sequence[ChatMessage]) -> str:
 
 
 _Model = TypeVar("_Model", bound=BaseModel)
+_VALIDATION_CODES = {"string_too_long": "string_above_max_length"}  # pydantic's error type -> OpenAI's code
 
 
 def parse_request(body: bytes, model: type[_Model]) -> tuple[dict[str, Any], _Model]:
@@ -131,7 +135,8 @@ def parse_request(body: bytes, model: type[_Model]) -> tuple[dict[str, Any], _Mo
     except ValidationError as exc:
         e = exc.errors()[0]
         loc = ".".join(str(x) for x in e["loc"])
-        raise OpenAIError(400, f"{loc or 'body'}: {e['msg']}", param=loc or None) from exc
+        code = _VALIDATION_CODES.get(e["type"])
+        raise OpenAIError(400, f"{loc or 'body'}: {e['msg']}", code=code, param=loc or None) from exc
 
 
 def context_length_exceeded(limit: int, what: str, param: str | None = None) -> OpenAIError:

@@ -16,6 +16,10 @@ segments' tokens joined are the whole text's tokens. Other tokenizers are not cu
 Cuts are found the same way from the same position whether or not a prefix was reused, so a cached
 answer is the answer tokenizing from scratch gives.
 
+Texts are remembered per cache salt (the request's `cache_salt`, "" for none), as engines keep KV per salt:
+a text is reused only for a text of the same salt, so how fast a prompt tokenizes tells a client nothing of
+what other salts' prompts held.
+
 The gateway's tokens only route: the engine tokenizes the prompt itself, and a pulled block that does
 not carry the engine's own hash for its position fails validation and is recomputed.
 """
@@ -89,8 +93,8 @@ def _common_prefix(a: str, b: str) -> int:
 
 class PrefixTokenCache:
     """A tokenizer.json's `encode`, reusing the tokens of the remembered text sharing the longest prefix with the
-    text; `entries` texts and `max_tokens` tokens at most are remembered (least recently used dropped), one text
-    per `KEY_CHARS` opening."""
+    text under the same salt; `entries` texts and `max_tokens` tokens at most are remembered (least recently used
+    dropped), one text per salt and `KEY_CHARS` opening."""
 
     def __init__(self, hf: Any, entries: int, max_tokens: int = MAX_HELD_TOKENS) -> None:
         self._hf = hf  # a tokenizers.Tokenizer
@@ -98,18 +102,19 @@ class PrefixTokenCache:
         self._capacity = entries
         self._max_tokens = max_tokens
         self.held_tokens = 0
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # (salt, opening) -> its text
         self._lock = threading.Lock()
         self.tokenized_chars = 0  # characters tokenized rather than reused, in all (what tests and benches read)
 
     def _tokens(self, segments: list[str]) -> list[list[int]]:
         return [e.ids for e in self._hf.encode_batch_fast(segments, add_special_tokens=False)]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, salt: str = "") -> list[int]:
+        """`text`'s ids, reusing only what a text of the same `salt` left."""
         if not self.enabled or len(text) < 2 * SEGMENT_CHARS:
             self.tokenized_chars += len(text)
             return self._tokens([text])[0]
-        key = text[:KEY_CHARS]
+        key = (salt, text[:KEY_CHARS])
         with self._lock:
             old = self._entries.get(key)
         cuts: list[int] = [0]

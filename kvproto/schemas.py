@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -117,6 +118,40 @@ def parse_origin(url: str) -> Origin:
     return Origin(scheme, host, port)
 
 
+def _host_key(host: str) -> str:
+    """`host` in one spelling per address: IPv4 in dotted quads (also from the short, octal and hex forms the
+    resolver accepts, and from IPv4-mapped IPv6), IPv6 compressed, names lower-case without a final dot."""
+    host = host.lower().removeprefix("[").removesuffix("]").rstrip(".")
+    if ":" in host:
+        try:
+            v6 = ipaddress.IPv6Address(host)
+        except ValueError:
+            return host
+        return str(v6.ipv4_mapped or v6)
+    try:
+        return socket.inet_ntoa(socket.inet_aton(host))
+    except OSError:
+        return host
+
+
+def endpoint_key(url: str) -> str:
+    """`HOST:PORT` of an engine's API origin or transfer session, one spelling per endpoint (no scheme: whatever
+    listens there answers both), so that two spellings of one engine compare equal; a string that names no
+    host and port is kept, lower-case. Pure: names are not resolved."""
+    text = url.strip().lower()
+    try:
+        o = parse_origin(text)
+    except ValueError:
+        pass
+    else:
+        return f"{_host_key(o.host)}:{o.port}"
+    text = text.split("://", 1)[-1].rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or "/" in host:
+        return text
+    return f"{_host_key(host)}:{int(port)}"
+
+
 def origin(url: str) -> str:
     """A registration's `api_url` checked by `parse_origin`, as given but for a lower-case scheme and no trailing "/"."""
     try:
@@ -169,6 +204,10 @@ class Region(_Body):
         check_u64(self.block_bytes, "block_bytes")
         if isinstance(self.rkey, int):
             check_u64(self.rkey, "rkey")
+        if self.base_addr + self.length > U64_MAX:
+            raise ValueError(f"base_addr + length ({self.base_addr} + {self.length}) must be below 2**64")
+        if self.block_bytes > self.length:
+            raise ValueError(f"block_bytes ({self.block_bytes}) must be at most length ({self.length}): a region holds a block")
 
 
 MODEL_NAME_MAX_LEN = 256
@@ -370,11 +409,15 @@ class RemoveResponse(_Model):
     removed: int
 
 
+# A location names its medium in its top bits (kvproto.media): one in no medium is a malformed answer.
+Location = Annotated[int, Field(ge=0, lt=len(media.MEDIA) << media.SHIFT)]
+
+
 class Holder(_Model):
     node_id: str
     epoch: int
-    matched_blocks: int
-    slots: list[int] | None = None
+    matched_blocks: int = Field(ge=0)
+    slots: list[Location] | None = None
 
 
 class LookupResponse(_Model):
@@ -389,7 +432,7 @@ class RegionInfo(_Model):
     base_addr: int
     length: int
     rkey: int | str = 0
-    block_bytes: int
+    block_bytes: int = Field(ge=1)  # what the gateway divides by: a 0 is a malformed answer
     layer: int | None = None
     transfer_url: str | None = None
     medium: str | None = None

@@ -18,6 +18,10 @@ Rules (everything that changes replicated state lives here):
 - Commands are idempotent, so a command whose outcome was unknown
   (leader change, timeout) can be applied again safely. Registration is made
   idempotent by the node's `incarnation` (one per process start).
+- An engine endpoint (API origin or transfer session, `schemas.endpoint_key`) belongs to one tenant at a
+  time: a registration naming one that a node of another tenant holds is refused (ENDPOINT_TAKEN), so a
+  tenant's node cannot route its gateway's prompts to, nor plan pulls from, another tenant's engine. The
+  index of who holds what is derived from the nodes, never replicated on its own.
 - `seen` counts a node's accepted commands; an `Expire` names the count the
   leader saw and is void if the node has been heard from since.
 """
@@ -33,6 +37,7 @@ import xxhash
 
 from kvproto import media
 from kvproto.index import BlockIndex
+from kvproto.schemas import endpoint_key
 from kvproto.shardmap import SHARD_BITS, home_of
 
 if TYPE_CHECKING:
@@ -239,6 +244,7 @@ NODE_LIMIT = "node_limit"
 INDEX_FULL = "index_full"
 INVALID = "invalid"
 WRONG_SHARD = "wrong_shard"
+ENDPOINT_TAKEN = "endpoint_taken"
 
 
 class Result(NamedTuple):
@@ -277,6 +283,20 @@ class Node:
             setattr(self, name, value)
 
 
+def tenant_of(profile: NodeProfile | None) -> str:
+    """The tenant a node belongs to: its registrant's (a shared node's too), "" for a registration without a profile."""
+    return "" if profile is None else profile.tenant
+
+
+def endpoint_keys(api_url: str, transfer_url: str | None, regions: tuple[dict[str, Any], ...]) -> set[str]:
+    """The endpoints a registration names: its API origin, its transfer session and its ranks' own sessions."""
+    keys = {endpoint_key(api_url)}
+    for url in (transfer_url, *(r.get("transfer_url") for r in regions)):
+        if isinstance(url, str):
+            keys.add(endpoint_key(url))
+    return keys
+
+
 class Holder(NamedTuple):
     """A node holding a looked-up prefix: `matched` blocks from the start, at `slots` if asked for."""
 
@@ -301,6 +321,56 @@ class DirectoryState:
         self.shard_map: AssignShards | None = None
         self._free_idx: list[int] = []
         self._next_idx = 0
+        self._endpoints: dict[str, dict[str, set[str]]] = {}
+        """endpoint key -> tenant -> ids of the nodes of that tenant that name it (derived from `nodes`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (Raft snapshots) without the derived endpoint index: snapshots stay what replicas of before read."""
+        state = self.__dict__.copy()
+        state.pop("_endpoints", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle a snapshot of any version and derive the endpoint index from its nodes."""
+        self.__dict__.update(state)
+        self.rebuild_endpoints()
+
+    def rebuild_endpoints(self) -> None:
+        """Derive the endpoint index from `nodes`: after a snapshot is loaded (pickled or decoded)."""
+        self._endpoints = {}
+        for node in self.nodes.values():
+            self._hold(node)
+
+    def endpoint_holders(self, key: str) -> dict[str, set[str]]:
+        """tenant -> ids of that tenant's nodes that name endpoint `key` (a copy)."""
+        return {t: set(ids) for t, ids in self._endpoints.get(key, {}).items()}
+
+    def _hold(self, node: Node) -> None:
+        tenant = tenant_of(node.profile)
+        for key in endpoint_keys(node.api_url, node.transfer_url, node.regions):
+            self._endpoints.setdefault(key, {}).setdefault(tenant, set()).add(node.node_id)
+
+    def _release(self, node: Node) -> None:
+        tenant = tenant_of(node.profile)
+        for key in endpoint_keys(node.api_url, node.transfer_url, node.regions):
+            tenants = self._endpoints.get(key)
+            ids = tenants.get(tenant) if tenants is not None else None
+            if tenants is None or ids is None:
+                continue
+            ids.discard(node.node_id)
+            if not ids:
+                del tenants[tenant]
+                if not tenants:
+                    del self._endpoints[key]
+
+    def _taken(self, cmd: Register) -> str | None:
+        """An endpoint of `cmd` that a node of another tenant holds (another than the node it registers), or None."""
+        tenant = tenant_of(cmd.profile)
+        for key in endpoint_keys(cmd.api_url, cmd.transfer_url, cmd.regions):
+            for other, ids in self._endpoints.get(key, {}).items():
+                if other != tenant and len(ids) > (cmd.node_id in ids):
+                    return key
+        return None
 
     # -- apply ----------------------------------------------------------------
 
@@ -331,6 +401,13 @@ class DirectoryState:
         if node is not None and node.incarnation == cmd.incarnation:
             node.seen += 1
             return Result(OK, node.epoch)
+        taken = self._taken(cmd)
+        if taken is not None:
+            return Result(
+                ENDPOINT_TAKEN,
+                detail=f"endpoint {taken!r} is registered by a node of another tenant: an engine's API origin and "
+                "transfer sessions belong to one tenant",
+            )
         if node is None:
             if len(self.nodes) >= self.max_nodes:
                 return Result(NODE_LIMIT, detail=f"the directory holds its maximum of {self.max_nodes} nodes")
@@ -338,6 +415,7 @@ class DirectoryState:
         else:
             idx = node.idx
             self.index.drop_node(idx)
+            self._release(node)
         if self.epoch_counter == 0:
             self.epoch_counter = cmd.epoch_base
         self.epoch_counter += 1
@@ -355,6 +433,7 @@ class DirectoryState:
         )
         self.nodes[cmd.node_id] = node
         self.by_idx[idx] = node
+        self._hold(node)
         return Result(OK, node.epoch)
 
     def _take_idx(self) -> int:
@@ -398,6 +477,7 @@ class DirectoryState:
 
     def _drop(self, node: Node) -> int:
         removed = self.index.drop_node(node.idx)
+        self._release(node)
         del self.nodes[node.node_id]
         del self.by_idx[node.idx]
         self._free_idx.append(node.idx)

@@ -18,11 +18,15 @@ from kvproto.prefix_tokens import PrefixTokenCache
 
 
 class Tokenizer(Protocol):
-    """Text <-> token ids. Implementations are deterministic (a cache never changes an answer) and thread-safe."""
+    """Text <-> token ids. Implementations are deterministic (a cache never changes an answer) and thread-safe.
+
+    `salt` is the request's cache salt ("" for none): a cache reuses the work of earlier texts of the same salt
+    only, so its timing tells nothing across salts.
+    """
 
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, salt: str = "") -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -32,7 +36,7 @@ class ByteTokenizer:
 
     name = "bytes"
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, salt: str = "") -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -45,9 +49,9 @@ class HFTokenizer:
     `encode` goes through `encode_batch_fast`, which makes the same ids as
     `encode` without tracking character offsets: nobody here reads them, and
     tracking them costs time on the gateway's request path, before routing.
-    With `prefix_cache_entries`, it reuses the tokens of the remembered text a
-    prompt extends (kvproto.prefix_tokens: the same ids, for the tokenizers it
-    supports; the others tokenize whole).
+    With `prefix_cache_entries`, it reuses the tokens of the remembered text of
+    the same salt a prompt extends (kvproto.prefix_tokens: the same ids, for the
+    tokenizers it supports; the others tokenize whole).
     """
 
     def __init__(self, path: str | Path, prefix_cache_entries: int = 0) -> None:
@@ -57,8 +61,8 @@ class HFTokenizer:
         self.name = f"hf:{Path(path).name}"
         self.prefix_cache = PrefixTokenCache(self._tok, prefix_cache_entries)
 
-    def encode(self, text: str) -> list[int]:
-        return self.prefix_cache.encode(text)
+    def encode(self, text: str, salt: str = "") -> list[int]:
+        return self.prefix_cache.encode(text, salt)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))

@@ -412,6 +412,7 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
         if ((keys[1:] == keys[:-1]) & (holders[1:] == holders[:-1])).any():
             raise ValueError("a (key, node) entry listed twice")
     s.index.load(keys, holders, slots)
+    s.rebuild_endpoints()
     return s
 
 

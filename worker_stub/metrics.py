@@ -18,7 +18,7 @@ _ENGINE_COUNTERS = (
     ("pulled_blocks", "Blocks pulled from peers and verified"),
     ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
     ("pull_errors", "Pulls that failed as a whole"),
-    ("pull_refused", "Pull plans refused: the source's KV fingerprint is not this engine's (recomputed)"),
+    ("pull_refused", "Pull plans refused: the source's KV fingerprint, TP size or tenant rules it out (recomputed)"),
     ("pool_full", "Requests served uncached because every slot was pinned"),
 )
 

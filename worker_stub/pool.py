@@ -66,8 +66,8 @@ class Lease:
     host tier held, copied back into device slots (`commit` caches them): those
     right after the hit continue it. `new_slots` are the (hash, slot) pairs reserved for missing
     blocks; their bytes are garbage until filled or pulled, and `commit` decides
-    which of them become cached. After `commit`, uncommitted slots are no longer
-    the lease's to write.
+    which of them become cached. After a final `commit`, uncommitted slots are no
+    longer the lease's to write.
     """
 
     slots: list[int]
@@ -249,19 +249,27 @@ class KVPool(SlotMemory):
             loaded=loaded,
         )
 
-    def commit(self, lease: Lease, valid: Iterable[int]) -> None:
+    def commit(self, lease: Lease, valid: Iterable[int], *, final: bool = True) -> None:
         """Cache the lease's new blocks named in `valid` (filled, or pulled and verified) and those it loaded from
         the host tier; free the rest.
 
         Emits a store event per block cached. If another lease cached the same
         hash first (two requests missed it at once), this copy stays with the
         lease until release and is then freed: one hash, one slot in the index.
+        Not `final`: only the blocks in `valid` are cached, the others stay the lease's to fill and commit later
+        (a pull's blocks serve other requests while the rest of the prompt is still computed).
         """
         self._check_lease(lease)
-        valid_set = set(valid) | {h for h, _ in lease.loaded}  # loaded from the host tier: valid bytes already
+        valid_set = set(valid)
+        if final:
+            valid_set |= {h for h, _ in lease.loaded}  # loaded from the host tier: valid bytes already
         unknown = valid_set.difference(lease._pending)
         if unknown:
             raise ValueError(f"not uncommitted new blocks of this lease: {sorted(unknown)[:8]}")
+        if not final:
+            for h in valid_set:
+                self._store(lease, h, lease._pending.pop(h))
+            return
         for h, s in lease._pending.items():
             if h not in valid_set:
                 # the lease keeps no claim on an unfilled slot: hand it back now
@@ -270,12 +278,8 @@ class KVPool(SlotMemory):
                 self._hash_at[s] = None
                 self._free.append(s)
                 self.stats["dropped"] += 1
-            elif h in self._slot_of:
-                lease._private.add(s)
             else:
-                self._touch_event(h)
-                self._slot_of[h] = s
-                self.stats["stored"] += 1
+                self._store(lease, h, s)
         lease._pending = {}
 
     def release(self, lease: Lease) -> None:
@@ -349,6 +353,15 @@ class KVPool(SlotMemory):
             raise ValueError("lease belongs to another pool")
         if lease.released:
             raise ValueError("lease already released")
+
+    def _store(self, lease: Lease, h: int, s: int) -> None:
+        """Cache a committed block of `lease`, unless another lease cached `h` first (then the copy is private)."""
+        if h in self._slot_of:
+            lease._private.add(s)
+        else:
+            self._touch_event(h)
+            self._slot_of[h] = s
+            self.stats["stored"] += 1
 
     def _touch_event(self, h: int) -> None:
         """Note a change of `h` for drain_events (call it before the change), keeping what was true at the last

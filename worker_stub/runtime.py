@@ -67,7 +67,7 @@ class WorkerRuntime:
                 t.close()
             raise
         directory = DirectoryClient(settings.directory_urls, deadline=5.0, token=settings.directory_token, tenant=settings.tenant)
-        engine = Engine(settings, pool, transfers, directory)
+        engine = Engine(settings, pool, transfers, directory, node_id)
         metrics = WorkerMetrics(engine)
         publisher = Publisher(
             node_id,

@@ -1,6 +1,7 @@
 """The simulated engine: queueing, prefix reuse, peer pulls, prefill and decode time.
 
-A request's life: wait for one of `max_running` places; take a lease on the
+A request's life: wait for one of `max_running` places; wait for the blocks of
+its prefix another request here is computing or pulling; take a lease on the
 KV pool (the cached prefix is pinned, slots are reserved for the rest); pull
 blocks from a peer when the request carries a pull plan (real bytes through
 the transfer engine, each block verified, any failure falling back to
@@ -22,6 +23,7 @@ from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.hashing import KvIdentity, identity_hashes
+from kvproto.pull_tenancy import tenancy_refusal
 from kvproto.ranks import rank_sessions, tp_size
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, PullPlan
 from kvtransfer.bandwidth import PullBandwidth
@@ -32,6 +34,7 @@ from worker_stub.pool import KVPool, Lease, PoolFull
 log = logging.getLogger("kvdir.worker")
 
 _WORDS = b"the quick brown fox jumps over the lazy dog "
+_ADDRESS_SPACE = 1 << 64  # a region a peer registered must lie within it: transfer engines address memory in 64 bits
 
 
 class QueueFull(Exception):
@@ -60,14 +63,30 @@ class RequestStats:
         return self.local_cached_tokens + self.pulled_tokens
 
 
+@dataclass(slots=True)
+class _Claim:
+    """A request's new blocks in `Engine._computing`: those its pull plan covers wait on `read` (set once the read
+    has landed or failed), the others on `done` (set once they are committed)."""
+
+    read: asyncio.Event
+    done: asyncio.Event
+
+
 class Engine:
     """One worker's request execution. Use from a single asyncio loop."""
 
     def __init__(
-        self, settings: WorkerSettings, pool: KVPool, transfers: Sequence[TransferEngine], directory: DirectoryClient
+        self,
+        settings: WorkerSettings,
+        pool: KVPool,
+        transfers: Sequence[TransferEngine],
+        directory: DirectoryClient,
+        node_id: str,
     ) -> None:
-        """`transfers`: one transfer engine per TP rank, rank order (empty: this engine never pulls)."""
+        """`transfers`: one transfer engine per TP rank, rank order (empty: this engine never pulls); `node_id`: the
+        directory node it is, whose registered tenant decides which sources it may pull from."""
         self.s = settings
+        self.node_id = node_id
         self.pool = pool
         self.transfers = list(transfers)
         self.directory = directory
@@ -75,7 +94,8 @@ class Engine:
         self.waiting = 0
         self._slots = asyncio.Semaphore(settings.max_running)
         self._peers: dict[tuple[str, int], NodeInfo] = {}
-        self._computing: dict[int, asyncio.Event] = {}  # block hash -> set when the request computing it is done
+        self._me: NodeInfo | None = None  # this engine's registration, as the directory's node list last showed it
+        self._computing: dict[int, asyncio.Event] = {}  # block hash -> set when the request computing or pulling it is done
         self.counters = {
             "requests": 0,
             "pulled_blocks": 0,
@@ -122,9 +142,9 @@ class Engine:
             hashes = identity_hashes(tokens, identity, self.s.block_size)
             await self._reuse_computing(hashes)
             lease = self._acquire(hashes)
-            claim = self._claim(lease)
+            claim = self._claim(hashes, lease, pull)
             try:
-                await self._prefill(hashes, lease, len(tokens), pull, stats)
+                await self._prefill(hashes, lease, len(tokens), pull, stats, claim)
                 self._unclaim(lease, claim)
                 t1 = time.perf_counter()
                 per_token = 1.0 / self.s.decode_tokens_per_s
@@ -142,11 +162,15 @@ class Engine:
             self._slots.release()
 
     async def _reuse_computing(self, hashes: list[int]) -> None:
-        """Wait while the first block of this prompt not cached here is being computed by another request here.
+        """Wait while the first block of this prompt not cached here is being computed or pulled by another request
+        here.
 
         As vLLM reuses a block another running request computes, rather than
         computing it twice: a burst sharing an uncached prefix computes it once
         per node (the gateway routes followers here for that: gateway.inflight).
+        A block being pulled is waited for until its read lands (bounded by the
+        transfer's own timeout): one read per block per node, whichever request
+        carrying a plan for it came first; if the read fails, the puller computes it.
         """
         while True:
             n = self.pool.lookup_prefix(hashes)
@@ -155,23 +179,41 @@ class Engine:
                 return
             await done.wait()
 
-    def _claim(self, lease: Lease | None) -> asyncio.Event | None:
-        """Mark the lease's new blocks as being computed here (`_reuse_computing`); None if it has none."""
+    def _claim(self, hashes: list[int], lease: Lease | None, plan: PullPlan | None) -> _Claim | None:
+        """Mark the lease's new blocks as on their way here (`_reuse_computing`), those its plan covers as being
+        read; None if it has none."""
         if lease is None or not lease.new_slots:
             return None
-        done = asyncio.Event()
+        claim = _Claim(asyncio.Event(), asyncio.Event())
+        covered = len(plan.slots) if plan is not None and self.transfers else 0
+        index = {h: i for i, h in enumerate(hashes)}
         for h, _ in lease.new_slots:
-            self._computing.setdefault(h, done)
-        return done
+            self._computing.setdefault(h, claim.read if index[h] < covered else claim.done)
+        return claim
 
-    def _unclaim(self, lease: Lease | None, done: asyncio.Event | None) -> None:
+    def _landed(self, lease: Lease, claim: _Claim, pulled: set[int]) -> None:
+        """The read is over: cache its verified blocks now, so that a request waiting for them goes on while this
+        one computes the rest, which includes the blocks the read did not bring; wake the read's waiters."""
+        if pulled:
+            self.pool.commit(lease, pulled, final=False)
+        for h, _ in lease.new_slots:
+            if self._computing.get(h) is claim.read:
+                if h in pulled:
+                    del self._computing[h]
+                else:
+                    self._computing[h] = claim.done
+        claim.read.set()
+
+    def _unclaim(self, lease: Lease | None, claim: _Claim | None) -> None:
         """The lease's new blocks are committed (or failed): wake whoever waits for them (idempotent)."""
-        if lease is None or done is None or done.is_set():
+        if lease is None or claim is None or claim.done.is_set():
             return
         for h, _ in lease.new_slots:
-            if self._computing.get(h) is done:
+            event = self._computing.get(h)
+            if event is claim.read or event is claim.done:
                 del self._computing[h]
-        done.set()
+        claim.read.set()
+        claim.done.set()
 
     def _acquire(self, hashes: list[int]) -> Lease | None:
         try:
@@ -182,7 +224,13 @@ class Engine:
             return None
 
     async def _prefill(
-        self, hashes: list[int], lease: Lease | None, n_tokens: int, pull: PullPlan | None, stats: RequestStats
+        self,
+        hashes: list[int],
+        lease: Lease | None,
+        n_tokens: int,
+        pull: PullPlan | None,
+        stats: RequestStats,
+        claim: _Claim | None,
     ) -> None:
         bs = self.s.block_size
         cached = lease.cached if lease is not None else 0
@@ -202,6 +250,8 @@ class Engine:
             t = time.perf_counter()
             pulled = await self._pull(hashes, lease, pull, stats)
             stats.pull_s = time.perf_counter() - t
+        if lease is not None and claim is not None:
+            self._landed(lease, claim, pulled)
         # The prefix served without compute: local hits (device, then host), then pulled blocks continuing the run.
         run = host_run
         while run < len(hashes) and (hashes[run] in pulled or hashes[run] in loaded):
@@ -213,14 +263,18 @@ class Engine:
             for h, slot in lease.new_slots:
                 if h not in pulled:
                     self.pool.fill(h, slot)
-            self.pool.commit(lease, [h for h, _ in lease.new_slots])  # and the loaded blocks: commit caches those
+            # The computed blocks (the pulled ones are cached already) and the loaded ones: commit caches those.
+            self.pool.commit(lease, [h for h, _ in lease.new_slots if h not in pulled])
         stats.prefill_s = time.perf_counter() - t
 
     async def _peer(self, node_id: str, epoch: int) -> NodeInfo | None:
+        """The source at `epoch` as the directory lists it (kept per epoch), None if not listed so; the same list
+        gives this engine's own registration (`_me`), read until it is listed."""
         key = (node_id, epoch)
         peer = self._peers.get(key)
-        if peer is None:
+        if peer is None or self._me is None:
             nodes = {n.node_id: n for n in await self.directory.nodes()}
+            self._me = nodes.get(self.node_id)
             peer = nodes.get(node_id)
             if peer is None or peer.epoch != epoch:
                 return None
@@ -251,8 +305,9 @@ class Engine:
             return set()
         why = self._refusal(plan, peer)
         if why:
-            # Another model's, revision's or layout's KV, or heads sliced over another rank count (docs/protocol.md
-            # §2.1, §2.2): never read, recomputed.
+            # Another model's, revision's or layout's KV, heads sliced over another rank count (docs/protocol.md
+            # §2.1, §2.2), or a source of a tenant this engine's users do not trust (kvproto.pull_tenancy): never
+            # read, recomputed.
             self.counters["pull_refused"] += 1
             stats.pull_failures.append(why)
             log.warning("pull plan from %s refused: %s", plan.source_node, why)
@@ -277,6 +332,14 @@ class Engine:
                 if theirs is None or theirs.block_bytes != mine.block_bytes:
                     self.counters["pull_errors"] += 1
                     stats.pull_failures.append(f"source has no matching {media.MEDIA[code]} region for rank {mine.rank}")
+                    return set()
+                if theirs.base_addr < 0 or theirs.base_addr + theirs.length > _ADDRESS_SPACE:
+                    # No transfer engine can address it (a 64-bit address space): nothing is read, every rank recomputes.
+                    self.counters["pull_errors"] += 1
+                    stats.pull_failures.append(
+                        f"source's rank {mine.rank} {media.MEDIA[code]} region [{theirs.base_addr}, +{theirs.length}) lies "
+                        "outside the 64-bit address space"
+                    )
                     return set()
                 if src >= (slots := theirs.length // theirs.block_bytes):
                     # Past that rank's registered memory: no rank reads (a partial load would leave the ranks unequal).
@@ -322,7 +385,12 @@ class Engine:
         theirs = tp_size(peer.regions)
         if theirs != self.s.tp:
             return f"source {plan.source_node} has {theirs} TP ranks, this engine {self.s.tp}: its KV heads are sliced otherwise"
-        return None
+        me = self._me
+        if me is None:
+            return f"this engine ({self.node_id}) is not in the directory's node list yet: its tenant is unknown"
+        return tenancy_refusal(
+            tenant=me.tenant, shared=me.shared, source=plan.source_node, source_tenant=peer.tenant, source_shared=peer.shared
+        )
 
     async def _read_rank(
         self, rank: int, session: str, local: list[int], remote: list[int], lengths: list[int]

@@ -59,6 +59,8 @@ class SimEngine:
     pull_gbps = 0.0  # pulls are priced at the simulated link (the cost model's)
     fingerprint = SIM_FINGERPRINT
     tp_size = 1  # a simulated engine is one holder: a DP rank is an engine of its own, as in the gateway
+    tenant = ""  # one tenant's engines, none shared: any may pull from any
+    shared = False
 
     def __init__(
         self,

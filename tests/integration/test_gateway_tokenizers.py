@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from kvdir.local_cluster import free_ports
 from kvproto.client import DirectoryClient
 from kvproto.openai_api import ChatMessage
 from kvproto.tokenizer import ByteTokenizer
+from tests.support.wait import wait_for
 from worker_stub.api import create_app
 from worker_stub.config import WorkerSettings
 
@@ -145,15 +148,17 @@ def test_the_models_list_is_the_union_of_the_healthy_engines_kept_for_its_ttl(st
     assert fresh == ["m"]
 
 
-@pytest.mark.parametrize(
-    ("listing", "ids"),
-    [(b"[1, 2]", []), (b'{"data": "x"}', []), (b'{"data": [1, {"id": "ok"}, "y"]}', ["ok"]), (b"not json", [])],
-)
-def test_a_malformed_model_listing_lists_nothing_of_it(listing: bytes, ids: list[str]) -> None:
-    """An engine's listing is outside input: whatever it sends, /v1/models answers (never a 500)."""
+@contextmanager
+def _listing_server(listing: bytes, hold: threading.Event | None = None) -> Iterator[tuple[str, list[str]]]:
+    """An engine on 127.0.0.1 answering every GET with `listing` (after `hold` is set, if given): its URL, and the
+    paths it was asked for."""
+    asked: list[str] = []
 
     class Listing(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            asked.append(self.path)
+            if hold is not None:
+                hold.wait(10)
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(listing)))
@@ -167,12 +172,51 @@ def test_a_malformed_model_listing_lists_nothing_of_it(listing: bytes, ids: list
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-
-        async def body(registry: EngineRegistry, http: httpx.AsyncClient) -> list[str | None]:
-            return [m.get("id") for m in await ModelsList(registry, http).data()]
-
-        assert _with_registry([f"http://127.0.0.1:{server.server_port}"], body) == ids
+        yield f"http://127.0.0.1:{server.server_port}", asked
     finally:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("listing", "ids"),
+    [
+        (b"[1, 2]", []),
+        (b'{"data": "x"}', []),
+        (b'{"data": [1, {"id": "ok"}, "y"]}', ["ok"]),
+        (b"not json", []),
+        (b'{"data": [{"id": "nan", "created": NaN}]}', []),
+        (b'{"data": [{"id": "inf", "created": -Infinity}]}', []),
+        (b'{"data": [{"id": "big", "created": 1e999}]}', []),
+        (b'{"data": [{"id": "deep", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", []),
+    ],
+    ids=["list", "data not a list", "some entries", "not json", "NaN", "Infinity", "1e999", "deep"],
+)
+def test_a_malformed_model_listing_lists_nothing_of_it(listing: bytes, ids: list[str]) -> None:
+    """An engine's listing is outside input: whatever it sends, /v1/models answers what JSON can say (never a 500)."""
+
+    async def body(registry: EngineRegistry, http: httpx.AsyncClient) -> list[Any]:
+        return await ModelsList(registry, http).data()
+
+    with _listing_server(listing) as (url, _):
+        data = _with_registry([url], body)
+    assert [m.get("id") for m in data] == ids
+    json.dumps(data, allow_nan=False)  # what the route answers: it must encode
+
+
+def test_callers_that_find_the_models_list_old_share_one_fan_out() -> None:
+    """Concurrent /v1/models past the list's time to live ask each engine once between them, and all get its list."""
+    hold = threading.Event()
+
+    async def body(registry: EngineRegistry, http: httpx.AsyncClient) -> list[list[Any]]:
+        models = ModelsList(registry, http, ttl_s=0.0)
+        calls = [asyncio.ensure_future(models.data()) for _ in range(20)]
+        await asyncio.to_thread(wait_for, lambda: asked, what="the engine asked")  # every caller is waiting by now
+        hold.set()
+        return await asyncio.gather(*calls)
+
+    with _listing_server(b'{"data": [{"id": "m"}]}', hold) as (url, asked):
+        answers = _with_registry([url], body)
+    assert answers == [[{"id": "m"}]] * 20
+    assert asked == ["/v1/models"]

@@ -23,8 +23,8 @@ ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-3a4b5c6d", "engine-acme-7e8f9a0b
 ADMIN = "admin-tok-5f6e7d8c"
 TOKENS = f"""\
 engine:worker-*:{ENGINE}
-engine@acme:worker-*:{ENGINE_ACME}
-engine@bravo:worker-*:{ENGINE_BRAVO}
+engine@acme:worker-[!6]:{ENGINE_ACME}
+engine@bravo:worker-6:{ENGINE_BRAVO}
 admin:*:{ADMIN}
 """
 MODELS = ["Qwen/Qwen3-8B", "Qwen/Qwen3-8B:lora-sql"]

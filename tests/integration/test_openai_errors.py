@@ -50,6 +50,7 @@ def test_the_gateway_and_the_worker_answer_a_bad_request_alike(make_cluster, mak
         ("/v1/chat/completions", {"model": MODEL, "messages": [hi], "max_completion_tokens": MAX_TOKENS + 1}),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}),
         ("/v1/completions", {"model": "", "prompt": "x"}),
+        ("/v1/completions", {"model": "m" * 200_000, "prompt": "x"}),  # longer than any registration may name
     ]
     for path, body in bad:
         gateway, worker = (httpx.post(url + path, json=body, timeout=30) for url in (g.url, w.urls[0]))
@@ -61,3 +62,15 @@ def test_the_gateway_and_the_worker_answer_a_bad_request_alike(make_cluster, mak
     for url in (g.url, w.urls[0]):
         r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
+def test_a_model_name_longer_than_any_engine_may_register_is_refused_before_any_work(make_cluster, make_gateway) -> None:
+    """With no engine known, no model is unknown: the bound on the name is what keeps a client's unique long names
+    from being hashed and remembered (a 400 `string_above_max_length` naming `model`, never a 503 after the work)."""
+    c = make_cluster(1)
+    g = make_gateway(c, 0)
+    with httpx.Client(timeout=30) as client:
+        for i in range(20):
+            r = client.post(g.url + "/v1/completions", json={"model": f"{i}" + "m" * 200_000, "prompt": "hello"})
+            _openai_error(r, 400, "string_above_max_length", "model", "256")
+            assert r.json()["error"]["param"] == "model"

@@ -21,12 +21,16 @@ ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d
 GATEWAY, GATEWAY_BRAVO, ADMIN = "gateway-any-55aa66bb", "gateway-bravo-77cc88dd", "admin-tok-0a0b0c0d"
 TOKENS = f"""\
 engine:worker-*:{ENGINE}
-engine@acme:worker-*:{ENGINE_ACME}
-engine@bravo:worker-*:{ENGINE_BRAVO}
+engine@acme:worker-1:{ENGINE_ACME}
+engine@bravo:worker-[!1]*:{ENGINE_BRAVO}
 gateway:*:{GATEWAY}
 gateway@bravo:*:{GATEWAY_BRAVO}
 admin:*:{ADMIN}
 """
+# Engine tokens of different tenants never match a common node id (the replicas refuse such a file).
+TOKENS_BRAVO_ON_WORKER_1 = TOKENS.replace("engine@acme:worker-1:", "engine@acme:worker-[!1]*:").replace(
+    "engine@bravo:worker-[!1]*:", "engine@bravo:worker-1:"
+)
 MODEL = "kvdir-stub"
 PROMPT = "Acme's system prompt is nobody else's business, and their cache is theirs alone. " * 3
 TOKENS_40 = list(range(1, 41))
@@ -38,10 +42,11 @@ def bearer(token: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def tenanted(make_cluster, tmp_path: Path):
-    """A 3-replica cluster with confined tokens and a tenant secret, and one file per client token."""
+def tenanted(request: pytest.FixtureRequest, make_cluster, tmp_path: Path):
+    """A 3-replica cluster with confined tokens (TOKENS, or the test's indirect parameter) and a tenant secret, and
+    one file per client token."""
     tokens, secret = tmp_path / "tokens", tmp_path / "tenant-secret"
-    tokens.write_text(TOKENS)
+    tokens.write_text(getattr(request, "param", TOKENS))
     secret.write_text("a-secret-only-the-replicas-know\n")
     files = {}
     for name, token in (("engine_acme", ENGINE_ACME), ("gateway", GATEWAY), ("gateway_bravo", GATEWAY_BRAVO)):
@@ -69,7 +74,7 @@ def _forbidden(r: httpx.Response) -> None:
 
 def _register(url: str, node_id: str, token: str) -> int:
     r = httpx.post(
-        url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=bearer(token), timeout=10
+        url + "/v1/nodes", json={"node_id": node_id, "api_url": f"http://{node_id}:9"}, headers=bearer(token), timeout=10
     )
     assert r.status_code == 200, r.text
     return r.json()["epoch"]
@@ -80,7 +85,7 @@ def test_lookups_see_only_the_callers_tenant(tenanted) -> None:
     leader = c.wait_ready(30)
     follower = next(u for u in c.replica_urls if u != leader)
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
-    e1, e2 = _register(leader, "worker-1", ENGINE), _register(leader, "worker-2", ENGINE)
+    e1, e2 = _register(leader, "worker-1", ENGINE_ACME), _register(leader, "worker-2", ENGINE)
     # A token confined to acme publishes without naming a tenant: its entries land in acme.
     r = httpx.post(
         follower + "/v1/blocks", json={"node_id": "worker-1", "epoch": e1, "blocks": blocks}, headers=bearer(ENGINE_ACME)
@@ -120,11 +125,11 @@ def test_lookups_see_only_the_callers_tenant(tenanted) -> None:
 def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
     c, _ = tenanted
     leader = c.wait_ready(30)
-    epoch = _register(leader, "worker-1", ENGINE)
+    epoch = _register(leader, "worker-2", ENGINE)
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
     r = httpx.post(
         leader + "/v1/blocks",
-        json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": "acme"},
+        json={"node_id": "worker-2", "epoch": epoch, "blocks": blocks, "tenant": "acme"},
         headers=bearer(ENGINE),
     )
     assert r.status_code == 200, r.text
@@ -139,14 +144,14 @@ def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
             _forbidden(
                 httpx.post(
                     url + "/v1/blocks",
-                    json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks, "tenant": tenant},
+                    json={"node_id": "worker-2", "epoch": epoch, "blocks": blocks, "tenant": tenant},
                     headers=bearer(ENGINE_BRAVO),
                 )
             )
             _forbidden(
                 httpx.post(
                     url + "/v1/blocks/remove",
-                    json={"node_id": "worker-1", "epoch": epoch, "hashes": HASHES, "tenant": tenant},
+                    json={"node_id": "worker-2", "epoch": epoch, "hashes": HASHES, "tenant": tenant},
                     headers=bearer(ENGINE_BRAVO),
                 )
             )
@@ -154,7 +159,7 @@ def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
         for bad in ("a b", "a:b", "a@b", "t" * 65, 7):
             r = httpx.post(url + "/v1/lookup", json={"hashes": HASHES, "tenant": bad}, headers=bearer(ADMIN))
             assert r.status_code == 422 and r.json()["error"] == "invalid_request", (bad, r.text)
-    assert _holders(leader, ADMIN, tenant="acme") == {"worker-1": 2}  # nothing changed
+    assert _holders(leader, ADMIN, tenant="acme") == {"worker-2": 2}  # nothing changed
     metrics = httpx.get(leader + "/metrics").text
     assert 'kvdir_directory_requests_rejected_total{error="forbidden"}' in metrics
 
@@ -164,11 +169,12 @@ def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
                 await d.lookup(HASHES)
             assert e.value.status == 403
         async with DirectoryClient(c.replica_urls, token=GATEWAY, tenant="acme", deadline=10) as d:
-            assert [h.node_id for h in (await d.lookup(HASHES)).holders] == ["worker-1"]
-        async with DirectoryClient(c.replica_urls, token=ENGINE_BRAVO, deadline=10) as d:  # its own tenant
-            assert await d.publish("worker-1", epoch, [(HASHES[0], 7)]) == 1
+            assert [h.node_id for h in (await d.lookup(HASHES)).holders] == ["worker-2"]
+        async with DirectoryClient(c.replica_urls, token=ENGINE_BRAVO, deadline=10) as d:  # its own tenant, its own node
+            own = (await d.register("worker-3", "http://127.0.0.1:10")).epoch
+            assert await d.publish("worker-3", own, [(HASHES[0], 7)]) == 1
             assert (await d.lookup(HASHES, with_slots=True)).holders[0].slots == [7]
-            assert await d.remove("worker-1", epoch, HASHES) == 1
+            assert await d.remove("worker-3", own, HASHES) == 1
 
     asyncio.run(client())
 
@@ -288,3 +294,82 @@ def test_the_watch_stream_refuses_tokens_confined_to_a_tenant(tenanted) -> None:
             if frames:
                 break
     assert frames[0]["k"] == "snapshot"
+
+
+@pytest.mark.parametrize("tenanted", [TOKENS_BRAVO_ON_WORKER_1], indirect=True)
+def test_a_shared_engine_never_pulls_from_a_tenants_engine(tenanted, make_gateway, tmp_path) -> None:
+    """Tenant bravo's engine holds two prompts and reports itself overloaded (with bravo's engine token, as a
+    node of its own could): bravo's gateway, whose candidates are bravo's engines and shared ones, recomputes the
+    prompt on the shared engine rather than plan a pull into it from bravo's, whose pages (tags included) are
+    whatever bravo serves and would then serve every tenant; and the shared engine refuses such a plan handed to it
+    directly: counted, recomputed, the same answer."""
+    c, files = tenanted
+    for name, token in (("engine_bravo", ENGINE_BRAVO), ("engine_any", ENGINE)):
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token + "\n")
+    data = tmp_path / "shared-workers"
+    data.mkdir()
+    w = Workers(
+        data,
+        free_ports(2),
+        c.replica_urls,
+        log_level="info",
+        extra_args=("--time-scale", "0.05", "--transfer", "tcp"),
+        token_files={"worker-1": files["engine_bravo"], "worker-2": files["engine_any"]},
+    )
+    try:
+        w.start_worker(0, "--heartbeat-interval-s", "120")  # its load is what the test heartbeats below
+        w.start_worker(1, "--shared", "--heartbeat-interval-s", "0.3")
+        epoch = w.wait_ready(60)[0]
+        prompts = [f"{kind}: " + PROMPT for kind in ("handed", "planned")]
+        n_blocks = len(prompts[0].encode()) // 16
+        answers = []
+        for prompt in prompts:
+            r = httpx.post(w.urls[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+
+        def holding(prompt: str) -> list[dict[str, object]]:
+            body = {"tokens": list(prompt.encode()), "model": MODEL, "with_slots": True}
+            r = httpx.post(c.replica_urls[0] + "/v1/lookup", json=body, headers=bearer(GATEWAY_BRAVO), timeout=5)
+            return [h for h in r.json()["holders"] if h["matched_blocks"] == n_blocks]
+
+        held = [wait_for(lambda p=p: holding(p), what="worker-1's blocks in tenant bravo") for p in prompts]
+
+        # A plan handed to the shared engine, naming bravo's engine: refused, counted, recomputed.
+        plan = {"source_node": "worker-1", "source_epoch": epoch, "slots": held[0][0]["slots"]}
+        body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 2, "kvdir_pull": plan}
+        r = httpx.post(w.urls[1] + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["kvdir"]["pull_failures"] == [
+            "source worker-1 is of tenant 'bravo' and not shared: a shared engine reads only from shared ones"
+        ]
+        assert out["kvdir"]["pulled_tokens"] == 0 == out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (out["choices"][0]["text"], out["usage"]) == (answers[0]["choices"][0]["text"], answers[0]["usage"])
+        metrics = httpx.get(w.urls[1] + "/metrics").text
+        assert "kvdir_worker_pull_refused_total 1.0" in metrics and "kvdir_worker_pulled_blocks_total 0.0" in metrics
+
+        # Bravo's engine, overloaded: its gateway recomputes the prompt on the shared engine, planning no pull.
+        r = httpx.post(
+            f"{c.replica_urls[0]}/v1/nodes/worker-1/heartbeat",
+            json={"epoch": epoch, "load": {"running": 1000.0, "waiting": 1000.0}},
+            headers=bearer(ENGINE_BRAVO),
+            timeout=5,
+        )
+        assert r.status_code == 200, r.text
+        bravo = make_gateway(c, 2, ("--directory-token-file", str(files["gateway_bravo"]), "--tenant", "bravo"))
+
+        def overloaded() -> bool:
+            engines = httpx.get(bravo.url + "/v1/status", timeout=5).json()["engines"]
+            return any(e["node_id"] == "worker-1" and e["running"] == 1000.0 for e in engines)
+
+        wait_for(overloaded, what="bravo's gateway seeing worker-1 overloaded")
+        r = httpx.post(bravo.url + "/v1/completions", json={"model": MODEL, "prompt": prompts[1], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"]) == ("worker-2", "recompute"), r.headers
+        out = r.json()
+        assert out["kvdir"]["pull_failures"] == [] and out["kvdir"]["pulled_tokens"] == 0  # no plan reached it
+        assert (out["choices"][0]["text"], out["usage"]) == (answers[1]["choices"][0]["text"], answers[1]["usage"])
+    finally:
+        w.stop()

@@ -123,6 +123,31 @@ def test_prompt_tokens_passes_token_arrays_through_and_checks_the_count_against_
     assert exc.value.param == "messages"
 
 
+class _SaltRecorder(ByteTokenizer):
+    """The bytes tokenizer, noting the salt of each text it is given."""
+
+    def __init__(self) -> None:
+        self.salts: list[str] = []
+
+    def encode(self, text: str, salt: str = "") -> list[int]:
+        self.salts.append(salt)
+        return super().encode(text, salt)
+
+
+def test_prompt_tokens_tokenizes_under_the_requests_cache_salt() -> None:
+    """The tokenizer's cache is keyed by salt (kvproto.prefix_tokens): the request's salt must reach it."""
+    recorder = _SaltRecorder()
+    local = LocalTokenizer(recorder)
+    for body in (
+        b'{"model": "m", "prompt": "abc", "cache_salt": "alice"}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "bob"}',
+        b'{"model": "m", "prompt": "abc"}',
+    ):
+        raw, parsed = parse_request(body, ChatRequest if b"messages" in body else CompletionRequest)
+        asyncio.run(prompt_tokens(local, raw, parsed, lambda: 100))
+    assert recorder.salts == ["alice", "bob", ""]
+
+
 def test_an_engines_openai_error_keeps_its_status_code_and_param() -> None:
     body = {
         "error": {"message": "too long", "type": "invalid_request_error", "code": "context_length_exceeded", "param": "prompt"}

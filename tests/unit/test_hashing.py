@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from kvproto.hashing import (
     BASE_SEED,
     DEFAULT_BLOCK_SIZE,
+    KvIdentity,
+    _derive,
+    _IdentityKeys,
     block_hashes,
     chain_hashes,
     local_hashes,
@@ -299,3 +302,31 @@ def test_namespaces_never_collide_property(tokens, ns_a, ns_b):
     ha = block_hashes(tokens, 4, ns_a)
     hb = block_hashes(tokens, 4, ns_b)
     assert ha and not set(ha) & set(hb)
+
+
+# -- the identity cache ------------------------------------------------------------------
+
+
+def test_the_identity_cache_is_bounded_by_the_bytes_of_its_names_not_only_their_count():
+    """Identities carry clients' names (model, cache salt): long unique ones must not pin memory past the byte bound,
+    and an identity's key and seed are the same whether it was remembered, dropped or never cached."""
+    cache = _IdentityKeys(max_entries=1000, max_bytes=64 << 10)
+    identities = [KvIdentity("ns", model=f"{i}" + "m" * 4096, cache_salt="s" * 1024) for i in range(100)]
+    for identity in identities:
+        assert cache.get(identity) == _derive(identity)
+        assert cache.held_bytes <= cache.max_bytes
+    assert 0 < len(cache) < 20  # a dozen of these fill 64 KiB: the count bound (1000) never came into play
+    assert cache.get(identities[0]) == _derive(identities[0])  # dropped long ago: derived again, alike
+    huge = KvIdentity(model="m" * (128 << 10))
+    assert cache.get(huge) == _derive(huge) and huge not in cache._entries  # larger than the whole bound: not kept
+    assert KvIdentity(model="x").key == _derive(KvIdentity(model="x"))[0]
+
+
+def test_the_identity_cache_drops_the_least_recently_used_past_its_count():
+    cache = _IdentityKeys(max_entries=2)
+    a, b, c = (KvIdentity(model=m) for m in "abc")
+    cache.get(a)
+    cache.get(b)
+    cache.get(a)  # a is now the most recent
+    cache.get(c)
+    assert list(cache._entries) == [a, c]

@@ -34,7 +34,8 @@ REGION = {"rank": 0, "base_addr": 4096, "length": 1 << 20, "block_bytes": 512, "
 
 
 def register(node_id: str = "worker-1", inc: str = "inc-1", profile: NodeProfile | None = PROFILE) -> Register:
-    return Register(node_id, inc, "http://127.0.0.1:9", "tcp://127.0.0.1:10", (REGION,), 64, 16, 1 << 31, profile)
+    # Each node its own engine: an endpoint is one tenant's (DirectoryState refuses another tenant's node on it).
+    return Register(node_id, inc, f"http://{node_id}:9", f"tcp://{node_id}:10", (REGION,), 64, 16, 1 << 31, profile)
 
 
 def _through_frames(cmd: Register) -> Register:

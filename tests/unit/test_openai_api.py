@@ -17,6 +17,7 @@ from kvproto.openai_api import (
     check_sizes,
     parse_request,
 )
+from kvproto.schemas import MODEL_NAME_MAX_LEN
 
 MODEL = "kvdir-stub"
 
@@ -81,11 +82,20 @@ def test_completion_tokens_prefers_max_completion_tokens_then_max_tokens_then_16
         (_body(model="", prompt="x"), "model", None, "model:"),
         (_body(prompt=3), "prompt.str", None, "prompt.str: Input should be a valid string"),  # the union's first member
         (_body(prompt="x", max_tokens="many"), "max_tokens", None, "max_tokens:"),
+        (_body(model="m" * 257, prompt="x"), "model", "string_above_max_length", "at most 256 characters"),
+        (_body(prompt="x", cache_salt="s" * 1025), "cache_salt", "string_above_max_length", "at most 1024 characters"),
     ],
 )
 def test_bad_shapes_are_one_openai_error_with_a_message(body: bytes, param: str | None, code: str | None, says: str) -> None:
     error = _refused(body, CompletionRequest)
     assert (error["param"], error["code"]) == (param, code) and says in str(error["message"]), error
+
+
+def test_a_model_name_as_long_as_a_registration_may_list_is_taken() -> None:
+    longest = "m" * MODEL_NAME_MAX_LEN
+    assert parse_request(_body(model=longest, prompt="x"), CompletionRequest)[1].model == longest
+    chat = _body(model=longest + "m", messages=[{"role": "user", "content": "hi"}])
+    assert _refused(chat, ChatRequest)["code"] == "string_above_max_length"
 
 
 def test_a_chat_without_messages_or_with_an_unknown_role_is_refused() -> None:

@@ -186,6 +186,25 @@ def test_commit_rejects_hashes_that_are_not_new_in_this_lease():
     assert 2 in pool
 
 
+def test_a_partial_commit_caches_its_blocks_and_leaves_the_rest_to_the_final_one():
+    """What a pull's blocks go through: cached as soon as they land, while the lease still computes the rest."""
+    pool = KVPool(8, block_bytes=64)
+    lease = pool.acquire([1, 2, 3, 4])
+    for h, s in lease.new_slots[:2]:
+        pool.fill(h, s)
+    pool.commit(lease, [1, 2], final=False)
+    assert pool.lookup_prefix([1, 2, 3, 4]) == 2  # another request finds them now
+    assert pool.drain_events() == ([(1, lease.slots[0]), (2, lease.slots[1])], [])
+    assert all(pool.refcount(s) == 1 for s in lease.slots)  # all still the lease's
+    with pytest.raises(ValueError):
+        pool.commit(lease, [2])  # committed already
+    pool.fill(3, lease.slots[2])
+    pool.commit(lease, [3])  # 4 was never filled: freed now
+    assert pool.lookup_prefix([1, 2, 3, 4]) == 3 and pool.hash_at(lease.slots[3]) is None
+    pool.release(lease)
+    assert pool.used_slots == 3 and pool.stats["stored"] == 3 and pool.stats["dropped"] == 1
+
+
 def test_zero_length_duplicates_and_late_hits():
     pool = KVPool(4)
     empty = pool.acquire([])

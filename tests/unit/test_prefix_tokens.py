@@ -132,3 +132,22 @@ def test_a_split_by_another_pattern_is_not_cut() -> None:
     assert not supported(config)
     cache = PrefixTokenCache(Tokenizer.from_str(json.dumps(config)), entries=8)
     assert not cache.enabled
+
+
+def test_a_prompt_reuses_only_what_prompts_of_its_own_cache_salt_left() -> None:
+    """Texts are remembered per salt: one salt's prompt tokenizes as fast whether or not another salt's shared it,
+    so its timing tells nothing of other salts' prompts."""
+    hf = TOKENIZERS["gpt2"]
+    cache = PrefixTokenCache(hf, entries=8)
+    secret = " ".join(CORPUS)
+    cache.encode(secret, salt="alice")
+    probe = secret + " guessed?"
+    before = cache.tokenized_chars
+    assert cache.encode(probe, salt="mallory") == hf.encode(probe, add_special_tokens=False).ids
+    assert cache.tokenized_chars - before == len(probe)  # tokenized whole: nothing of alice's was reused
+    before = cache.tokenized_chars
+    assert cache.encode(probe) == hf.encode(probe, add_special_tokens=False).ids  # no salt is a salt of its own
+    assert cache.tokenized_chars - before == len(probe)
+    before = cache.tokenized_chars
+    cache.encode(secret + " her next turn", salt="alice")
+    assert cache.tokenized_chars - before < len(secret) / 2  # her own prompt is reused

@@ -56,6 +56,8 @@ class Engine:
     pull_gbps: float = 0.0
     fingerprint: str | None = "fp-1"
     tp_size: int = 1
+    tenant: str = ""
+    shared: bool = False
 
 
 def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
@@ -166,6 +168,34 @@ def test_no_pull_is_planned_between_engines_of_different_tp_sizes(puller: int, h
         assert f"no pull from b: {holder} TP ranks there, {puller} here" in route.decision.detail
     same = [Engine("a", tp_size=puller), Engine("b", epoch=7, running=64.0, tp_size=puller)]
     assert router().route(req(50), same, holders).decision.reason == "pull"  # equal sizes: the pull of before
+
+
+@pytest.mark.parametrize(
+    ("puller", "holder", "pulls"),
+    [
+        (("", True), ("bravo", False), False),
+        (("", True), ("", False), False),
+        (("", True), ("", True), True),
+        (("bravo", False), ("", True), True),
+        (("bravo", False), ("bravo", False), True),
+        (("bravo", False), ("acme", False), False),
+    ],
+    ids=["shared-from-tenant", "shared-from-unshared", "shared-from-shared", "tenant-from-shared", "same-tenant", "other-tenant"],
+)
+def test_a_shared_engine_pulls_only_from_shared_ones_and_a_tenants_from_its_own_or_shared(
+    puller: tuple[str, bool], holder: tuple[str, bool], pulls: bool
+) -> None:
+    """The same saturated holder as above, the puller (tenant, shared) and the holder: a tenant's node could serve
+    crafted pages, which a shared engine would then serve to every tenant."""
+    holders = {"b": Holder(node_id="b", epoch=7, matched_blocks=50, slots=list(range(100, 150)))}
+    engines = [
+        Engine("a", tenant=puller[0], shared=puller[1]),
+        Engine("b", epoch=7, running=64.0, tenant=holder[0], shared=holder[1]),
+    ]
+    route = router().route(req(50), engines, holders)
+    assert (route.decision.reason == "pull", route.pull_plan is not None) == (pulls, pulls), route.decision
+    if not pulls:
+        assert route.decision.node_id == "a" and f"no pull from b: source b is of tenant {holder[0]!r}" in route.decision.detail
 
 
 def test_an_unhashed_prompt_is_routed_by_load_without_a_pull() -> None:
@@ -452,10 +482,31 @@ def test_route_reports_a_follower_of_a_prefix_being_computed_as_inflight() -> No
     engines = [Engine(x, inflight=int(x == n), pending_prefill_tokens=128.0 if x == n else 0.0) for x in "ab"]
     follower = r.route(req(8, extra=3), engines, {}, now=0.1)
     assert (follower.decision.node_id, follower.decision.reason) == (n, "inflight")
-    assert follower.uncached_tokens == 3
+    assert follower.uncached_tokens == 3 and follower.pull_plan is None  # no holder: nothing to read
     r.prefilled(key, now=0.2, ok=False)  # failed: nothing is being computed any more
     again = r.route(req(8, extra=3), [Engine("a"), Engine("b")], {}, now=0.3)
     assert again.decision.reason == "balance"
+
+
+def test_a_follower_of_a_prefix_being_pulled_there_carries_the_same_plan() -> None:
+    """It may reach the engine before the request it follows: with the plan it reads the blocks itself, and the
+    engine reads them once, for whichever request comes first (the other waits for that read)."""
+    r = router()
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=50, slots=list(range(100, 150)))}
+    busy_b = Engine("b", running=64.0)
+    first = r.route(req(50), [Engine("a"), busy_b], holders)
+    assert (first.decision.node_id, first.decision.reason) == ("a", "pull") and first.pull_plan is not None
+    r.prefilling(req(50), "a", 1, now=0.0)
+    a = Engine("a", inflight=1, pending_prefill_tokens=float(first.uncached_tokens))
+    follower = r.route(req(50, extra=3), [a, busy_b], holders, now=0.1)
+    assert (follower.decision.node_id, follower.decision.reason) == ("a", "inflight")
+    assert follower.decision.predicted_cached_tokens == 50 * 16
+    assert follower.pull_plan == first.pull_plan
+    # A puller that may not read the holder's KV gets no plan: it waits for the prefix as before.
+    r.prefilling(req(50), "c", 1, now=0.0)
+    c = Engine("c", fingerprint="fp-2", inflight=1, pending_prefill_tokens=800.0)
+    other = r.route(req(50, extra=3), [c, busy_b], holders, now=0.1)
+    assert (other.decision.node_id, other.decision.reason, other.pull_plan) == ("c", "inflight", None)
 
 
 def test_an_engine_hashing_another_block_size_is_warned_of_once_and_listed(caplog: pytest.LogCaptureFixture) -> None:

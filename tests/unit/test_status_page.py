@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 
 from gateway.cost import REASONS
 from gateway.metrics import GatewayMetrics, PullFailure
@@ -282,11 +283,29 @@ def test_pull_outcomes_are_counted_and_failures_kept() -> None:
     assert counts == {"full": 1, "short": 2, "unreported": 1}
     assert [(p.at, p.reason) for p in m.pull_failures] == [
         (2.0, "the engine reported 256 of 400 predicted cached tokens"),
-        (3.0, "2 blocks failed verification"),
+        (3.0, "blocks failed verification"),
     ]
     for i in range(30):
         m.pulled(10.0 + i, "w2", "w1", 400, 0, [])
     assert len(m.pull_failures) == 20 and m.pull_failures[-1].at == 39.0
+
+
+def test_pull_failures_are_shown_by_category_without_the_engines_addresses_or_epochs() -> None:
+    """The page and /v1/status are on the gateway's public port: an engine's words name its peers' transfer
+    addresses and epochs, so only a category of them is kept."""
+    m = _metrics()
+    said = [
+        "transfer: rank 0: cannot connect to 10.1.2.3:15001: ConnectionRefusedError(111)",
+        "source worker-1 epoch 987654 is not registered with a transfer URL",
+        "transfer: rank 1: cannot connect to 10.1.2.4:15002: reset",
+        "something no category names at 10.9.9.9:1 epoch 987654",
+    ]
+    m.pulled(1.0, "w2", "worker-1", 400, 0, said)
+    assert m.pull_failures[-1].reason == "the transfer failed; the source is not registered at that epoch; other"
+    f = _figures(pull_failures=tuple(m.pull_failures))
+    for shown in (render_page(f), json.dumps(status_json(f))):
+        assert "10.1.2" not in shown and "15001" not in shown and "987654" not in shown and "10.9.9.9" not in shown
+        assert "the transfer failed" in shown
 
 
 def test_the_engines_pull_failures_are_read_from_its_answer() -> None:
@@ -300,9 +319,11 @@ def test_the_engines_pull_failures_are_read_from_its_answer() -> None:
     assert _usage_in_tail(tail)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
 
-def _board(handler: Any, urls: list[str], directory_ok: bool = True) -> tuple[StatusBoard, DirectoryClient]:
+def _board(
+    handler: Any, urls: list[str], directory_ok: bool = True, engines: dict[str, Any] | None = None
+) -> tuple[StatusBoard, DirectoryClient]:
     client = DirectoryClient(urls, transport=httpx.MockTransport(handler), timeout=0.2)
-    registry = SimpleNamespace(engines={}, directory_ok=directory_ok, refresh_failures=0)
+    registry = SimpleNamespace(engines=engines or {}, directory_ok=directory_ok, refresh_failures=0)
     return StatusBoard(_metrics(), registry, client, "kvdir"), client  # type: ignore[arg-type]
 
 
@@ -333,11 +354,44 @@ def test_the_board_names_the_leader_by_its_place_in_the_directory_list() -> None
         term=12,
         commit_index=99,
         has_quorum=True,
-        nodes=4,
-        entries=1000,
+        nodes=0,  # this gateway's engines (none here), never the directory's 4 nodes of every tenant
+        entries=0,
     )
     page = render_page(f)
     assert _text(page, "leader") == "replica 3 of 3" and "10.0.0" not in page
+
+
+def test_the_board_counts_only_its_own_engines_and_reads_the_cluster_once_per_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory's node and entry counts cover every tenant: the board shows those of the engines it routes to.
+    Its /v1/cluster is read at most once per CLUSTER_TTL_S, once for all the views that want it at the same time."""
+    asked: list[str] = []
+
+    def cluster(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, json={"term": 3, "leader": None, "nodes": 40, "entries": 10**6})
+
+    engines = {
+        "a": SimpleNamespace(registered=True, blocks=300),
+        "b": SimpleNamespace(registered=True, blocks=200),
+        "static-1": SimpleNamespace(registered=False, blocks=0),  # not the directory's
+    }
+
+    async def main() -> list[DirectoryFigures]:
+        board, client = _board(cluster, ["http://10.0.0.1:8101"], engines=engines)
+        try:
+            together = await asyncio.gather(*(board._directory() for _ in range(10)))
+            again = await board._directory()  # within the TTL: no read
+            board.registry.directory_ok = False  # the engine list's reads began to fail: the answer kept is old news
+            failing = await board._directory()
+            monkeypatch.setattr("gateway.status.CLUSTER_TTL_S", 0.0)
+            return [*together, again, failing, await board._directory()]
+        finally:
+            await client.aclose()
+
+    figures = asyncio.run(main())
+    assert asked == ["/v1/cluster"] * 3
+    assert all((d.term, d.nodes, d.entries) == (3, 2, 500) for d in figures), figures
+    assert [d.engine_list_ok for d in figures[-3:]] == [True, False, False]
 
 
 def test_the_board_says_why_the_directory_did_not_answer() -> None:
@@ -357,3 +411,5 @@ def test_the_board_says_why_the_directory_did_not_answer() -> None:
     down = asyncio.run(main(refused)).directory
     assert (down.reachable, down.up, down.problem) == (False, False, "no replica answered within 1 s")
     assert asyncio.run(main(forbidden)).directory.problem == "refused: 403 forbidden"
+    listed = asyncio.run(main(lambda request: httpx.Response(200, json=[1]))).directory  # a replica's answer, malformed
+    assert (listed.reachable, listed.problem) == (False, "a malformed answer")

@@ -91,6 +91,7 @@ def test_the_gateway_reads_each_holders_tiers_from_its_locations() -> None:
     class Engine:
         epoch, running, waiting, inflight, pending_prefill_tokens, healthy, can_pull = 1, 0.0, 0.0, 0, 0.0, True, True
         capacity_blocks, blocks, block_size, pull_gbps, fingerprint, tp_size = None, 0, 0, 0.0, "fp", 1
+        tenant, shared = "", False
 
         def __init__(self, node_id: str) -> None:
             self.node_id = node_id

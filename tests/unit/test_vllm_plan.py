@@ -14,8 +14,9 @@ from adapters.vllm_plan import (
     coalesce,
     page_pieces,
     plan_from_params,
+    pull_sources,
 )
-from kvproto.schemas import PullPlan, RegionInfo
+from kvproto.schemas import NodeInfo, PullPlan, RegionInfo
 
 
 @pytest.mark.parametrize(
@@ -76,3 +77,57 @@ def test_tags_must_hold_the_hash_and_not_change_during_the_read() -> None:
 def test_pieces_join_only_when_both_sides_continue() -> None:
     assert coalesce([0, 16, 32, 64], [100, 116, 200, 216], [16, 16, 16, 16]) == ([0, 32, 64], [100, 200, 216], [32, 16, 16])
     assert coalesce([], [], []) == ([], [], [])
+
+
+def _node(node_id: str, tenant: str = "", shared: bool = False, connector: bool = True) -> NodeInfo:
+    """A registered node; `connector`: with a connector engine's layout (else a worker stub's one region)."""
+    layout = KvLayout((LayerRegion(1000, 8192, 10),), tags_base=5000)
+    fields = ("rank", "base_addr", "length", "rkey", "block_bytes", "layer")
+    regions = [RegionInfo(**{f: getattr(r, f) for f in fields}) for r in layout.regions()]
+    return NodeInfo(
+        node_id=node_id,
+        epoch=4,
+        alive=True,
+        api_url="http://127.0.0.1:9",
+        transfer_url="127.0.0.1:2",
+        regions=regions if connector else regions[:1],
+        blocks=0,
+        fingerprint="fp",
+        tenant=tenant,
+        shared=shared,
+    )
+
+
+def test_a_shared_engine_may_read_only_shared_sources_and_a_tenants_its_own_and_shared_ones() -> None:
+    """A source a tenant's token registered can serve crafted pages whose tags validate: a shared engine, whose
+    cache every tenant's requests hit, never reads one; an engine of a tenant reads no other tenant's."""
+    nodes = [
+        _node("shared-1", shared=True),
+        _node("shared-2", shared=True),
+        _node("bravo-1", tenant="bravo"),
+        _node("bravo-2", tenant="bravo"),
+        _node("acme-1", tenant="acme"),
+        _node("plain-1"),
+        _node("stub-1", connector=False),
+    ]
+
+    def readable(me: str) -> dict[str, str | None]:
+        return {key[0]: source.refusal for key, source in pull_sources(nodes, me).items()}
+
+    refused = readable("shared-1")
+    assert set(refused) == {"shared-1", "shared-2", "bravo-1", "bravo-2", "acme-1", "plain-1"}  # not the stub
+    assert [n for n, why in refused.items() if why is None] == ["shared-1", "shared-2"]
+    assert refused["bravo-1"] == "source bravo-1 is of tenant 'bravo' and not shared: a shared engine reads only from shared ones"
+    assert refused["plain-1"] is not None
+    refused = readable("bravo-1")
+    assert [n for n, why in refused.items() if why is None] == ["shared-1", "shared-2", "bravo-1", "bravo-2"]
+    assert refused["acme-1"] == "source acme-1 is of tenant 'acme', this engine of 'bravo'"
+    refused = readable("plain-1")
+    assert [n for n, why in refused.items() if why is None] == ["shared-1", "shared-2", "plain-1"]
+    # An engine not (yet) in the list reads from none: its tenant is unknown.
+    assert set(readable("gone-1").values()) == {
+        "this engine (gone-1) is not in the directory's node list yet: its tenant is unknown"
+    }
+    source = pull_sources(nodes, "bravo-1")[("shared-1", 4)]
+    assert (source.sessions, source.fingerprint, source.host) == (["127.0.0.1:2"], "fp", None)
+    assert source.layouts == [KvLayout((LayerRegion(1000, 8192, 10),), tags_base=5000)]
