@@ -7,8 +7,9 @@ engine and gateway tokens to tenants `acme` and `bravo`, a wildcard engine token
   bravo's gateway routes to, and how many of bravo's requests acme's engine served;
 - *registration flood*: the wildcard engine token registers nodes of 2,048 ranks, each rank with its own
   2,000-character transfer URL and a 256-character rkey (about 5 MB each). Reported: the statuses, what the
-  replica holds for them, its memory growth, and what one poll of `GET /v1/nodes` costs, first and unchanged
-  (sent with the first answer's ETag, where there is one).
+  replica holds for them and its memory growth; then what one poll of `GET /v1/nodes` costs with 20 of the
+  largest registrations an engine makes (an 80-layer model at TP 8 with a host tier: 1,296 regions, 8
+  sessions), first and unchanged (sent with the first answer's ETag, where there is one).
 """
 
 from __future__ import annotations
@@ -191,22 +192,75 @@ def registration_flood(t: Tenanted, nodes: int = 4, ranks: int = 2048) -> dict[s
             "replica_rss_growth_mib": rss_mib(pid) - rss,
             "replica_cpu_s": cpu_s(pid) - cpu,
         }
-        polls = []
-        for _ in range(5):
-            started = time.monotonic()
-            r = http.get(t.url + "/v1/nodes", headers=headers)
-            polls.append((time.monotonic() - started, len(r.content)))
-        out["node_list_poll_s"], out["node_list_bytes"] = min(p[0] for p in polls), polls[0][1]
-        etag = r.headers.get("etag")
-        out["node_list_etag"] = etag is not None
-        if etag is not None:
-            started = time.monotonic()
-            again = http.get(t.url + "/v1/nodes", headers={**headers, "if-none-match": etag})
-            out.update(
-                unchanged_poll_status=again.status_code,
-                unchanged_poll_s=time.monotonic() - started,
-                unchanged_poll_bytes=len(again.content),
-            )
         for i in range(nodes):
             http.delete(t.url + f"/v1/nodes/flood-{i}", headers=t.headers("admin"))
+        out.update(_node_list_polls(t, http, headers))
+    return out
+
+
+def _engine_sized(node_id: str, port: int) -> dict[str, Any]:
+    """A registration as the vLLM connector makes for an 80-layer model at TP 8 with a host tier: per rank, a page
+    region and a tag region per layer on the device and one host region, each rank behind its own session."""
+    regions = [
+        {
+            "rank": r,
+            "layer": layer,
+            "base_addr": (1 << 40) + (r << 34) + (layer << 26) + (tag << 25),
+            "length": 1 << 24,
+            "block_bytes": 1 << 12,
+            "rkey": f"{r:08x}{layer:04x}{tag}",
+            "transfer_url": f"tcp://127.0.0.1:{port + r}",
+        }
+        for r in range(8)
+        for layer in range(80)
+        for tag in (0, 1)
+    ]
+    regions += [
+        {
+            "rank": r,
+            "base_addr": 1 << 50,
+            "length": 1 << 30,
+            "block_bytes": 1 << 16,
+            "medium": "host",
+            "transfer_url": f"tcp://127.0.0.1:{port + r}",
+        }
+        for r in range(8)
+    ]
+    return {
+        "node_id": node_id,
+        "api_url": f"http://127.0.0.1:{port}",
+        "transfer_url": f"tcp://127.0.0.1:{port}",
+        "regions": regions,
+    }
+
+
+def _node_list_polls(t: Tenanted, http: httpx.Client, headers: dict[str, str], nodes: int = 20) -> dict[str, Any]:
+    """What polling the node list costs with `nodes` engine-sized registrations: the least of 5 full answers and
+    their size, and an unchanged poll naming the ETag."""
+    bodies = [_engine_sized(f"flood-engine-{i}", 21000 + 10 * i) for i in range(nodes)]
+    statuses = [http.post(t.url + "/v1/nodes", json=b, headers=headers).status_code for b in bodies]
+    polls = []
+    for _ in range(5):
+        started = time.monotonic()
+        r = http.get(t.url + "/v1/nodes", headers=headers)
+        polls.append((time.monotonic() - started, len(r.content)))
+    out: dict[str, Any] = {
+        "engine_sized_nodes": nodes,
+        "engine_sized_statuses": sorted(set(statuses)),
+        "engine_sized_registration_kib": len(json.dumps(bodies[0])) / 1024,
+        "node_list_poll_s": min(p[0] for p in polls),
+        "node_list_mib": polls[0][1] / 2**20,
+    }
+    etag = r.headers.get("etag")
+    out["node_list_etag"] = etag is not None
+    if etag is not None:
+        started = time.monotonic()
+        again = http.get(t.url + "/v1/nodes", headers={**headers, "if-none-match": etag})
+        out.update(
+            unchanged_poll_status=again.status_code,
+            unchanged_poll_s=time.monotonic() - started,
+            unchanged_poll_bytes=len(again.content),
+        )
+    for b in bodies:
+        http.delete(t.url + f"/v1/nodes/{b['node_id']}", headers=t.headers("admin"))
     return out
