@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvproto.state import Command, DirectoryState, Result
+from kvproto.state import OK, Command, DirectoryState, Result
 
 if TYPE_CHECKING:
     from directory.replica import Replica
 
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+KNOWN_REJECTIONS = ("commit_timeout", "index_full", "node_limit", "unauthorized", "forbidden", "invalid_request", "too_many")
+"""Errors a replica's alerts and dashboard name, shown at zero before the first one."""
 
 
 class DirectoryMetrics:
@@ -50,6 +54,15 @@ class DirectoryMetrics:
         self.rejected = Counter(
             "kvdir_directory_requests_rejected_total", "Requests answered 4xx/5xx, by error", ["error"], registry=r
         )
+        # Series the dashboards and alerts read exist from the start, at zero (a rate over no series is "no data").
+        for kind in get_args(Command):
+            self.commands.labels(kind.__name__.lower(), OK)
+        for consistency in ("local", "linearizable"):
+            self.lookups.labels(consistency)
+        for kind in ("publish", "remove"):
+            self.write_seconds.labels(kind)
+        for error in KNOWN_REJECTIONS:
+            self.rejected.labels(error)
         state: Callable[[], DirectoryState] = lambda: replica.state  # noqa: E731 - the state object is replaced when a snapshot is installed
         Gauge("kvdir_directory_entries", "(block, holder) entries in the index", registry=r).set_function(
             lambda: len(state().index)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.cost import REASONS
 from gateway.engine_registry import EngineRegistry
 from gateway.mirror import Mirror
 
@@ -111,6 +112,17 @@ class GatewayMetrics:
             ["source"],
             registry=r,
         )
+        # Series the dashboards and alerts read exist from the start, at zero (a rate over no series is "no data").
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        for source in ("mirror", "rest", "mirror_stale", "none"):
+            self.lookups.labels(source)
+        for cause in ("timeout", "error"):
+            self.lookup_failures.labels(cause)
+        for kind in ("connect", "error", "stream"):
+            self.upstream_errors.labels(kind)
+        for outcome in ("full", "short", "unreported"):
+            self.pulls.labels(outcome)
         Gauge("kvdir_gateway_engines", "Engines known", registry=r).set_function(lambda: len(registry.engines))
         Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
             lambda: 1 if registry.directory_ok else 0

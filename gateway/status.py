@@ -237,8 +237,14 @@ class StatusFigures:
 
 
 def _by_label(counter: Counter) -> dict[str, float]:
-    """A one-label counter's values, by that label's value."""
-    return {next(iter(s.labels.values())): s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")}
+    """A one-label counter's values, by that label's value: those that happened (its series exist at zero from the
+    start, for the dashboards)."""
+    return {
+        next(iter(s.labels.values())): s.value
+        for m in counter.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.value
+    }
 
 
 def _value(metric: Counter | Histogram, suffix: str) -> float:

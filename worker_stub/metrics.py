@@ -31,6 +31,10 @@ class WorkerMetrics:
         self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
         self.cached_tokens = Counter("kvdir_worker_cached_tokens_total", "Prompt tokens not recomputed", ["source"], registry=r)
+        for endpoint in ("completions", "chat"):  # at zero from the start: a rate over no series is "no data"
+            self.requests.labels(endpoint)
+        for source in ("local", "host", "pulled"):
+            self.cached_tokens.labels(source)
         self.ttft = Histogram(
             "kvdir_worker_time_to_first_token_seconds",
             "Queue + pull + prefill time",
