@@ -102,6 +102,7 @@ from adapters.vllm_plan import (
     LayerRegion,
     PlanError,
     PullSource,
+    Standing,
     blocks_to_pull,
     check_tags,
     coalesce,
@@ -111,6 +112,7 @@ from adapters.vllm_plan import (
     plan_from_params,
     pull_outcome,
     pull_sources,
+    standing,
 )
 from kvproto import media
 from kvproto.client import DirectoryClient
@@ -268,6 +270,7 @@ class _PeerCache:
         self.s = s
         self.node_id = node_id
         self._known: dict[tuple[str, int], PullSource] = {}
+        self._me: Standing | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -300,7 +303,10 @@ class _PeerCache:
                 except DirectoryError as exc:
                     log.debug("directory node list unavailable (%s): pull sources as last seen", exc)
                 else:
-                    self._known = pull_sources(nodes, self.node_id)  # replaced whole: readers see one list or the next
+                    # A list taken while this engine's lease had lapsed (it registers again) lacks it: its standing
+                    # (the tenant its token gave it) is kept from the last list that had it.
+                    self._me = standing(nodes, self.node_id) or self._me
+                    self._known = pull_sources(nodes, self.node_id, self._me)  # replaced whole: readers see one list or the next
                 await asyncio.to_thread(self._wake.wait, self.s.peer_refresh_s)
                 self._wake.clear()
 

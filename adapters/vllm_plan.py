@@ -162,10 +162,22 @@ class PullSource(NamedTuple):
     refusal: str | None  # why this engine may not read it, by tenant (None: it may)
 
 
-def pull_sources(nodes: Sequence[NodeInfo], node_id: str) -> dict[tuple[str, int], PullSource]:
-    """The connector engines among `nodes` by (node id, epoch), as the engine `node_id` (one of them, or its tenant
-    is unknown and it reads from none) may use them: each says whether its tenant rules it out for this engine."""
+class Standing(NamedTuple):
+    """An engine's own registration as far as pulls go: its tenant and whether it is shared."""
+
+    tenant: str
+    shared: bool
+
+
+def standing(nodes: Sequence[NodeInfo], node_id: str) -> Standing | None:
+    """`node_id`'s standing as `nodes` list it, None if they do not list it."""
     me = next((n for n in nodes if n.node_id == node_id), None)
+    return None if me is None else Standing(me.tenant, me.shared)
+
+
+def pull_sources(nodes: Sequence[NodeInfo], node_id: str, me: Standing | None) -> dict[tuple[str, int], PullSource]:
+    """The connector engines among `nodes` by (node id, epoch), as the engine `node_id` of standing `me` may use them:
+    each says whether its tenant rules it out for this engine (all are ruled out while `me` is unknown)."""
     out: dict[tuple[str, int], PullSource] = {}
     for n in nodes:
         if not n.transfer_url:
@@ -175,7 +187,7 @@ def pull_sources(nodes: Sequence[NodeInfo], node_id: str) -> dict[tuple[str, int
         except PlanError:  # not a connector engine (a worker stub, an events-fed engine): never a source here
             continue
         if me is None:
-            refusal: str | None = f"this engine ({node_id}) is not in the directory's node list yet: its tenant is unknown"
+            refusal: str | None = f"this engine ({node_id}) was never in the directory's node list: its tenant is unknown"
         else:
             refusal = tenancy_refusal(
                 tenant=me.tenant, shared=me.shared, source=n.node_id, source_tenant=n.tenant, source_shared=n.shared

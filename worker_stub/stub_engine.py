@@ -274,7 +274,7 @@ class Engine:
         peer = self._peers.get(key)
         if peer is None or self._me is None:
             nodes = {n.node_id: n for n in await self.directory.nodes()}
-            self._me = nodes.get(self.node_id)
+            self._me = nodes.get(self.node_id) or self._me  # a list taken while its lease had lapsed lacks it
             peer = nodes.get(node_id)
             if peer is None or peer.epoch != epoch:
                 return None

@@ -15,6 +15,7 @@ from adapters.vllm_plan import (
     page_pieces,
     plan_from_params,
     pull_sources,
+    standing,
 )
 from kvproto.schemas import NodeInfo, PullPlan, RegionInfo
 
@@ -112,7 +113,7 @@ def test_a_shared_engine_may_read_only_shared_sources_and_a_tenants_its_own_and_
     ]
 
     def readable(me: str) -> dict[str, str | None]:
-        return {key[0]: source.refusal for key, source in pull_sources(nodes, me).items()}
+        return {key[0]: source.refusal for key, source in pull_sources(nodes, me, standing(nodes, me)).items()}
 
     refused = readable("shared-1")
     assert set(refused) == {"shared-1", "shared-2", "bravo-1", "bravo-2", "acme-1", "plain-1"}  # not the stub
@@ -124,10 +125,15 @@ def test_a_shared_engine_may_read_only_shared_sources_and_a_tenants_its_own_and_
     assert refused["acme-1"] == "source acme-1 is of tenant 'acme', this engine of 'bravo'"
     refused = readable("plain-1")
     assert [n for n, why in refused.items() if why is None] == ["shared-1", "shared-2", "plain-1"]
-    # An engine not (yet) in the list reads from none: its tenant is unknown.
+    # An engine never in the list reads from none: its tenant is unknown.
+    assert standing(nodes, "gone-1") is None
     assert set(readable("gone-1").values()) == {
-        "this engine (gone-1) is not in the directory's node list yet: its tenant is unknown"
+        "this engine (gone-1) was never in the directory's node list: its tenant is unknown"
     }
-    source = pull_sources(nodes, "bravo-1")[("shared-1", 4)]
+    # One the list lacks for a while (its lease lapsed; it registers again) reads by the standing it had.
+    lapsed = [n for n in nodes if n.node_id != "bravo-1"]
+    kept = pull_sources(lapsed, "bravo-1", standing(nodes, "bravo-1"))
+    assert [key[0] for key, source in kept.items() if source.refusal is None] == ["shared-1", "shared-2", "bravo-2"]
+    source = pull_sources(nodes, "bravo-1", standing(nodes, "bravo-1"))[("shared-1", 4)]
     assert (source.sessions, source.fingerprint, source.host) == (["127.0.0.1:2"], "fp", None)
     assert source.layouts == [KvLayout((LayerRegion(1000, 8192, 10),), tags_base=5000)]
