@@ -28,7 +28,7 @@ def _chat(url: str, messages: list[dict], **extra) -> httpx.Response:
 
 
 def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     make_workers(c, 3)
     g = make_gateway(c, 3)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
@@ -66,7 +66,7 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
 
 
 def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     # Slow prefill (1,000 tokens/s at time scale 1): recomputing the ~2,000-token prompt costs ~2 s, pulling it ~ms.
     make_workers(c, 3, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
     g = make_gateway(c, 3, ("--prefill-tokens-per-s", "1000", "--max-running", "1"))

@@ -78,7 +78,7 @@ def test_lookups_come_from_the_mirror_and_a_stall_falls_back_then_recovers(make_
 
 
 def test_without_the_mirror_lookups_go_to_a_replica(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     make_workers(c, 2)
     g = make_gateway(c, 2, extra_args=("--no-mirror",))  # every lookup over REST: none from a mirror
     _complete(g.url, PROMPT)

@@ -1,4 +1,4 @@
-"""The worker stub's host tier against a real 3-replica directory (issue #32, docs/protocol.md §2.3): a prefix the
+"""The worker stub's host tier against a real one-replica directory (issue #32, docs/protocol.md §2.3): a prefix the
 device pool evicts lives on in the host tier, published with medium host; the engine serves it from there (a
 modeled host-to-device copy), a peer pulls it from there, and it leaves the directory once evicted from the host
 tier too; a peer's read of a host slot reused meanwhile fails the content check and is recomputed."""
@@ -51,7 +51,7 @@ def _on(dir_url: str, node: str, where: str, prompt: str = PROMPT) -> dict[str, 
 
 
 def test_an_evicted_prefix_is_served_and_pulled_from_the_host_tier_then_gone(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
     regions = httpx.get(f"{d}/v1/nodes/worker-1", timeout=5).json()["regions"]
@@ -84,7 +84,7 @@ def test_an_evicted_prefix_is_served_and_pulled_from_the_host_tier_then_gone(mak
 
 
 def test_a_peers_read_of_a_host_slot_reused_meanwhile_is_recomputed(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
     _complete(w.urls[0], PROMPT)
@@ -108,7 +108,7 @@ def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(make_cluster, mak
     there (microseconds of copy against recomputing it elsewhere or pulling it), and the engine serves it from
     there; told the copy crawls (--host-copy-gbps 1e-9), a gateway has worker-2 pull it from worker-1's host
     tier instead."""
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
     _complete(w.urls[0], PROMPT)

@@ -1,7 +1,8 @@
-"""Tensor- and data-parallel worker stubs against a real 3-replica directory and gateway (docs/protocol.md §2.2,
-docs/engines.md): a TP node registers one region and transfer engine per rank under one epoch and pulls rank to
-rank; a restart invalidates its entries on every rank; TP sizes that differ never pull; DP ranks behind one API
-are separate holders and candidates, and the gateway's request reaches the rank it planned for."""
+"""Tensor- and data-parallel worker stubs against a real directory (one replica; three where a test reads from
+followers) and gateway (docs/protocol.md §2.2, docs/engines.md): a TP node registers one region and transfer engine
+per rank under one epoch and pulls rank to rank; a restart invalidates its entries on every rank; TP sizes that
+differ never pull; DP ranks behind one API are separate holders and candidates, and the gateway's request reaches
+the rank it planned for."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_a_tp4_node_pulls_from_a_tp4_node_rank_to_rank(make_cluster, make_worker
 def test_a_restarted_tp_node_has_a_new_epoch_and_none_of_its_old_entries(make_cluster, make_workers) -> None:
     """Its memory on every rank is new: nothing published under the old epoch is handed out, and a plan naming
     the old epoch is recomputed on every rank."""
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ("--transfer", "tcp", "--tp", "4"))
     old = _served_on(c.replica_urls[0], w.urls[0], "worker-1")
     w.kill(0)
@@ -86,7 +87,7 @@ def test_a_restarted_tp_node_has_a_new_epoch_and_none_of_its_old_entries(make_cl
 def test_holder_and_puller_of_different_tp_sizes_never_pull(make_cluster, make_workers) -> None:
     """Even with equal fingerprints (forced here): rank r's pages of a TP 4 node hold another share of the heads
     than a TP 2 node's rank r."""
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ("--transfer", "tcp", "--fingerprint", "same", "--tp", "4"))
     w.kill(1)
     w.start_worker(1, "--tp", "2")
@@ -102,7 +103,7 @@ def test_a_plan_past_one_ranks_memory_is_recomputed_on_every_rank(make_cluster, 
     """A holder whose rank 1 registered room for 8 blocks (rank 0: all of them) and a plan for 25: no rank reads
     anything (a partial load would leave the ranks unequal), the pull is counted as failed and the prompt is
     computed; the output names the rank."""
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ("--transfer", "tcp", "--tp", "2"))
     real = _served_on(c.replica_urls[0], w.urls[0], "worker-1")
     node = _node(c.replica_urls[0], "worker-1")
@@ -129,7 +130,7 @@ def test_a_plan_past_one_ranks_memory_is_recomputed_on_every_rank(make_cluster, 
 
 
 def test_dp_ranks_are_holders_of_their_own_and_the_header_picks_one(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 1, ("--transfer", "tcp", "--dp", "2"))
     nodes = {n["node_id"]: n for n in httpx.get(c.replica_urls[0] + "/v1/nodes", timeout=5).json()["nodes"]}
     assert {k: (n["dp_rank"], n["api_url"]) for k, n in nodes.items()} == {
@@ -148,7 +149,7 @@ def test_dp_ranks_are_holders_of_their_own_and_the_header_picks_one(make_cluster
 def test_the_gateway_routes_to_the_dp_rank_holding_the_prefix(make_cluster, make_workers, make_gateway) -> None:
     """Two DP ranks behind one API server are two candidates; the request the gateway plans for rank 1 (the
     holder) is served by rank 1, which reports its cached prefix."""
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 1, ("--transfer", "tcp", "--dp", "2"))
     g = make_gateway(c, 2)
     _complete(w.urls[0], PROMPT, headers={DP_RANK_HEADER: "1"})

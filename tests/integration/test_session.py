@@ -1,4 +1,4 @@
-"""NodeSession against a real 3-replica directory: registration by incarnation, the pending net change,
+"""NodeSession against a real one-replica directory: registration by incarnation, the pending net change,
 re-registration and republishing after a 409, and the back-off after rejections."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _session(client: DirectoryClient, holds: dict[int, int], **kw: Any) -> NodeS
 
 
 def test_register_publish_and_a_removal_cancels_a_pending_store(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:
@@ -61,7 +61,7 @@ def test_register_publish_and_a_removal_cancels_a_pending_store(make_cluster) ->
 
 
 def test_a_409_after_a_registration_elsewhere_reregisters_and_republishes(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:
@@ -88,7 +88,7 @@ def test_a_409_after_a_registration_elsewhere_reregisters_and_republishes(make_c
 
 
 def test_an_expired_lease_is_renewed_by_registering_again(make_cluster) -> None:
-    c = make_cluster(3, lease_ttl_s=1.0)
+    c = make_cluster(1, lease_ttl_s=1.0)
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:
@@ -114,7 +114,7 @@ def test_an_expired_lease_is_renewed_by_registering_again(make_cluster) -> None:
 
 
 def test_rejections_drop_the_round_and_back_off(make_cluster) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:

@@ -1,5 +1,6 @@
-"""Worker stubs against a real 3-replica directory: reuse, pulls through a real transfer engine,
-publishing through outages and restarts, and OpenAI-style errors."""
+"""Worker stubs against a real directory (three replicas where a test reads from followers or takes the
+directory down, else one): reuse, pulls through a real transfer engine, publishing through outages and
+restarts, and OpenAI-style errors."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_peer_pulls_a_prefix_as_verified_bytes(make_cluster, make_workers, trans
 
 
 def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 2, ("--transfer", "tcp"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="worker-1's blocks")
