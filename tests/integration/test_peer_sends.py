@@ -7,26 +7,9 @@ import time
 
 import httpx
 
-from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.peers import PeerNotes
 from kvdir.local_cluster import free_ports
-from kvproto.client import DirectoryClient
-from kvproto.schemas import Origin
-
-
-def registry(http: httpx.AsyncClient, *ids: str) -> EngineRegistry:
-    reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], refresh_s=1.0, unhealthy_s=1.0)
-    for i, n in enumerate(ids):
-        reg.engines[n] = EngineState(n, Origin("http", "127.0.0.1", 9000 + i), epoch=1)
-    return reg
-
-
-def run(body) -> None:
-    async def main() -> None:
-        async with httpx.AsyncClient() as http:
-            await body(http)
-
-    asyncio.run(main())
+from tests.support.fakes import registry, run
 
 
 def test_sends_never_block_a_full_queue_drops_and_a_dead_peer_is_counted() -> None:

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
-from gateway.engine_registry import EngineRegistry, EngineState
+from gateway.engine_registry import EngineState
 from gateway.errors import GatewayError
 from gateway.peers import MAX_BATCH, Note, NoteBatch, PeerNotes
-from kvproto.client import DirectoryClient
 from kvproto.schemas import Origin
-
-
-def registry(http: httpx.AsyncClient, *ids: str) -> EngineRegistry:
-    reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], refresh_s=1.0, unhealthy_s=1.0)
-    for i, n in enumerate(ids):
-        reg.engines[n] = EngineState(n, Origin("http", "127.0.0.1", 9000 + i), epoch=1)
-    return reg
-
-
-def run(body) -> None:
-    async def main() -> None:
-        async with httpx.AsyncClient() as http:
-            await body(http)
-
-    asyncio.run(main())
+from tests.support.fakes import registry, run
 
 
 def test_notes_add_pending_prefill_until_done_or_expiry() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import NodeInfo, PullPlan, RegionInfo
+from tests.support.fakes import Directory
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool
 from worker_stub.stub_engine import Engine, RequestStats
@@ -18,16 +19,6 @@ BLOCKS = 4
 TOKENS = list(range(BLOCKS * 16))
 SETTINGS = WorkerSettings(node_id="worker-1", capacity_blocks=8, block_bytes=64, time_scale=0)
 SOURCE = "worker-2"
-
-
-class Directory:
-    """The directory's node list, as given."""
-
-    def __init__(self, nodes: list[NodeInfo]) -> None:
-        self.listed = nodes
-
-    async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:
-        return self.listed
 
 
 class Transfer:

@@ -19,6 +19,7 @@ import pytest
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import NodeInfo, PullPlan, RegionInfo
 from kvtransfer.engine import TransferError
+from tests.support.fakes import Directory
 from tests.support.wait import until
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool
@@ -34,16 +35,6 @@ SETTINGS = WorkerSettings(
     node_id="worker-1", capacity_blocks=16, block_bytes=64, time_scale=1, prefill_tokens_per_s=1, decode_tokens_per_s=1e9
 )
 FAST = SETTINGS.model_copy(update={"prefill_tokens_per_s": 1e9})  # where no request needs to be seen computing
-
-
-class Directory:
-    """The directory's node list, as given."""
-
-    def __init__(self, nodes: list[NodeInfo]) -> None:
-        self.listed = nodes
-
-    async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:
-        return self.listed
 
 
 class Transfer:
