@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports, write_raft_password
@@ -45,6 +47,46 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     yield make
     for c in started:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def _file_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One single-replica directory shared by a test file's tests (see `file_directory`)."""
+    data_dir = tmp_path_factory.mktemp("file-directory")
+    ports = free_ports(2)
+    cluster = Cluster(
+        data_dir,
+        ports[:1],
+        ports[1:],
+        lease_ttl_s=10.0,
+        log_level="info",
+        raft_password_file=write_raft_password(data_dir / "secrets"),
+    )
+    try:
+        cluster.start()
+        cluster.wait_ready(60)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def file_directory(_file_directory: Cluster) -> Iterator[Cluster]:
+    """A real single-replica directory (its own process, Raft and REST), started once per test file.
+
+    For the tests of the gateway, the workers and the adapters, which need a directory but do not test
+    Raft: a replica process costs more to start than most of these tests take to run. Each test starts
+    with no node registered: what a test leaves (the node of a worker it killed) is deregistered after it,
+    so no test sees another's engines, whatever the order. Tests that kill, restart or configure the
+    directory start their own with `make_cluster`.
+    """
+    leader = _file_directory.wait_ready(30)
+    assert httpx.get(leader + "/v1/nodes", timeout=5).json()["nodes"] == [], "a node left by an earlier test"
+    yield _file_directory
+    with httpx.Client(base_url=leader, timeout=5) as http:
+        for node in http.get("/v1/nodes").json()["nodes"]:
+            r = http.delete("/v1/nodes/" + urllib.parse.quote(node["node_id"], safe="/"))
+            assert r.status_code in (200, 404), r.text  # 404: it deregistered itself meanwhile
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ def _chat(url: str, messages: list[dict], **extra) -> httpx.Response:
     return r
 
 
-def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_multi_turn_chat_sticks_to_the_node_holding_its_history(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     make_workers(c, 3)
     g = make_gateway(c, 3)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
@@ -65,8 +65,8 @@ def test_multi_turn_chat_sticks_to_the_node_holding_its_history(make_cluster, ma
     assert "kvdir gateway" in page and node in page
 
 
-def test_hot_prefix_at_high_concurrency_spreads_by_pulls(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_hot_prefix_at_high_concurrency_spreads_by_pulls(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     # Slow prefill (1,000 tokens/s at time scale 1): recomputing the ~2,000-token prompt costs ~2 s, pulling it ~ms.
     make_workers(c, 3, ("--time-scale", "1", "--prefill-tokens-per-s", "1000", "--transfer", "tcp"))
     g = make_gateway(c, 3, ("--prefill-tokens-per-s", "1000", "--max-running", "1"))
@@ -138,8 +138,8 @@ def _mirror_lag(url: str) -> float:
     raise AssertionError("no kvdir_gateway_mirror_lag_seconds")
 
 
-def test_unreachable_engine_is_retried_on_the_next(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_unreachable_engine_is_retried_on_the_next(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     make_workers(c, 1)
     dead = f"http://127.0.0.1:{free_ports(1)[0]}"
     g = make_gateway(c, 2, ("--engine", dead, "--policy", "round_robin"))
@@ -189,10 +189,10 @@ class _FailingHandler(socketserver.StreamRequestHandler):
         self.wfile.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
 
 
-def test_an_engine_that_fails_after_taking_the_request_gets_a_502_or_a_short_stream(make_cluster, make_gateway) -> None:
+def test_an_engine_that_fails_after_taking_the_request_gets_a_502_or_a_short_stream(file_directory, make_gateway) -> None:
     """Once the request was sent the engine may have run it: no retry elsewhere, a 502 (or, mid-stream, a stream that
     ends short), and the gateway goes on serving."""
-    c = make_cluster(1)
+    c = file_directory
     engine = _FailingEngine()
     try:
         g = make_gateway(c, 1, ("--engine", engine.url))
@@ -217,8 +217,8 @@ def test_an_engine_that_fails_after_taking_the_request_gets_a_502_or_a_short_str
         engine.server_close()
 
 
-def test_streaming_passthrough_models_and_errors(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_streaming_passthrough_models_and_errors(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     make_workers(c, 2)
     g = make_gateway(c, 2)
     with httpx.stream(
@@ -271,8 +271,8 @@ def _conversations(g: Gateway, c, n: int) -> list[bool]:
     return same
 
 
-def test_round_robin_mostly_misses_what_kvdir_hits(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_round_robin_mostly_misses_what_kvdir_hits(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     make_workers(c, 3)
     kv = make_gateway(c, 3)
     rr = make_gateway(c, 3, ("--policy", "round_robin"))
@@ -280,8 +280,8 @@ def test_round_robin_mostly_misses_what_kvdir_hits(make_cluster, make_workers, m
     assert sum(_conversations(rr, c, 4)) <= 1
 
 
-def test_killed_engine_is_avoided_and_no_request_fails(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_killed_engine_is_avoided_and_no_request_fails(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     w = make_workers(c, 3)
     g = make_gateway(c, 3, ("--policy", "round_robin"))
     w.kill(1)  # SIGKILL: still listed by the directory until its lease lapses
@@ -301,11 +301,11 @@ def _running(worker_url: str) -> float:
     raise AssertionError("kvdir_worker_running not exported")
 
 
-def test_streaming_arrives_incrementally(make_cluster, make_workers, make_gateway) -> None:
+def test_streaming_arrives_incrementally(file_directory, make_workers, make_gateway) -> None:
     """The first chunk reaches the client while the engine is still decoding the request (observed on the
     engine's own gauge), so the gateway forwards chunks as they come rather than buffering the response:
     a buffered stream could only start after the engine's generator had finished and left `running` at 0."""
-    c = make_cluster(1)
+    c = file_directory
     w = make_workers(c, 1, ("--time-scale", "1", "--decode-tokens-per-s", "40"))
     g = make_gateway(c, 1)
     tokens = 40  # ~1 s of decoding after the first chunk: the window in which the gauge is read
@@ -325,8 +325,8 @@ def test_streaming_arrives_incrementally(make_cluster, make_workers, make_gatewa
     wait_for(lambda: _running(w.urls[0]) == 0, what="the engine to finish the streamed request")
 
 
-def test_official_openai_client_works(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_official_openai_client_works(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     make_workers(c, 1)
     g = make_gateway(c, 1)
     code = f"""
@@ -346,8 +346,8 @@ print([m.id for m in client.models.list()])
     assert MODEL in out.stdout
 
 
-def test_engine_tokenizer_gives_the_same_routing(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_engine_tokenizer_gives_the_same_routing(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     make_workers(c, 2)
     g = make_gateway(c, 2, ("--tokenizer", "engine"))
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "tokenized by the engine"}]
@@ -369,11 +369,11 @@ def test_engine_tokenizer_gives_the_same_routing(make_cluster, make_workers, mak
     )
 
 
-def test_burst_on_an_uncached_prefix_computes_it_once_per_node(make_cluster, make_workers, make_gateway) -> None:
+def test_burst_on_an_uncached_prefix_computes_it_once_per_node(file_directory, make_workers, make_gateway) -> None:
     """24 requests sharing a 3,000-token prefix nobody holds, all at once: the gateway knows where it sent the
     prefix to be computed (gateway.inflight), so followers queue behind that prefill (decision `inflight`) instead
     of computing it again, and each node computes it at most once."""
-    c = make_cluster(1)
+    c = file_directory
     make_workers(c, 2, ("--time-scale", "1", "--transfer", "tcp"))  # 3,000 tokens at 10,000 tokens/s: 0.3 s of prefill
     g = make_gateway(c, 2)
     prefix = ("kv cache routing prefix burst " * 200)[:3000]

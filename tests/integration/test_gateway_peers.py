@@ -64,8 +64,8 @@ def _token_file(tmp_path: Path) -> Path:
     return token
 
 
-def test_a_peers_in_flight_prefill_counts_in_the_other_gateway(tmp_path, make_cluster, make_workers, peer_gateways) -> None:
-    c = make_cluster(1)
+def test_a_peers_in_flight_prefill_counts_in_the_other_gateway(tmp_path, file_directory, make_workers, peer_gateways) -> None:
+    c = file_directory
     # 500 tokens/s of real time: A's 1,000-token prompt stays in prefill for 2 s.
     make_workers(c, 2, ("--time-scale", "1", "--prefill-tokens-per-s", "500"))
     auth = ("--peer-token-file", str(_token_file(tmp_path)), "--peer-note-ttl-s", "60")  # 60 s: only a done ends it
@@ -97,9 +97,9 @@ def test_a_peers_in_flight_prefill_counts_in_the_other_gateway(tmp_path, make_cl
 
 
 def test_without_peers_there_is_no_notes_route_and_a_flood_steers_for_one_ttl_at_most(
-    tmp_path, make_cluster, make_workers, make_gateway
+    tmp_path, file_directory, make_workers, make_gateway
 ) -> None:
-    c = make_cluster(1)
+    c = file_directory
     w = make_workers(c, 2)
     plain = make_gateway(c, 2)  # no --peers: no notes route at all
     flood = {"sender": "evil", "notes": [{"id": i, "node": "x", "epoch": 1, "tokens": 1e9, "ttl_s": 600} for i in range(512)]}

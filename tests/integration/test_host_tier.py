@@ -50,8 +50,8 @@ def _on(dir_url: str, node: str, where: str, prompt: str = PROMPT) -> dict[str, 
     )
 
 
-def test_an_evicted_prefix_is_served_and_pulled_from_the_host_tier_then_gone(make_cluster, make_workers) -> None:
-    c = make_cluster(1)
+def test_an_evicted_prefix_is_served_and_pulled_from_the_host_tier_then_gone(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
     regions = httpx.get(f"{d}/v1/nodes/worker-1", timeout=5).json()["regions"]
@@ -83,8 +83,8 @@ def test_an_evicted_prefix_is_served_and_pulled_from_the_host_tier_then_gone(mak
     wait_for(lambda: _holder(d, "worker-1") is None, what="the prompt gone from worker-1's entries")
 
 
-def test_a_peers_read_of_a_host_slot_reused_meanwhile_is_recomputed(make_cluster, make_workers) -> None:
-    c = make_cluster(1)
+def test_a_peers_read_of_a_host_slot_reused_meanwhile_is_recomputed(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
     _complete(w.urls[0], PROMPT)
@@ -103,12 +103,12 @@ def test_a_peers_read_of_a_host_slot_reused_meanwhile_is_recomputed(make_cluster
     assert out["kvdir"]["pull_failures"] == [f"location {3 << media.SHIFT} lies in no medium (docs/protocol.md §2.3)"]
 
 
-def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(make_cluster, make_workers, make_gateway) -> None:
+def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(file_directory, make_workers, make_gateway) -> None:
     """worker-1 holds the prompt in its host tier only. At the default copy rate the gateway sends the prompt
     there (microseconds of copy against recomputing it elsewhere or pulling it), and the engine serves it from
     there; told the copy crawls (--host-copy-gbps 1e-9), a gateway has worker-2 pull it from worker-1's host
     tier instead."""
-    c = make_cluster(1)
+    c = file_directory
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
     _complete(w.urls[0], PROMPT)

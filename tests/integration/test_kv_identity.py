@@ -37,8 +37,8 @@ class Mixed:
 
 
 @pytest.fixture
-def mixed(make_cluster, make_gateway, tmp_path: Path) -> Iterator[Mixed]:
-    c = make_cluster(1)
+def mixed(file_directory, make_gateway, tmp_path: Path) -> Iterator[Mixed]:
+    c = file_directory
     data = tmp_path / "mixed-workers"
     data.mkdir()
     w = Workers(

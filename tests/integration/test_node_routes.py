@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import Callable
 
 import httpx
 import pytest
@@ -34,8 +33,8 @@ def _holders(url: str, hashes: list[int]) -> list[tuple[str, int, int]]:
 
 
 @pytest.fixture
-def url(make_cluster: Callable[..., Cluster]) -> str:
-    return make_cluster(1, lease_ttl_s=300).replica_urls[0]
+def url(file_directory: Cluster) -> str:
+    return file_directory.replica_urls[0]
 
 
 def test_a_late_deregister_of_an_old_epoch_is_409_and_spares_the_new_registration(url: str) -> None:

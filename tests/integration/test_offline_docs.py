@@ -53,8 +53,8 @@ def assert_offline_docs(base: str, headers: dict[str, str] | None = None) -> Non
     assert httpx.get(base + "/redoc", headers=headers, timeout=5).status_code == 404  # off: it would load from a CDN
 
 
-def test_docs_of_the_directory_gateway_and_worker_load_from_their_own_host(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_docs_of_the_directory_gateway_and_worker_load_from_their_own_host(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     w = make_workers(c, 1)
     g = make_gateway(c, 1)
     for base in (c.replica_urls[0], g.url, w.urls[0]):

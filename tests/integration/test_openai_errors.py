@@ -21,8 +21,8 @@ def _openai_error(r: httpx.Response, status: int, code: str, *named: str) -> Non
         assert text in body["error"]["message"], (text, body)
 
 
-def test_unknown_paths_and_methods_are_openai_errors_naming_the_routes(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(1)
+def test_unknown_paths_and_methods_are_openai_errors_naming_the_routes(file_directory, make_workers, make_gateway) -> None:
+    c = file_directory
     w = make_workers(c, 1)
     g = make_gateway(c, 1)
     for url in (g.url, w.urls[0]):
@@ -38,10 +38,10 @@ def test_unknown_paths_and_methods_are_openai_errors_naming_the_routes(make_clus
     assert r.status_code == 200 and r.headers["x-kvdir-node"] == w.node_ids[0], r.text
 
 
-def test_the_gateway_and_the_worker_answer_a_bad_request_alike(make_cluster, make_workers, make_gateway) -> None:
+def test_the_gateway_and_the_worker_answer_a_bad_request_alike(file_directory, make_workers, make_gateway) -> None:
     """One definition of the request shapes (kvproto.openai_api, issue #30): the gateway refuses what the worker would,
     with the same body, itself (no engine sees it), and both take an assistant's tool-call turn with null content."""
-    c = make_cluster(1)
+    c = file_directory
     w = make_workers(c, 1)
     g = make_gateway(c, 1)
     hi = {"role": "user", "content": "hi"}
@@ -64,10 +64,10 @@ def test_the_gateway_and_the_worker_answer_a_bad_request_alike(make_cluster, mak
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
 
 
-def test_a_model_name_longer_than_any_engine_may_register_is_refused_before_any_work(make_cluster, make_gateway) -> None:
+def test_a_model_name_longer_than_any_engine_may_register_is_refused_before_any_work(file_directory, make_gateway) -> None:
     """With no engine known, no model is unknown: the bound on the name is what keeps a client's unique long names
     from being hashed and remembered (a 400 `string_above_max_length` naming `model`, never a 503 after the work)."""
-    c = make_cluster(1)
+    c = file_directory
     g = make_gateway(c, 0)
     with httpx.Client(timeout=30) as client:
         for i in range(20):

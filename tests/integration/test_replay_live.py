@@ -11,8 +11,8 @@ from kvtools.replay.sim import SimParams, simulate
 from kvtools.replay.trace import multi_turn
 
 
-def test_live_multi_turn_hit_rate_matches_the_simulation(make_cluster, make_workers, make_gateway, tmp_path) -> None:
-    c = make_cluster(1)
+def test_live_multi_turn_hit_rate_matches_the_simulation(file_directory, make_workers, make_gateway, tmp_path) -> None:
+    c = file_directory
     make_workers(c, 4, ("--time-scale", "0.01"))
     g = make_gateway(c, 4)
     requests = multi_turn(sessions=6, rounds=3, seed=3, block_tokens=512)

@@ -30,8 +30,8 @@ def _session(client: DirectoryClient, holds: dict[int, int], **kw: Any) -> NodeS
     return NodeSession(client, NODE, API, holdings=lambda: [(h, s, None) for h, s in holds.items()], block_size=16, **kw)
 
 
-def test_register_publish_and_a_removal_cancels_a_pending_store(make_cluster) -> None:
-    c = make_cluster(1)
+def test_register_publish_and_a_removal_cancels_a_pending_store(file_directory) -> None:
+    c = file_directory
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:
@@ -60,8 +60,8 @@ def test_register_publish_and_a_removal_cancels_a_pending_store(make_cluster) ->
     asyncio.run(go())
 
 
-def test_a_409_after_a_registration_elsewhere_reregisters_and_republishes(make_cluster) -> None:
-    c = make_cluster(1)
+def test_a_409_after_a_registration_elsewhere_reregisters_and_republishes(file_directory) -> None:
+    c = file_directory
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:
@@ -113,8 +113,8 @@ def test_an_expired_lease_is_renewed_by_registering_again(make_cluster) -> None:
     asyncio.run(go())
 
 
-def test_rejections_drop_the_round_and_back_off(make_cluster) -> None:
-    c = make_cluster(1)
+def test_rejections_drop_the_round_and_back_off(file_directory) -> None:
+    c = file_directory
 
     async def go() -> None:
         async with DirectoryClient(c.replica_urls) as client:

@@ -32,8 +32,8 @@ def _load(dir_url: str, node_id: str) -> dict[str, float]:
     return httpx.get(f"{dir_url}/v1/nodes/{node_id}").json()["load"]
 
 
-def test_second_request_reuses_the_prefix(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+def test_second_request_reuses_the_prefix(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 1)
     first = _complete(w.urls[0], PROMPT)
     second = _complete(w.urls[0], PROMPT + " And one more question?")
@@ -47,13 +47,13 @@ def test_second_request_reuses_the_prefix(make_cluster, make_workers) -> None:
 
 
 @pytest.mark.parametrize("transfer", ["mooncake", "tcp"])
-def test_peer_pulls_a_prefix_as_verified_bytes(make_cluster, make_workers, transfer) -> None:
-    c = make_cluster(3)
+def test_peer_pulls_a_prefix_as_verified_bytes(file_directory, make_workers, transfer) -> None:
+    c = file_directory
     w = make_workers(c, 2, ("--transfer", transfer, "--tp", "2"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="worker-1's blocks")
     res = httpx.post(
-        c.replica_urls[1] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL, "with_slots": True}
+        c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL, "with_slots": True}
     ).json()
     holder = res["holders"][0]
     plan = {"source_node": holder["node_id"], "source_epoch": holder["epoch"], "slots": holder["slots"]}
@@ -61,7 +61,7 @@ def test_peer_pulls_a_prefix_as_verified_bytes(make_cluster, make_workers, trans
     assert pulled["kvdir"]["pulled_tokens"] == 25 * 16, pulled["kvdir"]
     assert pulled["kvdir"]["pull_failures"] == []
     assert pulled["usage"]["prompt_tokens_details"]["cached_tokens"] == 25 * 16
-    wait_for(lambda: _holders(c.replica_urls[2], PROMPT) == {"worker-1": 25, "worker-2": 25}, what="both holders listed")
+    wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25, "worker-2": 25}, what="both holders listed")
     metrics = httpx.get(w.urls[1] + "/metrics").text
     assert "kvdir_worker_pulled_blocks_total 25.0" in metrics
     # The puller's heartbeats report the bandwidth of that read (its only one) for the gateway to price pulls with.
@@ -71,8 +71,8 @@ def test_peer_pulls_a_prefix_as_verified_bytes(make_cluster, make_workers, trans
     assert PULL_GBPS_LABEL not in _load(c.replica_urls[0], "worker-1")  # it never pulled
 
 
-def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers) -> None:
-    c = make_cluster(1)
+def test_stale_or_wrong_pull_falls_back_to_recompute(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 2, ("--transfer", "tcp"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="worker-1's blocks")
@@ -109,16 +109,16 @@ def test_stale_or_wrong_pull_falls_back_to_recompute(make_cluster, make_workers)
         assert r.status_code == 400 and "kvdir_pull" in r.json()["error"]["message"], r.text
 
 
-def test_eviction_publishes_removals(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+def test_eviction_publishes_removals(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 1, ("--capacity-blocks", "30"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="the first prompt's blocks")
     other = "A different conversation entirely, sharing nothing with the first. " * 6
     _complete(w.urls[0], other)  # needs 25 slots of 30: most of the first prompt is evicted (LRU, tail first)
-    wait_for(lambda: _holders(c.replica_urls[1], other) == {"worker-1": 25}, what="the second prompt's blocks")
-    wait_for(lambda: _holders(c.replica_urls[1], PROMPT).get("worker-1", 0) <= 5, what="removals of evicted blocks")
-    node = httpx.get(c.replica_urls[2] + "/v1/nodes/worker-1").json()
+    wait_for(lambda: _holders(c.replica_urls[0], other) == {"worker-1": 25}, what="the second prompt's blocks")
+    wait_for(lambda: _holders(c.replica_urls[0], PROMPT).get("worker-1", 0) <= 5, what="removals of evicted blocks")
+    node = httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1").json()
     assert node["blocks"] <= 30
 
 
@@ -134,8 +134,8 @@ def test_worker_serves_while_the_directory_is_down_and_catches_up(make_cluster, 
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, timeout=30, what="blocks published after recovery")
 
 
-def test_worker_restart_gets_a_new_epoch_and_old_entries_vanish(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+def test_worker_restart_gets_a_new_epoch_and_old_entries_vanish(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 1)
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="first incarnation's blocks")
@@ -145,21 +145,21 @@ def test_worker_restart_gets_a_new_epoch_and_old_entries_vanish(make_cluster, ma
     new_epoch = w.wait_ready(60)[0]
     assert new_epoch > old_epoch
     res = httpx.post(
-        c.replica_urls[1] + "/v1/lookup?consistency=linearizable", json={"tokens": list(PROMPT.encode()), "model": MODEL}
+        c.replica_urls[0] + "/v1/lookup?consistency=linearizable", json={"tokens": list(PROMPT.encode()), "model": MODEL}
     ).json()
     assert res["holders"] == []  # the old epoch's entries went with the re-registration
     _complete(w.urls[0], PROMPT)
     wait_for(
         lambda: (
-            httpx.post(c.replica_urls[2] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL}).json()["holders"]
+            httpx.post(c.replica_urls[0] + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": MODEL}).json()["holders"]
             == [{"node_id": "worker-1", "epoch": new_epoch, "matched_blocks": 25}]
         ),
         what="the new epoch's blocks",
     )
 
 
-def test_openai_api_shapes_streaming_and_errors(make_cluster, make_workers) -> None:
-    c = make_cluster(1)
+def test_openai_api_shapes_streaming_and_errors(file_directory, make_workers) -> None:
+    c = file_directory
     w = make_workers(c, 1, ("--max-model-len", "1000"))
     url = w.urls[0]
     models = httpx.get(url + "/v1/models").json()
