@@ -21,13 +21,19 @@ from kvdir import local_cluster
 
 _LOW, _HIGH = 10000, 32000  # below Linux's ephemeral range (32768-60999)
 
-# file (or file::test) -> why it runs alone
+# file, or file::test (with all its parameters) -> why it runs alone
 SERIAL = {
     "tests/integration/test_replication.py": "a stalled or restarted follower must not cause an election",
     "tests/integration/test_raft_security.py": "hostile Raft connections must not cause an election",
-    "tests/integration/test_directory_bounds.py": "an oversized request must not cause an election",
+    "tests/integration/test_directory_bounds.py::test_oversized_bodies_are_refused_without_an_election": (
+        "an oversized request must not cause an election"
+    ),
     "tests/integration/test_hostile.py": "normal requests answered within 1-2 s while attacked",
-    "tests/integration/test_transfer.py": "stalled transfers end within their bounds",
+    "tests/integration/test_transfer.py::test_unregistered_range_fails": "a refused range fails within its bound",
+    "tests/integration/test_transfer.py::test_dead_peer_fails_fast": "a dead peer fails within its bound",
+    "tests/integration/test_transfer.py::test_never_reachable_peer_fails_fast": "an unreachable peer fails within its bound",
+    "tests/integration/test_transfer.py::test_stalled_peer_fails_within_bound": "a stalled transfer ends within its bound",
+    "tests/integration/test_transfer.py::test_stalled_peer_on_first_contact_fails_within_bound": "a stalled first contact ends within its bound",
     "tests/integration/test_watch.py": "a stalled watch is noticed within 1.5 s",
     "tests/integration/test_header_limit.py": "an oversized header is refused within 1 s",
     "tests/integration/test_gateway_mirror.py": "a stalled mirror is noticed and recovers within its bounds",
@@ -62,5 +68,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.faults)
         if path.startswith("tests/peers/"):
             item.add_marker(pytest.mark.peers)
-        if path in SERIAL or item.nodeid in SERIAL:
+        if path in SERIAL or item.nodeid in SERIAL or item.nodeid.split("[")[0] in SERIAL:  # every parameter
             item.add_marker(pytest.mark.serial)

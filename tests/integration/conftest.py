@@ -129,7 +129,9 @@ def make_workers(tmp_path: Path) -> Iterator[Callable[..., Workers]]:
             free_ports(n),
             cluster.replica_urls,
             log_level="info",
-            extra_args=("--time-scale", "0.05", "--heartbeat-interval-s", "0.3", *extra_args),
+            # TCP transfers unless a test asks for Mooncake (the tests of the transfer engines do): a Mooncake
+            # engine takes ~0.5 s to tear down, on every worker's stop.
+            extra_args=("--time-scale", "0.05", "--heartbeat-interval-s", "0.3", "--transfer", "tcp", *extra_args),
         )
         started.append(workers)
         workers.start()

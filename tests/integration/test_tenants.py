@@ -4,13 +4,15 @@ name another, and a worker and a gateway of one tenant still route by cached pre
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvdir.local_cluster import Workers, free_ports
+from kvdir.local_cluster import Cluster, Workers, free_ports, write_raft_password
 from kvproto.client import DirectoryClient
 from kvproto.errors import AuthError
 from kvproto.hashing import block_hashes
@@ -37,25 +39,56 @@ TOKENS_40 = list(range(1, 41))
 HASHES = block_hashes(TOKENS_40)
 
 
+Tenanted = tuple[Cluster, dict[str, Path]]
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-@pytest.fixture
-def tenanted(request: pytest.FixtureRequest, make_cluster, tmp_path: Path):
+@pytest.fixture(scope="module")
+def _tenanted_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenanted]:
     """A 3-replica cluster with confined tokens (TOKENS, or the test's indirect parameter) and a tenant secret, and
-    one file per client token."""
-    tokens, secret = tmp_path / "tokens", tmp_path / "tenant-secret"
+    one file per client token: started once per file and token table (see `tenanted`)."""
+    d = tmp_path_factory.mktemp("tenanted")
+    tokens, secret = d / "tokens", d / "tenant-secret"
     tokens.write_text(getattr(request, "param", TOKENS))
     secret.write_text("a-secret-only-the-replicas-know\n")
     files = {}
     for name, token in (("engine_acme", ENGINE_ACME), ("gateway", GATEWAY), ("gateway_bravo", GATEWAY_BRAVO)):
-        files[name] = tmp_path / f"{name}.token"
+        files[name] = d / f"{name}.token"
         files[name].write_text(token + "\n")
-    c = make_cluster(
-        3, lease_ttl_s=300, token=ADMIN, extra_args=("--auth-tokens-file", str(tokens), "--tenant-secret-file", str(secret))
+    ports = free_ports(6)
+    c = Cluster(
+        d / "cluster",
+        ports[:3],
+        ports[3:],
+        lease_ttl_s=300,
+        log_level="info",
+        extra_args=("--auth-tokens-file", str(tokens), "--tenant-secret-file", str(secret)),
+        token=ADMIN,
+        raft_password_file=write_raft_password(d / "secrets"),
     )
-    return c, files
+    try:
+        (d / "cluster").mkdir()
+        c.start()
+        c.wait_ready(60)
+        yield c, files
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def tenanted(_tenanted_cluster: Tenanted) -> Iterator[Tenanted]:
+    """The file's tenanted cluster, with no node registered when a test starts: the nodes a test registered
+    (in any tenant) are deregistered after it, so that their endpoints and entries are gone for the next."""
+    c, files = _tenanted_cluster
+    leader = c.wait_ready(30)
+    yield c, dict(files)
+    with httpx.Client(base_url=leader, headers=bearer(ADMIN), timeout=5) as http:
+        for node in http.get("/v1/nodes").json()["nodes"]:
+            r = http.delete("/v1/nodes/" + urllib.parse.quote(node["node_id"], safe="/"))
+            assert r.status_code in (200, 404), r.text
 
 
 def _holders(url: str, token: str, **body: object) -> dict[str, int]:
@@ -179,8 +212,8 @@ def test_confined_tokens_cannot_name_another_tenant(tenanted) -> None:
     asyncio.run(client())
 
 
-def test_tenants_without_auth(make_cluster) -> None:
-    c = make_cluster(1)
+def test_tenants_without_auth(file_directory) -> None:
+    c = file_directory
     url = c.wait_ready(30)
     epoch = _register(url, "worker-1", "none")
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(HASHES)]
@@ -296,7 +329,7 @@ def test_the_watch_stream_refuses_tokens_confined_to_a_tenant(tenanted) -> None:
     assert frames[0]["k"] == "snapshot"
 
 
-@pytest.mark.parametrize("tenanted", [TOKENS_BRAVO_ON_WORKER_1], indirect=True)
+@pytest.mark.parametrize("_tenanted_cluster", [TOKENS_BRAVO_ON_WORKER_1], indirect=True)
 def test_a_shared_engine_never_pulls_from_a_tenants_engine(tenanted, make_gateway, tmp_path) -> None:
     """Tenant bravo's engine holds two prompts and reports itself overloaded (with bravo's engine token, as a
     node of its own could): bravo's gateway, whose candidates are bravo's engines and shared ones, recomputes the
