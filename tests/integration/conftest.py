@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports, write_raft_password
 from kvdir.sharded import ShardedCluster
+from tests.support.cluster import deregister_all
 
 
 @pytest.fixture
@@ -83,10 +83,7 @@ def file_directory(_file_directory: Cluster) -> Iterator[Cluster]:
     leader = _file_directory.wait_ready(30)
     assert httpx.get(leader + "/v1/nodes", timeout=5).json()["nodes"] == [], "a node left by an earlier test"
     yield _file_directory
-    with httpx.Client(base_url=leader, timeout=5) as http:
-        for node in http.get("/v1/nodes").json()["nodes"]:
-            r = http.delete("/v1/nodes/" + urllib.parse.quote(node["node_id"], safe="/"))
-            assert r.status_code in (200, 404), r.text  # 404: it deregistered itself meanwhile
+    deregister_all(leader)
 
 
 @pytest.fixture

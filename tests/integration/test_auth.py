@@ -4,14 +4,17 @@ not do, open health endpoints, and workers, the gateway and the client sending t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvdir.local_cluster import Cluster, free_ports, write_raft_password
 from kvproto.client import DirectoryClient
 from kvproto.errors import AuthError
 from kvproto.hashing import block_hashes
+from tests.support.cluster import deregister_all
 from tests.support.wait import wait_for
 
 ENGINE, GATEWAY, ADMIN = "engine-tok-3f9a1c0d2b", "gateway-tok-77aa01bc", "admin-tok-5e5e1234abcd"
@@ -26,22 +29,51 @@ MODEL = "kvdir-stub"
 PROMPT = "Tokens guard the directory; the cache still works behind them. " * 4
 
 
+Secured = tuple[Cluster, dict[str, Path]]
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-@pytest.fixture
-def secured(make_cluster, tmp_path: Path):
-    """A 3-replica cluster with an auth tokens file, and one file per client token."""
-    tokens = tmp_path / "tokens"
+@pytest.fixture(scope="module")
+def _secured_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    """A 3-replica cluster with an auth tokens file, and one file per client token, started once per file."""
+    d = tmp_path_factory.mktemp("secured")
+    tokens = d / "tokens"
     tokens.write_text(TOKENS)
     tokens.chmod(0o600)
     files = {}
     for name, token in (("engine", ENGINE), ("gateway", GATEWAY), ("admin", ADMIN)):
-        files[name] = tmp_path / f"{name}.token"
+        files[name] = d / f"{name}.token"
         files[name].write_text(token + "\n")
-    c = make_cluster(3, lease_ttl_s=300, extra_args=("--auth-tokens-file", str(tokens)), token=ADMIN)
-    return c, files
+    ports = free_ports(6)
+    (d / "cluster").mkdir()
+    c = Cluster(
+        d / "cluster",
+        ports[:3],
+        ports[3:],
+        lease_ttl_s=300,
+        log_level="info",
+        extra_args=("--auth-tokens-file", str(tokens)),
+        token=ADMIN,
+        raft_password_file=write_raft_password(d / "secrets"),
+    )
+    try:
+        c.start()
+        c.wait_ready(60)
+        yield c, files
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def secured(_secured_cluster: Secured) -> Iterator[Secured]:
+    """The file's secured cluster, with every node a test registered deregistered after it."""
+    c, files = _secured_cluster
+    leader = c.wait_ready(30)
+    yield c, files
+    deregister_all(leader, ADMIN)
 
 
 def _err(r: httpx.Response, status: int, error: str) -> None:

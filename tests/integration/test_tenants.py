@@ -4,7 +4,6 @@ name another, and a worker and a gateway of one tenant still route by cached pre
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from kvproto.client import DirectoryClient
 from kvproto.errors import AuthError
 from kvproto.hashing import block_hashes
 from kvproto.watch_codec import FrameReader
+from tests.support.cluster import deregister_all
 from tests.support.wait import wait_for
 
 ENGINE, ENGINE_ACME, ENGINE_BRAVO = "engine-any-0c1d2e3f", "engine-acme-9a8b7c6d", "engine-bravo-1f2e3d4c"
@@ -85,10 +85,7 @@ def tenanted(_tenanted_cluster: Tenanted) -> Iterator[Tenanted]:
     c, files = _tenanted_cluster
     leader = c.wait_ready(30)
     yield c, dict(files)
-    with httpx.Client(base_url=leader, headers=bearer(ADMIN), timeout=5) as http:
-        for node in http.get("/v1/nodes").json()["nodes"]:
-            r = http.delete("/v1/nodes/" + urllib.parse.quote(node["node_id"], safe="/"))
-            assert r.status_code in (200, 404), r.text
+    deregister_all(leader, ADMIN)
 
 
 def _holders(url: str, token: str, **body: object) -> dict[str, int]:
