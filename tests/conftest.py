@@ -13,42 +13,13 @@ so a port one worker picked but has not bound yet is never the other's pick.
 
 from __future__ import annotations
 
-import atexit
 import os
-import re
-import shutil
-import tempfile
-from pathlib import Path
 
-import certifi
 import pytest
 
 from kvdir import local_cluster
 
 _LOW, _HIGH = 10000, 32000  # below Linux's ephemeral range (32768-60999)
-
-
-def _one_certificate_trust_store() -> None:
-    """Point SSL_CERT_FILE (for this process and every process a test starts) at one CA certificate.
-
-    Every test talks plain HTTP to 127.0.0.1, yet each `httpx.Client` (and each `httpx.get`, which makes
-    one) loads the whole certifi bundle into a new SSL context: ~20 ms of CPU, on every poll of a wait.
-    That was a large share of the suite's CPU on 2 cores; with one certificate it is ~1 ms. Nothing here
-    uses TLS, so nothing a test asserts depends on the trust store.
-    """
-    if "SSL_CERT_FILE" in os.environ:
-        return
-    first = re.search(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----\n", Path(certifi.where()).read_text(), re.S)
-    assert first is not None, "certifi's bundle holds no certificate"
-    folder = tempfile.mkdtemp(prefix="kvdir-tests-ca-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    path = Path(folder) / "ca.pem"
-    path.write_text(first.group(0))
-    os.environ["SSL_CERT_FILE"] = str(path)
-
-
-_one_certificate_trust_store()
-
 
 # file, or file::test (with all its parameters) -> why it runs alone. A whole file only where its tests all assert
 # such timing: the rest (no bound, or one many times what they take, like a refused transfer failing in
