@@ -63,10 +63,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         raise ValueError(f"no ports to pick: {low}..{high - 1} lies in Mooncake's ({mooncake.start}..{mooncake.stop - 1})")
     rng = random.SystemRandom()
     ports: list[int] = []
+    tried: set[int] = set()  # so that a range with fewer than n free ports ends in an error, not a loop
     with _HANDED_OUT_LOCK:
         while len(ports) < n:
+            if len(tried) == high - low:
+                raise ValueError(f"only {len(ports)} of {n} ports free to pick in {low}..{high - 1}")
             port = rng.randrange(low, high)
-            if port in ports or port in _handed_out or port in mooncake:
+            if port in tried:
+                continue
+            tried.add(port)
+            if port in _handed_out or port in mooncake:
                 continue
             with socket.socket() as sock:
                 try:
