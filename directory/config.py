@@ -124,6 +124,13 @@ class DirectorySettings(BaseSettings):
     raft_min_timeout_s: float = Field(0.25, gt=0, description="Raft election timeout, lower bound")
     raft_max_timeout_s: float = Field(0.5, gt=0, description="Raft election timeout, upper bound")
     raft_append_period_s: float = Field(0.05, gt=0, description="Raft leader heartbeat period")
+    raft_tick_s: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="longest the Raft thread waits for a network event between ticks; a single replica, with no "
+        "peer to answer, commits a write on its next tick",
+    )
     raft_connection_timeout_s: float = Field(
         3.0,
         gt=0,

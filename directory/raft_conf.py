@@ -29,6 +29,7 @@ def raft_conf(settings: DirectorySettings, on_state_changed: Callable[[int, int]
         raftMinTimeout=settings.raft_min_timeout_s,
         raftMaxTimeout=settings.raft_max_timeout_s,
         appendEntriesPeriod=settings.raft_append_period_s,
+        autoTickPeriod=settings.raft_tick_s,
         connectionRetryTime=settings.raft_min_timeout_s / 5,
         connectionTimeout=settings.raft_connection_timeout_s,
         # A Raft port that stays taken fails the start (Replica) instead of leaving a replica that

@@ -76,16 +76,23 @@ def secured(_secured_cluster: Secured) -> Iterator[Secured]:
     deregister_all(leader, ADMIN)
 
 
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    """One client for a test's requests: each `httpx.get` makes a client of its own, and with it an SSL context
+    (~20 ms of CPU); the role checks here make dozens."""
+    with httpx.Client(timeout=5) as client:
+        yield client
+
+
 def _err(r: httpx.Response, status: int, error: str) -> None:
     assert r.status_code == status, (r.request.method, r.request.url, r.status_code, r.text)
     body = r.json()
     assert body["error"] == error and body["detail"], body
 
 
-def test_requests_without_a_known_token_are_401_and_health_is_open(secured) -> None:
+def test_requests_without_a_known_token_are_401_and_health_is_open(secured, http) -> None:
     c, _ = secured
     for url in c.replica_urls:
-        http = httpx.Client(timeout=5)
         for method, path, body in [
             ("GET", "/v1/nodes", None),
             ("GET", "/v1/nodes/x", None),
@@ -109,16 +116,15 @@ def test_requests_without_a_known_token_are_401_and_health_is_open(secured) -> N
                 r = http.request(method, url + path, json=body, headers=headers)
                 _err(r, 401, "unauthorized")
                 assert r.headers["www-authenticate"].startswith("Bearer")
-        http.close()
         for path in ("/healthz", "/readyz", "/metrics"):
-            assert httpx.get(url + path).status_code == 200, path
-        assert 'kvdir_directory_requests_rejected_total{error="unauthorized"}' in httpx.get(url + "/metrics").text
+            assert http.get(url + path).status_code == 200, path
+        assert 'kvdir_directory_requests_rejected_total{error="unauthorized"}' in http.get(url + "/metrics").text
     # With a token, unknown routes are the usual 404, and the schema is readable by every role.
-    _err(httpx.get(c.replica_urls[0] + "/v1/no-such-route", headers=bearer(GATEWAY)), 404, "not_found")
-    assert httpx.get(c.replica_urls[0] + "/openapi.json", headers=bearer(ENGINE)).status_code == 200
+    _err(http.get(c.replica_urls[0] + "/v1/no-such-route", headers=bearer(GATEWAY)), 404, "not_found")
+    assert http.get(c.replica_urls[0] + "/openapi.json", headers=bearer(ENGINE)).status_code == 200
 
 
-def test_roles_and_node_patterns(secured) -> None:
+def test_roles_and_node_patterns(secured, http) -> None:
     c, _ = secured
     leader = c.wait_ready(30)
     follower = next(u for u in c.replica_urls if u != leader)
@@ -126,87 +132,87 @@ def test_roles_and_node_patterns(secured) -> None:
     blocks = [{"hash": h, "slot": i} for i, h in enumerate(hashes)]
     admin, engine, gateway = bearer(ADMIN), bearer(ENGINE), bearer(GATEWAY)
     # The admin registers a node the engine token does not cover.
-    r = httpx.post(leader + "/v1/nodes", json={"node_id": "other-1", "api_url": "http://127.0.0.1:9"}, headers=admin)
+    r = http.post(leader + "/v1/nodes", json={"node_id": "other-1", "api_url": "http://127.0.0.1:9"}, headers=admin)
     assert r.status_code == 200, r.text
     other_epoch = r.json()["epoch"]
     for url in (leader, follower):  # every replica enforces the same rules
         # engine:worker-* registers, publishes, heartbeats, removes and clears for worker-1 ...
-        r = httpx.post(url + "/v1/nodes", json={"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}, headers=engine)
+        r = http.post(url + "/v1/nodes", json={"node_id": "worker-1", "api_url": "http://127.0.0.1:9"}, headers=engine)
         assert r.status_code == 200, r.text
         epoch = r.json()["epoch"]
         assert (
-            httpx.post(
+            http.post(
                 url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=engine
             ).status_code
             == 200
         )
         assert (
-            httpx.post(
+            http.post(
                 url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch, "load": {"running": 1}}, headers=engine
             ).status_code
             == 200
         )
         assert (
-            httpx.post(
+            http.post(
                 url + "/v1/blocks/remove", json={"node_id": "worker-1", "epoch": epoch, "hashes": hashes[-1:]}, headers=engine
             ).status_code
             == 200
         )
-        assert httpx.post(url + "/v1/lookup", json={"hashes": hashes}, headers=engine).status_code == 200  # engines may read
+        assert http.post(url + "/v1/lookup", json={"hashes": hashes}, headers=engine).status_code == 200  # engines may read
         # ... but nothing for other-1, nor for ids that only look alike.
         for node_id in ("other-1", "worker", "xworker-1", "Worker-1"):
             _err(
-                httpx.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=engine),
+                http.post(url + "/v1/nodes", json={"node_id": node_id, "api_url": "http://127.0.0.1:9"}, headers=engine),
                 403,
                 "forbidden",
             )
         _err(
-            httpx.post(url + "/v1/blocks", json={"node_id": "other-1", "epoch": other_epoch, "blocks": blocks}, headers=engine),
+            http.post(url + "/v1/blocks", json={"node_id": "other-1", "epoch": other_epoch, "blocks": blocks}, headers=engine),
             403,
             "forbidden",
         )
         _err(
-            httpx.post(
+            http.post(
                 url + "/v1/blocks/remove", json={"node_id": "other-1", "epoch": other_epoch, "hashes": hashes}, headers=engine
             ),
             403,
             "forbidden",
         )
         _err(
-            httpx.post(url + "/v1/blocks/clear", json={"node_id": "other-1", "epoch": other_epoch}, headers=engine),
+            http.post(url + "/v1/blocks/clear", json={"node_id": "other-1", "epoch": other_epoch}, headers=engine),
             403,
             "forbidden",
         )
-        _err(httpx.post(url + "/v1/nodes/other-1/heartbeat", json={"epoch": other_epoch}, headers=engine), 403, "forbidden")
-        _err(httpx.delete(url + "/v1/nodes/other-1", headers=engine), 403, "forbidden")
+        _err(http.post(url + "/v1/nodes/other-1/heartbeat", json={"epoch": other_epoch}, headers=engine), 403, "forbidden")
+        _err(http.delete(url + "/v1/nodes/other-1", headers=engine), 403, "forbidden")
         # The gateway token reads (lookups, nodes, cluster) and writes nothing.
-        r = httpx.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": hashes}, headers=gateway)
+        r = http.post(url + "/v1/lookup?consistency=linearizable", json={"hashes": hashes}, headers=gateway)
         assert r.status_code == 200 and r.json()["holders"][0]["node_id"] == "worker-1", r.text
-        assert {n["node_id"] for n in httpx.get(url + "/v1/nodes", headers=gateway).json()["nodes"]} == {"worker-1", "other-1"}
-        assert httpx.get(url + "/v1/nodes/worker-1", headers=gateway).status_code == 200
-        assert httpx.get(url + "/v1/cluster", headers=gateway).json()["leader_url"] in c.replica_urls
+        assert {n["node_id"] for n in http.get(url + "/v1/nodes", headers=gateway).json()["nodes"]} == {"worker-1", "other-1"}
+        assert http.get(url + "/v1/nodes/worker-1", headers=gateway).status_code == 200
+        assert http.get(url + "/v1/cluster", headers=gateway).json()["leader_url"] in c.replica_urls
         _err(
-            httpx.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=gateway),
+            http.post(url + "/v1/blocks", json={"node_id": "worker-1", "epoch": epoch, "blocks": blocks}, headers=gateway),
             403,
             "forbidden",
         )
         _err(
-            httpx.post(url + "/v1/nodes", json={"node_id": "worker-9", "api_url": "http://127.0.0.1:9"}, headers=gateway),
+            http.post(url + "/v1/nodes", json={"node_id": "worker-9", "api_url": "http://127.0.0.1:9"}, headers=gateway),
             403,
             "forbidden",
         )
-        _err(httpx.post(url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch}, headers=gateway), 403, "forbidden")
-        _err(httpx.delete(url + "/v1/nodes/worker-1", headers=gateway), 403, "forbidden")
+        _err(http.post(url + "/v1/nodes/worker-1/heartbeat", json={"epoch": epoch}, headers=gateway), 403, "forbidden")
+        _err(http.delete(url + "/v1/nodes/worker-1", headers=gateway), 403, "forbidden")
         # The engine deregisters its own node.
-        assert httpx.delete(url + "/v1/nodes/worker-1", headers=engine).status_code == 200
+        assert http.delete(url + "/v1/nodes/worker-1", headers=engine).status_code == 200
     # The admin deletes any node.
-    r = httpx.post(leader + "/v1/nodes", json={"node_id": "worker-2", "api_url": "http://127.0.0.1:9"}, headers=engine)
+    r = http.post(leader + "/v1/nodes", json={"node_id": "worker-2", "api_url": "http://127.0.0.1:9"}, headers=engine)
     assert r.status_code == 200
     for node_id in ("other-1", "worker-2"):
-        r = httpx.delete(follower + f"/v1/nodes/{node_id}", headers=admin)
+        r = http.delete(follower + f"/v1/nodes/{node_id}", headers=admin)
         assert r.status_code == 200 and r.json()["node_id"] == node_id, r.text
-    assert httpx.get(leader + "/v1/nodes", headers=admin).json()["nodes"] == []
-    metrics = httpx.get(leader + "/metrics").text
+    assert http.get(leader + "/v1/nodes", headers=admin).json()["nodes"] == []
+    metrics = http.get(leader + "/metrics").text
     assert 'kvdir_directory_requests_rejected_total{error="forbidden"}' in metrics
 
 
@@ -230,32 +236,32 @@ def test_client_sends_its_token(secured) -> None:
     asyncio.run(main())
 
 
-def test_worker_and_gateway_send_tokens_from_files(secured, make_workers, make_gateway) -> None:
+def test_worker_and_gateway_send_tokens_from_files(secured, make_workers, make_gateway, http) -> None:
     c, files = secured
     w = make_workers(c, 1, ("--directory-token-file", str(files["engine"]), "--transfer", "tcp"))  # registers as worker-1
     g = make_gateway(c, 1, ("--directory-token-file", str(files["gateway"])))  # reads the engine list with its token
-    r = httpx.post(w.urls[0] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)
+    r = http.post(w.urls[0] + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
     n_blocks = len(PROMPT.encode()) // 16
 
     def holders(url: str) -> dict[str, int]:
-        res = httpx.post(
+        res = http.post(
             url + "/v1/lookup", json={"tokens": list(PROMPT.encode()), "model": "kvdir-stub"}, headers=bearer(GATEWAY), timeout=5
         ).json()
         return {h["node_id"]: h["matched_blocks"] for h in res["holders"]}
 
     for url in c.replica_urls:  # the worker published with its engine token
         wait_for(lambda: holders(url) == {"worker-1": n_blocks}, what=f"worker-1's blocks on {url}")
-    node = httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()
+    node = http.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()
     wait_for(
-        lambda: httpx.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()["load"], what="a heartbeat"
+        lambda: http.get(c.replica_urls[0] + "/v1/nodes/worker-1", headers=bearer(GATEWAY)).json()["load"], what="a heartbeat"
     )
     assert node["api_url"] == w.urls[0]
     # The gateway looked the prompt up with its token: an affinity decision, not a fallback.
-    r = httpx.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
+    r = http.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT + "more", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and r.headers["x-kvdir-decision"] == "affinity", (r.headers, r.text)
     assert int(r.headers["x-kvdir-predicted-cached-tokens"]) == n_blocks * 16
-    assert httpx.get(g.url + "/health").json()["directory"] is True
+    assert http.get(g.url + "/health").json()["directory"] is True
 
 
 def test_a_replica_logs_that_auth_is_on(tmp_path: Path) -> None:

@@ -60,7 +60,8 @@ class FakeEngine:
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        # shutdown() returns once serve_forever next checks for it: every 0.5 s by default, half of each test's teardown.
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         zport, rport = free_ports(2)
         self.zmq_endpoint = f"tcp://127.0.0.1:{zport}"
         self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
@@ -176,6 +177,7 @@ class Subscriber:
     ) -> None:
         self.node_id = node_id
         self.metrics_url = f"http://127.0.0.1:{free_ports(1)[0]}/metrics"
+        self.http = httpx.Client(timeout=2)  # one for every read of the metrics: a client costs ~20 ms of CPU to make
         if engines is None:
             assert engine is not None
             which = {"KVDIR_ENGINE_URL": engine.url, "KVDIR_ZMQ": engine.zmq_endpoint, "KVDIR_NODE_ID": node_id}
@@ -222,12 +224,13 @@ class Subscriber:
 
     def labelled(self, name: str, label: str, node: str | None = None) -> float:
         labels = f'node="{node or self.node_id}"' + (f",{label}" if label else "")
-        for line in httpx.get(self.metrics_url, timeout=2).text.splitlines():
+        for line in self.http.get(self.metrics_url).text.splitlines():
             if line.startswith(f"{name}{{{labels}}} "):
                 return float(line.split()[-1])
         raise KeyError(f"{name}{{{labels}}}")
 
     def stop(self) -> None:
+        self.http.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
