@@ -17,17 +17,23 @@ log = logging.getLogger("kvdir")
 COMMANDS = "kvdir.commands"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or only role `only`'s: a process that runs one role (every replica, gateway and
+    worker `kvdir up` starts) imports neither the other roles' settings nor the tools' subcommands."""
     from kvdir.roles import ROLES, add_settings_flags
 
     p = argparse.ArgumentParser(prog="kvdir", description="A Raft-replicated KV-cache directory for LLM inference clusters.")
     sub = p.add_subparsers(dest="command", required=True)
 
     for role in ROLES.values():
-        add_settings_flags(sub.add_parser(role.name, help=role.help), role)
-    sub.choices["events"].add_argument(
-        "--connect", dest="bind", action="store_false", help="connect the SUB socket (same as --no-bind)"
-    )
+        if only in ROLES and role.name != only:
+            continue
+        parser = sub.add_parser(role.name, help=role.help)
+        add_settings_flags(parser, role)
+        if role.name == "events":
+            parser.add_argument("--connect", dest="bind", action="store_false", help="connect the SUB socket (same as --no-bind)")
+    if only in ROLES:
+        return p
 
     sub.add_parser(
         "check-config", help="validate settings (flags, env, a docker-compose file) without starting anything", add_help=False
@@ -68,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from kvdir.roles import ROLES, build_settings
 
-    args = _parser().parse_args(argv)
+    args = _parser(argv[0] if argv else None).parse_args(argv)
     try:
         if args.command in ROLES:
             role = ROLES[args.command]

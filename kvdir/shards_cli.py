@@ -33,7 +33,9 @@ class ShardsSettings(DirectoryClientSettings):
     )
 
 
-ROLE = Role("shards", "show or change the directory's shard map", ShardsSettings, "kvdir.shards_cli:run_shards")
+ROLE = Role(
+    "shards", "show or change the directory's shard map", "kvdir.shards_cli:ShardsSettings", "kvdir.shards_cli:run_shards"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

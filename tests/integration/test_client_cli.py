@@ -107,3 +107,16 @@ def test_bad_settings_exit_2_with_a_message(args, env, message) -> None:
     )
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_a_role_parses_its_flags_without_importing_the_other_roles() -> None:
+    """Every replica, gateway and worker is a `kvdir ROLE` process: what its command line imports is start-up CPU."""
+    code = (
+        "import sys\n"
+        "from kvdir.cli import _parser\n"
+        "args = _parser('directory').parse_args(['directory', '--lease-ttl-s', '7'])\n"
+        "others = ('gateway', 'worker_stub', 'kvtools', 'kvdir.launcher', 'adapters.subscriber')\n"
+        "print(args.lease_ttl_s, sorted(m for m in sys.modules if m.startswith(others)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split(maxsplit=1) == ["7", "[]\n"], out
