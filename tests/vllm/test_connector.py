@@ -21,6 +21,7 @@ from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine
 
 PULL = "kvdir_connector_pulled_blocks_total"
 FAILED = "kvdir_connector_pull_failed_blocks_total"
+REFUSED = 'kvdir_connector_plans_total{outcome="refused"}'
 
 
 def _tokens(engine: Engine, prompt: str = PROMPT) -> list[int]:
@@ -127,13 +128,18 @@ def test_a_stale_plan_is_recomputed_and_counted(engines: dict[str, Engine], dire
     hashes, holder = _served(a, directory)
     expected = _recomputed(b)
     pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
-    failed = b.metric(FAILED)
-    # A wrong slot (every block shifted by one) and a wrong epoch: nothing loaded, the output unchanged.
-    for plan in (_plan(holder, slots=[s + 1 for s in holder["slots"]]), _plan(holder, epoch=holder["epoch"] + 1)):
-        b.reset_cache()
-        out = b.complete(PROMPT, kv_transfer_params=plan)
-        assert out["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert b.metric(FAILED) - failed == 2 * pullable
+    failed, refused = b.metric(FAILED), b.metric(REFUSED)
+    # A wrong slot (every block shifted by one): read, found stale, recomputed; the output unchanged.
+    b.reset_cache()
+    out = b.complete(PROMPT, kv_transfer_params=_plan(holder, slots=[s + 1 for s in holder["slots"]]))
+    assert out["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert b.metric(FAILED) - failed == pullable
+    # A wrong epoch: refused before vLLM counts a token as loaded, so the usage says nothing was cached.
+    b.reset_cache()
+    out = b.complete(PROMPT, kv_transfer_params=_plan(holder, epoch=holder["epoch"] + 1))
+    assert out["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (b.metric(FAILED) - failed, b.metric(REFUSED) - refused) == (pullable, 1)
     # A evicts and reuses its blocks between plan and read: reset, then fill its whole pool with other prompts.
     a.reset_cache()
     for i in range(10):
@@ -203,8 +209,9 @@ def test_a_dead_holder_means_recompute_and_its_entries_go(engines: dict[str, Eng
     assert node is not None and node["epoch"] != holder["epoch"]
     _, again = _served(a, directory)
     assert again["epoch"] == node["epoch"]
-    failed = b.metric(FAILED)
+    refused = b.metric(REFUSED)
     b.reset_cache()
     out = b.complete(PROMPT, kv_transfer_params=_plan(holder))
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert b.metric(FAILED) > failed
+    assert b.metric(REFUSED) == refused + 1  # the old epoch is not A's any more: refused before any read
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

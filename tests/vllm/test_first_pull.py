@@ -19,7 +19,7 @@ import pytest
 from kvdir.local_cluster import Cluster, Gateway
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory, start_gateway, vllm_venv
-from tests.vllm.test_connector import FAILED, PULL, _decisions, _gateway_running, _node, _plan, _served
+from tests.vllm.test_connector import FAILED, PULL, REFUSED, _decisions, _gateway_running, _node, _plan, _served
 
 
 class Pair:
@@ -142,14 +142,14 @@ def test_with_the_directory_down_a_pull_waits_on_nothing(pair: Pair) -> None:
     plain_s = time.monotonic() - t0
     pair.directory.stop()
     b.reset_cache()
-    pulled, failed = b.metric(PULL), b.metric(FAILED)
+    pulled, refused = b.metric(PULL), b.metric(REFUSED)
     out = b.complete(PROMPT, kv_transfer_params=_plan(holder))
     assert b.metric(PULL) > pulled and out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     b.reset_cache()
     t0 = time.monotonic()
     b.complete(PROMPT, kv_transfer_params=_plan(holder, epoch=holder["epoch"] + 1))
     unknown_s = time.monotonic() - t0
-    assert b.metric(FAILED) > failed and b.log_lines("is not registered (as last seen)")
+    assert b.metric(REFUSED) > refused and b.log_lines("is not registered (as last seen)")
     # An order of magnitude, not a speed target: the old blocking call alone waited out a 3 s deadline.
     assert unknown_s < plain_s + 1.5, (unknown_s, plain_s)
     _alive(b)

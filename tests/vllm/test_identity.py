@@ -120,12 +120,12 @@ def test_a_pull_across_two_models_is_refused_and_recomputed(mixed: dict[str, Eng
     named = {"kvdir_pull": {**_plan(holder)["kvdir_pull"], "fingerprint": nodes["vllm-a"]["fingerprint"]}}
     out = _complete(b, OTHER, kv_transfer_params=named)
     assert _cached(out) == 0 and b.metric('kvdir_connector_plans_total{outcome="fingerprint"}') == 1
-    # A plan that names none (forged): the worker checks the source's registered fingerprint and reads nothing;
-    # vLLM recomputes the claimed blocks (its usage still counts them as cached: what it claimed when scheduling).
+    # A plan that names none (forged): the scheduler half checks the source's registered fingerprint and refuses it
+    # before vLLM counts a token, so nothing is read and the usage says nothing was cached.
     b.reset_cache()
     out = _complete(b, OTHER, kv_transfer_params=_plan(holder))
-    assert b.metric("kvdir_connector_pulled_blocks_total") == 0
-    assert b.metric("kvdir_connector_pull_failed_blocks_total") > 0 and b.log_lines("registered KV fingerprint")
+    assert _cached(out) == 0 and b.metric("kvdir_connector_pulled_blocks_total") == 0
+    assert b.metric('kvdir_connector_plans_total{outcome="refused"}') == 1 and b.log_lines("registered KV fingerprint")
     b.reset_cache()
     assert out["choices"][0]["text"] == _complete(b, OTHER)["choices"][0]["text"]  # as recomputing
 

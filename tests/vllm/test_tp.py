@@ -26,6 +26,7 @@ from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory,
 from tests.vllm.test_connector import (
     FAILED,
     PULL,
+    REFUSED,
     _decisions,
     _gateway_running,
     _holder,
@@ -190,10 +191,11 @@ def test_a_tp1_holder_is_never_a_source_for_a_tp2_engine(tp: Engines, tmp_path_f
     hashes, holder = _served(c, tp.directory)
     expected = _recomputed(a)
     a.reset_cache()
-    failed = a.metric(FAILED)
+    refused = a.metric(REFUSED)
     out = a.complete(PROMPT, kv_transfer_params=_plan(holder))
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
-    assert a.metric(FAILED) - failed >= 1 and a.log_lines("not this engine's")
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # refused before vLLM counted a token
+    assert a.metric(REFUSED) - refused == 1 and a.log_lines("not this engine's")
     a.reset_cache()
     wait_for(lambda: _holder(tp.directory, hashes, a.name) is None, what="A's reset blocks gone from the directory", timeout=30)
     gateway: Gateway = start_gateway(tmp_path_factory.mktemp("tp-gateway"), tp.directory)

@@ -1,0 +1,116 @@
+"""What the vLLM connector's two halves pass each other every step, as plain data (no vLLM here).
+
+vLLM runs the scheduler half in the EngineCore process and the worker half in each TP rank's worker process; it
+carries one `StepPlan` from the first to the second with each step, and one `WorkerReport` per rank back, which
+it merges over the ranks (`WorkerReport.merge`). The facade (adapters/vllm_connector.py) wraps both in vLLM's
+metadata classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adapters.vllm_plan import KvLayout, complete_on_every_rank, pull_outcome
+
+
+@dataclass(frozen=True, slots=True)
+class RankHandshake:
+    """One TP rank's worker, sent once to the scheduler half (vLLM's handshake metadata), which registers it: its transfer session, KV layout and host tier's."""
+
+    session: str
+    layout: KvLayout
+    host: KvLayout | None = None
+
+
+@dataclass(slots=True)
+class Load:
+    """One request's pull: destination blocks here, the source's slots (locations, medium bits included), the
+    blocks' kvdir hashes."""
+
+    req_id: str
+    source_node: str
+    source_epoch: int
+    dst_blocks: list[int]
+    src_slots: list[int]
+    hashes: list[int]
+
+
+@dataclass(slots=True)
+class HostLoad:
+    """One request's blocks loaded back from this engine's host tier: destination blocks, host slots, hashes."""
+
+    req_id: str
+    dst_blocks: list[int]
+    host_slots: list[int]
+    hashes: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Scheduler -> worker, one step.
+
+    `written`: blocks about to be written (their tags are invalidated first); `complete`: (req id, block, hash) of
+    the blocks complete after this step's forward pass; `loads`: pulls to start (asynchronous: they land in a later
+    step); `host_loads`: loads back from the host tier (synchronous: before this step's forward pass); `saves`:
+    (req id, block, host slot, hash) of complete blocks to copy to the host tier.
+    """
+
+    written: list[int] = field(default_factory=list)
+    complete: list[tuple[str, int, int]] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    host_loads: list[HostLoad] = field(default_factory=list)
+    saves: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """Worker -> scheduler, one step, of one TP rank or (merged) of all.
+
+    `complete`: (block, hash) computed and complete, as each rank reports them; `pulled`: (req id, block, hash) of
+    pulled blocks that landed and validated on the reporting rank; `pull_blocks` / `pull_failed`: destination
+    blocks of the pulls that ended this step and those of them that failed; `failed_pulls`: the requests among them
+    with a failed block; `read_bytes` / `read_s`: per rank, page bytes and seconds of the reads that completed
+    (tags, pages, tags: the pull bandwidth); `saved` / `unsaved`: (hash, host slot) saved to the host tier or not
+    (its request failed); `host_loaded` / `host_failed`: destination blocks loaded back from the host tier, and
+    those that failed the tag check.
+    """
+
+    complete: list[tuple[int, int]] = field(default_factory=list)
+    pulled: list[tuple[str, int, int]] = field(default_factory=list)
+    pull_blocks: list[int] = field(default_factory=list)
+    pull_failed: list[int] = field(default_factory=list)
+    failed_pulls: list[str] = field(default_factory=list)
+    read_bytes: dict[int, int] = field(default_factory=dict)
+    read_s: dict[int, float] = field(default_factory=dict)
+    saved: list[tuple[int, int]] = field(default_factory=list)
+    unsaved: list[tuple[int, int]] = field(default_factory=list)
+    host_loaded: list[int] = field(default_factory=list)
+    host_failed: list[int] = field(default_factory=list)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        return WorkerReport(
+            self.complete + other.complete,
+            self.pulled + other.pulled,
+            self.pull_blocks + other.pull_blocks,
+            self.pull_failed + other.pull_failed,
+            self.failed_pulls + other.failed_pulls,
+            {k: self.read_bytes.get(k, 0) + other.read_bytes.get(k, 0) for k in self.read_bytes.keys() | other.read_bytes.keys()},
+            {k: self.read_s.get(k, 0.0) + other.read_s.get(k, 0.0) for k in self.read_s.keys() | other.read_s.keys()},
+            self.saved + other.saved,
+            self.unsaved + other.unsaved,
+            self.host_loaded + other.host_loaded,
+            self.host_failed + other.host_failed,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.complete or self.pulled or self.pull_blocks or self.saved or self.unsaved or self.host_loaded or self.read_s
+        )
+
+    def pull_outcome(self) -> tuple[int, int, int]:
+        """(blocks pulled, blocks failed, pulls failed) over every rank (vllm_plan.pull_outcome)."""
+        return pull_outcome(self.pull_blocks, self.pull_failed, self.failed_pulls)
+
+    def complete_everywhere(self, ranks: int) -> list[tuple[int, int]]:
+        """The computed blocks every one of `ranks` reported complete (a block only some ranks hold is no block)."""
+        return complete_on_every_rank(self.complete, ranks)

@@ -1,0 +1,92 @@
+"""The directory, as the vLLM connector's halves see it off vLLM's threads: an asyncio loop of their own (`Loop`)
+and the pull sources, refreshed in the background (`PeerCache`), so that no engine step waits on the directory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Protocol
+
+from adapters.config import ConnectorSettings
+from adapters.vllm_plan import PullSource, Standing, pull_sources, standing
+from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
+from kvproto.schemas import NodeInfo
+
+log = logging.getLogger("kvdir.vllm")
+
+
+class Peers(Protocol):
+    """Pull sources by (node id, epoch), as the directory last listed them (`PeerCache`; tests give a fixed map)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def get(self, node_id: str, epoch: int) -> PullSource | None: ...
+
+
+class Loop:
+    """An asyncio loop on a daemon thread: the directory client runs there, off vLLM's threads."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name=name, daemon=True).start()
+
+    def run(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+class PeerCache:
+    """The directory's nodes as pull sources, refreshed in the background, so that no engine step waits on the
+    directory: a load whose source epoch is not in the last list is recomputed at once.
+
+    The list is read every `peer_refresh_s` and at once after a miss; while the directory does not answer,
+    the last list stays (a source that restarted has a new epoch, so a stale entry is never its memory).
+    """
+
+    def __init__(self, s: ConnectorSettings, node_id: str) -> None:
+        """`node_id`: the engine's own node, whose registered tenant decides which sources it may read."""
+        self.s = s
+        self.node_id = node_id
+        self._known: dict[tuple[str, int], PullSource] = {}
+        self._me: Standing | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvdir-peers", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def get(self, node_id: str, epoch: int) -> PullSource | None:
+        """The source if the last list has it at `epoch`; else None, and a refresh is asked for (never waited for)."""
+        peer = self._known.get((node_id, epoch))
+        if peer is None:
+            self._wake.set()
+        return peer
+
+    def _run(self) -> None:
+        asyncio.run(self._loop())
+
+    async def _loop(self) -> None:
+        async with DirectoryClient(
+            self.s.directory_urls, deadline=self.s.peer_refresh_s * 4, token=self.s.directory_token, tenant=self.s.tenant
+        ) as client:
+            while not self._stop.is_set():
+                try:
+                    nodes: list[NodeInfo] = await client.nodes()
+                except DirectoryError as exc:
+                    log.debug("directory node list unavailable (%s): pull sources as last seen", exc)
+                else:
+                    # A list taken while this engine's lease had lapsed (it registers again) lacks it: its standing
+                    # (the tenant its token gave it) is kept from the last list that had it.
+                    self._me = standing(nodes, self.node_id) or self._me
+                    self._known = pull_sources(nodes, self.node_id, self._me)  # replaced whole: readers see one list or the next
+                await asyncio.to_thread(self._wake.wait, self.s.peer_refresh_s)
+                self._wake.clear()

@@ -1,0 +1,112 @@
+"""Pulls read in threads of their own, so that no engine step waits on a read (the vLLM connector's worker half).
+
+A `PullJob` reads a block run's tags, then its pages, then its tags again, all into buffers of the job's own
+(the staging buffer and the tag pairs): never into the KV blocks, which the worker writes only once the job is
+done and its request still wants the bytes (adapters/connector_worker.py). That is what makes a job safe to
+abandon: a read past its deadline, or of a request vLLM aborted, writes into memory nobody else uses, kept alive
+until the read returns (a transfer engine's abandoned read may still write until the engine gives up).
+
+The reader threads start unpinned from vLLM's compute cores (see `unpinned`), and wait on the transfer engine
+with a blocking call: they never spin on a core the forward pass needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtransfer.engine import TransferEngine
+
+log = logging.getLogger("kvdir.vllm")
+
+Batch = tuple[list[int], list[int], list[int]]
+"""One transfer read: (local addresses, remote addresses, lengths)."""
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """Let the calling thread, and the threads it starts meanwhile, run on every CPU.
+
+    vLLM's CPU worker pins its main thread (and so every thread it starts) to its compute cores, the same
+    cores in every engine on a machine. Mooncake's service threads, started in `register_kv_caches`, and its
+    synchronous read, which busy-waits on the thread that calls it, then share one core with the peer's
+    service threads: reads were measured stalling for over 5 s (timed out: recomputed) on two busy cores,
+    and a few hundred ms when they completed. Off the compute cores the same reads take milliseconds.
+    """
+    try:
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError as exc:  # no such call here, or a cpuset that refuses: keep vLLM's binding
+        log.debug("cannot unpin the transfer threads: %s", exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+@dataclass(eq=False)
+class PullJob:
+    """One request's read from one source: tags (`first`), pages into `staging` (`pages`), tags again (`again`).
+
+    `tags` holds the two tag reads, (2, blocks, 2) u64; `deadline` is on `time.monotonic()`. The reader sets
+    `error` (or leaves it None), `read_s` and then `done`.
+    """
+
+    req_id: str
+    session: str
+    first: Batch
+    pages: Batch
+    again: Batch
+    tags: np.ndarray
+    staging: np.ndarray
+    deadline: float
+    error: BaseException | None = None
+    read_s: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.pages[2])
+
+
+class PullReader:
+    """`threads` reader threads over one transfer engine, taking jobs in the order they come."""
+
+    def __init__(self, transfer: TransferEngine, threads: int) -> None:
+        self._transfer = transfer
+        self._jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
+        with unpinned():  # the threads inherit the CPUs of the thread that starts them
+            self._threads = [threading.Thread(target=self._run, name=f"kvdir-pull-{i}", daemon=True) for i in range(threads)]
+            for t in self._threads:
+                t.start()
+
+    def submit(self, job: PullJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Stop the threads once they finish the read they are in (they are daemons: exit does not wait for them)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            t0 = time.monotonic()
+            try:
+                if t0 >= job.deadline:
+                    raise TimeoutError("its deadline passed while it waited for a reader thread")
+                for local, remote, lengths in (job.first, job.pages, job.again):
+                    self._transfer.read(job.session, local, remote, lengths)
+            except BaseException as exc:  # every failure is the job's outcome (a recompute), never the thread's end
+                job.error = exc
+            job.read_s = time.monotonic() - t0
+            job.done.set()

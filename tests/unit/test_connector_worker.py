@@ -1,0 +1,203 @@
+"""The vLLM connector's worker half (adapters/connector_worker.py) without vLLM: two engines' KV as numpy memory in
+this process, a transfer engine that copies between them (with a gate to hold a read), and the pull sources as a
+fixed map. What it must do: pulls run off the calling thread and land only in `get_finished`, a failed or stale
+block is a load error, an aborted request's bytes never land, a read past its deadline is given up at once."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from adapters.config import ConnectorSettings
+from adapters.connector_meta import Load, StepPlan
+from adapters.connector_worker import WorkerHalf
+from adapters.kv_memory import HostKvMemory
+from adapters.vllm_plan import PullSource
+from kvtransfer.engine import TransferError
+
+BLOCKS, PAGE, LAYERS = 16, 256, 2
+
+
+class MemTransfer:
+    """Reads by copying within this process; `gate` (when set) holds every read until released or its timeout."""
+
+    def __init__(self, session: str, timeout_s: float = 5.0) -> None:
+        self.session = session
+        self.gate: threading.Event | None = None
+        self.timeout_s = timeout_s
+        self.reads = 0
+        self.threads: set[str] = set()
+
+    def register(self, addr: int, length: int) -> None:
+        return
+
+    def read(self, peer: str, local_addrs: list[int], remote_addrs: list[int], lengths: list[int]) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.gate is not None and not self.gate.wait(self.timeout_s):
+            raise TransferError("held past its timeout")
+        self.reads += 1
+        for to, frm, n in zip(local_addrs, remote_addrs, lengths):
+            ctypes.memmove(to, frm, n)
+
+    def close(self) -> None:
+        return
+
+
+class FixedPeers:
+    def __init__(self) -> None:
+        self.sources: dict[tuple[str, int], PullSource] = {}
+
+    def start(self) -> None:
+        return
+
+    def stop(self) -> None:
+        return
+
+    def get(self, node_id: str, epoch: int) -> PullSource | None:
+        return self.sources.get((node_id, epoch))
+
+
+def _engine(node_id: str, peers: FixedPeers, transfer: MemTransfer) -> tuple[WorkerHalf, list[np.ndarray]]:
+    s = ConnectorSettings(node_id=node_id, api_url="http://127.0.0.1:9", transfer="tcp", transfer_timeout_s=1.0)
+    w = WorkerHalf(s, node_id=node_id, tp_size=1, fingerprint_of=lambda _: "fp", transfer_factory=lambda: transfer, peers=peers)
+    pages = [np.zeros((BLOCKS, PAGE), dtype=np.uint8) for _ in range(LAYERS)]
+    w.register(HostKvMemory(pages), 0)
+    return w, pages
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[WorkerHalf, list[np.ndarray], WorkerHalf, list[np.ndarray], MemTransfer]]:
+    """A source engine holding blocks 0..3 (hashes 101..104, layer l block b filled with 10*b + l + 1) and a puller."""
+    peers = FixedPeers()
+    transfer = MemTransfer("puller:1")
+    src, src_pages = _engine("src", peers, MemTransfer("src:1"))
+    dst, dst_pages = _engine("dst", peers, transfer)
+    for b in range(4):
+        for layer, p in enumerate(src_pages):
+            p[b] = 10 * b + layer + 1
+    src.bind(StepPlan(written=[0, 1, 2, 3]))
+    src.wait_for_save(StepPlan(complete=[("r", b, 101 + b) for b in range(4)]))
+    handshake = src.handshake()
+    assert handshake is not None
+    peers.sources[("src", 7)] = PullSource([handshake.session], [handshake.layout], "fp", None, None)
+    yield src, src_pages, dst, dst_pages, transfer
+    src.shutdown()
+    dst.shutdown()
+
+
+def _load(req: str = "q", dst_blocks: list[int] | None = None, epoch: int = 7) -> Load:
+    return Load(req, "src", epoch, dst_blocks or [5, 6, 7], [0, 1, 2], [101, 102, 103])
+
+
+def _finished(w: WorkerHalf, aborted: set[str] | None = None, deadline: float = 5.0) -> set[str]:
+    """Poll `get_finished` as vLLM's steps would, until a request is reported or the deadline."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        done = w.get_finished(aborted or set())
+        if done:
+            return done
+        time.sleep(0.005)
+    return set()
+
+
+def test_a_pull_reads_off_the_calling_thread_and_lands_in_get_finished(pair) -> None:
+    _, src_pages, dst, dst_pages, transfer = pair
+    transfer.gate = threading.Event()
+    plan = StepPlan(written=[5, 6, 7], loads=[_load()])
+    dst.bind(plan)
+    dst.start_loads(plan)  # returns while the read is held
+    assert dst.get_finished(set()) == set() and not dst_pages[0][5].any()
+    transfer.gate.set()
+    assert _finished(dst) == {"q"}
+    assert transfer.threads and threading.current_thread().name not in transfer.threads
+    for layer in range(LAYERS):
+        for b, s in zip([5, 6, 7], [0, 1, 2]):
+            assert (dst_pages[layer][b] == src_pages[layer][s]).all()
+    assert dst.load_errors() == set()
+    report = dst.report()
+    assert report is not None and report.pulled == [("q", 5, 101), ("q", 6, 102), ("q", 7, 103)]
+    assert report.pull_outcome() == (3, 0, 0) and report.read_bytes[0] == 3 * LAYERS * PAGE
+    assert [int(x) for x in dst._tags[5:8, 0]] == [101, 102, 103]  # the puller serves them to its own peers now
+
+
+def test_a_stale_block_is_a_load_error_and_the_others_land(pair) -> None:
+    src, _, dst, _, _ = pair
+    src.bind(StepPlan(written=[1]))  # the source reuses block 1: its tag no longer holds hash 102
+    plan = StepPlan(written=[5, 6, 7], loads=[_load()])
+    dst.bind(plan)
+    dst.start_loads(plan)
+    assert _finished(dst) == {"q"}
+    assert dst.load_errors() == {6}
+    report = dst.report()
+    assert report is not None and [b for _, b, _ in report.pulled] == [5, 7] and report.failed_pulls == ["q"]
+    assert int(dst._tags[6, 0]) == 0
+
+
+def test_an_unknown_source_fails_at_once_without_a_read(pair) -> None:
+    _, _, dst, _, transfer = pair
+    plan = StepPlan(written=[5, 6, 7], loads=[_load(epoch=8)])  # the source restarted since the plan was made
+    dst.bind(plan)
+    dst.start_loads(plan)
+    assert dst.get_finished(set()) == {"q"}
+    assert dst.load_errors() == {5, 6, 7} and transfer.reads == 0
+
+
+def test_an_aborted_pull_never_lands(pair) -> None:
+    _, _, dst, dst_pages, transfer = pair
+    transfer.gate = threading.Event()
+    plan = StepPlan(written=[5, 6, 7], loads=[_load()])
+    dst.bind(plan)
+    dst.start_loads(plan)
+    assert dst.get_finished({"q"}) == {"q"}  # vLLM may free its blocks now: the read goes on into its own buffer
+    transfer.gate.set()
+    time.sleep(0.05)
+    assert dst.get_finished(set()) == set() and dst.load_errors() == set()
+    assert not any(p[5:8].any() for p in dst_pages) and not dst._tags[5:8, 0].any()
+    report = dst.report()
+    assert report is None or not report.pulled
+
+
+def test_a_read_past_its_deadline_is_given_up_while_it_still_runs(pair) -> None:
+    _, _, dst, dst_pages, transfer = pair
+    transfer.gate = threading.Event()  # held: the source hangs
+    plan = StepPlan(written=[5, 6, 7], loads=[_load()])
+    dst.bind(plan)
+    t0 = time.monotonic()
+    dst.start_loads(plan)
+    assert _finished(dst) == {"q"}
+    assert 0.9 <= time.monotonic() - t0 < 3.0  # transfer_timeout_s = 1
+    assert dst.load_errors() == {5, 6, 7}
+    transfer.gate.set()  # the read returns after all: its bytes stay in its own buffer
+    time.sleep(0.05)
+    dst.get_finished(set())
+    assert not any(p[5:8].any() for p in dst_pages)
+
+
+def test_a_held_read_does_not_hold_the_next_one(pair) -> None:
+    """Two reader threads: a pull from a hung source leaves the other free for the next pull."""
+    _, _, dst, _, transfer = pair
+    hung = threading.Event()
+    real = transfer.read
+    calls = iter(range(1 << 30))
+
+    def read(peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        if next(calls) == 0:  # the slow pull's first read, whichever thread took it
+            hung.wait(5)
+        real(peer, local, remote, lengths)
+
+    transfer.read = read  # type: ignore[method-assign]
+    first = StepPlan(written=[5, 6, 7], loads=[_load("slow")])
+    dst.bind(first)
+    dst.start_loads(first)
+    time.sleep(0.05)  # the slow pull is in a reader thread
+    second = StepPlan(written=[8, 9, 10], loads=[_load("fast", [8, 9, 10])])
+    dst.bind(second)
+    dst.start_loads(second)
+    assert _finished(dst) == {"fast"}
+    hung.set()
+    assert _finished(dst) == {"slow"}
