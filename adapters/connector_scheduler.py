@@ -265,6 +265,12 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
+        pull = self._pulls.pop(request.request_id, None)
+        if pull is not None:
+            # Back after its pull failed from the first block (vLLM freed its blocks): computed now, never pulled
+            # again, so a source that keeps failing cannot hold a request in a loop.
+            self._end_pull(request.request_id, pull)
+            return 0, False
         if self._host is not None:
             # The prompt's blocks past vLLM's own hit that this engine's host tier holds: loaded back, before any pull.
             first, most = blocks_to_pull(request.num_prompt_tokens, num_computed_tokens, 1 << 30, self.block_size)

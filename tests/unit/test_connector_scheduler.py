@@ -173,3 +173,16 @@ def test_labelled_counters_exist_at_zero(half) -> None:
     text = "".join(f"{s.name}{s.labels}{s.value}\n" for metric in half.metrics.registry.collect() for s in metric.samples)
     assert "kvdir_connector_plans_total{'outcome': 'joined'}0.0" in text
     assert "kvdir_connector_pull_rank_page_bytes_total{'rank': '0'}0.0" in text
+
+
+def test_a_request_back_after_its_pull_failed_is_computed_not_pulled_again(half) -> None:
+    """vLLM asks again for a request whose pull failed from its first block (it freed the blocks): answering with
+    another asynchronous load would leave it waiting for a pull nobody starts."""
+    a = _request("a", plan=_plan())
+    assert half.get_num_new_matched_tokens(a, 0) == (5 * BS, True)
+    half.update_state_after_alloc(a, _blocks([20, 21, 22, 23, 24, 25]), 5 * BS)
+    half.build_connector_meta(_no_step(), None)
+    assert half.get_num_new_matched_tokens(a, 0) == (0, False)
+    half.update_state_after_alloc(a, _blocks([30, 31, 32, 33, 34, 35]), 0)
+    assert half.build_connector_meta(_no_step(), None).loads == []
+    assert half.get_num_new_matched_tokens(_request("b", plan=_plan()), 0) == (5 * BS, True)  # nothing left waiting

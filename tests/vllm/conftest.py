@@ -31,9 +31,9 @@ def vllm_venv() -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """test_first_pull.py, test_tp.py and test_host_tier.py first: their own engines stop before the session's two
-    start (two vLLM engines at most)."""
-    first = ("test_first_pull.py", "test_tp.py", "test_host_tier.py")
+    """test_first_pull.py, test_tp.py, test_host_tier.py and test_shutdown.py first: their own engines stop before the
+    session's two start (two vLLM engines at most)."""
+    first = ("test_first_pull.py", "test_tp.py", "test_host_tier.py", "test_shutdown.py")
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first else len(first))  # stable
 
 
@@ -71,10 +71,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def running_directory(data: Path) -> Iterator[Cluster]:
-    """Three directory replicas (a 3 s lease: a killed engine's entries go soon) in `data`, stopped on exit."""
+def running_directory(data: Path, lease_ttl_s: float = 3.0) -> Iterator[Cluster]:
+    """Three directory replicas (a 3 s lease by default: a killed engine's entries go soon) in `data`, stopped on exit."""
     ports = free_ports(6)
-    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=3.0, log_level="info")
+    cluster = Cluster(data, ports[:3], ports[3:], lease_ttl_s=lease_ttl_s, log_level="info")
     try:
         cluster.start()
         cluster.wait_ready(60)
