@@ -89,7 +89,9 @@ class WorkerHalf:
         self._failed_reqs: set[str] = set()  # this step's requests whose host-tier load failed
         self._report = WorkerReport()
         self._inflight: dict[str, _InFlight] = {}
-        self._orphans: list[PullJob] = []  # given-up jobs whose read has not returned: their buffers stay alive
+        # Jobs given up or failed, kept (with their buffers) while a read of theirs may still write into them: until
+        # it returned, and the transfer engine has no abandoned read in flight (kvtransfer.mooncake).
+        self._orphans: list[PullJob] = []
         self._peers = peers or PeerCache(s, node_id)
 
     def register(self, memory: KvMemory, rank: int) -> None:
@@ -239,8 +241,8 @@ class WorkerHalf:
                 continue
             del self._inflight[rid]
             done.add(rid)
-            if not job.done.is_set():
-                self._orphans.append(job)  # its read may still write into its buffers
+            if not job.done.is_set() or job.error is not None:
+                self._orphans.append(job)  # its read (or one the transfer engine abandoned) may still write into it
             if aborted:
                 log.info("request %s was aborted while its pull from %s ran: its bytes are dropped", rid, load.source_node)
                 continue
@@ -255,7 +257,8 @@ class WorkerHalf:
                 self._load_errors.update(bad)
                 self._report.pull_failed += bad
                 self._report.failed_pulls.append(rid)
-        self._orphans = [j for j in self._orphans if not j.done.is_set()]
+        if self._orphans and not getattr(self._transfer, "abandoned_in_flight", 0):
+            self._orphans = [j for j in self._orphans if not j.done.is_set()]
         return done
 
     def _land(self, pull: _InFlight) -> list[int]:

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,6 +66,9 @@ class MooncakeEngine:
     * peer stalled (SIGSTOP, or a partition without RST) on an established
       connection: -1 after MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC
       (default 30 s each).
+    * `batch_transfer_async_read` returns a batch id at once (once the peer's
+      handshake is done), and `transfer_check_status` answers 0 while it runs,
+      1 once done, negative once failed or timed out; `read` polls it.
     * peer stalled during the *first* contact (P2P handshake): the handshake
       socket has a hard-coded 60 s receive timeout (SO_RCVTIMEO in
       transfer_metadata_plugin.cpp); no setting shortens it.
@@ -76,9 +80,9 @@ class MooncakeEngine:
     an operator's own MC_* values win; the settings are process-wide, so the
     first engine of a process decides them; MC_LOG_LEVEL -- measured -- and
     MC_HANDSHAKE_CONNECT_TIMEOUT, from the same global config, are only read
-    when `mooncake.engine` is first imported, which is why it is imported here). And every call runs on a watchdog
-    thread: if the native call has not returned after `timeout_s` + 2 s, the
-    read raises TransferError and the call is *abandoned*, not cancelled --
+    when `mooncake.engine` is first imported, which is why it is imported here). And a read is bounded by a
+    watchdog: if it has not ended after `timeout_s` + 2 s (its submission, which may be a blocking handshake,
+    runs on a thread of its own), it raises TransferError and the read is *abandoned*, not cancelled --
     it may still write into the destination until Mooncake gives up (at most
     ~60 s, the handshake case). Do not reuse destination memory of an
     abandoned read until `abandoned_in_flight` drops to 0.
@@ -158,24 +162,77 @@ class MooncakeEngine:
         self._registered.append(addr)
 
     def read(self, peer: str, local_addrs: list[int], remote_addrs: list[int], lengths: list[int]) -> None:
-        """One `batch_transfer_sync_read`; bounded by the watchdog (see class doc)."""
+        """The pieces submitted as asynchronous reads (bounded by the watchdog: the first contact with a peer is a
+        blocking handshake), then polled with sleeps until every one ended or the watchdog time is up.
+
+        Polled, not waited for in `batch_transfer_sync_read`, which busy-waits on its thread: measured here on a
+        32 MiB read, 19.7 ms of the calling thread's CPU against 1.5 ms polled, and no slower. One batch per
+        piece, because Mooncake's `transfer_check_status` reports (and frees the batch on) its first task only."""
         self._check_open()
         check_batch(local_addrs, remote_addrs, lengths)
         if not lengths:
             return
-        rc = self._bounded(
-            f"read of {len(lengths)} piece(s), {sum(lengths)} B, from {peer}",
-            self._te.batch_transfer_sync_read,
-            peer,
-            list(local_addrs),
-            list(remote_addrs),
-            list(lengths),
-        )
-        if rc != 0:
+        what = f"read of {len(lengths)} piece(s), {sum(lengths)} B, from {peer}"
+        deadline = time.monotonic() + self._watchdog_s
+        pieces = list(zip(local_addrs, remote_addrs, lengths))
+        batches = self._bounded(what, self._submit, peer, pieces)
+        if len(batches) < len(pieces):  # one could not start: the others may be under way, so they are polled out too
+            self._poll(batches, deadline, what)
             raise TransferError(
-                f"Mooncake read of {len(lengths)} piece(s) from {peer} failed with code {rc}: peer gone or stalled, "
-                "or a remote range outside its registered memory (the engine's log on stderr says which)"
+                f"Mooncake could not start the {what}: peer gone, or a remote range outside its registered memory "
+                "(the engine's log on stderr says which)"
             )
+        if not self._poll(batches, deadline, what):
+            raise TransferError(
+                f"Mooncake {what} failed: peer gone or stalled, or a remote range outside its registered memory "
+                "(the engine's log on stderr says which)"
+            )
+
+    def _submit(self, peer: str, pieces: list[tuple[int, int, int]]) -> list[int]:
+        """Each piece's batch id, up to the first piece that could not be submitted."""
+        out = []
+        for local, remote, length in pieces:
+            batch = int(self._te.batch_transfer_async_read(peer, [local], [remote], [length]))
+            if batch <= 0:
+                break
+            out.append(batch)
+        return out
+
+    def _poll(self, batches: list[int], deadline: float, what: str) -> bool:
+        """Whether every batch completed; those still running at the deadline are abandoned (TransferError)."""
+        pending, ok, pause = set(batches), True, 0.0002
+        while pending:
+            for batch in list(pending):
+                status = int(self._te.transfer_check_status(batch))
+                if status != 0:
+                    pending.discard(batch)
+                    ok = ok and status == 1
+            if pending and time.monotonic() >= deadline:
+                self._abandon(pending)
+                raise TransferError(
+                    f"{what}: no answer within {self._watchdog_s:.1f} s; the read is abandoned and may still write "
+                    "into the destination until Mooncake gives up"
+                )
+            if pending:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+        return ok
+
+    def _abandon(self, batches: set[int]) -> None:
+        """Count the batches as one abandoned read until Mooncake ends them (its own timeouts fail them)."""
+        te = self._te
+        with self._lock:
+            self._abandoned += 1
+
+        def reap() -> None:
+            pending = set(batches)
+            while pending:
+                pending = {b for b in pending if int(te.transfer_check_status(b)) == 0}
+                time.sleep(0.05)
+            with self._lock:
+                self._abandoned -= 1
+
+        threading.Thread(target=reap, name="mooncake-reap", daemon=True).start()
 
     def close(self) -> None:
         """Unregister and drop the native engine (its destructor stops the listeners; can take ~1 s)."""
@@ -192,7 +249,7 @@ class MooncakeEngine:
         if self._closed:
             raise TransferError("engine is closed")
 
-    def _bounded(self, what: str, fn: Callable[..., int], *args: Any) -> int:
+    def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking native call on a daemon thread; give up on it after the watchdog time.
 
         A daemon thread, not an executor: a stuck call must not block
@@ -229,4 +286,4 @@ class MooncakeEngine:
         result = outcome[0]
         if isinstance(result, BaseException):
             raise TransferError(f"{what}: {result}") from result
-        return int(result)
+        return result

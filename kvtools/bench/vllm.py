@@ -7,7 +7,9 @@ directory holds its slots; then, per round, engine B serves the same request (th
 new each round) three ways, each timed to its first streamed token: **pulled** (B's cache reset, the plan of
 A's slots in `kv_transfer_params`), **local** (at once again: B now holds the prefix), **recomputed** (B's
 cache reset, no plan). Every pulled request must load every block of the prefix with no failure (the
-connector's counters) and report the prefix as cached; otherwise the bench stops.
+connector's counters) and report the prefix as cached; otherwise the bench stops. Then the stall case: plain
+requests' TTFT on B alone, and while one request on B pulls the longest prefix from A frozen with SIGSTOP (a
+source that hangs mid-pull: the read waits out the transfer timeout, then the request recomputes).
 The connector times its reads (tags, pages, tags); the raw figure is one batched Mooncake read of the same
 pages of A by this process. With `--tp N` both engines run N tensor-parallel ranks (a worker process each):
 each rank reads its share of the pages from A's same rank, all at once; the connector times each rank's
@@ -20,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import signal
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ FAILED = "kvdir_connector_pull_failed_blocks_total"
 READ_BYTES = "kvdir_connector_pull_page_bytes_total"
 READ_S = "kvdir_connector_pull_read_seconds_total"
 RANK_READ_S = 'kvdir_connector_pull_rank_read_seconds_total{{rank="{}"}}'
+IN_FLIGHT = "kvdir_connector_pulls_in_flight"
 KV_HEADS = 2
 MODEL_KIND = f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)"
 
@@ -210,6 +216,52 @@ def bench_size(
     return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
+@contextlib.contextmanager
+def frozen(engine: VllmEngine) -> Iterator[None]:
+    """`engine`'s processes stopped (SIGSTOP) for the block, then resumed: a source that hangs mid-pull."""
+    assert engine.proc is not None
+    os.killpg(engine.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(engine.proc.pid, signal.SIGCONT)
+
+
+def bench_stall(
+    directory: str, a: VllmEngine, b: VllmEngine, rounds: int, rng: np.random.Generator, vocab: tuple[int, int]
+) -> dict[str, Any]:
+    """Plain requests' TTFT on B alone, then while one request on B pulls a 1,792-token prefix from A frozen
+    mid-pull (its read waits out the transfer timeout, then it recomputes): a pull must stall no other request."""
+    prefix = [int(x) for x in rng.integers(*vocab, SIZES[-1])]
+    holder = _held(directory, a, prefix)
+    plan = {"kvdir_pull": {"source_node": a.name, "source_epoch": holder["epoch"], "slots": holder["slots"]}}
+
+    def plain() -> list[int]:
+        return [int(x) for x in rng.integers(*vocab, SIZES[0])]
+
+    alone = [ttft(b, plain())[0] for _ in range(rounds)]
+    b.reset_cache()
+    with frozen(a), ThreadPoolExecutor(1) as pool:
+        t0 = time.perf_counter()
+        pulling = pool.submit(ttft, b, [*prefix, 1, 1], kv_transfer_params=plan)
+        deadline = time.monotonic() + 30
+        while b.metric(IN_FLIGHT) < 1:
+            if time.monotonic() > deadline or pulling.done():
+                raise RuntimeError(f"the pull never started waiting ({pulling.done() and pulling.result()})")
+            time.sleep(0.01)
+        during = [ttft(b, plain())[0] for _ in range(rounds)]
+        pulling.result(timeout=120)
+        pull_s = time.perf_counter() - t0
+    med = statistics.median
+    return {
+        "stall_plain_alone_ttft_ms": med(alone) * 1e3,
+        "stall_plain_during_hung_pull_ttft_ms": med(during) * 1e3,
+        "stall_plain_during_hung_pull_max_ttft_ms": max(during) * 1e3,
+        "stall_during_vs_alone": med(during) / med(alone),
+        "stall_pulling_request_ttft_ms": pull_s * 1e3,
+    }
+
+
 @dataclass(frozen=True)
 class BenchEngines:
     """What `bench_engines` started: the directory's first replica, the engines in spec order, the model's vocabulary
@@ -278,6 +330,8 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) ->
                 meter.stage(f"{n}-token prefix", rounds, time.monotonic())
                 figures, ttfts[n] = bench_size(run.directory, a, b, n, rounds, rng, vocab, clocked(meter))
                 results.update(figures)
+        say("plain TTFT on B alone and while a pull from a hung source runs there...")
+        results.update(bench_stall(run.directory, a, b, rounds * 2, rng, vocab))
     emit(results, as_json)
     if plot:
         ttft_by_prefix(
