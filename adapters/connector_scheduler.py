@@ -332,7 +332,7 @@ class SchedulerHalf:
         else:
             why = peer.refusal  # a shared engine reads only shared sources, a tenant's its own and shared ones
         if why is not None:
-            log.info("request %s: not pulling: %s; computing it", request.request_id, why)
+            log.warning("request %s: not pulling: %s; computing it", request.request_id, why)
             return "refused"
         return None
 

@@ -56,7 +56,8 @@ def _pulling(engine: Engine, n: int = 1) -> None:
     try:
         wait_for(lambda: engine.metric(IN_FLIGHT) >= n, what=f"{n} request(s) waiting for a pull on {engine.name}", timeout=30)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; its connector logged {engine.log_lines('pull')[-3:]}") from None
+        plans = {o: engine.metric(f'kvdir_connector_plans_total{{outcome="{o}"}}') for o in ("pull", "refused", "cached")}
+        raise AssertionError(f"{exc}; plans {plans}; its connector logged {engine.log_lines('pull')[-3:]}") from None
 
 
 def test_a_hung_source_stalls_no_other_request_and_the_pull_gives_up(engines: dict[str, Engine], directory: Cluster) -> None:
