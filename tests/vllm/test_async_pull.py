@@ -97,9 +97,13 @@ def test_two_requests_for_one_prefix_share_one_read(engines: dict[str, Engine], 
             wait_for(lambda: b.metric(JOINED) > joined, what="the second request to join the pull", timeout=10)
         outs = [first.result(timeout=60), second.result(timeout=60)]
     assert (b.metric(PULL) - pulled, b.metric(JOINED) - joined) == (pullable, 1), b.log_lines("pull")
-    for out in outs:
-        assert out["choices"][0]["text"] == expected["choices"][0]["text"]
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK
+    for name, out in zip(("pulling", "joined"), outs):
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK, (name, out["usage"])
+    # The two ran in one batch, where this random model's near-tied logits may pick other tokens than alone; the
+    # KV they shared is checked alone: B serves the prompt from it as it serves the recomputed prompt.
+    alone = b.complete(PROMPT)
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK
+    assert alone["choices"][0]["text"] == expected["choices"][0]["text"]
 
 
 def test_a_request_aborted_during_its_pull_leaves_nothing_behind(engines: dict[str, Engine], directory: Cluster) -> None:
