@@ -125,7 +125,6 @@ def test_a_request_aborted_during_its_pull_leaves_nothing_behind(engines: dict[s
             _pulling(b)
         # The client left: vLLM aborts the request, and the connector drops its read.
         wait_for(lambda: b.metric(IN_FLIGHT) == 0, what="the aborted pull to end", timeout=30)
-    wait_for(lambda: b.log_lines("was aborted while its pull"), what="the connector to drop the aborted pull", timeout=30)
     out = b.complete(PROMPT)  # no plan: whatever B holds of the prompt is what it serves from
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
