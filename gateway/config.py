@@ -56,8 +56,8 @@ class GatewaySettings(DirectoryClientSettings):
     link_gbps: float = Field(
         2.0,
         gt=0,
-        description="pull bandwidth between engines in GB/s (kvdir bench worker), for pulls to an engine that "
-        "reports no measured pull_gbps of its own",
+        description="pull bandwidth between engines in GB/s (kvdir bench worker), for pulls to an engine while no "
+        "engine reports a measured pull_gbps (an engine that reports none is priced at the lowest any reports)",
     )
     pull_setup_ms: float = Field(2.0, ge=0, description="fixed cost of one pull (handshake, lookup)")
     host_copy_gbps: float = Field(

@@ -215,10 +215,15 @@ def build_candidates(
     current one: blocks of an earlier incarnation are gone. `inflight` is
     `InflightPrefixes.match` for this prompt: blocks being computed per (node,
     epoch). `block_size` (the gateway's) sizes free space of engines that
-    registered no block size. A pull to an engine is priced with the bandwidth it reported (`reported_link`);
-    an engine without a registered KV fingerprint never pulls.
+    registered no block size. A pull to an engine is priced with the bandwidth it reported (`reported_link`), or
+    before its first read with the lowest any engine reported (its first pull is not priced at `--link-gbps`
+    while its peers measured less: the link is the same kind of link); an engine without a registered KV
+    fingerprint never pulls.
     """
     inflight = inflight or {}
+    engines = list(engines)
+    measured = [link for e in engines if (link := reported_link(e.pull_gbps)) > 0]
+    unmeasured = min(measured, default=0.0)  # 0: none measured yet, the configured --link-gbps
     out = []
     for e in engines:
         if e.node_id in exclude:
@@ -240,7 +245,7 @@ def build_candidates(
                 free_tokens=free_tokens(e, block_size),
                 engine_block_size=e.block_size,
                 inflight_blocks=inflight.get((e.node_id, e.epoch), 0),
-                link_bytes_per_s=reported_link(e.pull_gbps),
+                link_bytes_per_s=reported_link(e.pull_gbps) or unmeasured,
                 kv_fingerprint=e.fingerprint,
                 tp_size=e.tp_size,
                 tenant=e.tenant,

@@ -297,8 +297,17 @@ def test_a_reported_bandwidth_is_used_clamped_and_absent_means_configured() -> N
     assert reported_link(4.0) == 4e9
     assert reported_link(1e-9) == REPORTED_GBPS_MIN * 1e9
     assert reported_link(1e9) == REPORTED_GBPS_MAX * 1e9
-    cands = build_candidates([Engine("a", pull_gbps=0.5), Engine("b")], {})
-    assert [c.link_bytes_per_s for c in cands] == [5e8, 0.0]
+    assert [c.link_bytes_per_s for c in build_candidates([Engine("a"), Engine("b")], {})] == [0.0, 0.0]
+
+
+def test_an_engine_before_its_first_read_is_priced_at_the_slowest_link_its_peers_measured() -> None:
+    """Issue #43: a fresh engine's first pull was priced at --link-gbps (2 GB/s) while its peers read at a tenth."""
+    cands = build_candidates([Engine("a", pull_gbps=0.5), Engine("b", pull_gbps=0.2), Engine("c")], {})
+    assert [c.link_bytes_per_s for c in cands] == [5e8, 2e8, 2e8]
+    holders = {"b": Holder(node_id="b", epoch=1, matched_blocks=50, slots=list(range(50)))}
+    busy_b = Engine("b", running=64.0, pull_gbps=0.01)
+    d = router().route(req(50), [Engine("a"), busy_b], holders).decision  # a has read nothing yet
+    assert (d.node_id, d.reason, d.pull_from) == ("a", "recompute", None)
 
 
 def test_a_slow_reported_link_turns_the_pull_into_recompute() -> None:

@@ -3,7 +3,8 @@
 A source frozen with SIGSTOP (its whole process group: a hung host, or a link that stopped moving, looks the same
 to a reader) holds B's read for as long as the test wants: a plain request on B must not wait for that read; two
 requests for the same prefix share one read; a request aborted while its read is held leaves nothing of it in B's
-cache. The session's engines are shared with test_connector.py; every test here resumes A before it ends.
+cache. The session's engines are shared with test_connector.py, whose tests run first (its counters start from an
+engine that served nothing); every test here resumes A before it ends.
 """
 
 from __future__ import annotations
