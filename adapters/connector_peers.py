@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any, Protocol
 
 from adapters.config import ConnectorSettings
@@ -26,6 +27,10 @@ class Peers(Protocol):
 
     def get(self, node_id: str, epoch: int) -> PullSource | None: ...
 
+    def settled(self, since: float) -> bool: ...
+
+    def wait(self, since: float, timeout: float) -> bool: ...
+
 
 class Loop:
     """An asyncio loop on a daemon thread: the directory client runs there, off vLLM's threads."""
@@ -40,10 +45,12 @@ class Loop:
 
 class PeerCache:
     """The directory's nodes as pull sources, refreshed in the background, so that no engine step waits on the
-    directory: a load whose source epoch is not in the last list is recomputed at once.
+    directory.
 
     The list is read every `peer_refresh_s` and at once after a miss; while the directory does not answer,
-    the last list stays (a source that restarted has a new epoch, so a stale entry is never its memory).
+    the last list stays (a source that restarted has a new epoch, so a stale entry is never its memory). A source
+    missing from the list may have registered since it was read (a plan names the epoch the gateway saw): the
+    source is unknown for sure once a read that started after the miss ended (`settled`, `wait`).
     """
 
     def __init__(self, s: ConnectorSettings, node_id: str) -> None:
@@ -55,6 +62,8 @@ class PeerCache:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._read_started = float("-inf")  # when the last read of the list that ended (answered or not) started
+        self._read_ended = threading.Condition()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvdir-peers", daemon=True)
@@ -71,6 +80,16 @@ class PeerCache:
             self._wake.set()
         return peer
 
+    def settled(self, since: float) -> bool:
+        """Whether a read of the list that started after `since` (`time.monotonic()`) has ended."""
+        return self._read_started > since
+
+    def wait(self, since: float, timeout: float) -> bool:
+        """Block (a reader thread, never the engine step) until `settled(since)` or `timeout`; whether settled."""
+        self._wake.set()
+        with self._read_ended:
+            return self._read_ended.wait_for(lambda: self.settled(since), timeout)
+
     def _run(self) -> None:
         asyncio.run(self._loop())
 
@@ -79,6 +98,8 @@ class PeerCache:
             self.s.directory_urls, deadline=self.s.peer_refresh_s * 4, token=self.s.directory_token, tenant=self.s.tenant
         ) as client:
             while not self._stop.is_set():
+                started = time.monotonic()
+                self._wake.clear()  # a miss from now on asks for the read after this one
                 try:
                     nodes: list[NodeInfo] = await client.nodes()
                 except DirectoryError as exc:
@@ -88,5 +109,7 @@ class PeerCache:
                     # (the tenant its token gave it) is kept from the last list that had it.
                     self._me = standing(nodes, self.node_id) or self._me
                     self._known = pull_sources(nodes, self.node_id, self._me)  # replaced whole: readers see one list or the next
+                with self._read_ended:
+                    self._read_started = started
+                    self._read_ended.notify_all()
                 await asyncio.to_thread(self._wake.wait, self.s.peer_refresh_s)
-                self._wake.clear()

@@ -90,6 +90,7 @@ class SchedulerHalf:
         self._pending_loads: dict[str, tuple[Any, int, int]] = {}  # req id -> (plan, first block, count)
         self._loads: list[Load] = []
         self._pulls: dict[str, _Pull] = {}  # req id -> its pull under way
+        self._unlisted: dict[str, float] = {}  # req id -> when its plan's source was first found unlisted
         self._pulling: dict[int, str] = {}  # kvdir hash -> the req id whose pull brings it
         self._published: dict[int, tuple[int, Any]] = {}  # kvdir hash -> (block id, vLLM block hash)
         self._lock = threading.Lock()  # _published and _host: the scheduler's thread and the publisher's
@@ -297,6 +298,9 @@ class SchedulerHalf:
         if plan is None:
             return 0, False
         outcome = self._refusal(request, plan)
+        if outcome == "unlisted":  # the source may have registered since the list was read: ask again after a read
+            return None, False
+        self._unlisted.pop(request.request_id, None)
         if outcome is not None:
             self.metrics.plans.labels(outcome).inc()
             return 0, False
@@ -309,7 +313,9 @@ class SchedulerHalf:
 
     def _refusal(self, request: Any, plan: Any) -> str | None:
         """Why this engine will not load the plan (a `PLAN_OUTCOMES` label), or None: refused here, before vLLM
-        counts its tokens as loaded, so that a refused plan is a plain recompute with honest usage."""
+        counts its tokens as loaded, so that a refused plan is a plain recompute with honest usage. "unlisted": the
+        source is not in the last node list read, but a read started since the request first asked has not ended
+        (the gateway may have seen a registration this engine has not read yet): the request asks again."""
         if plan.source_node == self.node_id:
             return "own"
         if plan.fingerprint is not None and plan.fingerprint != self.fingerprint:
@@ -323,6 +329,8 @@ class SchedulerHalf:
             )
             return "fingerprint"
         peer = self._peers.get(plan.source_node, plan.source_epoch)
+        if peer is None and not self._peers.settled(self._unlisted.setdefault(request.request_id, time.monotonic())):
+            return "unlisted"
         if peer is None:
             why: str | None = f"{plan.source_node} epoch {plan.source_epoch} is not registered (as last seen)"
         elif peer.fingerprint != self.fingerprint:
@@ -469,6 +477,7 @@ class SchedulerHalf:
         self._hashes.pop(rid, None)
         self._pending_loads.pop(rid, None)
         self._pending_host.pop(rid, None)
+        self._unlisted.pop(rid, None)
         pull = self._pulls.pop(rid, None)
         if pull is not None:  # aborted while its pull ran: nothing of it is cached, so nothing is published
             pull.landed.clear()

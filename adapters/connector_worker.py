@@ -23,6 +23,7 @@ scheduler half chose; loads back from it are synchronous copies before the forwa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -35,10 +36,10 @@ from adapters.config import ConnectorSettings
 from adapters.connector_meta import HostLoad, Load, RankHandshake, StepPlan, WorkerReport
 from adapters.connector_peers import PeerCache, Peers
 from adapters.kv_memory import KvMemory
-from adapters.pull_reader import PullJob, PullReader, unpinned
+from adapters.pull_reader import PullJob, PullReader, ReadPlan, unpinned
 from adapters.vllm_plan import TAG_BYTES, KvLayout, LayerRegion, PlanError, check_tags, coalesce, page_pieces
 from kvproto import media
-from kvtransfer.engine import TransferEngine
+from kvtransfer.engine import TransferEngine, TransferError
 
 log = logging.getLogger("kvdir.vllm")
 
@@ -48,12 +49,10 @@ PULL_THREADS = 2
 
 @dataclass(slots=True)
 class _InFlight:
-    """A pull handed to the readers: its load, its job, and where each staged piece goes (KV addresses)."""
+    """A pull handed to the readers: its load and its job."""
 
     load: Load
     job: PullJob
-    dst: list[int]
-    staged: list[int]
 
 
 class WorkerHalf:
@@ -155,33 +154,21 @@ class WorkerHalf:
                 self._load_errors.update(bad)
                 self._failed_reqs.add(hl.req_id)
                 self._report.host_failed += bad
+        assert self._reader is not None
         for load in plan.loads:
-            try:
-                pull = self._prepare(load)
-            except Exception as exc:  # a refused plan, or a bug in the load path: this request recomputes
-                if isinstance(exc, PlanError):
-                    log.warning("pull of %d blocks from %s refused: %s; recomputing", len(load.dst_blocks), load.source_node, exc)
-                else:
-                    log.exception(
-                        "pull of %d blocks from %s failed unexpectedly; recomputing", len(load.dst_blocks), load.source_node
-                    )
-                pull = self._failed(load, exc)
-            else:
-                assert self._reader is not None
-                self._reader.submit(pull.job)
-            self._inflight[load.req_id] = pull
+            deadline = time.monotonic() + self.s.transfer_timeout_s
+            job = PullJob(load.req_id, deadline, functools.partial(self._prepare, load, time.monotonic()))
+            self._reader.submit(job)
+            self._inflight[load.req_id] = _InFlight(load, job)
 
-    def _failed(self, load: Load, exc: BaseException) -> _InFlight:
-        """A pull that ended before any read: reported with the others at the next `get_finished`."""
-        job = PullJob(load.req_id, "", ([], [], []), ([], [], []), ([], [], []), np.zeros(0), np.zeros(0), 0.0, exc)
-        job.done.set()
-        return _InFlight(load, job, [], [])
-
-    def _prepare(self, load: Load) -> _InFlight:
-        """The load's read, as one job: each block read from the source's tier the plan names, the tiers' pieces
-        in one batch per read (docs/protocol.md §2.3)."""
+    def _prepare(self, load: Load, asked: float) -> ReadPlan:
+        """The load's read (on a reader thread): each block read from the source's tier the plan names, the tiers'
+        pieces in one batch per read (docs/protocol.md §2.3). A source missing from the last node list read is
+        waited for until a read of the list that started after `asked` ended (it may have registered since)."""
         assert self._layout is not None
         peer = self._peers.get(load.source_node, load.source_epoch)
+        if peer is None and self._peers.wait(asked, self.s.transfer_timeout_s):
+            peer = self._peers.get(load.source_node, load.source_epoch)
         if peer is None:
             raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered (as last seen)")
         sessions, layouts, fingerprint, host, refusal = peer
@@ -225,9 +212,7 @@ class WorkerHalf:
             lengths += n_
         staging = np.empty(sum(lengths), dtype=np.uint8)
         staged = [staging.ctypes.data + off for off in itertools.accumulate(lengths, initial=0)][:-1]
-        deadline = time.monotonic() + self.s.transfer_timeout_s
-        job = PullJob(load.req_id, session, first, (staged, src, lengths), again, tags, staging, deadline)
-        return _InFlight(load, job, dst, staged)
+        return ReadPlan(session, first, (staged, src, lengths), again, tags, staging, dst)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose pull is over: landed, failed, past its deadline, or aborted (`finished_req_ids`:
@@ -248,7 +233,10 @@ class WorkerHalf:
                 continue
             if not job.done.is_set() or job.error is not None:
                 err = job.error or TimeoutError(f"no answer within {self.s.transfer_timeout_s:.1f} s")
-                log.warning("pull of %d blocks from %s failed: %s; recomputing", len(load.dst_blocks), load.source_node, err)
+                if isinstance(err, (PlanError, TransferError, TimeoutError)):
+                    log.warning("pull of %d blocks from %s failed: %s; recomputing", len(load.dst_blocks), load.source_node, err)
+                else:  # a bug in the load path must not take the engine down: the request recomputes
+                    log.error("pull of %d blocks from %s failed: %r; recomputing", len(load.dst_blocks), load.source_node, err)
                 bad = list(load.dst_blocks)
             else:
                 bad = self._land(pull)
@@ -264,11 +252,11 @@ class WorkerHalf:
     def _land(self, pull: _InFlight) -> list[int]:
         """Copy a finished read into its destination blocks and set the tags of those whose source tags held
         still; the destination blocks that are not known good."""
-        assert self._memory is not None
-        job, load = pull.job, pull.load
-        self._memory.write(pull.dst, pull.staged, job.pages[2])
-        before = [tuple(int(x) for x in row) for row in job.tags[0]]
-        after = [tuple(int(x) for x in row) for row in job.tags[1]]
+        assert self._memory is not None and pull.job.plan is not None
+        job, load, read = pull.job, pull.load, pull.job.plan
+        self._memory.write(read.dst, read.staged, read.pages[2])
+        before = [tuple(int(x) for x in row) for row in read.tags[0]]
+        after = [tuple(int(x) for x in row) for row in read.tags[1]]
         bad = check_tags(load.hashes, before, after)  # type: ignore[arg-type]
         if bad:
             log.info("pull from %s: %d of %d blocks stale; recomputing them", load.source_node, len(bad), len(load.hashes))
@@ -278,7 +266,7 @@ class WorkerHalf:
             self._tags[b, 0] = h
         self._report.pulled += [(load.req_id, b, h) for b, h in good]
         self._report.read_s[self.rank] = self._report.read_s.get(self.rank, 0.0) + job.read_s
-        self._report.read_bytes[self.rank] = self._report.read_bytes.get(self.rank, 0) + job.page_bytes
+        self._report.read_bytes[self.rank] = self._report.read_bytes.get(self.rank, 0) + read.page_bytes
         return [load.dst_blocks[i] for i in bad]
 
     def _load_host(self, hl: HostLoad) -> list[int]:

@@ -1,6 +1,6 @@
 """Pulls read in threads of their own, so that no engine step waits on a read (the vLLM connector's worker half).
 
-A `PullJob` reads a block run's tags, then its pages, then its tags again, all into buffers of the job's own
+A `PullJob` reads a block run's tags, then its pages, then its tags again (`ReadPlan`), all into buffers of its own
 (the staging buffer and the tag pairs): never into the KV blocks, which the worker writes only once the job is
 done and its request still wants the bytes (adapters/connector_worker.py). That is what makes a job safe to
 abandon: a read past its deadline, or of a request vLLM aborted, writes into memory nobody else uses, kept alive
@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,28 +55,42 @@ def unpinned() -> Iterator[None]:
 
 
 @dataclass(eq=False)
-class PullJob:
-    """One request's read from one source: tags (`first`), pages into `staging` (`pages`), tags again (`again`).
+class ReadPlan:
+    """One request's read from one source: tags (`first`), pages into `staging` (`pages`), tags again (`again`),
+    and where each staged piece goes once the read is done (`dst`, KV addresses, from `staged`).
 
-    `tags` holds the two tag reads, (2, blocks, 2) u64; `deadline` is on `time.monotonic()`. The reader sets
-    `error` (or leaves it None), `read_s` and then `done`.
-    """
+    `tags` holds the two tag reads, (2, blocks, 2) u64."""
 
-    req_id: str
     session: str
     first: Batch
     pages: Batch
     again: Batch
     tags: np.ndarray
     staging: np.ndarray
-    deadline: float
-    error: BaseException | None = None
-    read_s: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
+    dst: list[int]
+
+    @property
+    def staged(self) -> list[int]:
+        return self.pages[0]
 
     @property
     def page_bytes(self) -> int:
         return sum(self.pages[2])
+
+
+@dataclass(eq=False)
+class PullJob:
+    """One pull for the reader threads: `prepare` (on a reader thread: it may wait for the pull sources' list)
+    gives the read, which the reader then runs. The reader sets `plan`, `error` (or leaves it None), `read_s`
+    (the reads alone) and then `done`; `deadline` is on `time.monotonic()`."""
+
+    req_id: str
+    deadline: float
+    prepare: Callable[[], ReadPlan]
+    plan: ReadPlan | None = None
+    error: BaseException | None = None
+    read_s: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class PullReader:
@@ -100,13 +114,14 @@ class PullReader:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            t0 = time.monotonic()
             try:
-                if t0 >= job.deadline:
+                if time.monotonic() >= job.deadline:
                     raise TimeoutError("its deadline passed while it waited for a reader thread")
-                for local, remote, lengths in (job.first, job.pages, job.again):
-                    self._transfer.read(job.session, local, remote, lengths)
+                plan = job.plan = job.prepare()
+                t0 = time.monotonic()
+                for local, remote, lengths in (plan.first, plan.pages, plan.again):
+                    self._transfer.read(plan.session, local, remote, lengths)
+                job.read_s = time.monotonic() - t0
             except BaseException as exc:  # every failure is the job's outcome (a recompute), never the thread's end
                 job.error = exc
-            job.read_s = time.monotonic() - t0
             job.done.set()

@@ -147,6 +147,10 @@ class VllmEngine:
             "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             json.dumps(config),
+            # A SIGTERM drains for up to this long instead of the API server killing the engine core at once: the
+            # connector's scheduler half deregisters the node in the engine core's teardown (docs/engines.md).
+            "--shutdown-timeout",
+            "5",
             *tp_args,
             *self.extra_args,
         ]

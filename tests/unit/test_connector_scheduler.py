@@ -6,6 +6,7 @@ vLLM cached them; an aborted pull publishes nothing."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -23,8 +24,20 @@ LAYOUT = KvLayout((LayerRegion(0x1000, 256, 64),), 0x100000)
 
 
 class FixedPeers:
+    """Pull sources as a map; `read()` stands for a read of the directory's node list ending now."""
+
     def __init__(self, sources: dict[tuple[str, int], PullSource]) -> None:
         self.sources = sources
+        self.read_started = float("-inf")
+
+    def read(self) -> None:
+        self.read_started = time.monotonic()
+
+    def settled(self, since: float) -> bool:
+        return self.read_started > since
+
+    def wait(self, since: float, timeout: float) -> bool:
+        raise AssertionError("the scheduler half never blocks")
 
     def start(self) -> None:
         return
@@ -108,8 +121,20 @@ def test_a_plan_it_can_serve_is_an_asynchronous_load(half) -> None:
     ],
 )
 def test_a_plan_it_cannot_serve_is_refused_before_any_token_counts(half, plan, outcome) -> None:
-    assert half.get_num_new_matched_tokens(_request("a", plan=plan), 0) == (0, False)
+    req = _request("a", plan=plan)
+    if plan["source_epoch"] == 8:  # not in the list read: asked again until a read started since has ended
+        assert half.get_num_new_matched_tokens(req, 0) == (None, False)
+        half._peers.read()  # type: ignore[attr-defined]
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
     assert _plans(half)[outcome] == 1 and _plans(half)["pull"] == 0
+
+
+def test_a_source_registered_since_the_last_list_is_pulled_once_a_list_names_it(half) -> None:
+    req = _request("a", plan=_plan(epoch=9))
+    assert half.get_num_new_matched_tokens(req, 0) == (None, False)
+    half._peers.sources[("src", 9)] = half._peers.sources[("src", 7)]  # type: ignore[attr-defined]
+    half._peers.read()  # type: ignore[attr-defined]
+    assert half.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
 
 
 def test_a_source_of_another_tp_size_is_refused() -> None:

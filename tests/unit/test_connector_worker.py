@@ -49,8 +49,20 @@ class MemTransfer:
 
 
 class FixedPeers:
+    """Pull sources as a map; `wait` reads "the list" at once: `listed` (sources registered meanwhile) joins it."""
+
     def __init__(self) -> None:
         self.sources: dict[tuple[str, int], PullSource] = {}
+        self.listed: dict[tuple[str, int], PullSource] = {}
+        self.read_started = float("-inf")
+
+    def settled(self, since: float) -> bool:
+        return self.read_started > since
+
+    def wait(self, since: float, timeout: float) -> bool:
+        self.read_started = time.monotonic()
+        self.sources.update(self.listed)
+        return True
 
     def start(self) -> None:
         return
@@ -138,13 +150,26 @@ def test_a_stale_block_is_a_load_error_and_the_others_land(pair) -> None:
     assert int(dst._tags[6, 0]) == 0
 
 
-def test_an_unknown_source_fails_at_once_without_a_read(pair) -> None:
+def test_a_source_no_list_names_fails_without_a_read(pair) -> None:
     _, _, dst, _, transfer = pair
     plan = StepPlan(written=[5, 6, 7], loads=[_load(epoch=8)])  # the source restarted since the plan was made
     dst.bind(plan)
     dst.start_loads(plan)
-    assert dst.get_finished(set()) == {"q"}
+    assert _finished(dst) == {"q"}
     assert dst.load_errors() == {5, 6, 7} and transfer.reads == 0
+
+
+def test_a_source_registered_since_the_last_list_is_waited_for_and_read(pair) -> None:
+    """The gateway planned from a registration newer than the list this engine last read: the reader waits for
+    the next read of the list rather than refusing the plan."""
+    _, _, dst, dst_pages, transfer = pair
+    peers = dst._peers
+    peers.listed[("src", 8)] = peers.sources.pop(("src", 7))  # type: ignore[attr-defined]
+    plan = StepPlan(written=[5, 6, 7], loads=[_load(epoch=8)])
+    dst.bind(plan)
+    dst.start_loads(plan)
+    assert _finished(dst) == {"q"}
+    assert dst.load_errors() == set() and transfer.reads == 3 and dst_pages[0][5].any()
 
 
 def test_an_aborted_pull_never_lands(pair) -> None:
