@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adapters.vllm_plan import KvLayout, complete_on_every_rank, pull_outcome
+from adapters.vllm_plan import KvLayout, complete_on_every_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +67,8 @@ class WorkerReport:
     """Worker -> scheduler, one step, of one TP rank or (merged) of all.
 
     `complete`: (block, hash) computed and complete, as each rank reports them; `pulled`: (req id, block, hash) of
-    pulled blocks that landed and validated on the reporting rank; `pull_blocks` / `pull_failed`: destination
-    blocks of the pulls that ended this step and those of them that failed; `failed_pulls`: the requests among them
-    with a failed block; `read_bytes` / `read_s`: per rank, page bytes and seconds of the reads that completed
+    pulled blocks that landed and validated on the reporting rank (the scheduler half counts a pull's outcome once
+    it ends, over every rank: the ranks' reads may end in different steps); `read_bytes` / `read_s`: per rank, page bytes and seconds of the reads that completed
     (tags, pages, tags: the pull bandwidth); `saved` / `unsaved`: (hash, host slot) saved to the host tier or not
     (its request failed); `host_loaded` / `host_failed`: destination blocks loaded back from the host tier, and
     those that failed the tag check.
@@ -77,9 +76,6 @@ class WorkerReport:
 
     complete: list[tuple[int, int]] = field(default_factory=list)
     pulled: list[tuple[str, int, int]] = field(default_factory=list)
-    pull_blocks: list[int] = field(default_factory=list)
-    pull_failed: list[int] = field(default_factory=list)
-    failed_pulls: list[str] = field(default_factory=list)
     read_bytes: dict[int, int] = field(default_factory=dict)
     read_s: dict[int, float] = field(default_factory=dict)
     saved: list[tuple[int, int]] = field(default_factory=list)
@@ -91,9 +87,6 @@ class WorkerReport:
         return WorkerReport(
             self.complete + other.complete,
             self.pulled + other.pulled,
-            self.pull_blocks + other.pull_blocks,
-            self.pull_failed + other.pull_failed,
-            self.failed_pulls + other.failed_pulls,
             {k: self.read_bytes.get(k, 0) + other.read_bytes.get(k, 0) for k in self.read_bytes.keys() | other.read_bytes.keys()},
             {k: self.read_s.get(k, 0.0) + other.read_s.get(k, 0.0) for k in self.read_s.keys() | other.read_s.keys()},
             self.saved + other.saved,
@@ -103,13 +96,7 @@ class WorkerReport:
         )
 
     def __bool__(self) -> bool:
-        return bool(
-            self.complete or self.pulled or self.pull_blocks or self.saved or self.unsaved or self.host_loaded or self.read_s
-        )
-
-    def pull_outcome(self) -> tuple[int, int, int]:
-        """(blocks pulled, blocks failed, pulls failed) over every rank (vllm_plan.pull_outcome)."""
-        return pull_outcome(self.pull_blocks, self.pull_failed, self.failed_pulls)
+        return bool(self.complete or self.pulled or self.saved or self.unsaved or self.host_loaded or self.read_s)
 
     def complete_everywhere(self, ranks: int) -> list[tuple[int, int]]:
         """The computed blocks every one of `ranks` reported complete (a block only some ranks hold is no block)."""

@@ -63,6 +63,7 @@ class PeerCache:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read_started = float("-inf")  # when the last read of the list that ended (answered or not) started
+        self._read_ok = True  # whether that read was answered
         self._read_ended = threading.Condition()
 
     def start(self) -> None:
@@ -81,8 +82,9 @@ class PeerCache:
         return peer
 
     def settled(self, since: float) -> bool:
-        """Whether a read of the list that started after `since` (`time.monotonic()`) has ended."""
-        return self._read_started > since
+        """Whether a read of the list that started after `since` (`time.monotonic()`) has ended, or the last read
+        found the directory down (no fresher list is coming soon: a miss is a miss at once)."""
+        return self._read_started > since or not self._read_ok
 
     def wait(self, since: float, timeout: float) -> bool:
         """Block (a reader thread, never the engine step) until `settled(since)` or `timeout`; whether settled."""
@@ -94,8 +96,10 @@ class PeerCache:
         asyncio.run(self._loop())
 
     async def _loop(self) -> None:
+        # A read that has no answer within one period ends (the directory is down: the last list stays), so that a
+        # miss waits for at most about one period (`settled`).
         async with DirectoryClient(
-            self.s.directory_urls, deadline=self.s.peer_refresh_s * 4, token=self.s.directory_token, tenant=self.s.tenant
+            self.s.directory_urls, deadline=self.s.peer_refresh_s, token=self.s.directory_token, tenant=self.s.tenant
         ) as client:
             while not self._stop.is_set():
                 started = time.monotonic()
@@ -104,7 +108,9 @@ class PeerCache:
                     nodes: list[NodeInfo] = await client.nodes()
                 except DirectoryError as exc:
                     log.debug("directory node list unavailable (%s): pull sources as last seen", exc)
+                    self._read_ok = False
                 else:
+                    self._read_ok = True
                     # A list taken while this engine's lease had lapsed (it registers again) lacks it: its standing
                     # (the tenant its token gave it) is kept from the last list that had it.
                     self._me = standing(nodes, self.node_id) or self._me

@@ -379,12 +379,21 @@ class SchedulerHalf:
             self._pulling[h] = rid
         self.metrics.plans.labels("pull").inc()
 
-    def _end_pull(self, rid: str, pull: _Pull) -> None:
-        """The pull is over (landed, failed or its request gone): publish what landed on every rank and vLLM cached."""
+    def _end_pull(self, rid: str, pull: _Pull, *, aborted: bool = False) -> None:
+        """The pull is over (landed, failed or its request gone): count it once, over every rank (their reads may end
+        in different steps), and publish what landed on every rank and vLLM cached."""
         for h in pull.load.hashes:
             if self._pulling.get(h) == rid:
                 del self._pulling[h]
-        self._publish([pair for pair, ranks in pull.landed.items() if ranks >= self.tp_size])
+        landed = [pair for pair, ranks in pull.landed.items() if ranks >= self.tp_size]
+        if aborted:
+            return
+        failed = len(pull.load.dst_blocks) - len(landed)
+        self.metrics.pulled.inc(len(landed))
+        self.metrics.failed.inc(failed)
+        if failed:
+            self.metrics.failed_pulls.inc()
+        self._publish(landed)
 
     def build_connector_meta(self, scheduler_output: Any, kv_cache_manager: Any) -> StepPlan:
         meta = StepPlan(loads=self._loads)
@@ -435,10 +444,6 @@ class SchedulerHalf:
         if report is None:
             return
         m = self.metrics
-        pulled, failed, failed_pulls = report.pull_outcome()
-        m.pulled.inc(pulled)
-        m.failed.inc(failed)
-        m.failed_pulls.inc(failed_pulls)
         for rank, n in report.read_bytes.items():
             m.rank_read_bytes.labels(str(rank)).inc(n)
             m.rank_read_s.labels(str(rank)).inc(report.read_s.get(rank, 0.0))
@@ -480,5 +485,4 @@ class SchedulerHalf:
         self._unlisted.pop(rid, None)
         pull = self._pulls.pop(rid, None)
         if pull is not None:  # aborted while its pull ran: nothing of it is cached, so nothing is published
-            pull.landed.clear()
-            self._end_pull(rid, pull)
+            self._end_pull(rid, pull, aborted=True)

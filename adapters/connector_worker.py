@@ -240,11 +240,7 @@ class WorkerHalf:
                 bad = list(load.dst_blocks)
             else:
                 bad = self._land(pull)
-            self._report.pull_blocks += load.dst_blocks
-            if bad:
-                self._load_errors.update(bad)
-                self._report.pull_failed += bad
-                self._report.failed_pulls.append(rid)
+            self._load_errors.update(bad)
         if self._orphans and not getattr(self._transfer, "abandoned_in_flight", 0):
             self._orphans = [j for j in self._orphans if not j.done.is_set()]
         return done

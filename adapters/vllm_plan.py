@@ -238,14 +238,6 @@ def check_tags(expected: Sequence[int], before: Sequence[tuple[int, int]], after
     return [i for i, (h, b, a) in enumerate(zip(expected, before, after)) if b[0] != h or a != b]
 
 
-def pull_outcome(loaded: Sequence[int], failed: Sequence[int], failed_reqs: Sequence[str]) -> tuple[int, int, int]:
-    """(blocks pulled, blocks failed, pulls failed) of one step over every TP rank's report: each rank lists
-    its loads' destination blocks and those that failed there. A block one rank failed failed on all: vLLM
-    recomputes every block any rank reports (the union of their load errors), on every rank."""
-    bad = set(failed)
-    return len(set(loaded) - bad), len(bad), len(set(failed_reqs))
-
-
 def complete_on_every_rank(complete: Sequence[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
     """The (block, hash) pairs that each of `ranks` TP ranks reported complete this step, in first-report order:
     only those hold the block's whole KV. A rank whose pull failed does not report the pulled blocks, so they

@@ -175,11 +175,16 @@ class VllmEngine:
         raise TimeoutError(f"vllm {self.name} did not answer /health within {timeout} s; see {self.log}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Signal the whole process group; SIGKILL whatever is left after a grace period."""
+        """SIGTERM: to the API server alone, as `docker stop` does, which drains and stops the engine core (a
+        second SIGTERM from the group would kill the engine core in its teardown, before the connector deregisters);
+        another signal (SIGKILL): the whole process group. SIGKILL whatever is left after a grace period."""
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
-            os.killpg(self.proc.pid, sig)
+            if sig == signal.SIGTERM:
+                self.proc.send_signal(sig)
+            else:
+                os.killpg(self.proc.pid, sig)
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)

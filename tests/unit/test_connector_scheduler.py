@@ -179,6 +179,10 @@ def test_pulled_blocks_are_published_once_every_rank_validated_them_and_vllm_cac
         assert list(half._holdings()) == []  # not before vLLM took the request out of WAITING_FOR_REMOTE_KVS
         half.update_state_after_alloc(a, _blocks([20, 21, 22, 23, 24, 25]), 0)
         assert sorted(list(half._holdings())) == sorted((h, 20 + i, None) for i, h in enumerate(hashes[:3]))
+        # Counted once, when the pull ended, over both ranks (whose reads ended in different steps): a block one
+        # rank did not validate is a failed block.
+        pulled, failed = half.metrics.pulled._value.get(), half.metrics.failed._value.get()
+        assert (pulled, failed, half.metrics.failed_pulls._value.get()) == (3, 2, 1)
         assert half.get_num_new_matched_tokens(_request("b", plan=_plan()), 3 * BS) == (2 * BS, True)  # no more waiting
     finally:
         half.shutdown()

