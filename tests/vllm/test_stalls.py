@@ -37,7 +37,8 @@ def _frozen(engine: Engine) -> Iterator[None]:
     try:
         yield
     finally:
-        os.killpg(engine.proc.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # killed meanwhile
+            os.killpg(engine.proc.pid, signal.SIGCONT)
 
 
 def _ttft_s(engine: Engine, prompt: str) -> float:
@@ -129,3 +130,28 @@ def test_a_request_aborted_during_its_pull_leaves_nothing_behind(engines: dict[s
     out = b.complete(PROMPT)  # no plan: whatever B holds of the prompt is what it serves from
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
+def test_a_source_killed_mid_read_means_recompute_and_the_engine_serves_on(
+    engines: dict[str, Engine], directory: Cluster
+) -> None:
+    """Last in the session: A is killed (its restart is test_connector.py's test). Frozen first, so that the kill
+    lands while B's read is under way: the read fails at once (the connection is reset), long before its deadline."""
+    a, b = engines["vllm-a"], engines["vllm-b"]
+    hashes, holder = _served(a, directory)
+    expected = _recomputed(b)
+    pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
+    b.reset_cache()
+    failed = b.metric(FAILED)
+    with ThreadPoolExecutor(1) as pool:
+        with _frozen(a):
+            pull = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
+            _pulling(b)
+            t0 = time.monotonic()
+            a.stop(sig=signal.SIGKILL)
+        out: dict[str, Any] = pull.result(timeout=60)
+        killed_s = time.monotonic() - t0
+    assert out["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert b.metric(FAILED) - failed == pullable
+    assert killed_s < 4.0, killed_s  # the read failed with the connection, not at its 5 s deadline
+    assert b.complete(PLAIN)["usage"]["completion_tokens"] > 0  # B serves on
