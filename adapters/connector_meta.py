@@ -101,3 +101,22 @@ class WorkerReport:
     def complete_everywhere(self, ranks: int) -> list[tuple[int, int]]:
         """The computed blocks every one of `ranks` reported complete (a block only some ranks hold is no block)."""
         return complete_on_every_rank(self.complete, ranks)
+
+
+def merge_pull_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two intervals' (or TP ranks') pull counts as one: `pulls`, `pulled_blocks`, `failed_blocks`, `read_bytes`,
+    `read_s`, summed (what the worker half reports through vLLM's connector stats)."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+
+def reduce_pull_stats(stats: dict[str, float]) -> dict[str, int | float]:
+    """The figures vLLM logs for an interval ("KV Transfer metrics: ..."), summed over TP ranks."""
+    read_s = stats.get("read_s", 0.0)
+    read_bytes = stats.get("read_bytes", 0)
+    return {
+        "pulls": int(stats.get("pulls", 0)),
+        "pulled_blocks": int(stats.get("pulled_blocks", 0)),
+        "failed_blocks": int(stats.get("failed_blocks", 0)),
+        "read_MiB": round(read_bytes / 2**20, 3),
+        "read_GB_per_s": round(read_bytes / read_s / 1e9, 3) if read_s > 0 else 0.0,
+    }

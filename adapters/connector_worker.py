@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adapters.config import ConnectorSettings
-from adapters.connector_meta import HostLoad, Load, RankHandshake, StepPlan, WorkerReport
+from adapters.connector_meta import HostLoad, Load, RankHandshake, StepPlan, WorkerReport, merge_pull_stats
 from adapters.connector_peers import PeerCache, Peers
 from adapters.kv_memory import KvMemory
 from adapters.pull_reader import PullJob, PullReader, ReadPlan, unpinned
@@ -87,6 +87,7 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # this step's requests whose host-tier load failed
         self._report = WorkerReport()
+        self._stats: dict[str, float] = {}  # pulls ended since vLLM last asked (`take_stats`)
         self._inflight: dict[str, _InFlight] = {}
         # Jobs given up or failed, kept (with their buffers) while a read of theirs may still write into them: until
         # it returned, and the transfer engine has no abandoned read in flight (kvtransfer.mooncake).
@@ -241,6 +242,16 @@ class WorkerHalf:
             else:
                 bad = self._land(pull)
             self._load_errors.update(bad)
+            self._stats = merge_pull_stats(
+                self._stats,
+                {
+                    "pulls": 1,
+                    "pulled_blocks": len(load.dst_blocks) - len(bad),
+                    "failed_blocks": len(bad),
+                    "read_bytes": job.plan.page_bytes if job.plan is not None and not bad else 0,
+                    "read_s": job.read_s if job.plan is not None and not bad else 0.0,
+                },
+            )
         if self._orphans and not getattr(self._transfer, "abandoned_in_flight", 0):
             self._orphans = [j for j in self._orphans if not j.done.is_set()]
         return done
@@ -302,6 +313,11 @@ class WorkerHalf:
             self._report.saved += [(h, slot) for _, slot, h in ok]
             self._report.unsaved += [(h, slot) for rid, _, slot, h in plan.saves if rid in self._failed_reqs]
         self._failed_reqs.clear()
+
+    def take_stats(self) -> dict[str, float] | None:
+        """The pulls that ended since the last call (vLLM's connector stats: it logs them per interval), or None."""
+        stats, self._stats = self._stats, {}
+        return stats or None
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -47,10 +47,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from adapters.config import ConnectorSettings
-from adapters.connector_meta import RankHandshake, StepPlan, WorkerReport
+from adapters.connector_meta import RankHandshake, StepPlan, WorkerReport, merge_pull_stats, reduce_pull_stats
 from adapters.connector_scheduler import SchedulerHalf
 from adapters.connector_worker import WorkerHalf
 from adapters.kv_identity import engine_fingerprint, served_name
@@ -92,6 +93,24 @@ class KvdirWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvdirWorkerMeta)
         return KvdirWorkerMeta(self.report.merge(other.report))
+
+
+@dataclass
+class KvdirConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped for mypy here (not installed beside it)
+    """The pulls that ended, as vLLM's own stats carry them: vLLM sums the TP ranks' and logs each interval's
+    ("KV Transfer metrics: pulls=..., pulled_blocks=..., read_GB_per_s=...") beside its throughput line."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return KvdirConnectorStats(data=merge_pull_stats(self.data, other.data))
+
+    def reduce(self) -> dict[str, int | float]:
+        return reduce_pull_stats(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data.get("pulls")
 
 
 def host_memory(kv_caches: dict[str, torch.Tensor]) -> HostKvMemory:
@@ -238,6 +257,14 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = self._work.take_stats() if self.worker is not None else None
+        return None if stats is None else KvdirConnectorStats(data=stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvdirConnectorStats(data=dict(data or {}))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report = self._work.report()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from adapters.config import ConnectorSettings
-from adapters.connector_meta import Load, StepPlan
+from adapters.connector_meta import Load, StepPlan, reduce_pull_stats
 from adapters.connector_worker import WorkerHalf
 from adapters.kv_memory import HostKvMemory
 from adapters.vllm_plan import PullSource
@@ -135,6 +135,15 @@ def test_a_pull_reads_off_the_calling_thread_and_lands_in_get_finished(pair) -> 
     assert report is not None and report.pulled == [("q", 5, 101), ("q", 6, 102), ("q", 7, 103)]
     assert report.read_bytes[0] == 3 * LAYERS * PAGE
     assert [int(x) for x in dst._tags[5:8, 0]] == [101, 102, 103]  # the puller serves them to its own peers now
+    stats = dst.take_stats()  # what vLLM's connector stats carry, then nothing until the next pull ends
+    assert stats is not None and reduce_pull_stats(stats) == {
+        "pulls": 1,
+        "pulled_blocks": 3,
+        "failed_blocks": 0,
+        "read_MiB": round(3 * LAYERS * PAGE / 2**20, 3),
+        "read_GB_per_s": round(3 * LAYERS * PAGE / stats["read_s"] / 1e9, 3),
+    }
+    assert dst.take_stats() is None
 
 
 def test_a_stale_block_is_a_load_error_and_the_others_land(pair) -> None:
@@ -145,6 +154,8 @@ def test_a_stale_block_is_a_load_error_and_the_others_land(pair) -> None:
     dst.start_loads(plan)
     assert _finished(dst) == {"q"}
     assert dst.load_errors() == {6}
+    stats = dst.take_stats()
+    assert stats is not None and (stats["pulled_blocks"], stats["failed_blocks"]) == (2, 1)
     report = dst.report()
     assert report is not None and [b for _, b, _ in report.pulled] == [5, 7]
     assert int(dst._tags[6, 0]) == 0

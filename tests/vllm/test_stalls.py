@@ -132,6 +132,18 @@ def test_a_request_aborted_during_its_pull_leaves_nothing_behind(engines: dict[s
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
 
 
+def test_pulls_show_in_vllms_own_transfer_metrics(engines: dict[str, Engine], directory: Cluster) -> None:
+    """The connector's stats go through vLLM's (`get_kv_connector_stats`): vLLM logs them each interval beside its
+    throughput line."""
+    a, b = engines["vllm-a"], engines["vllm-b"]
+    _, holder = _served(a, directory)
+    b.reset_cache()
+    seen = len(b.log_lines("KV Transfer metrics"))
+    b.complete(PROMPT, kv_transfer_params=_plan(holder))
+    lines = wait_for(lambda: b.log_lines("KV Transfer metrics")[seen:], what="vLLM's KV transfer metrics line", timeout=30)
+    assert any("pulls=" in line and "pulled_blocks=" in line for line in lines), lines
+
+
 def test_a_source_killed_mid_read_means_recompute_and_the_engine_serves_on(
     engines: dict[str, Engine], directory: Cluster
 ) -> None:
