@@ -148,7 +148,8 @@ def test_a_source_killed_mid_read_means_recompute_and_the_engine_serves_on(
     engines: dict[str, Engine], directory: Cluster
 ) -> None:
     """Last in the session: A is killed (its restart is test_connector.py's test). Frozen first, so that the kill
-    lands while B's read is under way: the read fails at once (the connection is reset), long before its deadline."""
+    lands while B's read is under way. The read fails when its connection is reset or at its deadline (5 s), where
+    the kill finds it waiting (seen both ways here): the request recomputes then, not later, and B serves on."""
     a, b = engines["vllm-a"], engines["vllm-b"]
     hashes, holder = _served(a, directory)
     expected = _recomputed(b)
@@ -165,5 +166,5 @@ def test_a_source_killed_mid_read_means_recompute_and_the_engine_serves_on(
         killed_s = time.monotonic() - t0
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
     assert b.metric(FAILED) - failed == pullable
-    assert killed_s < 4.0, killed_s  # the read failed with the connection, not at its 5 s deadline
+    assert killed_s < 5.0 + 3.0, killed_s  # at the read's deadline at the latest
     assert b.complete(PLAIN)["usage"]["completion_tokens"] > 0  # B serves on
