@@ -329,7 +329,9 @@ class SchedulerHalf:
             )
             return "fingerprint"
         peer = self._peers.get(plan.source_node, plan.source_epoch)
-        if peer is None and not self._peers.settled(self._unlisted.setdefault(request.request_id, time.monotonic())):
+        # A read that started a refresh period after the request first asked: a replica behind by less has it.
+        since = self._unlisted.setdefault(request.request_id, time.monotonic()) + self.s.peer_refresh_s
+        if peer is None and not self._peers.settled(since):
             return "unlisted"
         if peer is None:
             why: str | None = f"{plan.source_node} epoch {plan.source_epoch} is not registered (as last seen)"

@@ -165,10 +165,12 @@ class WorkerHalf:
     def _prepare(self, load: Load, asked: float) -> ReadPlan:
         """The load's read (on a reader thread): each block read from the source's tier the plan names, the tiers'
         pieces in one batch per read (docs/protocol.md §2.3). A source missing from the last node list read is
-        waited for until a read of the list that started after `asked` ended (it may have registered since)."""
+        waited for until a read of the list that started a refresh period after `asked` ended (it may have
+        registered since, and the replica read may be a little behind)."""
         assert self._layout is not None
         peer = self._peers.get(load.source_node, load.source_epoch)
-        if peer is None and self._peers.wait(asked, self.s.transfer_timeout_s):
+        # A read that started a refresh period after the pull was asked for: a replica behind by less has it.
+        if peer is None and self._peers.wait(asked + self.s.peer_refresh_s, self.s.transfer_timeout_s):
             peer = self._peers.get(load.source_node, load.source_epoch)
         if peer is None:
             raise PlanError(f"{load.source_node} epoch {load.source_epoch} is not registered (as last seen)")

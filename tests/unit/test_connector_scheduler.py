@@ -31,7 +31,7 @@ class FixedPeers:
         self.read_started = float("-inf")
 
     def read(self) -> None:
-        self.read_started = time.monotonic()
+        self.read_started = time.monotonic() + 3600  # a read well past any refresh period since
 
     def settled(self, since: float) -> bool:
         return self.read_started > since
