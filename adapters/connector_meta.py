@@ -9,8 +9,12 @@ metadata classes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from adapters.vllm_plan import KvLayout, complete_on_every_rank
+from adapters.vllm_plan import KvLayout
+
+K = TypeVar("K")
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +91,8 @@ class WorkerReport:
         return WorkerReport(
             self.complete + other.complete,
             self.pulled + other.pulled,
-            {k: self.read_bytes.get(k, 0) + other.read_bytes.get(k, 0) for k in self.read_bytes.keys() | other.read_bytes.keys()},
-            {k: self.read_s.get(k, 0.0) + other.read_s.get(k, 0.0) for k in self.read_s.keys() | other.read_s.keys()},
+            summed(self.read_bytes, other.read_bytes),
+            summed(self.read_s, other.read_s),
             self.saved + other.saved,
             self.unsaved + other.unsaved,
             self.host_loaded + other.host_loaded,
@@ -98,14 +102,11 @@ class WorkerReport:
     def __bool__(self) -> bool:
         return bool(self.complete or self.pulled or self.saved or self.unsaved or self.host_loaded or self.read_s)
 
-    def complete_everywhere(self, ranks: int) -> list[tuple[int, int]]:
-        """The computed blocks every one of `ranks` reported complete (a block only some ranks hold is no block)."""
-        return complete_on_every_rank(self.complete, ranks)
 
-
-def merge_pull_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Two intervals' (or TP ranks') pull counts as one: `pulls`, `pulled_blocks`, `failed_blocks`, `read_bytes`,
-    `read_s`, summed (what the worker half reports through vLLM's connector stats)."""
+def summed(a: dict[K, N], b: dict[K, N]) -> dict[K, N]:
+    """Two tallies as one, key by key: the ranks' read bytes and seconds, and the pull counts the worker half reports
+    through vLLM's connector stats (`pulls`, `pulled_blocks`, `failed_blocks`, `read_bytes`, `read_s`), two intervals'
+    or two TP ranks'."""
     return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
 
 

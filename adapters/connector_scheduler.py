@@ -88,6 +88,7 @@ class SchedulerHalf:
         self._requests: dict[str, Any] = {}
         self._hashes: dict[str, list[int]] = {}
         self._pending_loads: dict[str, tuple[Any, int, int]] = {}  # req id -> (plan, first block, count)
+        self._joined: set[str] = set()  # req ids waiting for a pull here, their join counted
         self._loads: list[Load] = []
         self._pulls: dict[str, _Pull] = {}  # req id -> its pull under way
         self._unlisted: dict[str, float] = {}  # req id -> when its plan's source was first found unlisted
@@ -289,12 +290,13 @@ class SchedulerHalf:
             log.warning("request %s: %s; computing it", request.request_id, exc)
             self.metrics.plans.labels("invalid").inc()
             plan = None
-        if self._pulled_here(request, num_computed_tokens):
-            if plan is not None and request.request_id not in self._pending_loads:
-                self.metrics.plans.labels("joined").inc()
-            self._pending_loads[request.request_id] = (None, 0, 0)  # marks the join as counted
-            return None, False
         self._pending_loads.pop(request.request_id, None)
+        if self._pulled_here(request, num_computed_tokens):
+            if plan is not None and request.request_id not in self._joined:
+                self._joined.add(request.request_id)
+                self.metrics.plans.labels("joined").inc()
+            return None, False
+        self._joined.discard(request.request_id)
         if plan is None:
             return 0, False
         outcome = self._refusal(request, plan)
@@ -361,7 +363,7 @@ class SchedulerHalf:
             self._host_loads.append(HostLoad(rid, dst, slots, hashes[first : first + len(slots)]))
             return
         pending = self._pending_loads.pop(rid, None)
-        if pending is None or pending[0] is None or num_external_tokens == 0:
+        if pending is None or num_external_tokens == 0:
             return
         plan, first, count = pending
         block_ids = blocks.get_block_ids()[0]
@@ -485,6 +487,7 @@ class SchedulerHalf:
         self._pending_loads.pop(rid, None)
         self._pending_host.pop(rid, None)
         self._unlisted.pop(rid, None)
+        self._joined.discard(rid)
         pull = self._pulls.pop(rid, None)
         if pull is not None:  # aborted while its pull ran: nothing of it is cached, so nothing is published
             self._end_pull(rid, pull, aborted=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adapters.config import ConnectorSettings
-from adapters.connector_meta import HostLoad, Load, RankHandshake, StepPlan, WorkerReport, merge_pull_stats
+from adapters.connector_meta import HostLoad, Load, RankHandshake, StepPlan, WorkerReport, summed
 from adapters.connector_peers import PeerCache, Peers
 from adapters.kv_memory import KvMemory
 from adapters.pull_reader import PullJob, PullReader, ReadPlan, unpinned
@@ -244,7 +244,7 @@ class WorkerHalf:
             else:
                 bad = self._land(pull)
             self._load_errors.update(bad)
-            self._stats = merge_pull_stats(
+            self._stats = summed(
                 self._stats,
                 {
                     "pulls": 1,

@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from adapters.config import ConnectorSettings
-from adapters.connector_meta import RankHandshake, StepPlan, WorkerReport, merge_pull_stats, reduce_pull_stats
+from adapters.connector_meta import RankHandshake, StepPlan, WorkerReport, reduce_pull_stats, summed
 from adapters.connector_scheduler import SchedulerHalf
 from adapters.connector_worker import WorkerHalf
 from adapters.kv_identity import engine_fingerprint, served_name
@@ -104,7 +104,7 @@ class KvdirConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is un
         self.data = dict[str, Any]()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        return KvdirConnectorStats(data=merge_pull_stats(self.data, other.data))
+        return KvdirConnectorStats(data=summed(self.data, other.data))
 
     def reduce(self) -> dict[str, int | float]:
         return reduce_pull_stats(self.data)

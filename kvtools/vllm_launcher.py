@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,18 @@ class VllmEngine:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and worker, if the API server left them
         except ProcessLookupError:
             pass
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The engine's processes stopped (SIGSTOP) for the block, then resumed (unless killed meanwhile): a source
+        that hangs mid-pull, as a hung host or a link that stopped moving looks to a reader."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
 
     def complete(self, prompt: str | list[int], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
         """A greedy completion; AssertionError with the body unless 200."""

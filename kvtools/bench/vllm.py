@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
 import statistics
 import tempfile
 import time
@@ -59,7 +57,7 @@ KV_HEADS = 2
 MODEL_KIND = f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)"
 
 
-def ttft(engine: VllmEngine, prompt: list[int], **extra: Any) -> tuple[float, int]:
+def ttft(engine: VllmEngine, prompt: str | list[int], **extra: Any) -> tuple[float, int]:
     """(seconds to the first streamed token, cached prompt tokens the engine reported) of a 1-token completion."""
     body = {
         "model": MODEL,
@@ -216,17 +214,6 @@ def bench_size(
     return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
-@contextlib.contextmanager
-def frozen(engine: VllmEngine) -> Iterator[None]:
-    """`engine`'s processes stopped (SIGSTOP) for the block, then resumed: a source that hangs mid-pull."""
-    assert engine.proc is not None
-    os.killpg(engine.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(engine.proc.pid, signal.SIGCONT)
-
-
 def bench_stall(
     directory: str, a: VllmEngine, b: VllmEngine, rounds: int, rng: np.random.Generator, vocab: tuple[int, int]
 ) -> dict[str, Any]:
@@ -241,7 +228,7 @@ def bench_stall(
 
     alone = [ttft(b, plain())[0] for _ in range(rounds)]
     b.reset_cache()
-    with frozen(a), ThreadPoolExecutor(1) as pool:
+    with a.frozen(), ThreadPoolExecutor(1) as pool:
         t0 = time.perf_counter()
         pulling = pool.submit(ttft, b, [*prefix, 1, 1], kv_transfer_params=plan)
         deadline = time.monotonic() + 30

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 
+from adapters.vllm_plan import PullSource
 from gateway.engine_registry import EngineRegistry, EngineState
 from kvproto.client import DirectoryClient
 from kvproto.schemas import NodeInfo, Origin
@@ -38,3 +40,36 @@ def run(body: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
             await body(http)
 
     asyncio.run(main())
+
+
+class FixedPeers:
+    """The vLLM connector's pull sources as a map (adapters.connector_peers.Peers). `read()` stands for a read of the
+    directory's node list that started well past any refresh period since and ends now: `listed` (sources registered
+    meanwhile) joins the map. `wait` reads at once, unless `blocking` is off (the scheduler half must never wait)."""
+
+    def __init__(self, sources: dict[tuple[str, int], PullSource] | None = None, *, blocking: bool = True) -> None:
+        self.sources = dict(sources or {})
+        self.listed: dict[tuple[str, int], PullSource] = {}
+        self.read_started = float("-inf")
+        self.blocking = blocking
+
+    def start(self) -> None:
+        return
+
+    def stop(self) -> None:
+        return
+
+    def get(self, node_id: str, epoch: int) -> PullSource | None:
+        return self.sources.get((node_id, epoch))
+
+    def read(self) -> None:
+        self.read_started = time.monotonic() + 3600
+        self.sources.update(self.listed)
+
+    def settled(self, since: float) -> bool:
+        return self.read_started > since
+
+    def wait(self, since: float, timeout: float) -> bool:
+        assert self.blocking, "the scheduler half never blocks"
+        self.read()
+        return True

@@ -6,7 +6,6 @@ vLLM cached them; an aborted pull publishes nothing."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -18,41 +17,18 @@ from adapters.connector_meta import WorkerReport
 from adapters.connector_scheduler import SchedulerHalf
 from adapters.vllm_plan import KvLayout, LayerRegion, PullSource
 from kvproto.schemas import PULL_PLAN_FIELD
+from tests.support.fakes import FixedPeers
 
 BS = 16
 LAYOUT = KvLayout((LayerRegion(0x1000, 256, 64),), 0x100000)
 
 
-class FixedPeers:
-    """Pull sources as a map; `read()` stands for a read of the directory's node list ending now."""
-
-    def __init__(self, sources: dict[tuple[str, int], PullSource]) -> None:
-        self.sources = sources
-        self.read_started = float("-inf")
-
-    def read(self) -> None:
-        self.read_started = time.monotonic() + 3600  # a read well past any refresh period since
-
-    def settled(self, since: float) -> bool:
-        return self.read_started > since
-
-    def wait(self, since: float, timeout: float) -> bool:
-        raise AssertionError("the scheduler half never blocks")
-
-    def start(self) -> None:
-        return
-
-    def stop(self) -> None:
-        return
-
-    def get(self, node_id: str, epoch: int) -> PullSource | None:
-        return self.sources.get((node_id, epoch))
-
-
 def _half(tp_size: int = 1) -> SchedulerHalf:
     s = ConnectorSettings(node_id="me", api_url="http://127.0.0.1:9", transfer_timeout_s=1.0)
     source = PullSource(["src:1"] * tp_size, [LAYOUT] * tp_size, "fp", None, None)
-    peers = FixedPeers({("src", 7): source, ("tenant-src", 1): source._replace(refusal="another tenant's engine")})
+    peers = FixedPeers(
+        {("src", 7): source, ("tenant-src", 1): source._replace(refusal="another tenant's engine")}, blocking=False
+    )
     half = SchedulerHalf(
         s, node_id="me", block_size=BS, tp_size=tp_size, dp_rank=None, model_name="m", fingerprint_of=lambda _: "fp", peers=peers
     )
@@ -139,7 +115,7 @@ def test_a_source_registered_since_the_last_list_is_pulled_once_a_list_names_it(
 
 def test_a_source_of_another_tp_size_is_refused() -> None:
     half = _half(tp_size=2)
-    half._peers = FixedPeers({("src", 7): PullSource(["src:1"], [LAYOUT], "fp", None, None)})  # type: ignore[assignment]
+    half._peers = FixedPeers({("src", 7): PullSource(["src:1"], [LAYOUT], "fp", None, None)}, blocking=False)
     try:
         assert half.get_num_new_matched_tokens(_request("a", plan=_plan()), 0) == (0, False)
     finally:

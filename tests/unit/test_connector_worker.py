@@ -19,6 +19,7 @@ from adapters.connector_worker import WorkerHalf
 from adapters.kv_memory import HostKvMemory
 from adapters.vllm_plan import PullSource
 from kvtransfer.engine import TransferError
+from tests.support.fakes import FixedPeers
 
 BLOCKS, PAGE, LAYERS = 16, 256, 2
 
@@ -46,32 +47,6 @@ class MemTransfer:
 
     def close(self) -> None:
         return
-
-
-class FixedPeers:
-    """Pull sources as a map; `wait` reads "the list" at once: `listed` (sources registered meanwhile) joins it."""
-
-    def __init__(self) -> None:
-        self.sources: dict[tuple[str, int], PullSource] = {}
-        self.listed: dict[tuple[str, int], PullSource] = {}
-        self.read_started = float("-inf")
-
-    def settled(self, since: float) -> bool:
-        return self.read_started > since
-
-    def wait(self, since: float, timeout: float) -> bool:
-        self.read_started = since + 0.001  # the read it waits for
-        self.sources.update(self.listed)
-        return True
-
-    def start(self) -> None:
-        return
-
-    def stop(self) -> None:
-        return
-
-    def get(self, node_id: str, epoch: int) -> PullSource | None:
-        return self.sources.get((node_id, epoch))
 
 
 def _engine(node_id: str, peers: FixedPeers, transfer: MemTransfer) -> tuple[WorkerHalf, list[np.ndarray]]:

@@ -9,17 +9,15 @@ engine that served nothing); every test here resumes A before it ends.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
 from kvdir.local_cluster import Cluster
+from kvtools.bench.vllm import ttft
 from tests.support.wait import wait_for
 from tests.vllm.conftest import MODEL, PROMPT, Engine
 from tests.vllm.test_connector import BLOCK, FAILED, PULL, _plan, _recomputed, _served
@@ -27,30 +25,6 @@ from tests.vllm.test_connector import BLOCK, FAILED, PULL, _plan, _recomputed, _
 IN_FLIGHT = "kvdir_connector_pulls_in_flight"
 JOINED = 'kvdir_connector_plans_total{outcome="joined"}'
 PLAIN = "an unrelated question about the weather in a city by the sea, asked politely " * 6
-
-
-@contextlib.contextmanager
-def _frozen(engine: Engine) -> Iterator[None]:
-    """`engine`'s processes stopped (SIGSTOP) until the block ends, then resumed, whatever happened."""
-    assert engine.proc is not None
-    os.killpg(engine.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # killed meanwhile
-            os.killpg(engine.proc.pid, signal.SIGCONT)
-
-
-def _ttft_s(engine: Engine, prompt: str) -> float:
-    """Seconds to the first streamed token of a greedy completion."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
-    t0 = time.monotonic()
-    with httpx.Client(timeout=60) as http, http.stream("POST", engine.url + "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                return time.monotonic() - t0
-    raise AssertionError("no token streamed")
 
 
 def _pulling(engine: Engine, n: int = 1) -> None:
@@ -68,13 +42,13 @@ def test_a_hung_source_stalls_no_other_request_and_the_pull_gives_up(engines: di
     hashes, holder = _served(a, directory)
     expected = _recomputed(b)
     pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
-    alone = sorted(_ttft_s(b, f"{i} {PLAIN}") for i in range(3))[1]
+    alone = sorted(ttft(b, f"{i} {PLAIN}")[0] for i in range(3))[1]
     b.reset_cache()
     failed = b.metric(FAILED)
-    with _frozen(a), ThreadPoolExecutor(1) as pool:
+    with a.frozen(), ThreadPoolExecutor(1) as pool:
         pull = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
         _pulling(b)
-        during = [_ttft_s(b, f"{i} {PLAIN} again") for i in range(3)]
+        during = [ttft(b, f"{i} {PLAIN} again")[0] for i in range(3)]
         out: dict[str, Any] = pull.result(timeout=60)
     print(f"\nplain TTFT on B: alone {alone * 1000:.0f} ms, during a hung pull {[round(x * 1000) for x in during]} ms")
     # The issue's bound, on the median (two shared cores make any one request noisy): within 3x of alone, or 0.5 s
@@ -92,7 +66,7 @@ def test_two_requests_for_one_prefix_share_one_read(engines: dict[str, Engine], 
     b.reset_cache()
     pulled, joined = b.metric(PULL), b.metric(JOINED)
     with ThreadPoolExecutor(2) as pool:
-        with _frozen(a):  # the first read waits; the second request arrives meanwhile
+        with a.frozen():  # the first read waits; the second request arrives meanwhile
             first = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
             _pulling(b)
             second = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
@@ -121,7 +95,7 @@ def test_a_request_aborted_during_its_pull_leaves_nothing_behind(engines: dict[s
         "stream": True,
         "kv_transfer_params": _plan(holder),
     }
-    with _frozen(a):
+    with a.frozen():
         with httpx.Client(timeout=60) as http, http.stream("POST", b.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             _pulling(b)
@@ -157,7 +131,7 @@ def test_a_source_killed_mid_read_means_recompute_and_the_engine_serves_on(
     b.reset_cache()
     failed = b.metric(FAILED)
     with ThreadPoolExecutor(1) as pool:
-        with _frozen(a):
+        with a.frozen():
             pull = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
             _pulling(b)
             t0 = time.monotonic()
