@@ -54,7 +54,7 @@ from gateway.router import Router, cost_model
 from gateway.runtime import GatewayRuntime, runtime
 from gateway.status import status_json
 from gateway.status_page import render_page
-from gateway.tokenizers import LocalTokenizer, prompt_tokens
+from gateway.tokenizers import fixed_tokenizer, prompt_tokens
 from kvproto.http_limits import BodyLimit
 from kvproto.offline_docs import add_offline_docs
 from kvproto.openai_api import (
@@ -66,7 +66,6 @@ from kvproto.openai_api import (
     openai_error,
     openapi_body,
 )
-from kvproto.tokenizer import load_tokenizer
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -75,11 +74,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     The tokenizer and the policy are made here, so a bad `--tokenizer` or
     `--policy` fails before the server starts.
     """
-    local = (
-        None
-        if settings.tokenizer == "engine"
-        else LocalTokenizer(load_tokenizer(settings.tokenizer, settings.tokenize_cache_entries))
-    )
+    local = fixed_tokenizer(settings.tokenizer, settings.tokenize_cache_entries)
     policy = make_policy(settings.policy, cost=cost_model(settings))
     router = Router(policy, random.Random(settings.seed), PrefixHasher(settings.block_size, settings.namespace))
 
@@ -152,6 +147,12 @@ def _add_routes(app: FastAPI) -> None:
                 "policy": rt.settings.policy,
                 "max_prompt_tokens": rt.max_prompt_tokens(),
                 "block_size_mismatch": rt.registry.mismatched_block_size,
+                "tokenizer": rt.settings.tokenizer,
+                # Engines whose /tokenize differs from the gateway's tokens, or could not be asked (gateway.tokenizer_parity)
+                "tokenizer_mismatch": [
+                    {"node_id": p.node_id, "epoch": p.epoch, "model": p.model, "status": p.status, "detail": p.detail}
+                    for p in rt.parity.problems
+                ],
             }
         )
 

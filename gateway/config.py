@@ -35,8 +35,12 @@ class GatewaySettings(DirectoryClientSettings):
     )
     policy: PolicyName = Field("kvdir", description="routing policy: " + ", ".join(get_args(PolicyName)))
     tokenizer: str = Field(
-        "bytes",
-        description="the engines' tokenizer: 'bytes' (UTF-8 bytes), a tokenizer.json path, or 'engine' (ask an engine's /tokenize)",
+        "auto",
+        description="the engines' tokenizer: 'auto' (each model's own tokenizer files and chat template, as vLLM "
+        "uses them, where this machine has them: the model name or the engine's model path as a directory, or the "
+        "Hugging Face cache; never downloaded; else the engine's /tokenize), 'engine' (always an engine's "
+        "/tokenize), a model directory (its files for every model), or for worker stubs 'bytes' (UTF-8 bytes) or a "
+        "tokenizer.json path (the stub's chat template)",
     )
     tokenize_cache_entries: int = Field(
         256,
@@ -48,7 +52,13 @@ class GatewaySettings(DirectoryClientSettings):
         "",
         description="hash namespace (deployment, tenant; models, adapters and salts are in the KV identity): must match the engines'",
     )
-    block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must match the engines'")
+    block_size: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="tokens per KV block to hash a model's prompts in while no engine serving it registered its own "
+        "(otherwise the size most of its engines registered)",
+    )
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="engines' prefill rate, for the TTFT estimate")
     decode_tokens_per_s: float = Field(
         80.0, gt=0, description="engines' decode rate per running request in tokens/s, for the queueing estimate"

@@ -24,6 +24,7 @@ import logging
 import math
 import socket
 import time
+from collections import Counter
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ _RESOLVE_TIMEOUT_S = 5.0
 _RESOLVE_RETRY_S = 30.0  # an engine whose name did not resolve is tried again after this long
 _MODELS_RETRY_S = 5.0  # an engine that did not list its models is asked again after this long
 _MODELS_REFRESH_S = 30.0  # an engine that did is asked again after this long (adapters load and unload at run time)
+_BLOCK_SIZES_KEPT = 1024  # models whose hashing block size is remembered between engine-list changes
 REFRESH_RETRY_MAX_S = 30.0  # refreshes that keep raising are retried at most this far apart
 
 
@@ -120,6 +122,7 @@ class EngineState:
     registered_models: frozenset[str] = frozenset()  # model and adapter names its registration lists
     listed_models: frozenset[str] = frozenset()  # the ids its /v1/models lists (empty until it answered)
     adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> its base model, from /v1/models ("parent")
+    roots: dict[str, str] = field(default_factory=dict)  # model id -> where the engine read it, from /v1/models ("root")
     models_known: bool = False  # its registration or its /v1/models said what it serves
     fingerprint: str | None = None  # its KV fingerprint as registered (None: never a pull source nor destination)
     tp_size: int = 1  # its tensor-parallel ranks, from its registered regions (a pull needs as many on both ends)
@@ -136,6 +139,7 @@ class EngineState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    parity: str = ""  # how its /tokenize compares with the gateway's tokens (gateway.tokenizer_parity; "": not yet)
     models_due: float = 0.0  # when to ask its /v1/models (again)
 
     @property
@@ -159,9 +163,9 @@ class EngineRegistry:
         unhealthy_s: float,
         networks: Sequence[Network] = (),
         tenant: str = "",
-        block_size: int = 0,
+        block_size: int = 16,
     ) -> None:
-        """`block_size`: the tokens per block the gateway hashes (0: not checked against the engines')."""
+        """`block_size`: the tokens per block to hash a model's prompts at while no engine serving it registered one."""
         self.directory = directory
         self.block_size = block_size
         self.tenant = tenant
@@ -179,6 +183,7 @@ class EngineRegistry:
         self._foreign: set[str] = set()  # listed engines of other tenants, not routed to (logged once each)
         self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `_loop`)
         self._mismatched: set[str] = set()  # known engines whose published blocks are hashed at another block size
+        self._block_sizes: dict[str, int] = {}  # model -> the block size its prompts are hashed at (hash_block_size)
 
     @property
     def max_model_len(self) -> int | None:
@@ -188,6 +193,28 @@ class EngineRegistry:
     def serving(self, model: str) -> list[EngineState]:
         """The engines requests for `model` may go to (EngineState.serves), in the registry's order."""
         return [e for e in self.engines.values() if e.serves(model)]
+
+    def hash_block_size(self, model: str) -> int:
+        """The block size to hash `model`'s prompts at: the one most engines serving it registered (a tie goes to
+        the size whose engines list more cached blocks, then to the smaller), else `block_size` (no engine
+        serving it registered one). Known per model until the engine list or what the engines serve changes."""
+        size = self._block_sizes.get(model)
+        if size is None:
+            votes: Counter[int] = Counter()
+            blocks: Counter[int] = Counter()
+            for e in self.serving(model):
+                if e.block_size:
+                    votes[e.block_size] += 1
+                    blocks[e.block_size] += e.blocks
+            size = min(votes, key=lambda b: (-votes[b], -blocks[b], b)) if votes else self.block_size
+            if len(self._block_sizes) >= _BLOCK_SIZES_KEPT:  # clients name models: bound what they can make it keep
+                self._block_sizes.clear()
+            self._block_sizes[model] = size
+        return size
+
+    def model_root(self, model: str) -> str | None:
+        """Where an engine serving `model` read it from (its /v1/models "root": a path or a hub repo id), if one said."""
+        return next((root for e in self.engines.values() if (root := e.roots.get(model)) is not None), None)
 
     def base_of(self, model: str) -> str | None:
         """The base model of `model` if an engine lists it as a LoRA adapter (its /v1/models "parent"), else None."""
@@ -276,7 +303,6 @@ class EngineRegistry:
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
             e.block_bytes = sum(r.block_bytes for r in n.regions if r.medium is None)  # a device copy, all ranks
             e.block_size = n.block_size or 0
-            self._check_block_size(e)
             host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host" and r.block_bytes > 0), default=0)
             e.capacity_blocks = None if n.capacity_blocks is None else n.capacity_blocks + host
             e.blocks = n.blocks
@@ -298,29 +324,35 @@ class EngineRegistry:
         for node_id in [k for k in gone if not silent or self.directory.home_shard(k) not in silent]:
             log.info("engine %s left the directory", node_id)
             del self.engines[node_id]
-        self._mismatched &= self.engines.keys()
+        self._block_sizes.clear()
+        self._check_block_sizes()
 
     @property
     def mismatched_block_size(self) -> list[str]:
-        """Engines that registered a block size other than the gateway's: no hash of theirs can match its own."""
+        """Engines that registered a block size other than the one their model's prompts are hashed at (the one
+        most of its engines registered): no hash of theirs can match."""
         return sorted(self._mismatched)
 
-    def _check_block_size(self, e: EngineState) -> None:
-        """Warn once when `e` publishes blocks of another size than the gateway hashes: a silent 0% hit rate
-        otherwise (every lookup misses, every request is routed by load)."""
-        wrong = bool(self.block_size and e.block_size and e.block_size != self.block_size)
-        if wrong and e.node_id not in self._mismatched:
-            self._mismatched.add(e.node_id)
-            log.warning(
-                "engine %s hashes %d-token blocks and this gateway %d (--block-size): none of its cached blocks can "
-                "be found, it is routed by load alone",
-                e.node_id,
-                e.block_size,
-                self.block_size,
-            )
-        elif not wrong and e.node_id in self._mismatched:
-            self._mismatched.discard(e.node_id)
-            log.info("engine %s now hashes %d-token blocks, as this gateway does", e.node_id, e.block_size)
+    def _check_block_sizes(self) -> None:
+        """Warn once per engine that publishes blocks of another size than its models are hashed at: a silent 0%
+        hit rate otherwise (every lookup misses, every request is routed by load)."""
+        self._mismatched &= self.engines.keys()
+        for e in self.engines.values():
+            models = sorted(e.registered_models | e.listed_models) if e.models_known else [""]
+            wrong = next(((m, b) for m in models if e.block_size and (b := self.hash_block_size(m)) != e.block_size), None)
+            if wrong is not None and e.node_id not in self._mismatched:
+                self._mismatched.add(e.node_id)
+                log.warning(
+                    "engine %s hashes %d-token blocks and the gateway hashes %s's prompts at %d (what most of its "
+                    "engines registered): none of its cached blocks can be found, it is routed by load alone",
+                    e.node_id,
+                    e.block_size,
+                    repr(wrong[0]) if wrong[0] else "every model",
+                    wrong[1],
+                )
+            elif wrong is None and e.node_id in self._mismatched:
+                self._mismatched.discard(e.node_id)
+                log.info("engine %s now hashes %d-token blocks, as the gateway hashes its models", e.node_id, e.block_size)
 
     def _probe_models(self) -> None:
         """Ask engines' /v1/models, in the background, what they serve (model ids, adapters' "parent") and their
@@ -346,8 +378,10 @@ class EngineRegistry:
         e.models_due = time.monotonic() + _MODELS_REFRESH_S
         if ids and frozenset(ids) != e.listed_models:
             log.info("engine %s serves %s", e.node_id, ", ".join(sorted(ids)))
+            self._block_sizes.clear()  # the engines serving a model changed: so may the size it is hashed at
         e.listed_models = frozenset(ids)
         e.adapters = {name: parent for name, parent in ids.items() if isinstance(parent, str) and parent != name}
+        e.roots = {m["id"]: m["root"] for m in data if isinstance(m.get("id"), str) and isinstance(m.get("root"), str)}
         e.models_known = e.models_known or bool(ids)
         if lens and max(lens) > 0 and e.max_model_len != max(lens):
             e.max_model_len = max(lens)

@@ -237,12 +237,13 @@ class Proxy:
         """Route `raw` (the client's body, `tokens` its prompt) to an engine's `path` that serves `kv.model`,
         and relay the answer."""
         t0 = time.perf_counter()
-        hashes = [] if kv.unhashed is not None else self.router.hashes(tokens, kv.identity)
+        block_size = self.registry.hash_block_size(kv.model)  # the engines' own, learned from their registrations
+        hashes = [] if kv.unhashed is not None else self.router.hashes(tokens, kv.identity, block_size)
         timing = Timing(arrival, tokenize_s, t0, time.perf_counter() - t0)
         self.metrics.tokenize_seconds.observe(tokenize_s)
         holders, lookup_failure = await self.lookup(hashes)
         self.router.learn_block_bytes(self.registry.engines.values())
-        req = self.router.request(len(tokens), hashes, kv.max_tokens)
+        req = self.router.request(len(tokens), hashes, kv.max_tokens, block_size=block_size)
         route, engine, upstream, ticket = await self._send(path, raw, req, kv, holders, lookup_failure, timing)
 
         decision = route.decision

@@ -290,18 +290,24 @@ class Router:
         self.policy = policy
         self.rng = rng
         self.hasher = hasher
+        self._hashers = {hasher.block_size: hasher}  # one per block size: checkpoints of two sizes never meet
         self.inflight = inflight if inflight is not None else InflightPrefixes()
 
-    def hashes(self, tokens: list[int], identity: KvIdentity | None = None) -> list[int]:
-        """The prompt's full-block sequence hashes under its KV identity, as the engines compute them."""
-        return self.hasher.hashes(tokens, identity)
+    def hashes(self, tokens: list[int], identity: KvIdentity | None = None, block_size: int = 0) -> list[int]:
+        """The prompt's full-block sequence hashes under its KV identity, as the engines compute them, in blocks of
+        `block_size` tokens (the engines', EngineRegistry.hash_block_size; 0: the hasher's)."""
+        hasher = self._hashers.get(block_size or self.hasher.block_size)
+        if hasher is None:  # block sizes come from engines' registrations: a handful
+            hasher = self._hashers[block_size] = PrefixHasher(block_size, self.hasher.namespace)
+        return hasher.hashes(tokens, identity)
 
-    def request(self, prompt_tokens: int, hashes: Sequence[int], max_tokens: int | None) -> RouteRequest:
-        """What the policy sees of a request; no (or zero) `max_tokens` counts as DEFAULT_MAX_TOKENS."""
+    def request(self, prompt_tokens: int, hashes: Sequence[int], max_tokens: int | None, block_size: int = 0) -> RouteRequest:
+        """What the policy sees of a request; no (or zero) `max_tokens` counts as DEFAULT_MAX_TOKENS. `block_size`:
+        the tokens per block `hashes` were hashed in (0: the hasher's)."""
         return RouteRequest(
             prompt_tokens=prompt_tokens,
             hashes=tuple(hashes),
-            block_size=self.hasher.block_size,
+            block_size=block_size or self.hasher.block_size,
             max_tokens=int(max_tokens or DEFAULT_MAX_TOKENS),
         )
 

@@ -26,7 +26,8 @@ from gateway.policy import Policy
 from gateway.proxy import Proxy
 from gateway.router import Router
 from gateway.status import StatusBoard
-from gateway.tokenizers import EngineTokenizer, LocalTokenizer, Tokenizer
+from gateway.tokenizer_parity import ParityProbe
+from gateway.tokenizers import GatewayTokenizer, Local
 from kvproto.client import DirectoryClient
 from kvproto.index import warm_up
 
@@ -48,14 +49,13 @@ class GatewayRuntime:
     upstream: httpcore.AsyncConnectionPool
     proxy: Proxy
     models: ModelsList
-    tokenizer: Tokenizer
+    tokenizer: GatewayTokenizer
+    parity: ParityProbe
 
     @classmethod
-    async def start(
-        cls, settings: GatewaySettings, router: Router, policy: Policy, local: LocalTokenizer | None
-    ) -> GatewayRuntime:
-        """Connect to the directory and the engines and start the background tasks; `local` is the gateway's own
-        tokenizer (None: `--tokenizer engine`, ask the engines)."""
+    async def start(cls, settings: GatewaySettings, router: Router, policy: Policy, local: Local | None) -> GatewayRuntime:
+        """Connect to the directory and the engines and start the background tasks; `local` is the tokenizer
+        `--tokenizer` names for every model (None: "auto" or "engine", gateway.tokenizers.GatewayTokenizer)."""
         directory = DirectoryClient(
             settings.directory_urls,
             timeout=1.0,
@@ -99,13 +99,18 @@ class GatewayRuntime:
             peers=peers,
             mirror_stale_lag_s=settings.mirror_stale_lag_s,
         )
-        tokenizer = local if local is not None else EngineTokenizer(registry, http)
+        tokenizer = GatewayTokenizer(settings.tokenizer, registry, http, local, settings.tokenize_cache_entries)
+        parity = ParityProbe(registry, tokenizer, metrics.registry, settings.refresh_s)
+        parity.start()
         models = ModelsList(registry, http)
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
-        return cls(settings, directory, http, registry, metrics, mirror, peers, status, upstream, proxy, models, tokenizer)
+        return cls(
+            settings, directory, http, registry, metrics, mirror, peers, status, upstream, proxy, models, tokenizer, parity
+        )
 
     async def stop(self) -> None:
         """Stop the background tasks, then close the connections they used."""
+        await self.parity.stop()
         await self.status.stop()
         await self.peers.stop()
         if self.mirror is not None:

@@ -149,6 +149,9 @@ class EngineFigures:
     capacity_blocks: int | None
     can_pull: bool
     pull_gbps: float  # the pull bandwidth it measured (0: none yet)
+    block_size: int = 0  # tokens per KV block, as registered (0: none)
+    block_size_mismatch: bool = False  # its model's prompts are hashed at another size (most of its engines')
+    tokenizer_parity: str = ""  # its /tokenize against the gateway's tokens (gateway.tokenizer_parity; "": not yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +404,7 @@ class StatusBoard:
     async def figures(self) -> StatusFigures:
         directory = await self._directory()  # first: the page's `now` is after its wait
         now = time.monotonic()
+        mismatched = set(self.registry.mismatched_block_size)
         engines = tuple(
             EngineFigures(
                 e.node_id,
@@ -417,6 +421,9 @@ class StatusBoard:
                 e.capacity_blocks,
                 e.can_pull,
                 e.pull_gbps,
+                block_size=e.block_size,
+                block_size_mismatch=e.node_id in mismatched,
+                tokenizer_parity=e.parity,
             )
             for e in sorted(self.registry.engines.values(), key=lambda e: e.node_id)
         )

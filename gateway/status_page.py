@@ -305,6 +305,31 @@ def _engines_card(f: StatusFigures) -> str:
     )
 
 
+_MISHASHED = " <b class='bad'>(its model is hashed at another size)</b>"
+
+
+def _tokenizer_card(f: StatusFigures) -> str:
+    """Each engine's block size and how its tokens compare with the gateway's: a mismatch on either is a 0% hit
+    rate on that engine, so it is shown, never left to be inferred."""
+
+    def parity(summary: str) -> str:
+        bad = summary.startswith(("mismatch", "unverified"))
+        return f"<b class='bad'>{_e(summary)}</b>" if bad else _e(summary or "not probed yet")
+
+    rows = "".join(
+        f"<tr data-parity='{_e(e.node_id)}'><td>{_e(e.node_id)}</td>"
+        f"<td>{e.block_size or 'none registered'}{_MISHASHED if e.block_size_mismatch else ''}</td>"
+        f"<td class='parity'>{parity(e.tokenizer_parity)}</td></tr>"
+        for e in f.engines
+    )
+    return (
+        "<section class='wide'><h2>Block sizes and tokenizer parity</h2><table class='grid' id='parity'><tr><th>engine</th>"
+        "<th>KV block size</th><th title=\"the gateway's tokens for a probe chat and completion against the engine's "
+        '/tokenize">tokenizer parity</th></tr>'
+        f"{rows or '<tr><td colspan=3>no engine known</td></tr>'}</table></section>"
+    )
+
+
 def _peers_card(p: PeerFigures | None) -> str:
     if p is None:
         return ""
@@ -353,6 +378,6 @@ def render_page(f: StatusFigures) -> str:
         f"{len(f.engines)} engines; charts over the last {_e(_ago(f.span_s))} "
         f"(<a href='/v1/status'>JSON</a>, <a href='/metrics'>metrics</a>)</p>{alert}<main>"
         f"{_requests_card(f, recent, windows)}{_cache_card(f, recent, windows)}{_directory_card(f, recent)}"
-        f"{_decisions_card(f, recent, windows)}{_engines_card(f)}{_pulls_card(f)}{_peers_card(f.peers)}"
+        f"{_decisions_card(f, recent, windows)}{_engines_card(f)}{_tokenizer_card(f)}{_pulls_card(f)}{_peers_card(f.peers)}"
         "</main></body></html>"
     )

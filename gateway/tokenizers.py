@@ -1,36 +1,57 @@
 """A completion's prompt as token ids, made as the engine behind the gateway will make them.
 
 The gateway hashes the tokens the engine will hash, so it must tokenize as the
-engine does: with the same tokenizer loaded here (`LocalTokenizer`, the bytes
-tokenizer or a tokenizer.json), or by asking an engine's own `/tokenize`
-(`EngineTokenizer`, `--tokenizer engine`: vLLM's tokenizer and chat template,
-exactly). `--tokenizer` picks one for the gateway's lifetime; the routes call it
-through `Tokenizer` and never ask which.
+engine does: with the served model's own tokenizer files and chat template read
+here (`ModelFilesTokenizer`, gateway.model_tokenizer), with a tokenizer given
+by `--tokenizer` and the worker stub's chat template (`LocalTokenizer`: the bytes
+tokenizer or a tokenizer.json, what worker stubs run), or by asking an engine's
+own `/tokenize` (`EngineTokenizer`: vLLM's tokenizer and template, exactly, at
+the cost of a round trip per request). `GatewayTokenizer` chooses per model and
+request: `--tokenizer auto` (the default) reads each model's files where this
+machine has them and asks the engine otherwise; whatever is chosen, a model whose
+engines' /tokenize disagreed with the gateway's tokens (gateway.tokenizer_parity)
+and a request the gateway cannot render exactly are asked of the engine. The routes
+call it through `Tokenizer` and never ask which.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from gateway.engine_registry import EngineRegistry
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
+from gateway.model_tokenizer import CHAT_FIELDS_NOT_RENDERED, TOKENIZER_FILE, ModelTokenizer, NotRendered, find_model_dir
 from kvproto import tokenizer as text_tokenizers
 from kvproto.openai_api import ChatMessage, ChatRequest, CompletionRequest, chat_prompt, check_prompt_chars, check_prompt_tokens
 
+log = logging.getLogger("kvdir.gateway")
+
 TOKENIZE_TIMEOUT_S = 5.0
+MODELS_KEPT = 64  # models whose tokenizer (or the lack of one) is remembered; clients name models
 
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """A chat request's messages, parsed (for the gateway's chat template) and as the client sent them (what an
-    engine's /tokenize is given, for its own template)."""
+    """A chat request's messages, parsed (for the stub's chat template) and as the client sent them (what the
+    model's template and an engine's /tokenize are given), and the request's other fields (`options`: those that
+    change the rendering, such as tools, are passed on to /tokenize)."""
 
     messages: list[ChatMessage]
     sent: list[Any]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def tokenize_body(self, model: str) -> dict[str, Any]:
+        """The /tokenize request (vLLM's API) for these messages, with the fields that change their rendering."""
+        extra = {k: self.options[k] for k in (*CHAT_FIELDS_NOT_RENDERED, "add_generation_prompt") if k in self.options}
+        return {"model": model, "messages": self.sent, **extra}
 
 
 class Tokenizer(Protocol):
@@ -44,7 +65,8 @@ class Tokenizer(Protocol):
 
 
 class LocalTokenizer:
-    """The engines' tokenizer, loaded in the gateway (kvproto.tokenizer) with the stub's chat template.
+    """A tokenizer given by `--tokenizer` (kvproto.tokenizer: bytes or a tokenizer.json) with the worker stub's
+    chat template and no special tokens: what worker stubs run.
 
     A text with more characters than `limit` tokens could stand for is refused
     before it is tokenized (kvproto.openai_api.check_prompt_chars), so a huge
@@ -53,12 +75,27 @@ class LocalTokenizer:
 
     def __init__(self, tokenizer: text_tokenizers.Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.name = tokenizer.name
         self.chars_per_token = text_tokenizers.max_chars_per_token(tokenizer)
 
     async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
         text, param = (prompt, "prompt") if isinstance(prompt, str) else (chat_prompt(prompt.messages), "messages")
         check_prompt_chars(text, limit, self.chars_per_token, param)
         return self.tokenizer.encode(text, salt)
+
+
+class ModelFilesTokenizer:
+    """A model's own tokenizer files and chat template (gateway.model_tokenizer), as vLLM uses them; a request it
+    cannot render exactly raises NotRendered."""
+
+    def __init__(self, model: ModelTokenizer) -> None:
+        self.model = model
+        self.name = model.name
+
+    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
+        if isinstance(prompt, str):
+            return self.model.encode_prompt(prompt, salt)
+        return self.model.encode_chat({**prompt.options, "messages": prompt.sent}, salt)
 
 
 def engine_error(response: httpx.Response) -> GatewayError:
@@ -93,7 +130,7 @@ class EngineTokenizer:
         self.timeout_s = timeout_s
 
     async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
-        payload = {"model": model, "prompt": prompt} if isinstance(prompt, str) else {"model": model, "messages": prompt.sent}
+        payload = {"model": model, "prompt": prompt} if isinstance(prompt, str) else prompt.tokenize_body(model)
         for e in sorted(self.registry.serving(model), key=lambda e: e.inflight):
             if not e.healthy:
                 continue
@@ -107,6 +144,109 @@ class EngineTokenizer:
             raise engine_error(r)
         raise GatewayError(503, "no engine is available to tokenize", "service_unavailable", "no_engine")
 
+    async def ask(self, e: EngineState, model: str, prompt: str | ChatPrompt) -> list[int]:
+        """`prompt`'s tokens from engine `e` itself (the parity probe); httpx's errors, or ValueError for an answer
+        that is not a token list."""
+        payload = {"model": model, "prompt": prompt} if isinstance(prompt, str) else prompt.tokenize_body(model)
+        r = await self.http.post(e.origin.url("/tokenize"), json=payload, timeout=self.timeout_s)
+        if r.status_code != 200:
+            raise ValueError(f"/tokenize answered {r.status_code}: {r.text[:200]}")
+        tokens = r.json().get("tokens")
+        if not isinstance(tokens, list):
+            raise ValueError("/tokenize answered no token list")
+        return [int(t) for t in tokens]
+
+
+Local = LocalTokenizer | ModelFilesTokenizer
+
+
+class GatewayTokenizer:
+    """The gateway's `Tokenizer`: per model, its own files (`--tokenizer auto`), a tokenizer given by
+    `--tokenizer`, or the engine; and the engine wherever the gateway's tokens are known to differ from it.
+
+    `spec` is `--tokenizer`: "auto" (each model's files where this machine has them: gateway.model_tokenizer's
+    `find_model_dir`, with the engines' /v1/models "root" for the model; else the engine), "engine", "bytes", a
+    tokenizer.json (with the stub's template) or a model directory (its files and template for every model).
+    Files are loaded in a thread, once per model and place. Event loop only.
+    """
+
+    def __init__(
+        self, spec: str, registry: EngineRegistry, http: httpx.AsyncClient, fixed: Local | None, prefix_cache_entries: int = 0
+    ) -> None:
+        """`fixed`: `fixed_tokenizer(spec)`, made before the gateway starts (a bad `--tokenizer` fails then)."""
+        self.spec = spec
+        self.registry = registry
+        self.engine = EngineTokenizer(registry, http)
+        self.cache_entries = prefix_cache_entries
+        self.fixed = fixed
+        self._models: OrderedDict[str, tuple[Path | None, Local | None]] = OrderedDict()  # auto: model -> (dir, tokenizer)
+        self.disagreeing: dict[str, set[str]] = {}  # model -> engines whose /tokenize differed (gateway.tokenizer_parity)
+
+    async def local(self, model: str) -> Local | None:
+        """The gateway's own tokenizer for `model`, None where it asks the engine (`--tokenizer engine`, or no
+        files found for it). With "auto", the model's directory is looked for again at every call (cheap: a few
+        stat calls) so that a root an engine names later is found; its files are loaded once per directory."""
+        if self.spec != "auto":
+            return self.fixed
+        base = self.registry.base_of(model)
+        folder = await asyncio.to_thread(self._find, model, base)
+        known = self._models.get(model)
+        if known is not None and known[0] == folder:
+            self._models.move_to_end(model)
+            return known[1]
+        tok = None
+        if folder is not None:
+            try:
+                tok = ModelFilesTokenizer(await asyncio.to_thread(ModelTokenizer, folder, self.cache_entries))
+                log.info("model %s: tokenizer and chat template from %s", model, folder)
+            except Exception as exc:  # a broken file, whatever the library raises: the engine is asked
+                log.warning("model %s: the tokenizer files in %s did not load (%s): asking the engines", model, folder, exc)
+        elif known is None:
+            log.info("model %s: no tokenizer files here (model name, engine root, HF cache): asking the engines", model)
+        self._models[model] = (folder, tok)
+        while len(self._models) > MODELS_KEPT:
+            self._models.popitem(last=False)
+        return tok
+
+    def _find(self, model: str, base: str | None) -> Path | None:
+        for name in (model, base):
+            if name:
+                found = find_model_dir(name, self.registry.model_root(name))
+                if found is not None:
+                    return found
+        return None
+
+    def known_local(self, model: str) -> Local | None:
+        """The tokenizer `local` last found for `model`, without looking again (the request path)."""
+        if self.spec != "auto":
+            return self.fixed
+        known = self._models.get(model)
+        return known[1] if known is not None else None
+
+    async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
+        local = self.known_local(model) if self.spec != "auto" or model in self._models else await self.local(model)
+        if local is None or self.disagreeing.get(model):
+            return await self.engine.encode(model, prompt, limit, salt)
+        try:
+            return await local.encode(model, prompt, limit, salt)
+        except NotRendered:
+            return await self.engine.encode(model, prompt, limit, salt)
+
+
+def fixed_tokenizer(spec: str, prefix_cache_entries: int = 0) -> Local | None:
+    """The tokenizer `--tokenizer` names for every model: None for "auto" and "engine"; a model directory's files;
+    else kvproto.tokenizer's (bytes, a tokenizer.json). ValueError for anything else."""
+    if spec in ("auto", "engine"):
+        return None
+    if Path(spec).is_dir():
+        if not (Path(spec) / TOKENIZER_FILE).is_file():
+            raise ValueError(f"tokenizer {spec!r}: the directory has no {TOKENIZER_FILE}")
+        return ModelFilesTokenizer(ModelTokenizer(spec, prefix_cache_entries))
+    try:
+        return LocalTokenizer(text_tokenizers.load_tokenizer(spec, prefix_cache_entries))
+    except ValueError as exc:
+        raise ValueError(f"{exc}, a model directory, 'auto' or 'engine'") from exc
+
 
 async def prompt_tokens(
     tokenizer: Tokenizer, raw: dict[str, Any], body: CompletionRequest | ChatRequest, limit: Callable[[], int]
@@ -118,7 +258,7 @@ async def prompt_tokens(
     """
     salt = body.cache_salt or ""
     if isinstance(body, ChatRequest):
-        tokens = await tokenizer.encode(body.model, ChatPrompt(body.messages, raw["messages"]), limit(), salt)
+        tokens = await tokenizer.encode(body.model, ChatPrompt(body.messages, raw["messages"], raw), limit(), salt)
     elif isinstance(body.prompt, str):
         tokens = await tokenizer.encode(body.model, body.prompt, limit(), salt)
     else:

@@ -451,8 +451,13 @@ class Gateway:
         log_level: str = "warning",
         extra_args: Sequence[str] = (),
         token_file: Path | None = None,
+        tokenizer: str | None = "bytes",
     ) -> None:
+        """`tokenizer`: the engines' tokenizer (`--tokenizer`) where `extra_args` name none: the worker stubs' own
+        (UTF-8 bytes) by default; None: the gateway's default (`auto`: each model's files, else its engines)."""
         self.url = f"http://{host}:{port}"
+        if tokenizer is not None and "--tokenizer" not in extra_args:
+            extra_args = ("--tokenizer", tokenizer, *extra_args)
         self._cmd = [
             sys.executable,
             "-m",

@@ -156,13 +156,16 @@ def test_vllm_override_adapters_pass_check_config(tmp_path) -> None:
         assert check(role, args, env) == [], name
         assert env["KVDIR_BIND"] == "true"  # vLLM connects its PUB socket to a non-wildcard endpoint
         assert env["KVDIR_BLOCK_SIZE"] == "16"
-    # vLLM's CPU build needs block size 32: one variable sets it for the engine, its adapter and the gateway.
+    # vLLM's CPU build needs block size 32: one variable sets it for the engine and its adapter, which registers
+    # it; the gateway learns it from the registration, and reads the model's own tokenizer files and template.
     cpu = compose_services(ROOT / "deploy" / "docker-compose.vllm.yml", stand_in, {"KVDIR_VLLM_BLOCK_SIZE": "32"})
     assert cpu["vllm1-events"][2]["KVDIR_BLOCK_SIZE"] == "32"
     doc = yaml.safe_load((ROOT / "deploy" / "docker-compose.vllm.yml").read_text())
+    gateway = doc["services"]["gateway"]["environment"]
+    assert "KVDIR_BLOCK_SIZE" not in gateway
+    assert interpolate(gateway["KVDIR_TOKENIZER"], {"KVDIR_VLLM_MODEL": "m"}) == "/models/m"
     sizes = {
         "engine": doc["services"]["vllm1"]["command"].split("--block-size ")[1].split()[0],
-        "gateway": doc["services"]["gateway"]["environment"]["KVDIR_BLOCK_SIZE"],
         "adapter": doc["services"]["vllm1-events"]["environment"]["KVDIR_BLOCK_SIZE"],
     }
     assert {k: interpolate(v, {"KVDIR_VLLM_BLOCK_SIZE": "32"}) for k, v in sizes.items()} == dict.fromkeys(sizes, "32")

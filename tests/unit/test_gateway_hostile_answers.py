@@ -182,8 +182,10 @@ def test_the_registry_remembers_only_the_engines_the_directory_still_lists(caplo
     """Another tenant's engines churning through node ids (a wildcard token) grow nothing: the ids remembered (to
     log each once) are those listed; an engine warned of for its block size is forgotten once it leaves."""
     rounds = [
-        [_node("ours", 9000, block_size=32), *(_node(f"theirs-{i}", 9100 + i, tenant="bravo") for i in range(50))],
-        [_node("ours", 9000, block_size=32), *(_node(f"theirs-{i}", 9100 + i, tenant="bravo") for i in range(50, 100))],
+        [_node("ours", 9000, block_size=32), _node("ours-2", 9001, block_size=16, blocks=5)]
+        + [_node(f"theirs-{i}", 9100 + i, tenant="bravo") for i in range(50)],
+        [_node("ours", 9000, block_size=32), _node("ours-2", 9001, block_size=16, blocks=5)]
+        + [_node(f"theirs-{i}", 9100 + i, tenant="bravo") for i in range(50, 100)],
         [],
     ]
 

@@ -518,25 +518,49 @@ def test_a_follower_of_a_prefix_being_pulled_there_carries_the_same_plan() -> No
     assert (other.decision.node_id, other.decision.reason, other.pull_plan) == ("c", "inflight", None)
 
 
-def test_an_engine_hashing_another_block_size_is_warned_of_once_and_listed(caplog: pytest.LogCaptureFixture) -> None:
-    """A gateway at 16-token blocks in front of an engine that publishes 32-token ones finds none of its blocks:
-    said once (not at every refresh), listed until the engine registers the gateway's size."""
+def test_a_models_prompts_are_hashed_at_its_engines_block_size_and_an_odd_one_is_warned_of_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway whose --block-size is 16 in front of engines that register 32-token blocks hashes their model's
+    prompts at 32 (the flag is only the fallback, for a model none of whose engines registered a size); an engine
+    registering another size than most engines of its model is said once (not at every refresh) and listed until
+    it registers theirs."""
 
-    def node(n: str, block_size: int | None) -> NodeInfo:
+    def node(n: str, block_size: int | None, models: tuple[str, ...] = ("m",)) -> NodeInfo:
         return NodeInfo(
-            node_id=n, epoch=1, alive=True, api_url=f"http://127.0.0.1:{9000 + len(n)}", blocks=0, block_size=block_size
+            node_id=n,
+            epoch=1,
+            alive=True,
+            api_url=f"http://127.0.0.1:{9000 + len(n)}",
+            blocks=0,
+            block_size=block_size,
+            models=list(models),
         )
 
-    async def run() -> list[list[str]]:
+    async def run() -> list[tuple[int, int, list[str]]]:
         async with httpx.AsyncClient() as http:
             reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], 1.0, 1.0, block_size=16)
             seen = []
-            for b in (32, 32, 16):
-                await reg._update([node("a", b), node("bb", None), node("ccc", 16)])
-                seen.append(reg.mismatched_block_size)
+            for b in (16, 16, 32):
+                await reg._update([node("a", 32), node("bb", None), node("ccc", 32), node("dddd", b), node("e", None, ("n",))])
+                seen.append((reg.hash_block_size("m"), reg.hash_block_size("n"), reg.mismatched_block_size))
             return seen
 
     with caplog.at_level("INFO", logger="kvdir.gateway"):
-        assert asyncio.run(run()) == [["a"], ["a"], []]
-    warned = [r.getMessage() for r in caplog.records if "this gateway 16 (--block-size)" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].startswith("engine a hashes 32-token blocks")
+        assert asyncio.run(run()) == [(32, 16, ["dddd"]), (32, 16, ["dddd"]), (32, 16, [])]
+    warned = [r.getMessage() for r in caplog.records if "none of its cached blocks can be found" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("engine dddd hashes 16-token blocks and the gateway hashes 'm'")
+
+
+def test_a_block_size_tie_goes_to_the_engines_holding_more_blocks() -> None:
+    async def run() -> int:
+        async with httpx.AsyncClient() as http:
+            reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], 1.0, 1.0, block_size=16)
+            nodes = [
+                NodeInfo(node_id=n, epoch=1, alive=True, api_url=f"http://127.0.0.1:{p}", blocks=k, block_size=b, models=["m"])
+                for n, p, k, b in (("a", 9001, 10, 16), ("b", 9002, 500, 64))
+            ]
+            await reg._update(nodes)
+            return reg.hash_block_size("m")
+
+    assert asyncio.run(run()) == 64

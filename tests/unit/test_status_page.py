@@ -323,7 +323,7 @@ def _board(
     handler: Any, urls: list[str], directory_ok: bool = True, engines: dict[str, Any] | None = None
 ) -> tuple[StatusBoard, DirectoryClient]:
     client = DirectoryClient(urls, transport=httpx.MockTransport(handler), timeout=0.2)
-    registry = SimpleNamespace(engines=engines or {}, directory_ok=directory_ok, refresh_failures=0)
+    registry = SimpleNamespace(engines=engines or {}, directory_ok=directory_ok, refresh_failures=0, mismatched_block_size=[])
     return StatusBoard(_metrics(), registry, client, "kvdir"), client  # type: ignore[arg-type]
 
 
