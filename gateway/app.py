@@ -55,6 +55,7 @@ from gateway.runtime import GatewayRuntime, runtime
 from gateway.status import status_json
 from gateway.status_page import render_page
 from gateway.tokenizers import fixed_tokenizer, prompt_tokens
+from gateway.ttft_learner import TtftLearner
 from kvproto.http_limits import BodyLimit
 from kvproto.offline_docs import add_offline_docs
 from kvproto.openai_api import (
@@ -75,8 +76,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     `--policy` fails before the server starts.
     """
     local = fixed_tokenizer(settings.tokenizer, settings.tokenize_cache_entries)
-    policy = make_policy(settings.policy, cost=cost_model(settings))
-    router = Router(policy, random.Random(settings.seed), PrefixHasher(settings.block_size, settings.namespace))
+    options = (
+        {"stay_margin_s": settings.stay_margin_ms / 1000, "stay_margin_ratio": settings.stay_margin_ratio}
+        if settings.policy == "kvdir"
+        else {}
+    )
+    policy = make_policy(settings.policy, cost=cost_model(settings), **options)
+    learner = TtftLearner(settings.prefill_tokens_per_s, settings.ttft_learn_window, settings.output_tokens_prior)
+    router = Router(policy, random.Random(settings.seed), PrefixHasher(settings.block_size, settings.namespace), learner=learner)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -80,6 +80,31 @@ class GatewaySettings(DirectoryClientSettings):
         2.0, gt=0, description="engines' disk-to-device rate in GB/s, all ranks together, for blocks on an engine's disk tier"
     )
     max_running: int = Field(32, ge=1, description="engines' concurrency, for the queueing estimate")
+    ttft_learn_window: int = Field(
+        64,
+        ge=0,
+        description="the TTFTs the gateway observes correct each engine's prefill rate (at its load) and fixed "
+        "overhead, and the answers' lengths each model's output length, observations decaying by 1 - 1/this per "
+        "later one (gateway.ttft_learner); --prefill-tokens-per-s and --output-tokens-prior are the priors; 0: off",
+    )
+    output_tokens_prior: int = Field(
+        256,
+        ge=1,
+        description="output length of the requests ahead of one, for the queueing estimate, until answers of its "
+        "model were observed (and a request's max_tokens, if lower)",
+    )
+    stay_margin_ms: float = Field(
+        100.0,
+        ge=0,
+        description="kvdir policy: a request leaves the engine holding most of its prefix (a session's history) only "
+        "for an option estimated faster by more than this and by more than --stay-margin-ratio",
+    )
+    stay_margin_ratio: float = Field(
+        0.25,
+        ge=0,
+        description="kvdir policy: the fraction of the home engine's estimated TTFT another option must save to be "
+        "taken instead (with --stay-margin-ms)",
+    )
     displace_weight: float = Field(
         8.0,
         ge=0,

@@ -29,6 +29,9 @@ The model, per healthy candidate ``c`` and request ``req``:
   ``pull_s < (P.cached_tokens - c.cached_tokens) / prefill_tokens_per_s``
   (strictly: at the break-even the node recomputes; no network, no dependency
   on the holder).
+- ``prefill_tokens_per_s`` is the candidate's own where the gateway learned it from the TTFTs it observed
+  (``Candidate.prefill_tokens_per_s``, gateway.ttft_learner: the rate at its present load), else the configured
+  one; the estimate adds the candidate's learned fixed time per request (``overhead_s``, 0 unless learned).
 - displacement (capacity-aware routing): whatever a candidate does not hold
   locally it stores (pulled or computed), and a full cache makes room by
   evicting: ``displace_s = displace_weight * max(0, (prompt_tokens -
@@ -74,6 +77,7 @@ __all__ = [
     "evaluate",
     "link_rate",
     "load_seconds",
+    "prefill_rate",
     "pull_seconds",
     "queue_seconds",
     "queued_ahead",
@@ -118,6 +122,10 @@ class Candidate:
     # holder it may read by kvproto.pull_tenancy (a shared engine only from shared ones).
     tenant: str = ""
     shared: bool = False
+    # What the gateway learned of it from the TTFTs it observed (gateway.ttft_learner): its prefill rate at its
+    # present load, tokens/s (0: not learned, CostModel.prefill_tokens_per_s), and its fixed per-request time.
+    prefill_tokens_per_s: float = 0.0
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +137,9 @@ class RouteRequest:
     # Requests the gateway has in flight that compute or reuse this prompt's in-flight prefix (the leading blocks
     # some node is computing: gateway.inflight.InflightPrefixes.sharing); 0 when none or unknown.
     inflight_requests: int = 0
+    # Output length of the requests ahead, as observed for this request's model (gateway.ttft_learner); None:
+    # `max_tokens` (what the replay's traces give), unless CostModel.mean_output_tokens is set.
+    output_tokens: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,16 +181,17 @@ class TTFTBreakdown(NamedTuple):
     pulled_blocks: int = 0  # blocks read from a peer first (0: the option recomputes what it lacks)
     displace_s: float = 0.0  # weighted recompute time of what storing this request evicts (not in the TTFT)
     load_s: float = 0.0  # copying the candidate's own host- and disk-tier blocks to the device
+    overhead_s: float = 0.0  # the candidate's learned fixed time per request (Candidate.overhead_s)
 
     @property
     def total_s(self) -> float:
         """The estimated TTFT."""
-        return self.queue_s + self.load_s + self.pull_s + self.compute_s
+        return self.queue_s + self.load_s + self.pull_s + self.compute_s + self.overhead_s
 
     @property
     def score_s(self) -> float:
         """What kvdir minimises: the TTFT plus the price of what the option displaces."""
-        return self.queue_s + self.load_s + self.pull_s + self.compute_s + self.displace_s
+        return self.queue_s + self.load_s + self.pull_s + self.compute_s + self.overhead_s + self.displace_s
 
 
 def blocks_held(cand: Candidate, n_hashes: int) -> int:
@@ -222,7 +234,9 @@ def slot_interval_seconds(req: RouteRequest, cost: CostModel = DEFAULT_COST) -> 
     holds its place (its prefill is in `pending_prefill_tokens`); with
     `max_running` places a place frees every T_req / max_running on average.
     """
-    out = cost.mean_output_tokens if cost.mean_output_tokens is not None else req.max_tokens
+    out = cost.mean_output_tokens
+    if out is None:
+        out = req.output_tokens if req.output_tokens is not None else req.max_tokens
     return out / cost.decode_tokens_per_s / cost.max_running
 
 
@@ -234,7 +248,12 @@ def queued_ahead(cand: Candidate, cost: CostModel = DEFAULT_COST) -> int:
 def queue_seconds(req: RouteRequest, cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
     """pending_prefill_tokens / prefill_rate + (max(0, running + inflight - max_running + 1) + waiting) * slot_interval."""
     ahead = queued_ahead(cand, cost) + cand.waiting
-    return cand.pending_prefill_tokens / cost.prefill_tokens_per_s + ahead * slot_interval_seconds(req, cost)
+    return cand.pending_prefill_tokens / prefill_rate(cand, cost) + ahead * slot_interval_seconds(req, cost)
+
+
+def prefill_rate(cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
+    """Tokens/s the candidate prefills at: what the gateway learned of it, else the configured rate."""
+    return cand.prefill_tokens_per_s if cand.prefill_tokens_per_s > 0 else cost.prefill_tokens_per_s
 
 
 def link_rate(cand: Candidate, cost: CostModel = DEFAULT_COST) -> float:
@@ -280,7 +299,8 @@ def evaluate(
     have = blocks_ready(cand, nh)
     bs = req.block_size
     prompt = req.prompt_tokens
-    rate = cost.prefill_tokens_per_s
+    rate = prefill_rate(cand, cost)
+    over = cand.overhead_s
     queue_s = queue_seconds(req, cand, cost)
     cached = have * bs
     if cached > prompt:
@@ -294,8 +314,8 @@ def evaluate(
         if pulled > prompt:
             pulled = prompt
         if force_pull or pull_s < (pulled - cached) / rate:
-            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have, displace_s, load_s)
-    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached, 0, displace_s, load_s)
+            return TTFTBreakdown(queue_s, pull_s, (prompt - pulled) / rate, pulled, target - have, displace_s, load_s, over)
+    return TTFTBreakdown(queue_s, 0.0, (prompt - cached) / rate, cached, 0, displace_s, load_s, over)
 
 
 def ttft_breakdown(

@@ -62,7 +62,13 @@ class KvdirPolicy:
     when each one arrives. No band when the best option follows a prefix being
     computed there: what the band trades a few ms for is where new state lives,
     and a follower adds none (every node computing the prefix will hold it), so
-    it takes the shortest queue. `allow_pull=False` gives the same policy without
+    it takes the shortest queue.
+    Stickiness: where some engines hold (or are computing) more of the prompt than the others, the request
+    stays among those "homes" unless another option's score is lower than the best home's by more than
+    `stay_margin_s` and by more than `stay_margin_ratio` of it; the near-tie band then applies among the homes
+    only. Without it a session's next turn moved on a few ms of estimated imbalance (each request ahead priced at a
+    whole slot), leaving its history to be recomputed elsewhere. Off by default here (the model alone, as the
+    replay runs it); the gateway's --stay-margin-ms and --stay-margin-ratio turn it on. `allow_pull=False` gives the same policy without
     pulls (an ablation).
     """
 
@@ -78,11 +84,15 @@ class KvdirPolicy:
         balance_window: int = 64,
         dup_weight: float = 0.15,
         dup_hot_requests: int = 2,
+        stay_margin_s: float = 0.0,
+        stay_margin_ratio: float = 0.0,
     ) -> None:
-        if balance_slack_s < 0 or balance_slack_ratio < 0 or balance_window < 1 or dup_weight < 0 or dup_hot_requests < 1:
-            raise ValueError(
-                "balance_slack_s, balance_slack_ratio and dup_weight must be >= 0, balance_window and dup_hot_requests >= 1"
-            )
+        if min(balance_slack_s, balance_slack_ratio, dup_weight, stay_margin_s, stay_margin_ratio) < 0:
+            raise ValueError("balance_slack_s, balance_slack_ratio, dup_weight and the stay margins must be >= 0")
+        if balance_window < 1 or dup_hot_requests < 1:
+            raise ValueError("balance_window and dup_hot_requests must be >= 1")
+        self.stay_margin_s = stay_margin_s
+        self.stay_margin_ratio = stay_margin_ratio
         self.dup_weight = dup_weight
         self.dup_hot_requests = dup_hot_requests
         self.cost = cost or DEFAULT_COST
@@ -124,6 +134,22 @@ class KvdirPolicy:
                 best_dup = dup
                 best_follows = blocks_ready(c, nh) > blocks_held(c, nh)
 
+        # A request stays with its history (the engines holding, or computing, the most of its prefix) unless
+        # leaving saves more than the margin: the estimate is a model, and a session that moves leaves its
+        # history behind for the turns after this one.
+        ready_by = [blocks_ready(o[3], nh) for o in options]
+        most = max(ready_by)
+        if most > 0 and self.stay_margin_s + self.stay_margin_ratio > 0:
+            homes = [o for o, r in zip(options, ready_by, strict=True) if r == most]
+            home_best = min(o[0] for o in homes)
+            saving = home_best - best
+            if saving <= max(self.stay_margin_s, self.stay_margin_ratio * home_best):
+                if best < home_best:
+                    best = home_best
+                    best_o = next(o for o in homes if o[0] == home_best)
+                    best_dup = best_o[5]
+                    best_follows = blocks_ready(best_o[3], nh) > blocks_held(best_o[3], nh)
+                options = homes
         # A follower of an in-flight prefix leaves no new state to place: the shortest queue, no near-tie band.
         slack = 0.0 if best_follows else min(self.balance_slack_s, self.balance_slack_ratio * best)
         if slack > 0:

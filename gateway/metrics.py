@@ -76,6 +76,12 @@ class GatewayMetrics:
             buckets=(0, 16, 64, 256, 1024, 4096, 16384),
             registry=r,
         )
+        self.ttft_estimate_error = Histogram(
+            "kvdir_gateway_ttft_estimate_error_seconds",
+            "Estimated minus observed time to first token (sent to first byte) per streamed request",
+            buckets=(-10, -3, -1, -0.3, -0.1, -0.03, -0.01, 0, 0.01, 0.03, 0.1, 0.3, 1, 3, 10),
+            registry=r,
+        )
         self.tokenize_seconds = Histogram(
             "kvdir_gateway_tokenize_seconds",
             "Tokenizing a prompt (what a remembered prompt left to do)",

@@ -42,7 +42,7 @@ from typing import Any
 import httpcore
 from fastapi.responses import Response, StreamingResponse
 
-from gateway.cost import Decision, RouteRequest
+from gateway.cost import RouteRequest
 from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.lookup import HolderLookup
@@ -50,6 +50,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
 from gateway.router import HolderView, NoEngineAvailable, Route, Router
+from gateway.stream_join import StreamError, join, streamable, streamed_body
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import DP_RANK_HEADER, Origin
@@ -75,12 +76,14 @@ class InflightTicket:
     when the stream ends. Event loop only (not thread-safe).
     """
 
-    __slots__ = ("_closed", "_prefilling", "engine", "on_prefilled", "uncached")
+    __slots__ = ("_closed", "_prefilling", "engine", "first_byte_s", "on_prefilled", "sent", "uncached")
 
     def __init__(self, engine: EngineState, uncached: int, on_prefilled: Callable[[bool], None] | None = None) -> None:
         self.engine = engine
         self.uncached = uncached
         self.on_prefilled = on_prefilled
+        self.sent = time.monotonic()  # the ticket is taken as the request is sent
+        self.first_byte_s: float | None = None  # sent -> the engine's first answering byte, if it answered
         engine.inflight += 1
         engine.pending_prefill_tokens += uncached
         self._prefilling = True
@@ -90,6 +93,8 @@ class InflightTicket:
         """The engine started answering (`ok`; else it failed): the prompt is no longer waiting to be prefilled."""
         if self._prefilling:
             self._prefilling = False
+            if ok:
+                self.first_byte_s = time.monotonic() - self.sent
             self.engine.pending_prefill_tokens -= self.uncached
             if self.on_prefilled is not None:
                 self.on_prefilled(ok)
@@ -121,6 +126,17 @@ class KvRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Sent:
+    """A request on its way: where it went and on what figures, and its ticket."""
+
+    route: Route
+    req: RouteRequest
+    model: str
+    engine: EngineState
+    ticket: InflightTicket
+
+
+@dataclass(frozen=True, slots=True)
 class Timing:
     """perf_counter() marks of one request, for the route and added-latency histograms."""
 
@@ -134,6 +150,14 @@ def cached_tokens(payload: Any) -> int | None:
     """`usage.prompt_tokens_details.cached_tokens` of an OpenAI response, None when absent or not a number."""
     try:
         return int(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def completion_tokens(payload: Any) -> int | None:
+    """`usage.completion_tokens` of an OpenAI response, None when absent or not a number."""
+    try:
+        return int(payload["usage"]["completion_tokens"])
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -243,8 +267,10 @@ class Proxy:
         self.metrics.tokenize_seconds.observe(tokenize_s)
         holders, lookup_failure = await self.lookup(hashes)
         self.router.learn_block_bytes(self.registry.engines.values())
-        req = self.router.request(len(tokens), hashes, kv.max_tokens, block_size=block_size)
-        route, engine, upstream, ticket = await self._send(path, raw, req, kv, holders, lookup_failure, timing)
+        req = self.router.request(len(tokens), hashes, kv.max_tokens, kv.model, block_size)
+        joined = not stream and streamable(raw)  # sent as a stream, so that its first token shows (gateway.stream_join)
+        sent_body = streamed_body(raw) if joined else raw
+        route, engine, upstream, ticket = await self._send(path, sent_body, req, kv, holders, lookup_failure, timing)
 
         decision = route.decision
         self.router.routed(req, decision)
@@ -259,13 +285,17 @@ class Proxy:
             "x-kvdir-decision": decision.reason,
             "x-kvdir-predicted-cached-tokens": str(decision.predicted_cached_tokens),
         }
+        sent = Sent(route, req, kv.model, engine, ticket)
         if upstream.status >= 400:
             self.metrics.upstream_errors.labels(str(upstream.status)).inc()
             ticket.first_byte(ok=False)  # no prompt was computed: followers must not wait for it
-        if not stream or upstream.status >= 400:
-            return await self._buffered(upstream, engine, decision, ticket, headers)
+            return await self._buffered(upstream, sent, headers)
+        if joined:
+            return await self._joined(upstream, sent, headers, chat=path.endswith("/chat/completions"))
+        if not stream:
+            return await self._buffered(upstream, sent, headers)
         return StreamingResponse(
-            self._relay(upstream, engine, decision, ticket),
+            self._relay(upstream, sent),
             status_code=upstream.status,
             headers=headers,
             media_type=_content_type(upstream, "text/event-stream"),
@@ -352,9 +382,12 @@ class Proxy:
         log.warning("engine %s failed: %s", engine.node_id, exc)
         return GatewayError(502, f"the engine failed: {exc}", "upstream_error", "engine_failed")
 
-    def _record(self, engine: EngineState, decision: Decision, payload: Any) -> None:
-        """The cached tokens the engine reported (in `payload`, its parsed answer), against the prediction; for a
-        pull plan, whether the engine served it (the status page lists those that fell short)."""
+    def _record(self, sent: Sent, payload: Any, events: int = 0) -> None:
+        """What the answer (`payload`, parsed; `events` its stream's events, if streamed) tells: the cached
+        tokens the engine reported against the prediction; for a pull plan, whether the engine served it (the
+        status page lists those that fell short); and, once its first byte came, its TTFT and its length, which
+        the router learns from (gateway.ttft_learner)."""
+        engine, decision = sent.engine, sent.route.decision
         reported = cached_tokens(payload)
         if reported is not None:
             engine.cached_tokens += reported
@@ -369,23 +402,28 @@ class Proxy:
                 reported,
                 pull_failures(payload),
             )
+        observed = sent.ticket.first_byte_s
+        if observed is None:
+            return
+        o = self.router.observe(sent.route, sent.req, observed, reported)
+        self.metrics.ttft_estimate_error.observe(o.predicted_s - o.observed_s)
+        generated = completion_tokens(payload)
+        if generated is None and events > 0:
+            generated = events  # one event per token, about (vLLM, the stub): no usage was asked for
+        if generated is not None:
+            self.router.learner.outputs.observe(sent.model, generated)
 
-    async def _buffered(
-        self,
-        upstream: httpcore.Response,
-        engine: EngineState,
-        decision: Decision,
-        ticket: InflightTicket,
-        headers: dict[str, str],
-    ) -> Response:
-        """A response read whole (a non-streamed request, or any error status), then answered at once."""
-        with ticket:
+    async def _buffered(self, upstream: httpcore.Response, sent: Sent, headers: dict[str, str]) -> Response:
+        """A response read whole (a non-streamed request, or any error status), then answered at once: no TTFT
+        is observed (its first byte is its last)."""
+        with sent.ticket as ticket:
             try:
                 content = await upstream.aread()
             except _UPSTREAM_FAILED as exc:
-                raise self._failed(engine, exc) from exc
+                raise self._failed(sent.engine, exc) from exc
             finally:
                 ticket.first_byte()
+                ticket.first_byte_s = None
                 await upstream.aclose()
             payload = None
             if upstream.status < 400:
@@ -393,7 +431,7 @@ class Proxy:
                     payload = json.loads(content)
                 except ValueError:
                     pass
-            self._record(engine, decision, payload)
+            self._record(sent, payload)
         return Response(
             content,
             status_code=upstream.status,
@@ -401,21 +439,47 @@ class Proxy:
             media_type=_content_type(upstream, "application/json"),
         )
 
-    async def _relay(
-        self, upstream: httpcore.Response, engine: EngineState, decision: Decision, ticket: InflightTicket
-    ) -> AsyncIterator[bytes]:
+    async def _joined(self, upstream: httpcore.Response, sent: Sent, headers: dict[str, str], chat: bool) -> Response:
+        """A non-streamed request's answer, streamed from the engine (its prefill ends at the first chunk) and
+        joined into one body (gateway.stream_join); an error event in the stream is answered as an error."""
+        with sent.ticket as ticket:
+            parts = []
+            try:
+                async for chunk in upstream.aiter_stream():
+                    ticket.first_byte()
+                    parts.append(chunk)
+            except _UPSTREAM_FAILED as exc:
+                raise self._failed(sent.engine, exc) from exc
+            finally:
+                ticket.first_byte(ok=False)
+                await upstream.aclose()
+            content = b"".join(parts)
+            try:
+                answer = join(content, chat)
+            except StreamError as exc:
+                self.metrics.upstream_errors.labels(str(exc.status)).inc()
+                log.warning("engine %s answered with an error in its stream: %s", sent.engine.node_id, exc)
+                return Response(
+                    json.dumps(exc.body).encode(), status_code=exc.status, headers=headers, media_type="application/json"
+                )
+            self._record(sent, answer)
+        return Response(json.dumps(answer, ensure_ascii=False).encode(), headers=headers, media_type="application/json")
+
+    async def _relay(self, upstream: httpcore.Response, sent: Sent) -> AsyncIterator[bytes]:
         """The upstream stream, chunk by chunk as it comes; a break mid-stream ends it (the client sees a short stream)."""
-        with ticket:
+        with sent.ticket as ticket:
             tail = b""
+            events = 0
             try:
                 async for chunk in upstream.aiter_stream():
                     ticket.first_byte()
                     tail = (tail + chunk)[-_TAIL_BYTES:]
+                    events += chunk.count(b"data: {")
                     yield chunk
             except _UPSTREAM_FAILED as exc:
                 self.metrics.upstream_errors.labels("stream").inc()
-                log.warning("stream from %s broke: %s", engine.node_id, exc)
+                log.warning("stream from %s broke: %s", sent.engine.node_id, exc)
             finally:
-                ticket.first_byte()
+                ticket.first_byte(ok=False)
                 await upstream.aclose()
-                self._record(engine, decision, _usage_in_tail(tail))
+                self._record(sent, _usage_in_tail(tail), events - 1)  # less the role's (chat) or the usage's event

@@ -24,10 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gateway.config import GatewaySettings
-from gateway.cost import Candidate, CostModel, Decision, RouteRequest
+from gateway.cost import Candidate, CostModel, Decision, RouteRequest, evaluate, link_rate, prefill_rate, pull_seconds
 from gateway.inflight import InflightPrefixes
 from gateway.policy import Policy
 from gateway.prefix_hasher import PrefixHasher
+from gateway.ttft_learner import Observation, TtftLearner
 from kvproto import media
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import KV_TRANSFER_PARAMS_FIELD, PULL_PLAN_FIELD, PullPlan
@@ -262,6 +263,7 @@ class Route:
     decision: Decision
     pull_plan: PullPlan | None  # for an engine that pulls the prefix from a peer
     uncached_tokens: int  # prompt tokens the engine computes: its pending prefill until the first token
+    chosen: Candidate  # the engine chosen, as the policy saw it (what the TTFT it then shows is learned against)
 
     def upstream_body(self, raw: dict[str, Any]) -> dict[str, Any]:
         """The client's body as forwarded: unchanged, plus the pull plan if there is one.
@@ -285,13 +287,19 @@ class Router:
     """
 
     def __init__(
-        self, policy: Policy, rng: random.Random, hasher: PrefixHasher, inflight: InflightPrefixes | None = None
+        self,
+        policy: Policy,
+        rng: random.Random,
+        hasher: PrefixHasher,
+        inflight: InflightPrefixes | None = None,
+        learner: TtftLearner | None = None,
     ) -> None:
         self.policy = policy
         self.rng = rng
         self.hasher = hasher
         self._hashers = {hasher.block_size: hasher}  # one per block size: checkpoints of two sizes never meet
         self.inflight = inflight if inflight is not None else InflightPrefixes()
+        self.learner = learner if learner is not None else TtftLearner(policy.cost.prefill_tokens_per_s, window=0)
 
     def hashes(self, tokens: list[int], identity: KvIdentity | None = None, block_size: int = 0) -> list[int]:
         """The prompt's full-block sequence hashes under its KV identity, as the engines compute them, in blocks of
@@ -301,14 +309,19 @@ class Router:
             hasher = self._hashers[block_size] = PrefixHasher(block_size, self.hasher.namespace)
         return hasher.hashes(tokens, identity)
 
-    def request(self, prompt_tokens: int, hashes: Sequence[int], max_tokens: int | None, block_size: int = 0) -> RouteRequest:
-        """What the policy sees of a request; no (or zero) `max_tokens` counts as DEFAULT_MAX_TOKENS. `block_size`:
-        the tokens per block `hashes` were hashed in (0: the hasher's)."""
+    def request(
+        self, prompt_tokens: int, hashes: Sequence[int], max_tokens: int | None, model: str = "", block_size: int = 0
+    ) -> RouteRequest:
+        """What the policy sees of a request; no (or zero) `max_tokens` counts as DEFAULT_MAX_TOKENS. The requests
+        ahead of it are priced at the output length observed for `model` (the learner's), not at its `max_tokens`.
+        `block_size`: the tokens per block `hashes` were hashed in (0: the hasher's)."""
+        cap = int(max_tokens or DEFAULT_MAX_TOKENS)
         return RouteRequest(
             prompt_tokens=prompt_tokens,
             hashes=tuple(hashes),
             block_size=block_size or self.hasher.block_size,
-            max_tokens=int(max_tokens or DEFAULT_MAX_TOKENS),
+            max_tokens=cap,
+            output_tokens=self.learner.output_tokens(model, cap),
         )
 
     def learn_block_bytes(self, engines: Iterable[EngineView]) -> None:
@@ -356,6 +369,7 @@ class Router:
         ]
         if not cands:
             raise NoEngineAvailable("no engine is available")
+        cands = [self._learned(c) for c in cands]
         decision = self.policy.choose(req, cands, self.rng)
         if unhashed is not None:
             decision = replace(
@@ -383,7 +397,37 @@ class Router:
                 slots=list(decision.pull_slots),
                 fingerprint=source.kv_fingerprint,
             )
-        return Route(decision, plan, max(0, req.prompt_tokens - decision.predicted_cached_tokens))
+        chosen = next(c for c in cands if c.node_id == decision.node_id)
+        return Route(decision, plan, max(0, req.prompt_tokens - decision.predicted_cached_tokens), chosen)
+
+    def _learned(self, c: Candidate) -> Candidate:
+        """`c` with the prefill rate (at its load) and overhead learned from its observed TTFTs, if any."""
+        learned = self.learner.learned(c.node_id, c.running + c.inflight)
+        if learned is None:
+            return c
+        rate, overhead = learned
+        return replace(c, prefill_tokens_per_s=rate, overhead_s=overhead)
+
+    def observe(self, route: Route, req: RouteRequest, observed_s: float, reported_cached: int | None) -> Observation:
+        """The request `route` sent showed its first byte `observed_s` after it was sent: learn from it. Its
+        prefill is the prompt less the cached tokens the engine reported, where it did (else as predicted)."""
+        c = route.chosen
+        uncached = route.uncached_tokens if reported_cached is None else max(0, req.prompt_tokens - reported_cached)
+        br = evaluate(req, c, self.policy.cost, pull_to_blocks=0)
+        slot_s = br.queue_s - c.pending_prefill_tokens / prefill_rate(c, self.policy.cost)
+        pull_s = 0.0
+        if route.decision.pull_from is not None:
+            pulled = len(route.decision.pull_slots) - c.cached_blocks
+            pull_s = pull_seconds(pulled, self.policy.cost, link_rate(c, self.policy.cost))
+        o = Observation(
+            observed_s=observed_s,
+            predicted_s=route.decision.estimated_ttft_s,
+            work_tokens=c.pending_prefill_tokens + uncached,
+            running=c.running + c.inflight,
+            fixed_s=max(0.0, slot_s) + br.load_s + pull_s,
+        )
+        self.learner.observe(c.node_id, o)
+        return o
 
     def prefilling(self, req: RouteRequest, node_id: str, epoch: int, now: float) -> int:
         """The request is being sent to `node_id`@`epoch`: its prompt is computed there from now on; a key for `prefilled`."""

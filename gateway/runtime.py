@@ -82,7 +82,7 @@ class GatewayRuntime:
         metrics.watch_mirror(mirror)
         peers = _peer_notes(settings, registry, metrics, policy)
         peers.start()
-        status = StatusBoard(metrics, registry, directory, settings.policy, mirror, peers)
+        status = StatusBoard(metrics, registry, directory, settings.policy, mirror, peers, learner=router.learner)
         status.start()
         # An idle connection is dropped after 4 s, before an engine's server drops it (uvicorn, and vLLM on it:
         # 5 s): one closed by the engine as a request goes out would fail a request the engine never saw.

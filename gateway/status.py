@@ -40,6 +40,7 @@ from gateway.engine_registry import EngineRegistry
 from gateway.metrics import GatewayMetrics, PullFailure
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
+from gateway.ttft_learner import TtftLearner
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError, DirectoryUnavailable, RequestRejected
 
@@ -149,6 +150,12 @@ class EngineFigures:
     capacity_blocks: int | None
     can_pull: bool
     pull_gbps: float  # the pull bandwidth it measured (0: none yet)
+    # What the gateway learned of it from the TTFTs it observed (gateway.ttft_learner); None: nothing observed.
+    prefill_tokens_per_s: float | None = None  # its prefill rate at its present load
+    overhead_s: float | None = None  # its fixed time per request
+    ttft_observed: int = 0  # first bytes observed
+    ttft_error_s: float | None = None  # median |estimated - observed| TTFT, over the last ones
+    ttft_error_ratio: float | None = None  # the same over the observed TTFT
     block_size: int = 0  # tokens per KV block, as registered (0: none)
     block_size_mismatch: bool = False  # its model's prompts are hashed at another size (most of its engines')
     tokenizer_parity: str = ""  # its /tokenize against the gateway's tokens (gateway.tokenizer_parity; "": not yet)
@@ -283,8 +290,10 @@ class StatusBoard:
         peers: PeerNotes | None = None,
         sample_s: float = SAMPLE_S,
         size: int = HISTORY,
+        learner: TtftLearner | None = None,
     ) -> None:
         self.metrics, self.registry, self.directory, self.policy = metrics, registry, directory, policy
+        self.learner = learner
         self.mirror, self.peers = mirror, peers
         self.sample_s = sample_s
         self.history = History(size)
@@ -401,6 +410,21 @@ class StatusBoard:
         s = p.stats
         return PeerFigures(len(p.peers), s["sent"], s["dropped"], s["send_failures"], s["received"], p.status()["notes"])
 
+    def _learned(self, node_id: str, running: float) -> dict[str, Any]:
+        """EngineFigures' learned fields for the engine (none while nothing was observed there)."""
+        curve = self.learner.curves.get(node_id) if self.learner is not None else None
+        if curve is None or not curve.errors:
+            return {}
+        out: dict[str, Any] = {
+            "ttft_observed": curve.seen,
+            "ttft_error_s": curve.median_abs_error_s(),
+            "ttft_error_ratio": curve.median_relative_error(),
+        }
+        if curve.observations:
+            out["prefill_tokens_per_s"] = curve.rate(running)
+            out["overhead_s"] = curve.overhead_s
+        return out
+
     async def figures(self) -> StatusFigures:
         directory = await self._directory()  # first: the page's `now` is after its wait
         now = time.monotonic()
@@ -421,6 +445,7 @@ class StatusBoard:
                 e.capacity_blocks,
                 e.can_pull,
                 e.pull_gbps,
+                **self._learned(e.node_id, e.running + e.inflight),
                 block_size=e.block_size,
                 block_size_mismatch=e.node_id in mismatched,
                 tokenizer_parity=e.parity,

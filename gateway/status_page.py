@@ -289,19 +289,29 @@ def _engines_card(f: StatusFigures) -> str:
             return "cannot pull"
         return f"{e.pull_gbps:.2f} GB/s" if e.pull_gbps > 0 else "none measured"
 
+    def learned(e: EngineFigures) -> str:
+        if not e.ttft_observed:
+            return "none observed"
+        rate = f"{_n(e.prefill_tokens_per_s)} tokens/s + {e.overhead_s * 1000:.0f} ms; " if e.overhead_s is not None else ""
+        err = f"{e.ttft_error_s * 1000:.0f} ms" if e.ttft_error_s is not None else "?"
+        share = f" ({_pct(e.ttft_error_ratio)})" if e.ttft_error_ratio is not None else ""
+        return f"{rate}error {err}{share} over {_n(e.ttft_observed)}"
+
     rows = "".join(
         f"<tr data-engine='{_e(e.node_id)}'><td>{_e(e.node_id)}</td>"
         f"<td>{'yes' if e.healthy else _UNHEALTHY}</td>"
         f"<td>{_n(e.running)}</td><td>{_n(e.waiting)}</td><td>{e.inflight}</td><td>{_n(e.pending_prefill_tokens)}</td>"
         f"<td>{_n(e.served)}</td><td>{_pct(ratio(e.cached_tokens, e.prompt_tokens))}</td>"
-        f"<td>{blocks(e)}</td><td>{bandwidth(e)}</td></tr>"
+        f"<td>{blocks(e)}</td><td>{bandwidth(e)}</td><td class='ttft'>{learned(e)}</td></tr>"
         for e in f.engines
     )
     return (
         "<section class='wide'><h2>Engines</h2><table class='grid' id='engines'><tr><th>engine</th><th>healthy</th>"
         "<th>running</th><th>waiting</th><th>in flight here</th><th>prompt tokens to prefill</th><th>served here</th>"
-        "<th>cached share</th><th>cached blocks</th><th>pull bandwidth</th></tr>"
-        f"{rows or '<tr><td colspan=10>no engine known</td></tr>'}</table></section>"
+        "<th>cached share</th><th>cached blocks</th><th>pull bandwidth</th>"
+        "<th title='prefill rate at its load and fixed time, learned from the first bytes observed; median "
+        "|estimated - observed| TTFT'>TTFT learned</th></tr>"
+        f"{rows or '<tr><td colspan=11>no engine known</td></tr>'}</table></section>"
     )
 
 

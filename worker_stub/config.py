@@ -90,6 +90,12 @@ class WorkerSettings(DirectoryClientSettings):
     )
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="simulated prefill rate of uncached tokens")
     decode_tokens_per_s: float = Field(80.0, gt=0, description="simulated decode rate of one sequence")
+    prefill_contention: float = Field(
+        0.0,
+        ge=0,
+        description="each other request running here slows a prefill by this fraction, as an engine that batches "
+        "prefills with decodes does (0: the full rate whatever the load)",
+    )
     max_running: int = Field(32, ge=1, description="requests served at once; more wait in a queue")
     max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_running (429 above)")
     time_scale: float = Field(1.0, ge=0, description="multiplies every simulated duration (0: no waiting)")

@@ -258,7 +258,8 @@ class Engine:
             run += 1
         stats.pulled_tokens = (run - host_run) * bs
         t = time.perf_counter()
-        await self._sleep((n_tokens - run * bs) / self.s.prefill_tokens_per_s)
+        others = max(0, self.running - 1)
+        await self._sleep((n_tokens - run * bs) / self.s.prefill_tokens_per_s * (1 + self.s.prefill_contention * others))
         if lease is not None:
             for h, slot in lease.new_slots:
                 if h not in pulled:

@@ -226,7 +226,8 @@ def test_a_failed_lookup_is_a_fallback_by_load() -> None:
 
 def test_request_defaults_and_block_size() -> None:
     r = router()
-    assert r.request(40, [1, 2], None) == RouteRequest(40, (1, 2), 16, 16)
+    assert r.request(40, [1, 2], None) == RouteRequest(40, (1, 2), 16, 16, output_tokens=16.0)
+    assert r.request(40, [1, 2], 4096, "m").output_tokens == 256.0  # the prior, not the cap: no answers seen yet
     assert r.request(40, [1, 2], 0).max_tokens == 16
     assert r.request(40, [1, 2], 300).max_tokens == 300
     assert r.hashes(list(range(40))) == PrefixHasher(16).hashes(list(range(40)))

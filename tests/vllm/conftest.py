@@ -40,7 +40,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def start_gateway(data: Path, directory: Cluster) -> Gateway:
     """A gateway whose TTFT model makes a busy holder lose to a pull (the tests that provoke a `pull` decision):
     one request per engine and 1 s per request ahead (8 tokens at 8 tokens/s); a slow prefill estimate, so pulling
-    beats recomputing. Lookups may take long on two shared cores (past the timeout: routed by load, no plan)."""
+    beats recomputing. Lookups may take long on two shared cores (past the timeout: routed by load, no plan).
+    Those figures are the model's, as given: nothing learned from the engines' TTFTs replaces them, and no stay
+    margin holds a request on its busy holder."""
     return Gateway(
         data,
         free_ports(1)[0],
@@ -61,6 +63,12 @@ def start_gateway(data: Path, directory: Cluster) -> Gateway:
             "5",
             "--refresh-s",
             "0.2",
+            "--ttft-learn-window",
+            "0",
+            "--stay-margin-ms",
+            "0",
+            "--stay-margin-ratio",
+            "0",
         ),
     )
 
