@@ -15,12 +15,20 @@ SYSTEM = "a librarian answers questions about opening hours of the reading room 
 
 
 def _strip(answer: dict[str, Any]) -> dict[str, Any]:
-    """What must match: the choices' text or message, finish reason, the token counts."""
+    """What must match: the choices' text or message (its role and content: vLLM's unstreamed message also lists
+    the fields it left empty, refusal, annotations, tool_calls, ..., which the joined one leaves out), finish
+    reason, the token counts."""
     usage = answer["usage"]
+
+    def message(c: dict[str, Any]) -> dict[str, Any] | None:
+        m = c.get("message")
+        return None if m is None else {"role": m["role"], "content": m["content"]}
+
     return {
         "object": answer["object"],
         "choices": [
-            {k: c.get(k) for k in ("index", "text", "message", "finish_reason", "stop_reason")} for c in answer["choices"]
+            {**{k: c.get(k) for k in ("index", "text", "finish_reason", "stop_reason")}, "message": message(c)}
+            for c in answer["choices"]
         ],
         "usage": {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
     }
