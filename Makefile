@@ -108,21 +108,32 @@ $(VLLM_STAMP): pyproject.toml Makefile
 test-vllm: install $(VLLM_STAMP)
 	KVDIR_VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest tests/vllm $(ARGS)
 
-# The real peers kvdir is compared with, in a venv of their own: NVIDIA Dynamo's router with its trace simulator
+# The real peers kvdir is compared with, in venvs of their own: NVIDIA Dynamo's router with its trace simulator
 # (CPU-only `dynamo.replay`; its wheels' other dependencies are for serving and are left out) for
-# `kvdir replay --peers-real`, and the SGLang router (a Rust binary) for `kvdir bench routers`.
-PEERS_VENV  ?= .venv-peers
-PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
-PEERS_PIP   := $(PEERS_VENV)/bin/python -m pip
+# `kvdir replay --peers-real`; for `kvdir bench routers` the SGLang router and vLLM's router (Rust binaries) in the
+# same venv, and SMG, the SGLang router's successor, in one apart: sglang-router 0.3.2 installs a `smg` command
+# of its own, and two packages writing the one bin/smg leave whichever pip installed last (and uninstalling either
+# removes it for both).
+PEERS_VENV      ?= .venv-peers
+PEERS_STAMP     := $(PEERS_VENV)/.installed-stamp
+PEERS_PIP       := $(PEERS_VENV)/bin/python -m pip
+PEERS_SMG_VENV  ?= .venv-peers-smg
+PEERS_SMG_STAMP := $(PEERS_SMG_VENV)/.installed-stamp
 
-peers-install: $(PEERS_STAMP)
+peers-install: $(PEERS_STAMP) $(PEERS_SMG_STAMP)
 
 $(PEERS_STAMP): Makefile
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_PIP) install --quiet --upgrade pip
 	$(PEERS_PIP) install --quiet --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
-	$(PEERS_PIP) install --quiet typing_extensions==4.16.0 pydantic==2.13.5 sglang-router==0.3.2
+	$(PEERS_PIP) install --quiet typing_extensions==4.16.0 pydantic==2.13.5 sglang-router==0.3.2 vllm-router==0.1.17
 	@touch $(PEERS_STAMP)
+
+$(PEERS_SMG_STAMP): Makefile
+	$(PYTHON) -m venv $(PEERS_SMG_VENV)
+	$(PEERS_SMG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_SMG_VENV)/bin/python -m pip install --quiet smg==1.13.0
+	@touch $(PEERS_SMG_STAMP)
 
 # kvdir's simulator against Dynamo's, run by `kvdir replay --peers-real` (tests/peers).
 test-peers: install $(PEERS_STAMP)
@@ -132,4 +143,4 @@ bench: install
 	$(VENV)/bin/kvdir bench directory $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(PEERS_SMG_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache .import_linter_cache

@@ -72,6 +72,27 @@ def _engines(p: argparse.ArgumentParser) -> None:
     )
 
 
+ROUTERS = ("kvdir", "sglang", "smg", "vllm_router", "round_robin", "modeled_sglang")
+"""`kvdir bench routers`' routers, in the order they run; `modeled_sglang` is kvdir's gateway with `--policy sglang`
+(on the stubs only)."""
+
+
+def _routers(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--routers",
+        nargs="+",
+        choices=ROUTERS,
+        metavar="ROUTER",
+        help=f"compare only these on the datasets (the hot path runs kvdir, sglang, smg, vllm_router): {', '.join(ROUTERS)}",
+    )
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=1.0,
+        help="mean think time between a chat answer and the session's next turn, seconds, exponential (default 1)",
+    )
+
+
 ATTACKS = (
     "raft_flood",
     "header_flood",
@@ -151,10 +172,11 @@ TARGETS = (
     ),
     Target(
         "routers",
-        "kvdir's gateway against the real SGLang router (cache_aware) and round robin, live on worker stubs or real "
-        "vLLM engines, driven by vllm bench serve (needs `make vllm-install` and `make peers-install`)",
+        "kvdir's gateway against the real SGLang router, SMG and vllm-router (cache_aware) and round robin, live on "
+        "worker stubs or real vLLM engines: prefix repetition by vllm bench serve, closed-loop chat sessions "
+        "(needs `make vllm-install` and `make peers-install`)",
         "kvtools.bench.routers:main",
-        (_quick, _engines),
+        (_quick, _engines, _routers),
     ),
     Target(
         "shards",

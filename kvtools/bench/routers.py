@@ -1,21 +1,28 @@
-"""`kvdir bench routers`: kvdir's gateway against the real SGLang router, live, on the same engines.
+"""`kvdir bench routers`: kvdir's gateway against the real peers' routers, live, on the same engines.
 
 Each router runs in front of a fresh cluster (a directory replica and its engines, so every router starts with
-cold caches): kvdir's gateway (`--policy kvdir`), the SGLang router as it ships (`sglang-router`, a Rust binary,
-`--policy cache_aware`, from the peers venv: `make peers-install`) and the SGLang router's round robin; on the
-stubs also kvdir's gateway with its model of SGLang's policy (`--policy sglang`), which the simulated replay
-uses: how far that model is from the real router, on the same engines. The
-engines are either worker stubs (`--engines stubs`: 4, with the tiny model's tokenizer) or real `vllm serve`
+cold caches): kvdir's gateway (`--policy kvdir`); the routers as they ship, Rust binaries from the peers venvs
+(`make peers-install`): the SGLang router (`sglang-router` 0.3.2, `--policy cache_aware`), its successor SMG
+(`smg` 1.13, the SGLang model gateway, `cache_aware`, in `.venv-peers-smg`), vLLM's router (`vllm-router` 0.1.17,
+`cache_aware`: its `kv_aware` policy needs vLLM's ZMQ KV-event publisher, which the worker stubs do not have) and
+the SGLang router's round robin; on the stubs also kvdir's gateway with its model of SGLang's policy
+(`--policy sglang`), which the simulated replay uses: how far that model is from the real router, on the same
+engines. SMG and vLLM's router talk to the engines over HTTP here, where their cache-aware trees are built from
+the requests they routed, as the SGLang router's are. SMG's event-driven mode is not run: SMG subscribes to KV
+events only over gRPC (a vLLM engine started with `--grpc`, which needs `smg-grpc-servicer` in the vLLM venv and
+then serves no HTTP `/metrics`, where this bench reads the engines' cache hits), and the stubs speak HTTP only.
+
+The engines are either worker stubs (`--engines stubs`: 4, with the tiny model's tokenizer) or real `vllm serve`
 engines with the kvdir connector (`--engines vllm`: 2, on a ~32M-parameter random model whose prefill of a
-2,048-token prompt takes a few hundred ms here). vLLM's own client drives each one (`vllm bench serve`, from
-the vLLM venv: `make vllm-install`) on two datasets, at a light load and at one near the engines' saturation,
-and reports what it measures: TTFT p50/p90/p99, throughput, failed requests; beside them the share of prompt
-tokens the engines served from cache, by their own counters, and for kvdir's gateway its decisions. The datasets:
-- **prefix repetition** (vLLM's own): a few long shared prefixes with short suffixes;
-- **multi-turn** (vLLM 0.32's client has none, so it is written here as a custom dataset): sessions that share
-  a system prompt, each turn's prompt the whole conversation so far plus a new user message, sent in turn order
-  with every session's turn k before any turn k+1 (`--disable-shuffle`). The earlier replies in a prompt are
-  written here, not the engine's own output: what a prompt shares with the last one is what routing sees.
+2,048-token prompt takes a few hundred ms here). Two datasets, each at a light load and at one near the engines'
+saturation; beside each run's figures the share of prompt tokens the engines served from cache, by their own
+counters, and for kvdir's gateway its decisions by reason:
+- **prefix repetition** (vLLM's own, driven by `vllm bench serve` from the vLLM venv: `make vllm-install`, at a
+  request rate): a few long shared prefixes with short suffixes; TTFT p50/p90/p99, throughput, failed requests;
+- **chat** (`chat_sessions`, closed loop through `/v1/chat/completions`, at a number of sessions open at once):
+  each session sends its next turn only once the last one was answered and a think time has passed, the real
+  answer in its history; most sessions share one long document, a few have their own or none. TTFT p50/p90/p99
+  over all turns and over first turns apart, completed and failed turns.
 
 The hot path is measured apart (`added_latency`): one engine at a low rate, straight to it and through each
 router, on short prompts and on long ones (one shared long prefix with short suffixes: the per-request cost that
@@ -26,30 +33,30 @@ one left cached.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
-import random
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from tokenizers import Tokenizer
 
 from kvdir.local_cluster import ChildExited, Cluster, Gateway, NotReady, Workers, free_ports, stop_all
+from kvtools.bench.chat_sessions import ChatShape, make_sessions, run_sessions, summarize, vocabulary
+from kvtools.bench.cli import ROUTERS
 from kvtools.bench.report import emit, header, say
 from kvtools.replay.peers_real import DEFAULT_PYTHON as PEERS_PYTHON
-from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, running, vllm_venv
+from kvtools.vllm_launcher import BLOCK, MODEL, ROOT, VllmEngine, make_tiny_model, running, vllm_venv
 
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "request_throughput", "completed", "failed")
-ROUTERS = ("kvdir", "sglang", "round_robin", "modeled_sglang")  # the last: kvdir's gateway with `--policy sglang`
 CACHE_COUNTERS = {  # per engine kind: (prompt tokens, prompt tokens served from cache) counters on the engine's /metrics
     "stubs": (("kvdir_worker_prompt_tokens_total",), ("kvdir_worker_cached_tokens_total",)),
     "vllm": (("vllm:prefix_cache_queries_total",), ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")),
@@ -58,26 +65,16 @@ Urls = tuple[list[str], list[str]]  # (directory replicas, engines)
 
 
 @dataclass(frozen=True)
-class MultiTurn:
-    """A multi-turn dataset's shape, in tokens of the model's tokenizer (words of its corpus, about one each)."""
-
-    sessions: int
-    turns: int
-    system: int
-    user: int
-    reply: int
-
-
-@dataclass(frozen=True)
 class Setup:
     """One kind of engine: how many, how to start them, what the gateway is told of them, the datasets' sizes and
-    the two loads (requests/s over all engines)."""
+    their two loads each (prefix repetition: requests/s over all engines; chat: sessions open at once)."""
 
     engines: int
     model_size: str
     prefix: tuple[int, int, int, int]  # prefixes, prefix tokens, suffix tokens, output tokens
-    multi_turn: MultiTurn
+    chat: ChatShape
     loads: dict[str, float]
+    chat_loads: dict[str, int]
     prompts: tuple[int, int]  # prefix-repetition prompts per run, full and --quick
     routers: tuple[str, ...]  # of ROUTERS
     gateway_args: tuple[str, ...]
@@ -90,8 +87,9 @@ SETUPS = {
         engines=4,
         model_size="tiny",
         prefix=(12, 4096, 128, 16),
-        multi_turn=MultiTurn(sessions=32, turns=6, system=1024, user=256, reply=64),
+        chat=ChatShape(sessions=48, turns=6, document=2048, question=128, answer=64, own=4, bare=4),
         loads={"light": 2.0, "near saturation": 6.0},
+        chat_loads={"light": 4, "near saturation": 24},
         prompts=(240, 60),
         routers=ROUTERS,
         gateway_args=(),
@@ -106,10 +104,11 @@ SETUPS = {
         engines=2,
         model_size="bench",
         prefix=(8, 2048, 128, 16),
-        multi_turn=MultiTurn(sessions=16, turns=6, system=512, user=160, reply=48),
+        chat=ChatShape(sessions=24, turns=6, document=1024, question=96, answer=48, own=2, bare=2),
         loads={"light": 1.0, "near saturation": 2.5},
+        chat_loads={"light": 2, "near saturation": 6},
         prompts=(120, 48),
-        routers=ROUTERS[:3],
+        routers=ROUTERS[:5],
         gateway_args=(
             "--block-size",
             str(BLOCK),
@@ -128,14 +127,26 @@ SETUPS = {
 VLLM_BLOCKS = 512  # each vLLM engine's KV blocks of 32 tokens: 16,384 tokens, the prefix dataset's 8 prefixes once
 
 
+SMG_PYTHON = ROOT / ".venv-peers-smg" / "bin" / "python"  # SMG's own venv: the Makefile says why
+PEERS = {  # router: (its venv's python, its command after `python -m`, its policy); each with --host/--port
+    "sglang": (PEERS_PYTHON, ("sglang_router.launch_router", "--log-level", "warn"), "cache_aware"),
+    "round_robin": (PEERS_PYTHON, ("sglang_router.launch_router", "--log-level", "warn"), "round_robin"),
+    "smg": (SMG_PYTHON, ("smg", "launch", "--log-level", "warn"), "cache_aware"),
+    "vllm_router": (PEERS_PYTHON, ("vllm_router.launch_router", "--log-level", "warning"), "cache_aware"),
+}
+
+
 @contextmanager
-def _sglang(urls: Sequence[str], policy: str, log: Path) -> Iterator[str]:
-    """The SGLang router in front of `urls`, with `policy`; its URL once it answers."""
-    if not PEERS_PYTHON.exists():
-        raise FileNotFoundError(f"{PEERS_PYTHON}: `make peers-install` builds the peers venv with sglang-router")
+def _peer(name: str, urls: Sequence[str], log: Path) -> Iterator[str]:
+    """The real router `name` of `PEERS` in front of `urls`; its URL once it answers. It is stopped when the block
+    ends, however it ends."""
+    python, command, policy = PEERS[name]
+    if not python.exists():
+        raise FileNotFoundError(f"{python}: `make peers-install` builds the peers' venvs")
     port = free_ports(1)[0]
-    cmd = [str(PEERS_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--worker-urls", *urls, "--policy", policy, "--log-level", "warn", "--disable-circuit-breaker"]
+    cmd = [str(python), "-m", *command, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+    # no circuit breaker (a slow engine is not a broken one); workers checked every second at start, not every 30 s
+    cmd += ["--policy", policy, "--disable-circuit-breaker", "--worker-startup-check-interval", "1"]
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -143,14 +154,14 @@ def _sglang(urls: Sequence[str], policy: str, log: Path) -> Iterator[str]:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                raise ChildExited("the SGLang router", proc, log)
+                raise ChildExited(f"the {name} router", proc, log)
             try:
                 if httpx.get(url + "/v1/models", timeout=1.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise NotReady("the SGLang router was not ready within 60 s", [("sglang-router", log)], str(log))
+                raise NotReady(f"the {name} router was not ready within 60 s", [(name, log)], str(log))
             time.sleep(0.1)
         yield url
     finally:
@@ -188,32 +199,6 @@ def _prefix_dataset(prefixes: int, prefix_tokens: int, suffix_tokens: int, outpu
         "--prefix-repetition-output-len",
         str(output_tokens),
     ]
-
-
-def write_multi_turn(path: Path, tokenizer: Path, shape: MultiTurn, seed: int = 0) -> tuple[list[str], int]:
-    """Write `shape`'s conversations as a custom dataset (JSONL, one prompt per line, in the order they are sent)
-    and return `vllm bench serve`'s flags for it and the number of prompts. Each message is words of the
-    tokenizer's vocabulary drawn with `seed`, in the tiny chat template's turns; a prompt ends by opening the
-    assistant's turn, and the next turn's prompt repeats it with a reply and the next user message."""
-    tok = Tokenizer.from_file(str(tokenizer))
-    words = sorted({w.lstrip("Ġ") for w in tok.get_vocab() if w.startswith("Ġ") and w[1:].isalpha()})
-    rng = random.Random(seed)
-
-    def text(tokens: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(tokens))
-
-    system = f"<|system|>{text(shape.system)}\n"
-    conversations = [system for _ in range(shape.sessions)]
-    lines = []
-    for turn in range(shape.turns):
-        for s in range(shape.sessions):
-            if turn:
-                conversations[s] += f"{text(shape.reply)}\n"
-            conversations[s] += f"<|user|>{text(shape.user)}\n<|assistant|>"
-            lines.append(json.dumps({"prompt": conversations[s], "output_tokens": shape.reply}))
-    path.write_text("\n".join(lines) + "\n")
-    flags = ["--dataset-name", "custom", "--dataset-path", str(path), "--disable-shuffle", "--skip-chat-template"]
-    return flags, len(lines)
 
 
 @contextmanager
@@ -308,33 +293,42 @@ def _router(
         finally:
             g.stop()
         return
-    with _sglang(engines, "cache_aware" if name == "sglang" else "round_robin", tmp / f"{name}.log") as url:
+    with _peer(name, engines, tmp / f"{name}.log") as url:
         yield url
 
 
-def compare(tmp: Path, engines: str, model: Path, quick: bool) -> dict[str, Any]:
-    """Every router on every dataset at every load of the setup, each on a fresh cluster."""
+def _chat(url: str, model: Path, shape: ChatShape, concurrency: int, think_s: float) -> dict[str, float]:
+    """The chat sessions of `shape` through `url`, `concurrency` open at once; `summarize`'s figures."""
+    sessions = make_sessions(shape, vocabulary(model / "tokenizer.json"))
+    return summarize(asyncio.run(run_sessions(url, MODEL, sessions, concurrency, think_s)))
+
+
+def compare(
+    tmp: Path, engines: str, model: Path, quick: bool, think_s: float, routers: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Every router (of the setup's, or `routers`) on both datasets at both loads, each run on a fresh cluster."""
     setup = SETUPS[engines]
-    multi, turns = write_multi_turn(tmp / "multi_turn.jsonl", model / "tokenizer.json", setup.multi_turn)
-    datasets = {
-        "prefix repetition": (_prefix_dataset(*setup.prefix), setup.prompts[1] if quick else setup.prompts[0]),
-        "multi-turn": (multi, turns // 3 if quick else turns),
-    }
+    chat = replace(setup.chat, sessions=setup.chat.sessions // 2, turns=3) if quick else setup.chat
+    prefix = setup.prompts[1] if quick else setup.prompts[0]
+    runs = [("prefix repetition", load, f"{rate:g} requests/s", rate) for load, rate in setup.loads.items()]
+    runs += [("chat", load, f"{n} sessions at once", n) for load, n in setup.chat_loads.items()]
     out: dict[str, Any] = {}
-    for (dataset, (flags, prompts)), (load, rate) in itertools.product(datasets.items(), setup.loads.items()):
-        for name in setup.routers:
-            run = tmp / f"{dataset.replace(' ', '_')}-{name}-{rate:g}"
-            run.mkdir()
-            say(f"  {dataset}: {name} at {rate:g} requests/s ({load}), {prompts} prompts on a fresh cluster...")
-            counts: dict[str, float] = {}
-            with (
-                CLUSTERS[engines](run, setup.engines, model) as urls,
-                _router(name, run, urls, model, setup.gateway_args, counts) as url,
-            ):
-                figures = _serve_bench(url, model, run / "result.json", flags, rate, prompts)
-                figures["engines' cache hit rate"] = cache_hit_rate(engines, urls[1])
-            say(f"    {', '.join(f'{k} {v:.4g}' for k, v in {**figures, **counts}.items() if v is not None)}")
-            out.update({f"{dataset} {load} {name} {k}": v for k, v in {**figures, **counts}.items()})
+    for (dataset, load, how, amount), name in itertools.product(runs, routers or setup.routers):
+        run = tmp / f"{dataset.replace(' ', '_')}-{name}-{amount:g}"
+        run.mkdir()
+        say(f"  {dataset}: {name} at {how} ({load}) on a fresh cluster...")
+        counts: dict[str, float] = {}
+        with (
+            CLUSTERS[engines](run, setup.engines, model) as urls,
+            _router(name, run, urls, model, setup.gateway_args, counts) as url,
+        ):
+            if dataset == "chat":
+                figures: dict[str, Any] = _chat(url, model, chat, int(amount), think_s)
+            else:
+                figures = _serve_bench(url, model, run / "result.json", _prefix_dataset(*setup.prefix), amount, prefix)
+            figures["engines' cache hit rate"] = cache_hit_rate(engines, urls[1])
+        say(f"    {', '.join(f'{k} {v:.4g}' for k, v in {**figures, **counts}.items() if v is not None)}")
+        out.update({f"{dataset} {load} {name} {k}": v for k, v in {**figures, **counts}.items()})
     return out
 
 
@@ -352,7 +346,7 @@ def added_latency(tmp: Path, engines: str, model: Path, quick: bool) -> dict[str
         for shape, (dataset, rate, full, few) in hot_path.items():
             prompts = few if quick else full
             direct = _serve_bench(urls[1][0], model, tmp / f"direct-{shape}.json", dataset, rate, prompts, next(seeds))
-            for name in ("kvdir", "sglang"):
+            for name in ("kvdir", "sglang", "smg", "vllm_router"):
                 with _router(name, tmp, urls, model, setup.gateway_args) as url:
                     via = _serve_bench(url, model, tmp / f"{name}-{shape}.json", dataset, rate, prompts, next(seeds))
                 for p in ("median", "p99"):
@@ -361,9 +355,12 @@ def added_latency(tmp: Path, engines: str, model: Path, quick: bool) -> dict[str
     return out
 
 
-def main(*, as_json: bool, quick: bool, engines: str = "stubs") -> int:
+def main(
+    *, as_json: bool, quick: bool, engines: str = "stubs", think_s: float = 1.0, routers: Sequence[str] | None = None
+) -> int:
     results = header(quick)
     results["engines"] = engines
+    results["think s"] = think_s
     setup = SETUPS[engines]
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-") as tmp:
         model = make_tiny_model(
@@ -372,7 +369,7 @@ def main(*, as_json: bool, quick: bool, engines: str = "stubs") -> int:
         say(f"the hot path: one of the {engines}, short and long prompts, straight and through each router...")
         (Path(tmp) / "hot").mkdir()
         results.update(added_latency(Path(tmp) / "hot", engines, model, quick))
-        say(f"prefix repetition and multi-turn over {setup.engines} {engines}, each router on a fresh cluster")
-        results.update(compare(Path(tmp), engines, model, quick))
+        say(f"prefix repetition and chat sessions over {setup.engines} {engines}, each router on a fresh cluster")
+        results.update(compare(Path(tmp), engines, model, quick, think_s, routers))
     emit(results, as_json)
     return 0

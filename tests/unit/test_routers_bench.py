@@ -1,22 +1,23 @@
-"""`kvdir bench routers`: its multi-turn dataset (each session's prompts extend its last one, every session shares
-the system prompt, turns go out in turn order, and `vllm bench serve` is told to keep that order) and what it
+"""`kvdir bench routers`: its chat dataset (most sessions share one long document in their first message, a few
+have their own or none; the same seed, the same sessions), the figures it reports of a run's turns, and what it
 reads of kvdir's gateway's /metrics.
 
 The tokenizer is trained here on the tiny model's corpus (tests/compose/make_tiny_model.py), so no download."""
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvtools.bench.routers import CACHE_COUNTERS, MultiTurn, counter_sum, gateway_counts, write_multi_turn
+from kvtools.bench.chat_sessions import ChatShape, Turn, make_sessions, summarize, vocabulary
+from kvtools.bench.routers import CACHE_COUNTERS, counter_sum, gateway_counts
 
 CORPUS = "the quick brown fox jumps over the lazy dog while a support assistant answers briefly " * 20
-SHAPE = MultiTurn(sessions=3, turns=4, system=40, user=12, reply=5)
+SHAPE = ChatShape(sessions=12, turns=4, document=60, question=8, answer=5, own=2, bare=1)
 
 
 @pytest.fixture(scope="module")
@@ -31,33 +32,48 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_sessions_extend_their_last_prompt_in_turn_order(tmp_path: Path, tokenizer_file: Path) -> None:
-    path = tmp_path / "mt.jsonl"
-    flags, count = write_multi_turn(path, tokenizer_file, SHAPE)
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert count == len(lines) == SHAPE.sessions * SHAPE.turns
-    assert flags[flags.index("--dataset-path") + 1] == str(path)
-    assert "--disable-shuffle" in flags and "--skip-chat-template" in flags
-    assert {line["output_tokens"] for line in lines} == {SHAPE.reply}
-    prompts = [line["prompt"] for line in lines]
-    system = prompts[0].split("\n", 1)[0]
-    assert all(p.startswith(system + "\n") for p in prompts)  # one system prompt for every session
-    for i, p in enumerate(prompts[SHAPE.sessions :], start=SHAPE.sessions):
-        last = prompts[i - SHAPE.sessions]  # the same session, one turn earlier
-        assert p.startswith(last) and len(p) > len(last)
-        assert p.endswith("<|assistant|>") and p.count("<|user|>") == i // SHAPE.sessions + 1
-    assert len(set(prompts[: SHAPE.sessions])) == SHAPE.sessions  # sessions differ after the system prompt
+def _document(first_message: str) -> str:
+    """The document in a session's first user message ("" without one): between the instruction and the question."""
+    parts = first_message.split("\n\n")
+    return parts[1] if len(parts) == 3 else ""
+
+
+def test_most_sessions_share_one_long_document_a_few_have_their_own_or_none(tokenizer_file: Path) -> None:
+    sessions = make_sessions(SHAPE, vocabulary(tokenizer_file))
+    assert [s.index for s in sessions] == list(range(SHAPE.sessions))
+    assert all(len(s.questions) == SHAPE.turns and s.max_tokens == SHAPE.answer for s in sessions)
+    documents = {s.index: _document(s.questions[0]) for s in sessions}
+    by_kind = {kind: [documents[s.index] for s in sessions if s.document == kind] for kind in ("shared", "own", "none")}
+    assert [len(by_kind[k]) for k in ("shared", "own", "none")] == [SHAPE.sessions - 3, 2, 1]
+    assert len(set(by_kind["shared"])) == 1  # the very same document in every sharing session
+    assert len(set(by_kind["own"]) | set(by_kind["shared"])) == 3  # each own document differs from all others
+    assert by_kind["none"] == [""]
     tok = Tokenizer.from_file(str(tokenizer_file))
-    first_user = prompts[0].split("<|user|>")[1].removesuffix("\n<|assistant|>")
-    assert len(tok.encode(first_user).ids) == SHAPE.user  # words of the vocabulary: a token each
+    for doc in by_kind["shared"][:1] + by_kind["own"]:
+        assert len(tok.encode(doc).ids) == SHAPE.document  # words of the vocabulary: a token each
+    for s in sessions:  # later turns carry no document, and every question differs
+        assert all("\n" not in q for q in s.questions[1:])
+    assert len({q for s in sessions for q in s.questions}) == SHAPE.sessions * SHAPE.turns
 
 
-def test_the_same_seed_writes_the_same_dataset(tmp_path: Path, tokenizer_file: Path) -> None:
-    a, b, c = (tmp_path / n for n in ("a", "b", "c"))
-    write_multi_turn(a, tokenizer_file, SHAPE, seed=3)
-    write_multi_turn(b, tokenizer_file, SHAPE, seed=3)
-    write_multi_turn(c, tokenizer_file, SHAPE, seed=4)
-    assert a.read_text() == b.read_text() != c.read_text()
+def test_the_same_seed_draws_the_same_sessions(tokenizer_file: Path) -> None:
+    words = vocabulary(tokenizer_file)
+    assert make_sessions(SHAPE, words, seed=3) == make_sessions(SHAPE, words, seed=3) != make_sessions(SHAPE, words, seed=4)
+
+
+def test_more_own_and_bare_sessions_than_sessions_are_refused(tokenizer_file: Path) -> None:
+    with pytest.raises(ValueError, match="exceed 4 sessions"):
+        make_sessions(ChatShape(sessions=4, turns=2, document=5, question=2, answer=1, own=3, bare=2), ["a"])
+
+
+def test_first_turns_are_summarized_apart_and_failed_turns_counted() -> None:
+    turns = [Turn(0, 0, 0.100), Turn(0, 1, 0.010), Turn(0, 2, 0.020), Turn(1, 0, 0.300), Turn(1, 1, None, "HTTP 500")]
+    figures = summarize(turns)
+    assert figures["first turns p50 ttft ms"] == pytest.approx(200.0)  # of 100 and 300 ms only
+    assert figures["p50 ttft ms"] == pytest.approx(60.0)  # of 10, 20, 100 and 300 ms: the failed turn has none
+    assert figures["p99 ttft ms"] == pytest.approx(294.0)
+    assert (figures["completed"], figures["failed"]) == (4, 1)
+    assert math.isnan(summarize([Turn(0, 0, None, "refused")])["p50 ttft ms"])
 
 
 def test_the_gateways_decisions_and_cached_tokens_are_read_from_its_metrics_page() -> None:
