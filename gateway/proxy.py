@@ -290,9 +290,9 @@ class Proxy:
             self.metrics.upstream_errors.labels(str(upstream.status)).inc()
             ticket.first_byte(ok=False)  # no prompt was computed: followers must not wait for it
             return await self._buffered(upstream, sent, headers)
-        if joined:
+        if joined and _content_type(upstream, "").startswith("text/event-stream"):
             return await self._joined(upstream, sent, headers, chat=path.endswith("/chat/completions"))
-        if not stream:
+        if not stream:  # (an engine that answered a joined request unstreamed, too: its body is the answer)
             return await self._buffered(upstream, sent, headers)
         return StreamingResponse(
             self._relay(upstream, sent),

@@ -70,7 +70,9 @@ def test_a_client_pull_plan_is_dropped_and_its_other_transfer_params_forwarded(
     engine: tuple[str, list[dict[str, Any]]],
 ) -> None:
     url, bodies = engine
-    settings = GatewaySettings(http="127.0.0.1:8100", engine=url, directory=f"http://127.0.0.1:{free_ports(1)[0]}", mirror=False)
+    settings = GatewaySettings(
+        http="127.0.0.1:8100", engine=url, directory=f"http://127.0.0.1:{free_ports(1)[0]}", mirror=False, tokenizer="bytes"
+    )
     app = create_app(settings)
     plan = {"source_node": "victim", "source_epoch": 1, "slots": [1, 2, 3]}
     params = {"do_remote_decode": False, "remote_host": "10.0.0.9", "nested": {"kvdir_pull": "kept: not the plan's field"}}
@@ -91,4 +93,7 @@ def test_a_client_pull_plan_is_dropped_and_its_other_transfer_params_forwarded(
     r = asyncio.run(run())
     assert r.status_code == 200, r.text
     assert r.headers["x-kvdir-decision"] != "pull"  # no directory: no plan of the gateway's own either
-    assert bodies == [{"model": "m", "prompt": "hello", "max_tokens": 2, "kv_transfer_params": params}]
+    # Sent as a stream, with the usage chunk, to be joined into the answer (gateway.stream_join); this engine
+    # answers it unstreamed, which is relayed as it came.
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    assert bodies == [{"model": "m", "prompt": "hello", "max_tokens": 2, "kv_transfer_params": params, **streamed}]
