@@ -54,7 +54,7 @@ from kvtools.bench.chat_sessions import ChatShape, make_sessions, run_sessions, 
 from kvtools.bench.cli import ROUTERS
 from kvtools.bench.report import emit, header, say
 from kvtools.replay.peers_real import DEFAULT_PYTHON as PEERS_PYTHON
-from kvtools.vllm_launcher import BLOCK, MODEL, ROOT, VllmEngine, make_tiny_model, running, vllm_venv
+from kvtools.vllm_launcher import MODEL, ROOT, VllmEngine, make_tiny_model, running, vllm_venv
 
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "request_throughput", "completed", "failed")
 CACHE_COUNTERS = {  # per engine kind: (prompt tokens, prompt tokens served from cache) counters on the engine's /metrics
@@ -79,6 +79,9 @@ class Setup:
     routers: tuple[str, ...]  # of ROUTERS
     gateway_args: tuple[str, ...]
     hot_long: int  # the long hot-path prompts' shared prefix, tokens
+    # The gateway reads the stubs' tokenizer.json (their chat template is the stub's own); in front of vLLM it is
+    # told nothing: it finds the model's files and template through the engines' /v1/models (--tokenizer auto).
+    tokenizer_file: bool = True
 
 
 SETUPS = {
@@ -95,11 +98,9 @@ SETUPS = {
         gateway_args=(),
         hot_long=4096,
     ),
-    # measured here (`vllm serve` on one core each, the ~32M model): ~9,000 prefill tokens/s on long prompts, ~45 ms
-    # TTFT of a fully cached one, and pulls over Mooncake's TCP on two shared cores at ~40 MB/s (below the
-    # break-even: the gateway is told so, else it learns it from each engine's first pull, which stalls that
-    # engine for up to 2 s). `--max-running 4` stands for what a CPU engine's batch costs: each request beyond
-    # 3 running waits a quarter of a running one's decode, about the ~45 ms fixed cost of a step here.
+    # In front of vLLM the gateway is not tuned (issue #44): no block size, tokenizer, prefill or decode rate nor
+    # concurrency; it learns the engines' prefill rate, overhead and answers' length from what it observes. Only the
+    # link is given, a fact of the deployment: pulls over Mooncake's TCP on two shared cores run at ~40 MB/s here.
     "vllm": Setup(
         engines=2,
         model_size="bench",
@@ -109,19 +110,9 @@ SETUPS = {
         chat_loads={"light": 2, "near saturation": 6},
         prompts=(120, 48),
         routers=ROUTERS[:5],
-        gateway_args=(
-            "--block-size",
-            str(BLOCK),
-            "--prefill-tokens-per-s",
-            "9000",
-            "--decode-tokens-per-s",
-            "60",
-            "--max-running",
-            "4",
-            "--link-gbps",
-            "0.04",
-        ),
+        gateway_args=("--link-gbps", "0.04"),
         hot_long=2048,
+        tokenizer_file=False,
     ),
 }
 VLLM_BLOCKS = 512  # each vLLM engine's KV blocks of 32 tokens: 16,384 tokens, the prefix dataset's 8 prefixes once
@@ -275,16 +266,15 @@ def gateway_counts(metrics: str) -> dict[str, float]:
 
 
 @contextmanager
-def _router(
-    name: str, tmp: Path, urls: Urls, model: Path, gateway_args: Sequence[str], counts: dict[str, float] | None = None
-) -> Iterator[str]:
+def _router(name: str, tmp: Path, urls: Urls, model: Path, setup: Setup, counts: dict[str, float] | None = None) -> Iterator[str]:
     """`name`'s URL in front of the cluster's engines; for kvdir's gateway, `counts` gets what it did
     (`gateway_counts`) when the block ends."""
     directory, engines = urls
     if name in ("kvdir", "modeled_sglang"):
         policy = "sglang" if name == "modeled_sglang" else "kvdir"
-        args = ("--tokenizer", str(model / "tokenizer.json"), "--policy", policy, *gateway_args)
-        g = Gateway(tmp, free_ports(1)[0], directory, extra_args=args)
+        args = ("--policy", policy, *setup.gateway_args)
+        tokenizer = str(model / "tokenizer.json") if setup.tokenizer_file else None
+        g = Gateway(tmp, free_ports(1)[0], directory, extra_args=args, tokenizer=tokenizer)
         try:
             g.wait_ready(120, engines=len(engines))
             yield g.url
@@ -320,7 +310,7 @@ def compare(
         counts: dict[str, float] = {}
         with (
             CLUSTERS[engines](run, setup.engines, model) as urls,
-            _router(name, run, urls, model, setup.gateway_args, counts) as url,
+            _router(name, run, urls, model, setup, counts) as url,
         ):
             if dataset == "chat":
                 figures: dict[str, Any] = _chat(url, model, chat, int(amount), think_s)
@@ -347,7 +337,7 @@ def added_latency(tmp: Path, engines: str, model: Path, quick: bool) -> dict[str
             prompts = few if quick else full
             direct = _serve_bench(urls[1][0], model, tmp / f"direct-{shape}.json", dataset, rate, prompts, next(seeds))
             for name in ("kvdir", "sglang", "smg", "vllm_router"):
-                with _router(name, tmp, urls, model, setup.gateway_args) as url:
+                with _router(name, tmp, urls, model, setup) as url:
                     via = _serve_bench(url, model, tmp / f"{name}-{shape}.json", dataset, rate, prompts, next(seeds))
                 for p in ("median", "p99"):
                     out[f"{shape} prompts {name} added {p} ttft ms"] = via[f"{p}_ttft_ms"] - direct[f"{p}_ttft_ms"]
