@@ -265,6 +265,15 @@ def gateway_counts(metrics: str) -> dict[str, float]:
     }
 
 
+def ttft_errors(status: dict[str, Any]) -> dict[str, float]:
+    """How far the gateway's TTFT estimates were from what it observed (its /v1/status): the engines' median
+    |estimated - observed| over the observed TTFT (over each engine's last 256 requests), weighted by the
+    requests observed there."""
+    seen = [(e["ttft_observed"], e["ttft_error_ratio"]) for e in status["engines"] if e.get("ttft_error_ratio") is not None]
+    n = sum(k for k, _ in seen)
+    return {"ttft estimate error ratio": sum(k * r for k, r in seen) / n} if n else {}
+
+
 @contextmanager
 def _router(name: str, tmp: Path, urls: Urls, model: Path, setup: Setup, counts: dict[str, float] | None = None) -> Iterator[str]:
     """`name`'s URL in front of the cluster's engines; for kvdir's gateway, `counts` gets what it did
@@ -280,6 +289,7 @@ def _router(name: str, tmp: Path, urls: Urls, model: Path, setup: Setup, counts:
             yield g.url
             if counts is not None:
                 counts.update(gateway_counts(httpx.get(g.url + "/metrics", timeout=10).text))
+                counts.update(ttft_errors(httpx.get(g.url + "/v1/status", timeout=10).json()))
         finally:
             g.stop()
         return

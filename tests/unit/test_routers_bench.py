@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvtools.bench.chat_sessions import ChatShape, Turn, make_sessions, summarize, vocabulary
-from kvtools.bench.routers import CACHE_COUNTERS, counter_sum, gateway_counts
+from kvtools.bench.routers import CACHE_COUNTERS, counter_sum, gateway_counts, ttft_errors
 
 CORPUS = "the quick brown fox jumps over the lazy dog while a support assistant answers briefly " * 20
 SHAPE = ChatShape(sessions=12, turns=4, document=60, question=8, answer=5, own=2, bare=1)
@@ -109,3 +109,15 @@ def test_an_engines_cached_share_sums_every_label_set_of_its_counters() -> None:
     page = generate_latest(r).decode()
     prompt, cached = CACHE_COUNTERS["vllm"]
     assert (counter_sum(page, prompt), counter_sum(page, cached)) == (1500.0, 664.0)
+
+
+def test_the_ttft_estimate_error_is_weighted_by_the_requests_each_engine_saw() -> None:
+    status = {
+        "engines": [
+            {"ttft_observed": 30, "ttft_error_ratio": 0.1},
+            {"ttft_observed": 10, "ttft_error_ratio": 0.5},
+            {"ttft_observed": 0, "ttft_error_ratio": None},
+        ]
+    }
+    assert ttft_errors(status) == {"ttft estimate error ratio": pytest.approx(0.2)}
+    assert ttft_errors({"engines": [{"ttft_observed": 0, "ttft_error_ratio": None}]}) == {}
