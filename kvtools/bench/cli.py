@@ -54,6 +54,23 @@ def _tp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor-parallel ranks of both engines (default 1)")
 
 
+def _calibration(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--case",
+        choices=["pulls", "calibration"],
+        default="pulls",
+        help="pulls: pulled vs recomputed vs local TTFT and the stall case; calibration: prefill rate by running "
+        "prefills and decode time by batch and beside a prefill, for `kvdir replay --calibration` (default pulls)",
+    )
+    p.add_argument("--calibration-out", metavar="FILE", help="--case calibration: write the calibration file here")
+    p.add_argument(
+        "--replay-live",
+        action="store_true",
+        help="--case calibration: also replay a multi-turn slice live through kvdir's gateway on both engines and "
+        "simulate it with and without the calibration",
+    )
+
+
 def _engines_per_adapter(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engines-per-adapter",
@@ -72,7 +89,7 @@ def _engines(p: argparse.ArgumentParser) -> None:
     )
 
 
-ROUTERS = ("kvdir", "sglang", "smg", "vllm_router", "round_robin", "modeled_sglang")
+ROUTERS = ("kvdir", "sglang", "smg", "vllm_router", "round_robin", "modeled_sglang", "kvdir_static")
 """`kvdir bench routers`' routers, in the order they run; `modeled_sglang` is kvdir's gateway with `--policy sglang`
 (on the stubs only)."""
 
@@ -157,7 +174,7 @@ TARGETS = (
         "TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with the kvdir connector "
         "(needs `make vllm-install`)",
         "kvtools.bench.vllm:main",
-        (_quick, _plot("TTFT by path and prefix size"), _tp),
+        (_quick, _plot("TTFT by path and prefix size"), _tp, _calibration),
     ),
     Target(
         "vllm-tiers",

@@ -54,7 +54,7 @@ from kvtools.bench.chat_sessions import ChatShape, make_sessions, run_sessions, 
 from kvtools.bench.cli import ROUTERS
 from kvtools.bench.report import emit, header, say
 from kvtools.replay.peers_real import DEFAULT_PYTHON as PEERS_PYTHON
-from kvtools.vllm_launcher import MODEL, ROOT, VllmEngine, make_tiny_model, running, vllm_venv
+from kvtools.vllm_launcher import BLOCK, MODEL, ROOT, VllmEngine, make_tiny_model, running, vllm_venv
 
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "request_throughput", "completed", "failed")
 CACHE_COUNTERS = {  # per engine kind: (prompt tokens, prompt tokens served from cache) counters on the engine's /metrics
@@ -82,6 +82,10 @@ class Setup:
     # The gateway reads the stubs' tokenizer.json (their chat template is the stub's own); in front of vLLM it is
     # told nothing: it finds the model's files and template through the engines' /v1/models (--tokenizer auto).
     tokenizer_file: bool = True
+    # kvdir_static: kvdir's gateway as it was before it learned (issue #44), told the engines' figures by hand, with
+    # nothing learned, no stay margins and requests ahead priced at their max_tokens: the "before" of the estimate
+    # error and of the routing.
+    static_args: tuple[str, ...] = ()
 
 
 SETUPS = {
@@ -109,14 +113,31 @@ SETUPS = {
         loads={"light": 1.0, "near saturation": 2.5},
         chat_loads={"light": 2, "near saturation": 6},
         prompts=(120, 48),
-        routers=ROUTERS[:5],
+        routers=(*ROUTERS[:5], "kvdir_static"),
         gateway_args=("--link-gbps", "0.04"),
         hot_long=2048,
         tokenizer_file=False,
+        # What the gateway was told before (measured here: ~9,000 prefill tokens/s on long prompts; `--max-running
+        # 4` standing for a CPU engine's batch cost), and the engines' own tokenizer.
+        static_args=(
+            "--tokenizer",
+            "engine",
+            "--block-size",
+            str(BLOCK),
+            "--prefill-tokens-per-s",
+            "9000",
+            "--decode-tokens-per-s",
+            "60",
+            "--max-running",
+            "4",
+        ),
     ),
 }
 VLLM_BLOCKS = 512  # each vLLM engine's KV blocks of 32 tokens: 16,384 tokens, the prefix dataset's 8 prefixes once
 
+
+# kvdir_static's gateway: nothing learned, no stay margin, each request ahead priced at its own max_tokens.
+STATIC = ("--ttft-learn-window", "0", "--stay-margin-ms", "0", "--stay-margin-ratio", "0", "--output-tokens-prior", "1000000")
 
 SMG_PYTHON = ROOT / ".venv-peers-smg" / "bin" / "python"  # SMG's own venv: the Makefile says why
 PEERS = {  # router: (its venv's python, its command after `python -m`, its policy); each with --host/--port
@@ -279,9 +300,11 @@ def _router(name: str, tmp: Path, urls: Urls, model: Path, setup: Setup, counts:
     """`name`'s URL in front of the cluster's engines; for kvdir's gateway, `counts` gets what it did
     (`gateway_counts`) when the block ends."""
     directory, engines = urls
-    if name in ("kvdir", "modeled_sglang"):
+    if name in ("kvdir", "modeled_sglang", "kvdir_static"):
         policy = "sglang" if name == "modeled_sglang" else "kvdir"
         args = ("--policy", policy, *setup.gateway_args)
+        if name == "kvdir_static":
+            args += (*STATIC, *setup.static_args)
         tokenizer = str(model / "tokenizer.json") if setup.tokenizer_file else None
         g = Gateway(tmp, free_ports(1)[0], directory, extra_args=args, tokenizer=tokenizer)
         try:
