@@ -69,6 +69,12 @@ def _calibration(p: argparse.ArgumentParser) -> None:
         help="--case calibration: also replay a multi-turn slice live through kvdir's gateway on both engines and "
         "simulate it with and without the calibration",
     )
+    p.add_argument(
+        "--calibrate-alike",
+        action="store_true",
+        help="--case calibration: load the second engine alike while measuring the first (engines sharing a "
+        "machine's cores slow each other; default: the first alone)",
+    )
 
 
 def _engines_per_adapter(p: argparse.ArgumentParser) -> None:

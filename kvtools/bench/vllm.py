@@ -21,14 +21,16 @@ same bytes per prefix (one head per rank at TP 2). Engines and the directory are
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +38,16 @@ import httpx
 import numpy as np
 
 from adapters.vllm_plan import KvLayout, LayerRegion, page_pieces
-from kvdir.local_cluster import Cluster, free_ports
+from kvdir.local_cluster import Cluster, Gateway, free_ports
 from kvdir.progress import clocked, stderr_meter
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import RegionInfo
 from kvtools.bench.report import emit, header, say
 from kvtools.plots import ttft_by_prefix
+from kvtools.replay.calibration import EngineCalibration
+from kvtools.replay.live import live_replay
+from kvtools.replay.sim import SimParams, simulate
+from kvtools.replay.trace import multi_turn
 from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, running, vllm_venv
 from kvtransfer.backends import create_engine
 
@@ -55,6 +61,7 @@ RANK_READ_S = 'kvdir_connector_pull_rank_read_seconds_total{{rank="{}"}}'
 IN_FLIGHT = "kvdir_connector_pulls_in_flight"
 KV_HEADS = 2
 MODEL_KIND = f"tiny random Llama (2 layers, {KV_HEADS} KV heads, head_dim 64, bf16)"
+BENCH_MODEL_KIND = f"~32M-parameter random Llama (8 layers, hidden 512, {KV_HEADS} KV heads, head_dim 64, bf16)"
 
 
 def ttft(engine: VllmEngine, prompt: str | list[int], **extra: Any) -> tuple[float, int]:
@@ -257,18 +264,20 @@ class BenchEngines:
     directory: str
     engines: list[VllmEngine]
     vocab: tuple[int, int]
+    model: Path
+    tmp: Path
 
 
 @contextlib.contextmanager
-def bench_engines(label: str, venv: Path, specs: Sequence[dict[str, Any]]) -> Iterator[BenchEngines]:
-    """The tiny model (two KV heads), a 3-replica directory and one `vllm serve` per spec (`name` and the other
-    `VllmEngine` keyword arguments), started and ready; all stopped on exit. Their logs stay in a temporary
-    directory, removed unless something failed."""
+def bench_engines(label: str, venv: Path, specs: Sequence[dict[str, Any]], size: str = "tiny") -> Iterator[BenchEngines]:
+    """The tiny model (two KV heads; `size` "bench": the ~32M one), a 3-replica directory and one `vllm serve` per
+    spec (`name` and the other `VllmEngine` keyword arguments), started and ready; all stopped on exit. Their logs
+    stay in a temporary directory, removed unless something failed."""
     tmp = tempfile.mkdtemp(prefix="kvdir-bench-vllm-")
     ok = False
     try:
         say("making the tiny model...")
-        model = make_tiny_model(venv, Path(tmp) / MODEL, kv_heads=KV_HEADS)
+        model = make_tiny_model(venv, Path(tmp) / MODEL, kv_heads=KV_HEADS, size=size)
         vocab = (3, json.loads((model / "config.json").read_text())["vocab_size"])
         ports = free_ports(6)
         cluster = Cluster(Path(tmp), ports[:3], ports[3:], log_level="warning")
@@ -278,7 +287,7 @@ def bench_engines(label: str, venv: Path, specs: Sequence[dict[str, Any]]) -> It
             engines = [VllmEngine(kw.pop("name"), venv, model, cluster.replica_urls, Path(tmp), **kw) for kw in map(dict, specs)]
             say(f"starting {len(engines)} vllm engines (about 30 s each on two cores)...")
             with running(engines):
-                yield BenchEngines(cluster.replica_urls[0], engines, vocab)
+                yield BenchEngines(cluster.replica_urls[0], engines, vocab, model, Path(tmp))
         finally:
             cluster.stop()
         ok = True
@@ -289,14 +298,29 @@ def bench_engines(label: str, venv: Path, specs: Sequence[dict[str, Any]]) -> It
             say(f"{label}: the engines' and replicas' logs are kept in {tmp}")
 
 
-def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) -> int:
+def main(
+    *,
+    as_json: bool,
+    quick: bool,
+    plot: str | None = None,
+    tp: int = 1,
+    case: str = "pulls",
+    calibration_out: str | None = None,
+    replay_live: bool = False,
+    calibrate_alike: bool = False,
+) -> int:
     """The bench, both engines at `tp` tensor-parallel ranks; with `plot`, also vllm_ttft.png there (TTFT by path
-    and prefix size)."""
+    and prefix size). `case` "calibration": `calibration_main` instead."""
     results: dict[str, Any] = header(quick)
     try:
         venv = vllm_venv()
     except FileNotFoundError as exc:
         say(f"kvdir bench vllm: {exc}")
+        return 2
+    if case == "calibration":
+        return calibration_main(results, venv, as_json, quick, calibration_out, replay_live, calibrate_alike)
+    if calibration_out or replay_live or calibrate_alike:
+        say("kvdir bench vllm: --calibration-out, --replay-live and --calibrate-alike belong to --case calibration")
         return 2
     rounds = 2 if quick else 5
     results.update(model=MODEL_KIND, block_size=BLOCK, rounds=rounds, tp=tp)
@@ -327,4 +351,251 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None, tp: int = 1) ->
             title=f"vLLM CPU, tiny model, TP {tp}: TTFT on engine B by path\n(bars: medians of {rounds} rounds; dots: each round)",
         )
         say(f"wrote vllm_ttft.png into {plot}")
+    return 0
+
+
+# -- the calibration case: the engine's speed under load, for the replay's simulated engines (kvtools.replay.calibration)
+
+CAL_RUNNING = (1, 2, 4, 8)  # uncached prompts prefilled at once
+CAL_LENGTHS = (256, 1024)  # their lengths, tokens
+CAL_BATCH = (1, 2, 4, 8)  # requests decoding at once
+CAL_DECODE_TOKENS = 32
+CAL_BESIDE = (4, 1792)  # requests decoding, and the uncached prompt prefilled beside them (tokens)
+
+
+@dataclass
+class _Stream:
+    """One streamed completion: when it was sent and when each token chunk came (perf_counter seconds)."""
+
+    sent: float = 0.0
+    tokens: list[float] | None = None
+
+    @property
+    def first_s(self) -> float:
+        """Seconds from sending to the first token."""
+        if not self.tokens:
+            raise RuntimeError("a calibration request streamed no token")
+        return self.tokens[0] - self.sent
+
+
+def _streamed(engine: VllmEngine, prompt: list[int], max_tokens: int, out: _Stream, start: threading.Barrier) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    times: list[float] = []
+    out.tokens = times
+    start.wait(60)
+    out.sent = time.perf_counter()
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+
+
+def _together(
+    engine: VllmEngine, prompts: Sequence[list[int]], max_tokens: int, mirrors: Sequence[VllmEngine] = ()
+) -> list[_Stream]:
+    """The prompts sent at once to `engine`, and the same to each of `mirrors` (a barrier releases all the threads
+    together); the token times of `engine`'s."""
+    jobs = [(e, p, _Stream()) for e in (engine, *mirrors) for p in prompts]
+    start = threading.Barrier(len(jobs))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for f in [pool.submit(_streamed, e, p, max_tokens, o, start) for e, p, o in jobs]:
+            f.result()
+    return [o for _, _, o in jobs[: len(prompts)]]
+
+
+def calibrate(
+    engine: VllmEngine, rounds: int, rng: np.random.Generator, vocab: tuple[int, int], mirrors: Sequence[VllmEngine] = ()
+) -> EngineCalibration:
+    """Measure `engine` (the `mirrors` given the same load at the same time: engines that share the machine's
+    cores slow each other): its overhead (TTFT of a prompt it holds), its aggregate prefill rate with N uncached
+    prompts at once (N x length / (the last one's TTFT - overhead), over `CAL_LENGTHS`), its time per output token
+    with K requests decoding, and how much longer that is while an uncached prompt prefills beside them (alone)."""
+    med = statistics.median
+
+    def fresh(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(*vocab, n)]
+
+    held = fresh(CAL_LENGTHS[0])
+    for e in (engine, *mirrors):
+        e.complete(held, max_tokens=1)
+    overhead = med(_together(engine, [held], 1, mirrors)[0].first_s for _ in range(rounds * 2))
+    rates = []
+    for n in CAL_RUNNING:
+        tokens = seconds = 0.0
+        for length in CAL_LENGTHS:
+            last = med(
+                max(s.first_s for s in _together(engine, [fresh(length) for _ in range(n)], 1, mirrors)) for _ in range(rounds)
+            )
+            tokens += n * length
+            seconds += max(last - overhead, 1e-3)
+        rates.append(tokens / seconds)
+    per_token = []
+    for k in CAL_BATCH:
+        gaps = []
+        for _ in range(rounds):
+            for s in _together(engine, [fresh(64) for _ in range(k)], CAL_DECODE_TOKENS, mirrors):
+                assert s.tokens is not None and len(s.tokens) > 1
+                gaps.append((s.tokens[-1] - s.tokens[0]) / (len(s.tokens) - 1))
+        per_token.append(med(gaps))
+    slowdowns = [_beside_prefill(engine, fresh) for _ in range(rounds)]
+    return EngineCalibration(
+        CAL_RUNNING,
+        tuple(rates),
+        overhead,
+        CAL_BATCH,
+        tuple(per_token),
+        max(1.0, med(slowdowns)),
+        {
+            "engine": "vllm serve (CPU build), OMP_NUM_THREADS=1",
+            "model": BENCH_MODEL_KIND,
+            "block_size": BLOCK,
+            "rounds": rounds,
+            "engines_loaded_alike": len(mirrors),
+        },
+    )
+
+
+def _beside_prefill(engine: VllmEngine, fresh: Callable[[int], list[int]]) -> float:
+    """`CAL_BESIDE[0]` requests decode; once each has 4 tokens, a `CAL_BESIDE[1]`-token uncached prompt is sent:
+    their mean gap between tokens while it prefills, over their mean gap when not."""
+    k, length = CAL_BESIDE
+    outs = [_Stream() for _ in range(k + 1)]
+    start = threading.Barrier(k)
+    tokens = CAL_DECODE_TOKENS * 2
+    with ThreadPoolExecutor(k + 1) as pool:
+        decoding = [pool.submit(_streamed, engine, fresh(64), tokens, o, start) for o in outs[:k]]
+        deadline = time.monotonic() + 60
+        while any(o.tokens is None or len(o.tokens) < 4 for o in outs[:k]):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the decoding requests produced no tokens within 60 s")
+            time.sleep(0.005)
+        prefill = pool.submit(_streamed, engine, fresh(length), 1, outs[k], threading.Barrier(1))
+        for f in [*decoding, prefill]:
+            f.result()
+    p = outs[k]
+    assert p.tokens
+    lo, hi = p.sent, p.tokens[0]
+    during: list[float] = []
+    other: list[float] = []
+    for o in outs[:k]:
+        assert o.tokens is not None
+        for a, b in itertools.pairwise(o.tokens):
+            (during if b > lo and a < hi else other).append(b - a)
+    if not during or not other:
+        return 1.0
+    return float(statistics.mean(during) / statistics.mean(other))
+
+
+# -- the replay against a live run of the same requests (issue #44: hit rate within 3 points, TTFT p50 within 15%)
+
+LIVE_WORKLOAD: dict[
+    str, Any
+] = {  # multi-turn chats (kvtools.replay.trace.multi_turn), sized for two CPU engines and 4,096-token prompts
+    "sessions": 24,
+    "rounds": 4,
+    "system_tokens": 512,
+    "first_turn_tokens": 1024,
+    "turn_tokens": 256,
+    "output_tokens": 16,
+    "think_s": 4.0,
+    "session_rate": 1.5,
+}
+STAY_MARGIN = (0.1, 0.25)  # the gateway's --stay-margin-ms / --stay-margin-ratio defaults, as seconds / fraction
+LEARN_WINDOW = 64  # the gateway's --ttft-learn-window default
+LINK_GBPS = 0.04  # Mooncake over TCP on two shared cores (kvtools.bench.routers says so too)
+
+
+def replay_against_live(
+    run: BenchEngines, model: Path, tmp: Path, cal: EngineCalibration, num_blocks: int, quick: bool
+) -> dict[str, Any]:
+    """The multi-turn slice live through kvdir's gateway in front of the two engines, then simulated on the same
+    cluster by the replay with and without `cal` (the gateway's stay margins and TTFT learning in both; its prefill
+    and decode priors, and the static engines, at the calibrated idle rates): hit rate and TTFT p50/p90 of each."""
+    workload = {**LIVE_WORKLOAD, **({"sessions": 8} if quick else {})}
+    requests = multi_turn(seed=44, block_tokens=BLOCK, **workload)
+    prefill = round(cal.prefill_tokens_per_s[0])
+    decode = round(1.0 / cal.decode_token_s[0], 1)
+    priors = ("--prefill-tokens-per-s", str(prefill), "--decode-tokens-per-s", str(decode), "--link-gbps", str(LINK_GBPS))
+    args = ("--tokenizer", str(model / "tokenizer.json"), *priors)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    for e in run.engines:
+        e.reset_cache()
+    g = Gateway(tmp, free_ports(1)[0], [run.directory], extra_args=args)
+    try:
+        g.wait_ready(120, engines=len(run.engines))
+        say(f"live: {len(requests)} requests ({workload['sessions']} chats) through kvdir's gateway...")
+        live = live_replay(g.url, requests, block_tokens=BLOCK, max_output=16, model=MODEL, stream=True, vocab=vocab)
+    finally:
+        g.stop()
+    if live["failed"]:
+        raise RuntimeError(f"live replay: {live['failed']} of {live['requests']} requests failed (see {g.log_path})")
+    base = SimParams(
+        nodes=len(run.engines),
+        capacity_blocks=num_blocks,
+        block_tokens=BLOCK,
+        prefill_tokens_per_s=prefill,
+        decode_tokens_per_s=decode,
+        block_bytes=_block_bytes(model),
+        link_bytes_per_s=LINK_GBPS * 1e9,
+        ttft_learn_window=LEARN_WINDOW,
+        policy_options={"kvdir": {"stay_margin_s": STAY_MARGIN[0], "stay_margin_ratio": STAY_MARGIN[1]}},
+    )
+    out: dict[str, Any] = {
+        "replay_requests": len(requests),
+        "live_hit_pct": 100 * live["hit_rate"],
+        "live_ttft_p50_ms": live["ttft_p50_s"] * 1e3,
+        "live_ttft_p90_ms": live["ttft_p90_s"] * 1e3,
+        "live_decisions": live["decisions"],
+    }
+    for name, params in (("uncalibrated", base), ("calibrated", replace(base, calibration=cal))):
+        sim = simulate(requests, "kvdir", params)
+        out[f"{name}_hit_pct"] = 100 * sim["hit_rate"]
+        out[f"{name}_ttft_p50_ms"] = sim["ttft_p50_s"] * 1e3
+        out[f"{name}_ttft_p90_ms"] = sim["ttft_p90_s"] * 1e3
+        out[f"{name}_hit_minus_live_points"] = out[f"{name}_hit_pct"] - out["live_hit_pct"]
+        out[f"{name}_ttft_p50_vs_live"] = sim["ttft_p50_s"] / live["ttft_p50_s"]
+        out[f"{name}_decisions"] = sim["reasons"]
+    return out
+
+
+def _block_bytes(model: Path) -> int:
+    """KV bytes of one block of the model (bf16 K and V of every layer), as the engines register them."""
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return int(BLOCK * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2)
+
+
+CAL_BLOCKS = 1024  # each calibration engine's KV blocks of 32 tokens: 8 prompts of 1,024 tokens at once fit twice
+
+
+def calibration_main(
+    results: dict[str, Any], venv: Path, as_json: bool, quick: bool, out: str | None, replay_live: bool, alike: bool
+) -> int:
+    """The calibration case on two engines of the ~32M model: engine A measured (`calibrate`; with `alike`, engine B
+    loaded alike meanwhile), the figures printed and written to `out`; with `replay_live`, the replay against a live
+    run on both (`replay_against_live`)."""
+    rounds = 2 if quick else 3
+    specs = [{"name": name, "num_blocks": CAL_BLOCKS} for name in ("cal-a", "cal-b")]
+    with bench_engines("kvdir bench vllm", venv, specs, size="bench") as run:
+        a = run.engines[0]
+        rng = np.random.default_rng(44)
+        for e in run.engines:
+            e.complete([int(x) for x in rng.integers(*run.vocab, 40)], max_tokens=1)
+        say(f"calibrating {a.name}{' (its peer loaded alike)' if alike else ''}: prefill by running prefills, decode...")
+        cal = calibrate(a, rounds, rng, run.vocab, run.engines[1:] if alike else ())
+        cal = replace(cal, source={**cal.source, "machine": results["machine"], "date": results["date"]})
+        results.update(model=BENCH_MODEL_KIND, block_size=BLOCK, rounds=rounds)
+        results["calibration_overhead_ms"] = cal.overhead_s * 1e3
+        for n, r in zip(cal.prefill_running, cal.prefill_tokens_per_s, strict=True):
+            results[f"calibration_prefill_tok_s_{n}_running"] = r
+        for k, t in zip(cal.decode_batch, cal.decode_token_s, strict=True):
+            results[f"calibration_decode_ms_per_token_{k}_decoding"] = t * 1e3
+        results["calibration_decode_slowdown_beside_prefill"] = cal.prefill_slowdown
+        if out:
+            cal.dump(out)
+            say(f"wrote {out}")
+        if replay_live:
+            results.update(replay_against_live(run, run.model, run.tmp, cal, CAL_BLOCKS, quick))
+    emit(results, as_json)
     return 0

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtools.replay.calibration import EngineCalibration
 from kvtools.replay.peers_real import DEFAULT_PYTHON
 from kvtools.replay.report import ORDER, SYNTHETIC, run_replay
 from kvtools.replay.sim import SimParams
@@ -111,6 +112,14 @@ _MODEL: tuple[tuple[str, str, str, type, str], ...] = (
         "end (its --router-replica-sync over NATS core messaging), and before a kvdir gateway learns another's note "
         "(gateway.peers)",
     ),
+    (
+        "--ttft-learn-window",
+        "ttft_learn_window",
+        "",
+        int,
+        "each gateway learns its engines' TTFT curves from the TTFTs it observes, as the live gateway's flag of the "
+        "same name (gateway.ttft_learner; 0: off)",
+    ),
 )
 
 
@@ -144,6 +153,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(each counts only its own pending prefill: the ablation)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the policies' rng and of --synthetic (default 0)")
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="the simulated engines follow this measured engine (`kvdir bench vllm --calibration-out`): prefill rate "
+        "by running prefills, decode time by batch and beside prefills, fixed overhead (default: none, the cost "
+        "model's FIFO prefill at --prefill-tokens-per-s and parallel decode at --decode-tokens-per-s)",
+    )
+    parser.add_argument(
+        "--stay-margin-ms",
+        type=float,
+        default=0.0,
+        help="kvdir policy: a request leaves the engine holding most of its prefix only for an option faster by more "
+        "than this and by --stay-margin-ratio, as the gateway's flag (default 0; the gateway's is 100)",
+    )
+    parser.add_argument(
+        "--stay-margin-ratio",
+        type=float,
+        default=0.0,
+        help="kvdir policy: with --stay-margin-ms, the fraction of the home engine's TTFT to save (default 0; the "
+        "gateway's is 0.25)",
+    )
     _live_arguments(parser)
     parser.add_argument(
         "--peers-real",
@@ -175,7 +205,24 @@ def _live_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="--mode live: multiply the trace's inter-arrival times (0.1: ten times faster)",
     )
-    parser.add_argument("--max-output", type=int, default=16, help="--mode live: cap on each request's output tokens")
+    parser.add_argument(
+        "--max-output",
+        type=int,
+        default=16,
+        help="--mode live: cap on each request's output tokens (--compare-sim simulates the capped requests)",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="--mode live: stream the answers and time each TTFT to its first token here (real engines report none)",
+    )
+    parser.add_argument("--model", default="kvdir-stub", help="--mode live: the model named in the requests")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=50_000,
+        help="--mode live: the prompts' token ids are drawn below this (the model's vocabulary size; default 50,000)",
+    )
     parser.add_argument(
         "--compare-sim", action="store_true", help="--mode live: also simulate the same requests (with --policies) and show both"
     )
@@ -186,14 +233,21 @@ def sim_params(args: argparse.Namespace) -> SimParams:
     fields: dict[str, Any] = {
         field: _TO_FIELD[unit](getattr(args, flag[2:].replace("-", "_"))) for flag, field, unit, _, _ in _MODEL
     }
-    return SimParams(**fields, share_decisions=args.share_decisions, seed=args.seed)
+    margins = {"stay_margin_s": args.stay_margin_ms / 1e3, "stay_margin_ratio": args.stay_margin_ratio}
+    return SimParams(
+        **fields,
+        share_decisions=args.share_decisions,
+        seed=args.seed,
+        calibration=EngineCalibration.load(args.calibration) if args.calibration else None,
+        policy_options={"kvdir": margins} if any(margins.values()) else {},
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the replay the parsed flags describe; 2 (with the reason on stderr) when they describe no valid model."""
     try:
         params = sim_params(args)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         print(f"kvdir replay: {exc}", file=sys.stderr)
         return 2
     return run_replay(args, params)

@@ -36,7 +36,8 @@ from gateway.inflight import InflightPrefixes
 from gateway.kvdir_policy import KvdirPolicy
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
-from gateway.router import Router
+from gateway.router import Route, Router
+from gateway.ttft_learner import TtftLearner
 from kvtools.replay.cache import DirectoryView, NodeCache, Publish, leading_runs
 from kvtools.replay.figures import Tally, load_timeline, tokens_of_blocks
 from kvtools.replay.params import SimParams
@@ -46,7 +47,8 @@ from kvtools.replay.views import SIM_EPOCH, SimEngine, SimHolder
 __all__ = ["ClusterSim"]
 
 # Event kinds, the indices of ClusterSim._handlers.
-_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC, _NOTE = 0, 1, 2, 3, 4, 5, 6
+_PULL_DONE, _PREFILL_DONE, _DECODE_DONE, _PUBLISH, _HEARTBEAT, _SYNC, _NOTE, _ENGINE, _PREFILL_START = range(9)
+_DONE_EPS = 1e-6  # tokens: a calibrated engine's prefill or decode with less left is over (float rounding)
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +75,7 @@ class _Flight:
     gw: int = 0  # the gateway that routed it
     rreq: RouteRequest | None = None  # what its gateway's policy saw (handed back to it when the request ends)
     decision: Decision | None = None
+    route: Route | None = None  # its gateway's routing, learned from at its first token (ttft_learn_window)
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +99,13 @@ class _Node:
     link_out_free: float = 0.0
     busy: float = 0.0  # prefill-busy seconds
     spans: list[tuple[float, float]] = field(default_factory=list)  # prefill intervals, for the timeline
+    # A calibrated engine (params.calibration): the prefills and decodes under way, each with its tokens left, all
+    # advanced to `advanced_at`; `version` voids the completion event scheduled before the last change.
+    prefilling: dict[_Flight, float] = field(default_factory=dict)
+    decoding: dict[_Flight, float] = field(default_factory=dict)
+    advanced_at: float = 0.0
+    version: int = 0
+    busy_since: float = 0.0  # when `prefilling` last became non-empty
 
     @property
     def queued(self) -> int:
@@ -130,9 +140,11 @@ class ClusterSim:
                 random.Random(p.seed if g == 0 else f"{p.seed}/{g}"),
                 PrefixHasher(p.block_tokens),
                 InflightPrefixes(),
+                TtftLearner(p.prefill_tokens_per_s, p.ttft_learn_window),
             )
             for g in range(p.gateways)
         ]
+        self.cal = p.calibration
         # Dynamo's router replicas share their routing decisions and request ends (--router-replica-sync, NATS core
         # messages: the others apply them `replica_sync_s` later); the other policies see only their own.
         self.sync = policy_name == "dynamo" and p.gateways > 1
@@ -196,6 +208,8 @@ class ClusterSim:
             self._on_heartbeat,
             self._on_sync,
             self._on_note,
+            self._on_engine,
+            self._on_prefill_start,
         )
 
     # -- the loop
@@ -265,7 +279,8 @@ class ClusterSim:
         locations = self.directory.locations
         holders = {ids[j]: SimHolder(k, locations(blocks, k, j) or slots_of(k)) for j, k in enumerate(view) if k}
         rreq = router.request(prompt, blocks, r.output_tokens)
-        d = router.route(rreq, self.views[gw], holders, now=t).decision
+        route = router.route(rreq, self.views[gw], holders, now=t)
+        d = route.decision
         router.routed(rreq, d)
         if self.sync:
             self._share(t, gw, True, rreq, d)
@@ -276,7 +291,7 @@ class ClusterSim:
 
         have, longest = leading_runs(blocks, self.holders, self.full, n_nodes)
         local = have[n]
-        f = _Flight(i, r, n, local, gw=gw, rreq=rreq, decision=d, ready=t)
+        f = _Flight(i, r, n, local, gw=gw, rreq=rreq, decision=d, ready=t, route=route)
         if local:
             loaded = node.cache.pin(blocks[:local])
             if loaded:  # the prefix's host-tier blocks, copied to the device before the prefill
@@ -363,10 +378,16 @@ class ClusterSim:
             self._start_prefill(f, now)
 
     def _start_prefill(self, f: _Flight, now: float) -> None:
-        """Queue `f`'s prefill on its node's single FIFO prefill server, behind the request computing what it reuses."""
+        """Queue `f`'s prefill on its node's single FIFO prefill server, behind the request computing what it reuses;
+        on a calibrated engine, join the batch of prefills under way (after the engine's overhead, counted from
+        the arrival, and whatever it waits for)."""
         a = f.after
         if a is not None and a.prefill_end < 0:
-            a.followers.append(f)  # scheduled when `a` is
+            a.followers.append(f)  # scheduled when `a` is (calibrated: when `a` ends)
+            return
+        if self.cal is not None:
+            s = f.req.arrival_s + self.cal.overhead_s
+            self._push(max(s, now, f.ready), _PREFILL_START, f)
             return
         node = self.nodes[f.node]
         s = node.prefill_free
@@ -431,10 +452,14 @@ class ClusterSim:
             self._start_prefill(f, t)
 
     def _on_prefill_done(self, t: float, f: _Flight) -> None:
-        """First token: the node stores (and pins) the whole prompt; the decode starts."""
+        """First token: the node stores (and pins) the whole prompt; the decode starts; its gateway learns the TTFT."""
         node = self.nodes[f.node]
         r = f.req
         self.ttft[f.index] = t - r.arrival_s
+        router = self.routers[f.gw]
+        if router.learner.learning:
+            assert f.route is not None and f.rreq is not None
+            router.observe(f.route, f.rreq, t - r.arrival_s, r.input_tokens - f.uncached)
         node.pending[f.gw] -= f.pred_uncached
         node.backlog -= f.uncached
         if self.notes:
@@ -443,9 +468,17 @@ class ClusterSim:
         for b in r.blocks[f.computed_from :]:
             if comp.get(b) is f:
                 del comp[b]
-        self.routers[f.gw].prefilled(f.inflight_key, t, ok=True)
+        router.prefilled(f.inflight_key, t, ok=True)
         self._settle(f.node, t, *node.cache.store(r.blocks[f.local :]))
-        self._push(t + r.output_tokens / self.params.decode_tokens_per_s, _DECODE_DONE, f)
+        if self.cal is None:
+            self._push(t + r.output_tokens / self.params.decode_tokens_per_s, _DECODE_DONE, f)
+            return
+        f.prefill_end = t  # its followers' prefills may start now
+        node.decoding[f] = float(max(r.output_tokens - 1, 0))  # the first token came with the prefill
+        if f.followers:
+            waiting, f.followers = f.followers, []
+            for x in waiting:
+                self._start_prefill(x, t)
 
     def _on_decode_done(self, t: float, f: _Flight) -> None:
         """The request finishes: its blocks are released deepest first, the next waiting request is admitted."""
@@ -455,7 +488,10 @@ class ClusterSim:
         node.running -= 1
         node.inflight[f.gw] -= 1
         assert f.rreq is not None and f.decision is not None
-        self.routers[f.gw].policy.on_finished(f.rreq, f.decision)
+        router = self.routers[f.gw]
+        router.policy.on_finished(f.rreq, f.decision)
+        if router.learner.learning:
+            router.learner.outputs.observe("", f.req.output_tokens)
         if self.sync:
             self._share(t, f.gw, False, f.rreq, f.decision)
         self.last_end = t
@@ -488,6 +524,74 @@ class ClusterSim:
                 if sign > 0 and isinstance(pol, KvdirPolicy):  # a peer's routed work counts in its recent work
                     pol.on_peer_routed(self.ids[n], tokens)
 
+    # -- a calibrated engine (params.calibration): prefills and decodes share its speed as the calibration says
+
+    def _advance(self, nd: _Node, t: float) -> None:
+        """Every prefill and decode under way on `nd` progresses from `nd.advanced_at` to `t` at the current rates."""
+        dt = t - nd.advanced_at
+        nd.advanced_at = t
+        if dt <= 0:
+            return
+        cal = self.cal
+        assert cal is not None
+        pf, dc = nd.prefilling, nd.decoding
+        if pf:
+            step = cal.prefill_rate(len(pf)) / len(pf) * dt
+            for f in pf:
+                pf[f] -= step
+        if dc:
+            step = dt / cal.decode_token_seconds(len(dc), bool(pf))
+            for f in dc:
+                dc[f] -= step
+
+    def _reschedule(self, n: int, t: float) -> None:
+        """Schedule node `n`'s next prefill or decode end at the current rates (voiding the one scheduled before)."""
+        nd = self.nodes[n]
+        cal = self.cal
+        assert cal is not None
+        nd.version += 1
+        pf, dc = nd.prefilling, nd.decoding
+        nxt = -1.0
+        if pf:
+            nxt = t + max(min(pf.values()), 0.0) * len(pf) / cal.prefill_rate(len(pf))
+        if dc:
+            e = t + max(min(dc.values()), 0.0) * cal.decode_token_seconds(len(dc), bool(pf))
+            nxt = e if nxt < 0 or e < nxt else nxt
+        if nxt >= 0:
+            self._push(nxt, _ENGINE, (n, nd.version))
+
+    def _on_prefill_start(self, t: float, f: _Flight) -> None:
+        """`f`'s prefill joins its calibrated engine's batch."""
+        nd = self.nodes[f.node]
+        self._advance(nd, t)
+        if not nd.prefilling:
+            nd.busy_since = t
+        nd.prefilling[f] = float(f.uncached)
+        self._reschedule(f.node, t)
+
+    def _on_engine(self, t: float, x: tuple[int, int]) -> None:
+        """A calibrated engine's prefills and decodes that are over by now end (a stale event does nothing)."""
+        n, version = x
+        nd = self.nodes[n]
+        if version != nd.version:
+            return
+        self._advance(nd, t)
+        pf, dc = nd.prefilling, nd.decoding
+        prefilled = [f for f, left in pf.items() if left <= _DONE_EPS]
+        decoded = [f for f, left in dc.items() if left <= _DONE_EPS]
+        for f in prefilled:
+            del pf[f]
+        for f in decoded:
+            del dc[f]
+        if prefilled and not pf and t > nd.busy_since:
+            nd.busy += t - nd.busy_since
+            nd.spans.append((nd.busy_since, t))
+        for f in prefilled:
+            self._on_prefill_done(t, f)
+        for f in decoded:
+            self._on_decode_done(t, f)
+        self._reschedule(n, t)
+
     def _on_heartbeat(self, t: float, _: None) -> None:
         """Every engine reports its backlog; each gateway notes what it knows of it (its own, its peers' notes)."""
         self.report_time = t
@@ -506,6 +610,7 @@ class ClusterSim:
             or any(any(nd.inflight) for nd in nodes)
             or any(nd.waitq for nd in nodes)
             or any(nd.computing for nd in nodes)
+            or any(nd.prefilling or nd.decoding for nd in nodes)
             or any(abs(x) > 1e-6 for nd in nodes for x in nd.pending)
             or any(abs(x) > 1e-6 for nd in nodes for x in nd.peer_pending)
         ):

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.cost import DEFAULT_COST, CostModel
+from kvtools.replay.calibration import EngineCalibration
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "SimParams", "describe_params"]
 
@@ -56,6 +57,13 @@ class SimParams:
     share_decisions: bool = True
     seed: int = 0
     timeline_buckets: int = 200
+    # The engines' measured speed under load (kvtools.replay.calibration): batched prefill shared by the running
+    # prefills, decode slowed by its batch and by prefills. None: the cost model's own assumptions (FIFO prefill at
+    # prefill_tokens_per_s, decode at decode_tokens_per_s in parallel).
+    calibration: EngineCalibration | None = None
+    # Each gateway learns its engines' TTFT curves from the TTFTs it observes, as the live gateway's
+    # --ttft-learn-window (gateway.ttft_learner; 0: off, the flags' rates throughout).
+    ttft_learn_window: int = 0
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # keyword options per policy name, for make_policy
 
     def __post_init__(self) -> None:
@@ -71,6 +79,8 @@ class SimParams:
             raise ValueError("evict_scan and displace_weight must be >= 0")
         if self.timeline_buckets < 1:
             raise ValueError("timeline_buckets must be >= 1")
+        if self.ttft_learn_window < 0:
+            raise ValueError("ttft_learn_window must be >= 0")
 
     @property
     def engines(self) -> int:
@@ -107,4 +117,14 @@ def describe_params(p: SimParams) -> str:
         f"block {p.block_bytes / 2**20:.4g} MiB, link {p.link_bytes_per_s / 1e9:g} GB/s + {p.pull_setup_s * 1e3:g} ms, "
         f"publish lag {p.publish_lag_s * 1e3:g} ms, eviction scan {p.evict_scan}, displace weight {p.displace_weight:g}, {p.gateways} gateway(s), heartbeat {p.heartbeat_s:g} s, replica sync {p.replica_sync_s * 1e3:g} ms"
         + ("" if p.share_decisions or p.gateways == 1 else ", kvdir gateways share no decisions")
+        + (f", TTFT learned (window {p.ttft_learn_window})" if p.ttft_learn_window else "")
+        + (f"; engines calibrated ({_calibrated(p.calibration)})" if p.calibration is not None else "")
+    )
+
+
+def _calibrated(c: EngineCalibration) -> str:
+    rates = ", ".join(f"{n}: {r:.0f}" for n, r in zip(c.prefill_running, c.prefill_tokens_per_s, strict=True))
+    return (
+        f"prefill tok/s by running prefills {{{rates}}}, overhead {c.overhead_s * 1e3:.0f} ms, decode "
+        f"{c.decode_token_s[0] * 1e3:.1f}-{c.decode_token_s[-1] * 1e3:.1f} ms/token, x{c.prefill_slowdown:.2f} beside a prefill"
     )

@@ -6,6 +6,7 @@ The flags are kvtools.replay.cli's; the figures are drawn by `kvtools.plots`, wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -222,7 +223,14 @@ def _run_live(
     err = sys.stderr
     try:
         live = live_replay(
-            args.gateway, requests, block_tokens=params.block_tokens, time_scale=args.time_scale, max_output=args.max_output
+            args.gateway,
+            requests,
+            block_tokens=params.block_tokens,
+            time_scale=args.time_scale,
+            max_output=args.max_output,
+            model=args.model,
+            stream=args.stream,
+            vocab=args.vocab,
         )
     except OSError as exc:
         print(f"kvdir replay: cannot reach the gateway at {args.gateway}: {exc}", file=err)
@@ -235,12 +243,13 @@ def _run_live(
     print(f"oracle (infinite shared cache): {100 * oracle_tokens:.1f}% of prompt tokens")
     print(
         f"live: hit rate {100 * live['hit_rate']:.1f}%, TTFT p50/p90/p99 {live['ttft_p50_s']}/{live['ttft_p90_s']}/"
-        f"{live['ttft_p99_s']} s (engine-reported), imbalance {live['imbalance']:.3f}, pulls {live['pulls']}, "
+        f"{live['ttft_p99_s']} s ({'to the first streamed token' if args.stream else 'engine-reported'}), imbalance {live['imbalance']:.3f}, pulls {live['pulls']}, "
         f"failed {live['failed']}, decisions {live['decisions']}, predictions exact {live['prediction_exact']}"
     )
     sims: dict[str, dict[str, Any]] = {}
     if args.compare_sim:
-        sims = simulate_all(requests, names, params)
+        capped = [dataclasses.replace(r, output_tokens=min(r.output_tokens, args.max_output)) for r in requests]
+        sims = simulate_all(capped, names, params)
         print("simulation of the same requests:")
         print(format_table(sims, oracle_tokens))
     if args.json:

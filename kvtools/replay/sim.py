@@ -40,6 +40,15 @@ Time, per node:
 - Decode: after the prefill, ``output_tokens / decode_tokens_per_s`` seconds,
   in parallel with everything else (it only holds a running place).
 - TTFT = prefill end - arrival (admission wait + pull + prefill queue + prefill).
+- With ``params.calibration`` (kvtools.replay.calibration: an engine measured by
+  ``kvdir bench vllm --calibration-out``) the engines follow the measurements
+  instead: a prefill starts no sooner than the engine's ``overhead_s`` after its
+  arrival, then joins the prefills under way, which share the engine's
+  aggregate rate at their number (``rate(n) / n`` each, as vLLM's chunked
+  prefill batches them, not FIFO); after the first token, its ``output - 1``
+  tokens decode at the calibrated time per token for the number decoding, that
+  times ``prefill_slowdown`` while any prefill runs there. Rates change at every
+  start and end (a fluid model: each change reschedules the node's next end).
 
 What is cached is decided at routing time: the chosen node's real leading run
 of the request's blocks (pinned from then on), plus what the pull plan can
@@ -149,6 +158,15 @@ def oracle_hit_rate(requests: Sequence[TraceRequest], *, by: str = "blocks", blo
     return hit / total if total else 0.0
 
 
+def _fastest(p: SimParams) -> tuple[float, float]:
+    """The fastest one request is prefilled (tokens/s) and the engines' fixed overhead (s): a calibrated engine's
+    best share of its batch's rate, else the static rate with none."""
+    c = p.calibration
+    if c is None:
+        return p.prefill_tokens_per_s, 0.0
+    return max(r / n for n, r in zip(c.prefill_running, c.prefill_tokens_per_s, strict=True)), c.overhead_s
+
+
 def ttft_floor(requests: Sequence[TraceRequest], params: SimParams | None = None) -> np.ndarray:
     """Per request (in arrival order), a TTFT that no policy reaches below in this simulation.
 
@@ -162,11 +180,12 @@ def ttft_floor(requests: Sequence[TraceRequest], params: SimParams | None = None
     no policy can be 0.9x faster.
     """
     p = params or SimParams()
-    rate, bt = p.prefill_tokens_per_s, p.block_tokens
+    rate, overhead = _fastest(p)
+    bt = p.block_tokens
     ready_at: dict[int, float] = {}  # block -> the earliest prefill end of a request holding it
     out = np.empty(len(requests))
     for i, r in enumerate(_sorted(requests)):
-        a, prompt, blocks = r.arrival_s, r.input_tokens, r.blocks
+        a, prompt, blocks = r.arrival_s + overhead, r.input_tokens, r.blocks
         best = a + prompt / rate
         ready = a
         for m, b in enumerate(blocks, 1):
@@ -178,7 +197,7 @@ def ttft_floor(requests: Sequence[TraceRequest], params: SimParams | None = None
             end = ready + (prompt - tokens_of_blocks(m, prompt, bt)) / rate
             if end < best:
                 best = end
-        out[i] = best - a
+        out[i] = best - r.arrival_s
         for b in blocks:
             if b not in ready_at or ready_at[b] > best:
                 ready_at[b] = best
@@ -195,7 +214,8 @@ def pooled_lru(requests: Sequence[TraceRequest], params: SimParams | None = None
     Not a strict bound (per-node LRU with pinning can keep a different set), but a close one.
     """
     p = params or SimParams()
-    rate, bt, cap = p.prefill_tokens_per_s, p.block_tokens, p.engines * p.capacity_blocks
+    rate, overhead = _fastest(p)
+    bt, cap = p.block_tokens, p.engines * p.capacity_blocks
     lru: OrderedDict[int, None] = OrderedDict()
     ttft = np.empty(len(requests))
     hit = total = 0
@@ -208,7 +228,7 @@ def pooled_lru(requests: Sequence[TraceRequest], params: SimParams | None = None
         cached = tokens_of_blocks(m, r.input_tokens, bt)
         hit += cached
         total += r.input_tokens
-        ttft[i] = (r.input_tokens - cached) / rate
+        ttft[i] = overhead + (r.input_tokens - cached) / rate
         for b in r.blocks:
             lru[b] = None
             lru.move_to_end(b)
