@@ -85,7 +85,8 @@ class SchedulerHalf:
         self.fingerprint: str | None = None  # once the workers' layout is known (registered)
         self.metrics = ConnectorMetrics(tp_size)
         self._pool: Any = None
-        self._requests: dict[str, Any] = {}
+        self._requests: dict[str, Any] = {}  # req id -> the request, from its first ask for KV until it finished
+        self._scheduled: set[str] = set()  # req ids the last step scheduled, less those finished since
         self._hashes: dict[str, list[int]] = {}
         self._pending_loads: dict[str, tuple[Any, int, int]] = {}  # req id -> (plan, first block, count)
         self._joined: set[str] = set()  # req ids waiting for a pull here, their join counted
@@ -166,8 +167,18 @@ class SchedulerHalf:
         )
 
     def _load(self) -> dict[str, float]:
-        """What heartbeats report: the requests this half has seen and not finished, and the pull bandwidth."""
-        return {"running": float(len(self._requests)), "waiting": 0.0, **self._bandwidth.labels(PULL_GBPS_LABEL)}
+        """What heartbeats report, for a gateway that cannot read vLLM's /metrics (gateway.engine_load reads vLLM's
+        own figures, and routes on them while fresh): `running`, the requests vLLM's last step scheduled that have
+        not finished since; `waiting`, those that asked for their KV (vLLM asks as it tries to schedule one) and
+        are neither: requests back in the queue (preempted, waiting for a pull, or that did not fit the step).
+        A lower bound: vLLM asks only about the head of its queue, so what waits behind it is not seen here. And
+        the pull bandwidth. Read from the publisher's thread: two lengths, each read atomically."""
+        running = len(self._scheduled)
+        return {
+            "running": float(running),
+            "waiting": float(max(0, len(self._requests) - running)),
+            **self._bandwidth.labels(PULL_GBPS_LABEL),
+        }
 
     def shutdown(self) -> None:
         """Stop publishing and deregister the node, so that its entries go now, not when its lease runs out."""
@@ -402,6 +413,7 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: Any, kv_cache_manager: Any) -> StepPlan:
         meta = StepPlan(loads=self._loads)
         self._loads = []
+        self._scheduled = set(scheduler_output.num_scheduled_tokens)  # a new set: `_load` reads it from another thread
         bs = self.block_size
         steps: list[tuple[str, int, list[int]]] = [
             (r.req_id, r.num_computed_tokens, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs
@@ -483,6 +495,7 @@ class SchedulerHalf:
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._scheduled.discard(rid)
         self._hashes.pop(rid, None)
         self._pending_loads.pop(rid, None)
         self._pending_host.pop(rid, None)

@@ -112,6 +112,14 @@ class GatewaySettings(DirectoryClientSettings):
         "(free space from the directory's node list; 0: ignore evictions)",
     )
     refresh_s: float = Field(0.5, gt=0, le=60, description="how often the engine list and loads are read from the directory")
+    load_scrape_s: float = Field(
+        0.25,
+        ge=0,
+        le=60,
+        description="how often each engine's own /metrics is read for its running and waiting requests, KV cache "
+        "usage and preemptions (vLLM's, SGLang's, the worker stub's): routed on while fresh, else its heartbeat's "
+        "figures; 0: off (the heartbeats' figures only)",
+    )
     lookup_timeout_s: float = Field(0.25, gt=0, description="a directory lookup slower than this is abandoned (route by load)")
     mirror: bool = Field(
         True,

@@ -1,7 +1,8 @@
 """The engines the gateway can route to: discovered from the directory, plus static ones.
 
 The directory's node list gives each engine's API URL, epoch, transfer
-endpoint and the load it reported in its last heartbeat. The gateway adds
+endpoint and the load it reported in its last heartbeat (routed on while no
+read of the engine's own /metrics is fresh: gateway.engine_load). The gateway adds
 what it knows first-hand: requests it has in flight to each engine and the
 uncached prompt tokens it sent there that have not produced a first token
 yet. An engine that refuses a connection is skipped for `unhealthy_s`.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from gateway.engine_load import EngineLoad
 from kvproto import schemas
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
@@ -129,8 +131,12 @@ class EngineState:
     dp_rank: int | None = None  # the data-parallel rank behind its api_url it is: requests name it in a header
     tenant: str = ""  # its registered tenant
     shared: bool = False  # registered shared: routed to by every tenant, it pulls only from shared engines
-    running: float = 0.0
-    waiting: float = 0.0
+    heartbeat_running: float = 0.0  # as its last heartbeat reported: routed on while no read of its /metrics is fresh
+    heartbeat_waiting: float = 0.0
+    scraped: EngineLoad | None = None  # its /metrics as last read (gateway.engine_load)
+    scraped_at: float = 0.0  # monotonic: when that read began
+    scraped_inflight: int = 0  # this gateway's requests in flight there when that read began
+    scraped_until: float = 0.0  # monotonic: that read is routed on until then
     pull_gbps: float = 0.0  # pull bandwidth it measured (PULL_GBPS_LABEL; 0: none reported)
     inflight: int = 0
     pending_prefill_tokens: float = 0.0
@@ -145,6 +151,29 @@ class EngineState:
     @property
     def healthy(self) -> bool:
         return time.monotonic() >= self.unhealthy_until
+
+    @property
+    def load_scraped(self) -> EngineLoad | None:
+        """Its last read of its own /metrics while fresh, else None (its heartbeat's figures are routed on)."""
+        return self.scraped if time.monotonic() < self.scraped_until else None
+
+    @property
+    def running(self) -> float:
+        """Requests it runs, as it last said: its /metrics while fresh, else its heartbeat (this gateway's included)."""
+        load = self.load_scraped
+        return self.heartbeat_running if load is None else load.running
+
+    @property
+    def waiting(self) -> float:
+        """Requests queued in it, from the same report as `running`."""
+        load = self.load_scraped
+        return self.heartbeat_waiting if load is None else load.waiting
+
+    @property
+    def reported_inflight(self) -> int:
+        """This gateway's requests in flight there when `running` and `waiting` were taken: at the read's start,
+        or now for a heartbeat's (when it was taken is not known)."""
+        return self.inflight if self.load_scraped is None else self.scraped_inflight
 
     def serves(self, model: str) -> bool:
         """Whether requests for `model` may go here: it lists the name, or nothing says what it serves yet."""
@@ -306,8 +335,8 @@ class EngineRegistry:
             host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host" and r.block_bytes > 0), default=0)
             e.capacity_blocks = None if n.capacity_blocks is None else n.capacity_blocks + host
             e.blocks = n.blocks
-            e.running = reported_load(n.load, "running")
-            e.waiting = reported_load(n.load, "waiting")
+            e.heartbeat_running = reported_load(n.load, "running")
+            e.heartbeat_waiting = reported_load(n.load, "waiting")
             e.pull_gbps = reported_load(n.load, PULL_GBPS_LABEL)
             e.fingerprint = n.fingerprint
             e.tp_size = tp_size(n.regions)

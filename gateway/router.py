@@ -64,9 +64,11 @@ class EngineView(Protocol):
     @property
     def running(self) -> float: ...  # as the engine reported it: includes this gateway's in-flight requests
     @property
-    def waiting(self) -> float: ...
+    def waiting(self) -> float: ...  # the same
     @property
     def inflight(self) -> int: ...
+    @property
+    def reported_inflight(self) -> int: ...  # this gateway's requests in flight there when running/waiting were taken
     @property
     def pending_prefill_tokens(self) -> float: ...
     @property
@@ -138,6 +140,7 @@ def make_candidate(
     waiting: float,
     inflight: int,
     pending_prefill_tokens: float,
+    reported_inflight: int | None = None,
     cached_blocks: int = 0,
     slots: Sequence[int] = (),
     healthy: bool = True,
@@ -153,13 +156,23 @@ def make_candidate(
 ) -> Candidate:
     """A candidate from an engine's reported load and the gateway's own count of requests in flight there.
 
-    The engine's `running` includes the requests this gateway has in flight to
-    it, which the cost model counts separately (`inflight`): they are counted once.
+    The rule that counts this gateway's requests once: they are the candidate's `inflight` (the cost model's own
+    term for them); the engine's `reported_running` and `waiting` include those of them it held when it took the
+    figures, `reported_inflight` (the gateway's in-flight count then: when a read of its /metrics began; None for
+    a heartbeat's, taken at an unknown moment: as if now). The candidate's `running` and `waiting` are the rest,
+    the engine's other requests (other gateways', direct clients'): its figures less `reported_inflight`, taken
+    from its running first, then from its waiting (the cost model queues `running + inflight` past
+    `max_running`: a request of ours the engine holds queued is queued there, never also `waiting`); never below
+    0. So `running + waiting + inflight` = the engine's figures + our requests sent since it took them - ours
+    finished since. One approximation is left: a request of ours not yet in the engine's scheduler when it took
+    them (in transit, being tokenized) is taken as counted, so for that moment its other requests look fewer.
     `slots` are the holder's locations (kvproto.media): how many of the first `cached_blocks` lie in its host
     tier or on its disk is read from them; the holder is taken to hold only the blocks before a location in no
-    medium (an answer the directory cannot have given: nothing after it is known). A negative `waiting` (outside
-    input) counts as none.
+    medium (an answer the directory cannot have given: nothing after it is known). A negative `reported_running`
+    or `waiting` (outside input) counts as none.
     """
+    ours = inflight if reported_inflight is None else reported_inflight
+    reported_running, waiting = max(0.0, reported_running), max(0.0, waiting)
     slots = tuple(slots)
     lower = [0] * len(media.MEDIA)
     if slots and max(slots[:cached_blocks], default=0) > media.SLOT_MASK:  # some lie in a lower tier
@@ -174,8 +187,8 @@ def make_candidate(
         epoch=epoch,
         cached_blocks=cached_blocks,
         slots=slots,
-        running=max(0, int(reported_running) - inflight),
-        waiting=max(0, int(waiting)),
+        running=max(0, int(reported_running) - ours),
+        waiting=max(0, int(waiting) - max(0, ours - int(reported_running))),
         pending_prefill_tokens=pending_prefill_tokens,
         inflight=inflight,
         healthy=healthy,
@@ -238,6 +251,7 @@ def build_candidates(
                 reported_running=e.running,
                 waiting=e.waiting,
                 inflight=e.inflight,
+                reported_inflight=e.reported_inflight,
                 pending_prefill_tokens=e.pending_prefill_tokens,
                 cached_blocks=h.matched_blocks if h is not None and held else 0,
                 slots=(h.slots or ()) if h is not None and held else (),

@@ -16,6 +16,7 @@ import httpx
 from fastapi import Request
 
 from gateway.config import GatewaySettings
+from gateway.engine_load import LoadScraper
 from gateway.engine_registry import EngineRegistry
 from gateway.kvdir_policy import KvdirPolicy
 from gateway.metrics import GatewayMetrics
@@ -51,6 +52,7 @@ class GatewayRuntime:
     models: ModelsList
     tokenizer: GatewayTokenizer
     parity: ParityProbe
+    loads: LoadScraper  # the engines' /metrics (not started with --load-scrape-s 0)
 
     @classmethod
     async def start(cls, settings: GatewaySettings, router: Router, policy: Policy, local: Local | None) -> GatewayRuntime:
@@ -77,6 +79,9 @@ class GatewayRuntime:
         )
         await registry.refresh()
         registry.start()
+        loads = LoadScraper(registry.engines, http, settings.load_scrape_s)
+        if settings.load_scrape_s > 0:
+            loads.start()
         metrics = GatewayMetrics(registry)
         mirror = await _start_mirror(settings, directory)
         metrics.watch_mirror(mirror)
@@ -105,12 +110,13 @@ class GatewayRuntime:
         models = ModelsList(registry, http)
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
         return cls(
-            settings, directory, http, registry, metrics, mirror, peers, status, upstream, proxy, models, tokenizer, parity
+            settings, directory, http, registry, metrics, mirror, peers, status, upstream, proxy, models, tokenizer, parity, loads
         )
 
     async def stop(self) -> None:
         """Stop the background tasks, then close the connections they used."""
         await self.parity.stop()
+        await self.loads.stop()
         await self.status.stop()
         await self.peers.stop()
         if self.mirror is not None:

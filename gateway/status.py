@@ -36,10 +36,11 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from gateway.engine_registry import EngineRegistry
+from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.metrics import GatewayMetrics, PullFailure
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
+from gateway.router import make_candidate
 from gateway.ttft_learner import TtftLearner
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError, DirectoryUnavailable, RequestRejected
@@ -139,7 +140,7 @@ class EngineFigures:
     node_id: str
     healthy: bool
     registered: bool  # listed by the directory (False: a static --engine)
-    running: float  # as its last heartbeat reported
+    running: float  # as it last reported them (load_source), this gateway's requests included
     waiting: float
     inflight: int  # requests this gateway has there now
     pending_prefill_tokens: float  # this gateway's and its peers' prompt tokens still to be prefilled there
@@ -159,6 +160,37 @@ class EngineFigures:
     block_size: int = 0  # tokens per KV block, as registered (0: none)
     block_size_mismatch: bool = False  # its model's prompts are hashed at another size (most of its engines')
     tokenizer_parity: str = ""  # its /tokenize against the gateway's tokens (gateway.tokenizer_parity; "": not yet)
+    load_source: str = "heartbeat"  # where running and waiting are from: "scrape" (its /metrics, fresh) or "heartbeat"
+    load_age_s: float | None = None  # how long ago that read of its /metrics began (None: from its heartbeat)
+    kv_usage: float | None = None  # the fraction of its KV cache in use, from its /metrics (None: not read)
+    preemptions: float | None = None  # requests it preempted since it started, from its /metrics (None: not read)
+
+
+def _running(e: EngineState) -> float:
+    """Requests running there, the engine's and this gateway's, each counted once (as routing counts them)."""
+    c = make_candidate(
+        e.node_id,
+        e.epoch,
+        reported_running=e.running,
+        waiting=e.waiting,
+        inflight=e.inflight,
+        reported_inflight=e.reported_inflight,
+        pending_prefill_tokens=0.0,
+    )
+    return float(c.running + c.inflight)
+
+
+def _load(e: EngineState, now: float) -> dict[str, Any]:
+    """EngineFigures' fields on where its load figures are from, and what only its /metrics tell."""
+    scraped = e.load_scraped
+    if scraped is None:
+        return {}
+    return {
+        "load_source": "scrape",
+        "load_age_s": round(max(0.0, now - e.scraped_at), 3),
+        "kv_usage": scraped.kv_usage,
+        "preemptions": scraped.preemptions,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,10 +477,11 @@ class StatusBoard:
                 e.capacity_blocks,
                 e.can_pull,
                 e.pull_gbps,
-                **self._learned(e.node_id, e.running + e.inflight),
+                **self._learned(e.node_id, _running(e)),
                 block_size=e.block_size,
                 block_size_mismatch=e.node_id in mismatched,
                 tokenizer_parity=e.parity,
+                **_load(e, now),
             )
             for e in sorted(self.registry.engines.values(), key=lambda e: e.node_id)
         )

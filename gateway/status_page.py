@@ -297,21 +297,31 @@ def _engines_card(f: StatusFigures) -> str:
         share = f" ({_pct(e.ttft_error_ratio)})" if e.ttft_error_ratio is not None else ""
         return f"{rate}error {err}{share} over {_n(e.ttft_observed)}"
 
+    def source(e: EngineFigures) -> str:
+        if e.load_source != "scrape":
+            return "its heartbeat"
+        usage = f", KV {_pct(e.kv_usage)} used" if e.kv_usage is not None else ""
+        preempted = f", {_n(e.preemptions)} preempted" if e.preemptions is not None else ""
+        return f"its /metrics, {_n(e.load_age_s, 2)} s ago{usage}{preempted}"
+
     rows = "".join(
         f"<tr data-engine='{_e(e.node_id)}'><td>{_e(e.node_id)}</td>"
         f"<td>{'yes' if e.healthy else _UNHEALTHY}</td>"
-        f"<td>{_n(e.running)}</td><td>{_n(e.waiting)}</td><td>{e.inflight}</td><td>{_n(e.pending_prefill_tokens)}</td>"
+        f"<td>{_n(e.running)}</td><td>{_n(e.waiting)}</td><td class='load'>{source(e)}</td>"
+        f"<td>{e.inflight}</td><td>{_n(e.pending_prefill_tokens)}</td>"
         f"<td>{_n(e.served)}</td><td>{_pct(ratio(e.cached_tokens, e.prompt_tokens))}</td>"
         f"<td>{blocks(e)}</td><td>{bandwidth(e)}</td><td class='ttft'>{learned(e)}</td></tr>"
         for e in f.engines
     )
     return (
         "<section class='wide'><h2>Engines</h2><table class='grid' id='engines'><tr><th>engine</th><th>healthy</th>"
-        "<th>running</th><th>waiting</th><th>in flight here</th><th>prompt tokens to prefill</th><th>served here</th>"
+        "<th>running</th><th>waiting</th><th title='where running and waiting are from: its own /metrics "
+        "while a read is fresh (with its KV cache use and preemptions), else its heartbeat'>load from</th>"
+        "<th>in flight here</th><th>prompt tokens to prefill</th><th>served here</th>"
         "<th>cached share</th><th>cached blocks</th><th>pull bandwidth</th>"
         "<th title='prefill rate at its load and fixed time, learned from the first bytes observed; median "
         "|estimated - observed| TTFT'>TTFT learned</th></tr>"
-        f"{rows or '<tr><td colspan=11>no engine known</td></tr>'}</table></section>"
+        f"{rows or '<tr><td colspan=12>no engine known</td></tr>'}</table></section>"
     )
 
 

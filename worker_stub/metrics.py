@@ -1,5 +1,8 @@
 """The worker's Prometheus metrics, in a registry of their own (served at `/metrics`).
 
+Its scheduler's load is exported under vLLM's names and labels too (kvproto.engine_metrics): gateways read
+an engine's running and waiting requests from its /metrics (gateway.engine_load), a stub's as a vLLM engine's.
+
 The publisher is built after these metrics (its `on_published` callback is theirs), so its gauges
 are registered here and bound to it by `watch_publisher` once it exists.
 """
@@ -11,6 +14,7 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvproto.engine_metrics import VLLM_KV_USAGE, VLLM_LABELS, VLLM_PREEMPTIONS, VLLM_RUNNING, VLLM_WAITING
 from worker_stub.publisher import Publisher
 from worker_stub.stub_engine import Engine, RequestStats
 
@@ -26,7 +30,8 @@ _ENGINE_COUNTERS = (
 class WorkerMetrics:
     """Request counters and histograms, plus gauges read from the engine, its pool and the publisher at scrape time."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, dp_rank: int | None = None) -> None:
+        """`dp_rank`: the data-parallel rank the engine is (vLLM's `engine` label on its series; None: 0)."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
@@ -49,6 +54,7 @@ class WorkerMetrics:
         )
         self.published = Counter("kvdir_worker_published_blocks_total", "Blocks published to the directory", registry=r)
         self._engine_gauges(engine)
+        self._vllm_gauges(engine, dp_rank or 0)
         self._publish_pending = Gauge("kvdir_worker_publish_pending", "Changes not yet published", registry=r)
         self._epoch = Gauge("kvdir_worker_epoch", "Current directory epoch", registry=r)
 
@@ -72,6 +78,19 @@ class WorkerMetrics:
                 Gauge(f"kvdir_worker_host_{key}_total", help_text, registry=r).set_function(
                     cast(Callable[[], float], lambda k=key: host.stats[k])
                 )
+
+    def _vllm_gauges(self, engine: Engine, rank: int) -> None:
+        """The scheduler's load as vLLM exports it: requests running and waiting, KV cache in use, preemptions (a
+        stub never preempts: 0, as an idle vLLM shows)."""
+        r, pool, values = self.registry, engine.pool, (engine.s.model, str(rank))
+
+        def gauge(name: str, help_text: str, read: Callable[[], float]) -> None:
+            Gauge(name, help_text, VLLM_LABELS, registry=r).labels(*values).set_function(read)
+
+        gauge(VLLM_RUNNING, "Number of requests in model execution batches.", lambda: engine.running)
+        gauge(VLLM_WAITING, "Number of requests waiting to be processed.", lambda: engine.waiting)
+        gauge(VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", lambda: pool.held_slots / pool.capacity_blocks)
+        Counter(VLLM_PREEMPTIONS, "Cumulative number of preemption from the engine.", VLLM_LABELS, registry=r).labels(*values)
 
     def watch_publisher(self, publisher: Publisher) -> None:
         """Read the publisher's backlog and epoch at scrape time."""

@@ -172,6 +172,12 @@ class KVPool(SlotMemory):
         return self.capacity_blocks - len(self._free)
 
     @property
+    def held_slots(self) -> int:
+        """Slots a request or a pin holds: what vLLM counts as its KV cache in use (to it a cached block nobody
+        holds is free: its `kv_cache_usage_perc`)."""
+        return self.capacity_blocks - len(self._free) - len(self._lru)
+
+    @property
     def cached_blocks(self) -> int:
         return len(self._slot_of)
 

@@ -68,7 +68,7 @@ class WorkerRuntime:
             raise
         directory = DirectoryClient(settings.directory_urls, deadline=5.0, token=settings.directory_token, tenant=settings.tenant)
         engine = Engine(settings, pool, transfers, directory, node_id)
-        metrics = WorkerMetrics(engine)
+        metrics = WorkerMetrics(engine, dp_rank)
         publisher = Publisher(
             node_id,
             settings.url,

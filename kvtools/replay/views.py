@@ -96,6 +96,11 @@ class SimEngine:
         return self._node.inflight[self._gw]
 
     @property
+    def reported_inflight(self) -> int:
+        """`running` and `waiting` are the node's now: they include this gateway's requests in flight now."""
+        return self.inflight
+
+    @property
     def pending_prefill_tokens(self) -> float:
         nd, g, c = self._node, self._gw, self._clock
         return pending_estimate(

@@ -191,3 +191,34 @@ def test_a_request_back_after_its_pull_failed_is_computed_not_pulled_again(half)
     half.update_state_after_alloc(a, _blocks([30, 31, 32, 33, 34, 35]), 0)
     assert half.build_connector_meta(_no_step(), None).loads == []
     assert half.get_num_new_matched_tokens(_request("b", plan=_plan()), 0) == (5 * BS, True)  # nothing left waiting
+
+
+def _step(*scheduled: str) -> Any:
+    """A step that schedules `scheduled` (their blocks not looked at: no request here computes a block)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={rid: 1 for rid in scheduled},
+    )
+
+
+def _running_waiting(half: SchedulerHalf) -> tuple[float, float]:
+    load = half._load()
+    return load["running"], load["waiting"]
+
+
+def test_heartbeats_report_what_the_last_step_ran_and_what_asked_and_waits(half) -> None:
+    a, b, c = _request("a"), _request("b"), _request("c")
+    for req in (a, b, c):
+        assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    half.build_connector_meta(_step("a"), None)  # b and c asked but did not fit the step
+    assert _running_waiting(half) == (1, 2)
+    half.build_connector_meta(_step("a", "b"), None)
+    assert _running_waiting(half) == (2, 1)
+    half.request_finished(a)  # finished after the step: not running, not lingering until the next one
+    assert _running_waiting(half) == (1, 1)
+    half.build_connector_meta(_step("c"), None)  # b preempted: back in the queue
+    assert _running_waiting(half) == (1, 1)
+    half.request_finished(b)  # aborted while queued
+    half.request_finished(c)
+    assert _running_waiting(half) == (0, 0)

@@ -59,6 +59,10 @@ class Engine:
     tenant: str = ""
     shared: bool = False
 
+    @property
+    def reported_inflight(self) -> int:
+        return self.inflight  # as a heartbeat's figures: taken as of now
+
 
 def router(policy: str = "kvdir", cost: CostModel | None = None, seed: int = 0) -> Router:
     return Router(make_policy(policy, cost), random.Random(seed), PrefixHasher(16))
@@ -77,6 +81,9 @@ def test_candidate_counts_the_gateways_own_requests_once() -> None:
     assert (c.running, c.waiting, c.inflight, c.pending_prefill_tokens) == (2, 2, 3, 40.0)
     # an engine that has not reported the gateway's requests yet: never negative
     assert make_candidate("a", 3, reported_running=1.0, waiting=0.0, inflight=4, pending_prefill_tokens=0.0).running == 0
+    # the gateway's requests the engine holds queued are not also its waiting (more: tests/unit/test_engine_load.py)
+    c = make_candidate("a", 3, reported_running=1.0, waiting=3.0, inflight=4, pending_prefill_tokens=0.0)
+    assert (c.running, c.waiting, c.inflight) == (0, 0, 4)
 
 
 def test_candidates_take_cached_blocks_only_from_the_engines_current_epoch() -> None:

@@ -141,6 +141,14 @@ def test_engines_show_load_cached_blocks_and_pull_bandwidth() -> None:
     assert "cannot pull" in rows["worker-2"] and "class='bad'>no<" in rows["worker-2"]
 
 
+def test_engines_show_where_their_load_is_from() -> None:
+    scraped = _engine("scraped", load_source="scrape", load_age_s=0.12, kv_usage=0.35, preemptions=3.0)
+    page = render_page(_figures(engines=(scraped, _engine("told"))))
+    rows = dict(re.findall(r"<tr data-engine='([^']+)'>(.*?)</tr>", page))
+    assert "its /metrics, 0.12 s ago, KV 35.0% used, 3 preempted" in rows["scraped"]
+    assert "its heartbeat" in rows["told"] and "/metrics" not in rows["told"]
+
+
 def test_charts_are_inline_svg_over_the_history() -> None:
     page = render_page(_figures())
     assert "<script" not in page and "src=" not in page  # nothing to run, nothing loaded from elsewhere

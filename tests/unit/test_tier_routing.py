@@ -89,7 +89,8 @@ def test_a_host_hit_beats_recomputing_exactly_when_the_copy_is_shorter(side: flo
 
 def test_the_gateway_reads_each_holders_tiers_from_its_locations() -> None:
     class Engine:
-        epoch, running, waiting, inflight, pending_prefill_tokens, healthy, can_pull = 1, 0.0, 0.0, 0, 0.0, True, True
+        epoch, running, waiting, inflight, reported_inflight, pending_prefill_tokens = 1, 0.0, 0.0, 0, 0, 0.0
+        healthy, can_pull = True, True
         capacity_blocks, blocks, block_size, pull_gbps, fingerprint, tp_size = None, 0, 0, 0.0, "fp", 1
         tenant, shared = "", False
 
