@@ -93,8 +93,10 @@ def test_the_gateway_learns_an_engine_that_slows_with_load_and_keeps_sessions_ho
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(session, range(6)))
     engines = _engines(g.url)
-    for e in engines.values():
-        assert e["ttft_observed"] > 5
+    assert sum(e["ttft_observed"] for e in engines.values()) == 36  # every first byte, wherever the sessions went
+    learned = [e for e in engines.values() if e["ttft_observed"] >= 6]  # (a session's turns, at least)
+    assert learned, engines
+    for e in learned:
         # Learned from the prior of 1,000,000 tokens/s toward the engine's 20,000 (at most, alone).
         assert 2_000 < e["prefill_tokens_per_s"] < 100_000, e
     assert stayed >= 4 * moved, (stayed, moved)
