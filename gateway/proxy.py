@@ -407,6 +407,15 @@ class Proxy:
             return
         o = self.router.observe(sent.route, sent.req, observed, reported)
         self.metrics.ttft_estimate_error.observe(o.predicted_s - o.observed_s)
+        log.debug(
+            "first byte from %s: %.4f s, estimated %.4f s (work %.0f tokens, %.0f running, fixed %.4f s)",
+            engine.node_id,
+            o.observed_s,
+            o.predicted_s,
+            o.work_tokens,
+            o.running,
+            o.fixed_s,
+        )
         generated = completion_tokens(payload)
         if generated is None and events > 0:
             generated = events  # one event per token, about (vLLM, the stub): no usage was asked for
