@@ -160,6 +160,8 @@ def test_kvdir_up_refuses_a_taken_port_before_starting_anything(tmp_path: Path, 
     base = free_base_port(UP_OFFSETS)
     children = set(descendants(os.getpid()))
     with socket.socket() as squatter:
+        # As a server binds: an earlier test's connections to the port may still be in TIME_WAIT.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", base + 102))
         squatter.listen()
         status = run_up(UpSettings(base_port=base, data_dir=tmp_path / "up", workers=1))

@@ -388,7 +388,9 @@ def test_a_shared_engine_never_pulls_from_a_tenants_engine(tenanted, make_gatewa
             timeout=5,
         )
         assert r.status_code == 200, r.text
-        bravo = make_gateway(c, 2, ("--directory-token-file", str(files["gateway_bravo"]), "--tenant", "bravo"))
+        # Routed on the heartbeats' load (the test's above), not on what the engine's /metrics says.
+        bravo_args = ("--directory-token-file", str(files["gateway_bravo"]), "--tenant", "bravo", "--load-scrape-s", "0")
+        bravo = make_gateway(c, 2, bravo_args)
 
         def overloaded() -> bool:
             engines = httpx.get(bravo.url + "/v1/status", timeout=5).json()["engines"]
