@@ -7,10 +7,10 @@ import random
 from collections.abc import Sequence
 
 from gateway.cost import DEFAULT_COST, Candidate, CostModel, Decision, RouteRequest, blocks_held
-from gateway.policy_base import healthy_candidates, load_of, plain_decision
+from gateway.policy_base import PolicyHooks, healthy_candidates, load_of, plain_decision
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(PolicyHooks):
     """Cycles over the healthy candidates in node_id order: the next node_id after the last one chosen."""
 
     name = "round_robin"
@@ -31,14 +31,8 @@ class RoundRobinPolicy:
         self._last = chosen.node_id
         return plain_decision(req, chosen, healthy, self.cost, "balance", "round robin")
 
-    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
-        return None
 
-    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
-        return None
-
-
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(PolicyHooks):
     """Fewest inflight + running + waiting; ties by node_id."""
 
     name = "least_loaded"
@@ -51,14 +45,8 @@ class LeastLoadedPolicy:
         chosen = min(healthy, key=lambda c: (load_of(c), c.node_id))
         return plain_decision(req, chosen, healthy, self.cost, "balance", f"load {load_of(chosen)}")
 
-    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
-        return None
 
-    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
-        return None
-
-
-class LocalOnlyPolicy:
+class LocalOnlyPolicy(PolicyHooks):
     """A uniformly random healthy candidate (each node only reuses its own cache); 'affinity' when it holds a prefix."""
 
     name = "local_only"
@@ -71,9 +59,3 @@ class LocalOnlyPolicy:
         chosen = rng.choice(sorted(healthy, key=lambda c: c.node_id))
         reason = "affinity" if blocks_held(chosen, len(req.hashes)) > 0 else "balance"
         return plain_decision(req, chosen, healthy, self.cost, reason, "random")
-
-    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
-        return None
-
-    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
-        return None

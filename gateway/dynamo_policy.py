@@ -9,14 +9,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from gateway.cost import DEFAULT_COST, Candidate, CostModel, Decision, RouteRequest, blocks_held
-from gateway.policy_base import TIE_EPSILON, healthy_candidates, plain_decision
+from gateway.policy_base import TIE_EPSILON, PolicyHooks, healthy_candidates, plain_decision
 
 TIER_CREDITS = (1.0, 0.75, 0.25)
 """What a cached block on the device, in host memory and on disk is worth to Dynamo's router (its KVBM tiers G1,
 G2, G3: the credits of Dynamo's tier-aware routing, docs/replay.md)."""
 
 
-class DynamoPolicy:
+class DynamoPolicy(PolicyHooks):
     """Modeled after Dynamo's KV router (not Dynamo itself); its cost function as in ai-dynamo/dynamo
     lib/llm/src/kv_router/scheduler.rs (`DefaultWorkerSelector::select_worker`) and the active-sequence
     tracking of lib/llm/src/kv_router/sequence.rs (docs/replay.md quotes both):

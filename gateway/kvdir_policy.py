@@ -31,14 +31,14 @@ from gateway.cost import (
     queued_ahead,
     slot_interval_seconds,
 )
-from gateway.policy_base import TIE_EPSILON, cache_reason, healthy_candidates, longest_holder
+from gateway.policy_base import TIE_EPSILON, PolicyHooks, cache_reason, healthy_candidates, longest_holder
 from kvproto.pull_tenancy import tenancy_refusal
 
 _Option = tuple[float, int, int, Candidate, TTFTBreakdown, bool]
 """(score, cached tokens, inflight, candidate, its breakdown, whether it duplicates in-flight work)."""
 
 
-class KvdirPolicy:
+class KvdirPolicy(PolicyHooks):
     """Minimum score over (candidate, recompute | pull from the longest holder): the estimated TTFT plus
     the price of what storing the request would evict on a full node (`TTFTBreakdown.score_s`).
 
@@ -253,9 +253,6 @@ class KvdirPolicy:
             self._scale = 1.0
         if tokens > 0:
             self._work[node_id] = self._work.get(node_id, 0.0) + tokens / self._scale
-
-    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
-        return None
 
 
 def _break_tie(tied: list[_Option], rng: random.Random) -> _Option:

@@ -64,6 +64,8 @@ class Policy(Protocol):
 
     def on_finished(self, req: RouteRequest, decision: Decision) -> None: ...
 
+    def on_peer_routed(self, node_id: str, tokens: float) -> None: ...
+
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "kvdir": KvdirPolicy,

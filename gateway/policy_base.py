@@ -1,5 +1,5 @@
-"""What the routing policies share beyond gateway.cost: the healthy candidates, the longest holder, the
-reason a cache state gives, and a decision without a pull."""
+"""What the routing policies share beyond gateway.cost: the hooks a policy may leave alone, the healthy
+candidates, the longest holder, the reason a cache state gives, and a decision without a pull."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ from gateway.cost import Candidate, CostModel, Decision, RouteRequest, blocks_he
 
 # Two estimates closer than this (seconds, or cost units for dynamo) are a tie.
 TIE_EPSILON = 1e-9
+
+
+class PolicyHooks:
+    """What the gateway and the replay tell every policy, as no-ops: a policy overrides the events it keeps state
+    on, and its callers never ask which policy they hold."""
+
+    def on_routed(self, req: RouteRequest, decision: Decision) -> None:
+        """`decision` was sent to its engine."""
+
+    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
+        """The request of `decision` ended."""
+
+    def on_peer_routed(self, node_id: str, tokens: float) -> None:
+        """Another gateway sent `tokens` uncached prompt tokens to `node_id` (its note, gateway.peers)."""
 
 
 def healthy_candidates(candidates: Sequence[Candidate]) -> list[Candidate]:

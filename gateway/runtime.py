@@ -18,7 +18,6 @@ from fastapi import Request
 from gateway.config import GatewaySettings
 from gateway.engine_load import LoadScraper
 from gateway.engine_registry import EngineRegistry
-from gateway.kvdir_policy import KvdirPolicy
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.models_list import ModelsList
@@ -162,8 +161,7 @@ def _peer_notes(settings: GatewaySettings, registry: EngineRegistry, metrics: Ga
         max_prompt_tokens=settings.max_prompt_tokens,
         max_engine_tokens=settings.peer_engine_tokens,
         metrics=metrics.registry,
-        # The kvdir policy counts peers' sends as recent work per engine (its near-tie balance).
-        on_note=policy.on_peer_routed if isinstance(policy, KvdirPolicy) else None,
+        on_note=policy.on_peer_routed,
     )
 
 

@@ -8,10 +8,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from gateway.cost import DEFAULT_COST, Candidate, CostModel, Decision, RouteRequest, estimate_ttft
-from gateway.policy_base import block_tokens, healthy_candidates, load_of
+from gateway.policy_base import PolicyHooks, block_tokens, healthy_candidates, load_of
 
 
-class SGLangPolicy:
+class SGLangPolicy(PolicyHooks):
     """Modeled after SGLang's cache-aware router (not SGLang itself).
 
     Keeps its own approximate tree of what it routed and ignores the
@@ -164,6 +164,3 @@ class SGLangPolicy:
             self._sizes[node] = self._sizes.get(node, 0) + added
         while len(lru) > self.max_tree_size:
             self._remove(next(iter(lru)))
-
-    def on_finished(self, req: RouteRequest, decision: Decision) -> None:
-        return None

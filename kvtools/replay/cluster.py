@@ -33,7 +33,6 @@ import numpy as np
 
 from gateway.cost import Decision, RouteRequest
 from gateway.inflight import InflightPrefixes
-from gateway.kvdir_policy import KvdirPolicy
 from gateway.policy import make_policy
 from gateway.prefix_hasher import PrefixHasher
 from gateway.router import Route, Router
@@ -520,9 +519,8 @@ class ClusterSim:
         for g in range(len(pp)):
             if g != gw:
                 pp[g] += sign * tokens
-                pol = self.routers[g].policy
-                if sign > 0 and isinstance(pol, KvdirPolicy):  # a peer's routed work counts in its recent work
-                    pol.on_peer_routed(self.ids[n], tokens)
+                if sign > 0:  # a peer's routed work counts in its recent work (kvdir's near-tie balance)
+                    self.routers[g].policy.on_peer_routed(self.ids[n], tokens)
 
     # -- a calibrated engine (params.calibration): prefills and decodes share its speed as the calibration says
 

@@ -786,3 +786,16 @@ def test_peer_notes_count_as_recent_work_of_their_node():
     assert pol.recent_work("a") > 0 and pol.recent_work("b") == 0
     assert {pol.choose(req, cands, rng(s)).node_id for s in range(20)} == {"b"}
     assert {KvdirPolicy().choose(req, cands, rng(s)).node_id for s in range(20)} == {"a", "b"}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_takes_every_hook(name: str) -> None:
+    """The gateway hands every policy its peers' notes (no test of the policy's class): those that keep no state
+    on an event ignore it and route as before."""
+    pol = make_policy(name)
+    assert isinstance(pol, Policy)
+    req, cands = req_of(4), [cand("a"), cand("b")]
+    before = make_policy(name).choose(req, cands, rng(1)).node_id
+    pol.on_peer_routed("a", 5000)
+    after = pol.choose(req, cands, rng(1)).node_id
+    assert after == ("b" if name == "kvdir" else before)
