@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.engine_load import EngineLoad
-from kvproto import schemas
+from kvproto import media, schemas
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.ranks import tp_size
@@ -116,8 +116,8 @@ class EngineState:
     can_pull: bool = False  # has a transfer endpoint, so it understands kvdir_pull plans
     block_bytes: int = 0  # KV bytes of one block over all ranks
     block_size: int = 0  # tokens per KV block, as registered (0: unknown): predictions are rounded to it
-    # KV blocks it can hold over its tiers, as registered: its device's, plus its host tier's (docs/protocol.md
-    # §2.3; a block the device evicts there is not lost). None: unknown.
+    # KV blocks it can hold over its tiers, as registered (media.total_capacity: its device's, host's and disk's,
+    # docs/protocol.md §2.3; a block the device evicts there is not lost). None: unknown.
     capacity_blocks: int | None = None
     blocks: int = 0  # blocks the directory lists for it, in any tier: with capacity_blocks, its free space
     max_model_len: int | None = None  # from its /v1/models, once it answered
@@ -332,8 +332,7 @@ class EngineRegistry:
             e.can_pull = bool(n.transfer_url) and bool(n.regions)
             e.block_bytes = sum(r.block_bytes for r in n.regions if r.medium is None)  # a device copy, all ranks
             e.block_size = n.block_size or 0
-            host = min((r.length // r.block_bytes for r in n.regions if r.medium == "host" and r.block_bytes > 0), default=0)
-            e.capacity_blocks = None if n.capacity_blocks is None else n.capacity_blocks + host
+            e.capacity_blocks = media.total_capacity(n.capacity_blocks, n.regions)
             e.blocks = n.blocks
             e.heartbeat_running = reported_load(n.load, "running")
             e.heartbeat_waiting = reported_load(n.load, "waiting")

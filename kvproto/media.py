@@ -95,17 +95,31 @@ def medium_name(loc: int) -> str:
     return MEDIA[loc >> SHIFT]
 
 
-def capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any]], code: int) -> int | None:
+def _field(region: Mapping[str, Any] | Any, name: str) -> Any:
+    """A region's field, whether the region is a registration's mapping or a listing's typed record."""
+    return region.get(name) if isinstance(region, Mapping) else getattr(region, name)
+
+
+def capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any] | Any], code: int) -> int | None:
     """Slots a node has in medium `code`, from its registration: the device's `capacity_blocks`, a lower tier's
     from its regions (the fewest whole blocks any of them holds; the regions are read only for a lower tier, so a
     device publish costs nothing more). None: unchecked (a node that registered no regions at all: an events
-    adapter, whose entries are metadata only); 0: none registered."""
+    adapter, whose entries are metadata only); 0: none registered (a region of no bytes per block, which no API
+    accepts but a hostile listing may carry, is none)."""
     if code == DEVICE:
         return capacity_blocks
-    mine = [r for r in regions if r.get("medium") == MEDIA[code]]
+    mine = [r for r in regions if _field(r, "medium") == MEDIA[code] and int(_field(r, "block_bytes")) >= 1]
     if mine:
-        return min(int(r["length"]) // max(int(r["block_bytes"]), 1) for r in mine)
+        return min(int(_field(r, "length")) // int(_field(r, "block_bytes")) for r in mine)
     return None if not regions else 0
+
+
+def total_capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any] | Any]) -> int | None:
+    """Blocks a node can hold in all its media (`capacity` of each, a tier it registered none of counting 0);
+    None while its device capacity is unknown."""
+    if capacity_blocks is None:
+        return None
+    return capacity_blocks + sum(capacity(capacity_blocks, regions, code) or 0 for code in (HOST, DISK))
 
 
 def out_of_range(slots: np.ndarray, code: int, capacity: int | None, node_id: str) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvproto import media
 from kvproto.binary import PublishBatch
-from kvproto.schemas import PublishRequest, Region, RegisterRequest
+from kvproto.schemas import PublishRequest, Region, RegionInfo, RegisterRequest
 from kvproto.state import INVALID, DirectoryState, Publish, Register
 from kvproto.watch_codec import snapshot_of, state_from
 
@@ -116,3 +116,19 @@ def test_an_adapter_publishes_an_engines_unknown_medium_as_the_device() -> None:
         None,
         None,
     )
+
+
+def test_a_nodes_capacity_over_its_media_is_one_sum_whatever_carries_its_regions() -> None:
+    """The directory (a registration's mappings) and the gateway (the listing's records) count alike: the device's
+    blocks, plus each lower tier's fewest whole blocks, disk included."""
+    regions = [
+        {"rank": 0, "base_addr": 0, "length": 8 << 20, "block_bytes": 1 << 20},
+        {"rank": 0, "base_addr": 1 << 30, "length": 4 << 20, "block_bytes": 1 << 20, "medium": "host"},
+        {"rank": 0, "base_addr": 2 << 30, "length": 16 << 20, "block_bytes": 1 << 20, "medium": "disk"},
+    ]
+    listed = [RegionInfo(**r) for r in regions]
+    for carried in (regions, listed):
+        assert [media.capacity(8, carried, code) for code in (media.DEVICE, media.HOST, media.DISK)] == [8, 4, 16]
+        assert media.total_capacity(8, carried) == 28
+        assert media.total_capacity(8, carried[:1]) == 8  # no lower tier registered
+        assert media.total_capacity(None, carried) is None
