@@ -50,6 +50,7 @@ from adapters.node_feed import SLOT, NodeFeed
 from adapters.replay_fetch import request_replay
 from kvproto import media
 from kvproto.client import DirectoryClient
+from kvproto.tasks import cancel_and_wait
 
 DRAIN = 64  # messages taken per wakeup of the receive loop
 
@@ -270,6 +271,4 @@ async def all_or_none(tasks: list[asyncio.Task[None]]) -> None:
     try:
         await asyncio.gather(*tasks)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvproto.engine_metrics import FAMILIES
 from kvproto.schemas import DP_RANK_HEADER
+from kvproto.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from gateway.engine_registry import EngineState
@@ -137,10 +138,7 @@ class LoadScraper:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._reads.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._task, *self._reads.values())
 
     async def _loop(self) -> None:
         while True:

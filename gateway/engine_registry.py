@@ -37,6 +37,7 @@ from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.ranks import tp_size
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, Origin
+from kvproto.tasks import cancel_and_wait
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -267,10 +268,7 @@ class EngineRegistry:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._probes) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._task, *self._probes)
 
     async def _admit(self, node_id: str, url: str) -> Origin | None:
         """The engine's origin, or None (with one warning per node and URL) when it is not to be routed to."""

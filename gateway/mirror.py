@@ -50,6 +50,7 @@ from kvproto.index import warm_up
 from kvproto.schemas import Holder
 from kvproto.shardmap import ShardMap
 from kvproto.state import DirectoryState
+from kvproto.tasks import cancel_and_wait
 from kvproto.watch_codec import FrameReader, WireError, decode_command, group_of, state_from
 
 log = logging.getLogger("kvdir.gateway")
@@ -154,12 +155,7 @@ class Feed:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._task is not None:
-            # Python 3.11's wait_for can swallow a cancellation that arrives as its inner await completes
-            # (gh-86296): cancel until the task has ended (`_run` also checks `_stopping`).
-            while not self._task.done():
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=0.1)
+        await cancel_and_wait(self._task)  # `_run` also checks `_stopping`
         await self._http.aclose()
 
     def _drop(self) -> None:
@@ -489,10 +485,7 @@ class Mirror:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._task is not None:
-            while not self._task.done():  # as Feed.stop: a cancellation can be swallowed (gh-86296)
-                self._task.cancel()
-                await asyncio.wait({self._task}, timeout=0.1)
+        await cancel_and_wait(self._task)
         for f in self.feeds.values():
             await f.stop()
 

@@ -69,6 +69,7 @@ from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from kvproto.rate_limit import TokenBucket
 from kvproto.schemas import Origin, parse_origin
+from kvproto.tasks import cancel_and_wait
 
 __all__ = ["NOTES_PATH", "STATUS_PATH", "Note", "NoteBatch", "PeerNotes", "routes"]
 
@@ -491,9 +492,7 @@ class PeerNotes(Collector):
             self.expire(time.monotonic())
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
         if self._http is not None:
             await self._http.aclose()

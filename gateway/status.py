@@ -44,6 +44,7 @@ from gateway.router import make_candidate
 from gateway.ttft_learner import TtftLearner
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError, DirectoryUnavailable, RequestRejected
+from kvproto.tasks import cancel_and_wait
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -356,9 +357,7 @@ class StatusBoard:
         self._task = asyncio.create_task(self._loop(), name="status samples")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:

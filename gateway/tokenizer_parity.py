@@ -28,6 +28,7 @@ from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.model_tokenizer import NotRendered
 from gateway.tokenizers import ChatPrompt, GatewayTokenizer, Local
 from kvproto.openai_api import ChatMessage
+from kvproto.tasks import cancel_and_wait
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -100,9 +101,7 @@ class ParityProbe:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:

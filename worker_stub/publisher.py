@@ -21,6 +21,7 @@ from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.schemas import Region
 from kvproto.session import NodeSession
+from kvproto.tasks import cancel_and_wait
 from worker_stub.pool import KVPool
 
 log = logging.getLogger("kvdir.worker")
@@ -90,9 +91,7 @@ class Publisher:
         self._task = asyncio.create_task(self.session.run(self.interval, self.heartbeat_interval))
 
     async def stop(self, deregister: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         if deregister:
             await self.session.close()
 
