@@ -1,4 +1,4 @@
-"""The vLLM connector's host tier as its scheduler half keeps it: which block each host slot holds (issue #32).
+"""The vLLM connector's host tier as its scheduler half keeps it: which block each host slot holds.
 
 The workers copy every block the engine completes into a host pool of `capacity` slots per TP rank (the
 connector's docstring says why at completion); the scheduler decides the slot, so that every rank uses the same

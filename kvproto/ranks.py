@@ -11,7 +11,7 @@ the holder's rank `r`; holder and puller must have the same rank count (their he
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 
 class RankedRegion(Protocol):
@@ -24,12 +24,12 @@ class RankedRegion(Protocol):
     def transfer_url(self) -> str | None: ...
 
 
-def tp_size(regions: Sequence[Any]) -> int:
+def tp_size(regions: Sequence[RankedRegion]) -> int:
     """The node's tensor-parallel rank count: 1 + its highest region rank (1 for a node without regions)."""
     return 1 + max((r.rank for r in regions), default=0)
 
 
-def rank_sessions(regions: Sequence[Any], transfer_url: str | None) -> list[str | None]:
+def rank_sessions(regions: Sequence[RankedRegion], transfer_url: str | None) -> list[str | None]:
     """Each rank's transfer session, rank order: its regions' `transfer_url`, else the node's."""
     out: list[str | None] = [transfer_url] * tp_size(regions)
     for r in regions:
@@ -38,7 +38,7 @@ def rank_sessions(regions: Sequence[Any], transfer_url: str | None) -> list[str 
     return out
 
 
-def check_ranks(regions: Sequence[Any]) -> str | None:
+def check_ranks(regions: Sequence[RankedRegion]) -> str | None:
     """Why `regions` do not describe ranks 0..N-1 each behind one session (None if they do).
 
     Every rank below the highest must have regions (a puller's rank r reads the holder's rank r), and all of

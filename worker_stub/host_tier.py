@@ -1,4 +1,4 @@
-"""The worker stub's host tier: device blocks the pool evicts live on in a registered host pool (issue #32).
+"""The worker stub's host tier: device blocks the pool evicts live on in a registered host pool.
 
 A stand-in for an engine's CPU offload (vLLM's offloading connector, SGLang's HiCache L2, Dynamo's KVBM G2):
 `host_blocks` slots per tensor-parallel rank in host memory of their own, registered with the rank's transfer
