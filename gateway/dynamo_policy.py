@@ -142,3 +142,8 @@ class DynamoPolicy(PolicyHooks):
     def on_finished(self, req: RouteRequest, decision: Decision) -> None:
         """The request ended (Dynamo's ``free``): its blocks no longer count as active."""
         self._drop(decision.node_id, id(req))
+
+    def on_engine_gone(self, node_id: str) -> None:
+        """Its requests in flight count nowhere now."""
+        self._seqs.pop(node_id, None)
+        self._active.pop(node_id, None)

@@ -26,7 +26,7 @@ import math
 import socket
 import time
 from collections import Counter
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 import httpx
@@ -205,6 +205,7 @@ class EngineRegistry:
         self.unhealthy_s = unhealthy_s
         self.networks = list(networks)
         self.engines: dict[str, EngineState] = {}
+        self.on_gone: Callable[[str], None] = lambda node_id: None  # the policy's on_engine_gone (runtime.py)
         self.directory_ok = False
         self._silent_shards: set[str] = set()  # shards whose node list did not answer at the last refresh
         self._task: asyncio.Task[None] | None = None
@@ -350,6 +351,7 @@ class EngineRegistry:
         for node_id in [k for k in gone if not silent or self.directory.home_shard(k) not in silent]:
             log.info("engine %s left the directory", node_id)
             del self.engines[node_id]
+            self.on_gone(node_id)
         self._block_sizes.clear()
         self._check_block_sizes()
 

@@ -246,6 +246,10 @@ class KvdirPolicy(PolicyHooks):
         like one of ours, so that with several gateways the least recent work is the cluster's, as with one."""
         self._add_work(node_id, tokens)
 
+    def on_engine_gone(self, node_id: str) -> None:
+        """A restarted engine starts with no recent work."""
+        self._work.pop(node_id, None)
+
     def _add_work(self, node_id: str, tokens: float) -> None:
         self._scale *= 1.0 - 1.0 / self.balance_window
         if self._scale < 1e-100:  # renormalise before the stored values overflow

@@ -66,6 +66,8 @@ class Policy(Protocol):
 
     def on_peer_routed(self, node_id: str, tokens: float) -> None: ...
 
+    def on_engine_gone(self, node_id: str) -> None: ...
+
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "kvdir": KvdirPolicy,

@@ -24,6 +24,9 @@ class PolicyHooks:
     def on_peer_routed(self, node_id: str, tokens: float) -> None:
         """Another gateway sent `tokens` uncached prompt tokens to `node_id` (its note, gateway.peers)."""
 
+    def on_engine_gone(self, node_id: str) -> None:
+        """`node_id` left the directory: what the policy keeps about it is stale (a restart is a new engine)."""
+
 
 def healthy_candidates(candidates: Sequence[Candidate]) -> list[Candidate]:
     healthy = [c for c in candidates if c.healthy]

@@ -76,6 +76,7 @@ class GatewayRuntime:
             settings.tenant,
             settings.block_size,
         )
+        registry.on_gone = policy.on_engine_gone
         await registry.refresh()
         registry.start()
         loads = LoadScraper(registry.engines, http, settings.load_scrape_s)

@@ -91,7 +91,7 @@ class SGLangPolicy(PolicyHooks):
             match[n] = depth
         return match
 
-    def forget_node(self, node_id: str) -> None:
+    def on_engine_gone(self, node_id: str) -> None:
         """Drop a node's entries (it left the cluster)."""
         for key in [k for k in self._lru if k[1] == node_id]:
             self._remove(key)

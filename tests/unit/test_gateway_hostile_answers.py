@@ -16,9 +16,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from gateway.cost import Decision, RouteRequest
 from gateway.engine_registry import EngineRegistry
 from gateway.lookup import HolderLookup
 from gateway.router import make_candidate
+from gateway.sglang_policy import SGLangPolicy
 from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import MalformedAnswer
@@ -209,3 +211,22 @@ def test_the_registry_remembers_only_the_engines_the_directory_still_lists(caplo
         assert asyncio.run(main()) == [(50, ["ours"]), (50, ["ours"]), (0, [])]
     logged = [r for r in caplog.records if "belongs to tenant 'bravo'" in r.getMessage()]
     assert len(logged) == 100  # one line per engine, not one per refresh
+
+
+def test_an_engine_that_left_is_forgotten_by_the_policy() -> None:
+    """SGLang's modeled tree drops what it routed to an engine once the directory no longer lists it: a restarted
+    engine (a new registration, an empty cache) is not credited with its old prefixes."""
+    pol = SGLangPolicy()
+    req = RouteRequest(hashes=tuple(range(1, 9)), prompt_tokens=128, block_size=16)
+    pol.on_routed(req, Decision("a", "balance", 0))
+
+    async def main() -> int:
+        async with _engines() as http:
+            reg = EngineRegistry(DirectoryClient("http://127.0.0.1:1"), http, [], refresh_s=1.0, unhealthy_s=1.0)
+            reg.on_gone = pol.on_engine_gone
+            await reg._update([NodeInfo.model_validate(_node("a", 9001)), NodeInfo.model_validate(_node("b", 9002))])
+            assert pol.tree_size("a") == 8
+            await reg._update([NodeInfo.model_validate(_node("b", 9002))])
+            return pol.tree_size("a")
+
+    assert asyncio.run(main()) == 0

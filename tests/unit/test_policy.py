@@ -443,7 +443,7 @@ def test_sglang_lru_trimming():
     assert pol.tree_size("a") == 20 and pol.tree_size("b") == 5
     assert pol.match_blocks(r2.hashes, ["b"]) == {"b": 5}  # leaves went first, the prefix stayed
     assert pol.match_blocks(r1.hashes, ["a"]) == {"a": 10}
-    pol.forget_node("a")
+    pol.on_engine_gone("a")
     assert pol.tree_size() == 5 and pol.tree_size("a") == 0
     assert pol.match_blocks(r1.hashes, ["a", "b"]) == {"a": 0, "b": 0}
 
@@ -790,12 +790,14 @@ def test_peer_notes_count_as_recent_work_of_their_node():
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_takes_every_hook(name: str) -> None:
-    """The gateway hands every policy its peers' notes (no test of the policy's class): those that keep no state
-    on an event ignore it and route as before."""
-    pol = make_policy(name)
+    """The gateway hands every policy its peers' notes and the engines that left (no test of the policy's class):
+    those that keep no state on an event ignore it and route as a policy told nothing does."""
+    pol, told_nothing = make_policy(name), make_policy(name)
     assert isinstance(pol, Policy)
     req, cands = req_of(4), [cand("a"), cand("b")]
-    before = make_policy(name).choose(req, cands, rng(1)).node_id
+    expected = [told_nothing.choose(req, cands, rng(1)).node_id for _ in range(2)]
     pol.on_peer_routed("a", 5000)
-    after = pol.choose(req, cands, rng(1)).node_id
-    assert after == ("b" if name == "kvdir" else before)
+    first = pol.choose(req, cands, rng(1)).node_id
+    pol.on_engine_gone("a")  # and what was kept about "a" goes with it
+    second = pol.choose(req, cands, rng(1)).node_id
+    assert [first, second] == (["b", expected[1]] if name == "kvdir" else expected)
