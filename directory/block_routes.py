@@ -36,6 +36,7 @@ from kvproto.binary import LookupBatch, PublishBatch, RemoveBatch
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import (
     ClearRequest,
+    Holder,
     LookupRequest,
     LookupResponse,
     PublishRequest,
@@ -181,10 +182,10 @@ async def _may_read(request: Request, replica: Replica, mode: str) -> None:
         )
 
 
-def _holder(h: st.Holder) -> dict[str, Any]:
+def _holder(h: Holder) -> dict[str, Any]:
     return {
         "node_id": h.node_id,
         "epoch": h.epoch,
-        "matched_blocks": h.matched,
+        "matched_blocks": h.matched_blocks,
         **({"slots": h.slots} if h.slots is not None else {}),
     }

@@ -42,7 +42,8 @@ from directory.state_machine import StateMachine
 from directory.views import Counts, Digest, NodeView, node_view
 from kvproto import index
 from kvproto.errors import CommitTimeout
-from kvproto.state import AnnounceReplica, AssignShards, Command, DirectoryState, Holder, Result
+from kvproto.schemas import Holder
+from kvproto.state import AnnounceReplica, AssignShards, Command, DirectoryState, Result
 
 log = logging.getLogger("kvdir.directory")
 

@@ -146,8 +146,7 @@ class Feed:
         state = self.state  # read once: a failure on the loop may drop it meanwhile
         if state is None:
             return None
-        found = state.lookup(keys, with_slots=True)
-        return [Holder.model_construct(node_id=h.node_id, epoch=h.epoch, matched_blocks=h.matched, slots=h.slots) for h in found]
+        return state.lookup(keys, with_slots=True)
 
     # -- following -----------------------------------------------------------------------------
     def start(self) -> None:

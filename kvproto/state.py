@@ -37,7 +37,7 @@ import xxhash
 
 from kvproto import media
 from kvproto.index import BlockIndex
-from kvproto.schemas import endpoint_key
+from kvproto.schemas import Holder, endpoint_key
 from kvproto.shardmap import SHARD_BITS, home_of
 
 if TYPE_CHECKING:
@@ -297,15 +297,6 @@ def endpoint_keys(api_url: str, transfer_url: str | None, regions: tuple[dict[st
     return keys
 
 
-class Holder(NamedTuple):
-    """A node holding a looked-up prefix: `matched` blocks from the start, at `slots` if asked for."""
-
-    node_id: str
-    epoch: int
-    matched: int
-    slots: list[int] | None
-
-
 class DirectoryState:
     """Nodes, their epochs and the block index; mutated only through `apply`."""
 
@@ -539,12 +530,18 @@ class DirectoryState:
     # -- queries --------------------------------------------------------------
 
     def lookup(self, hashes: np.ndarray, with_slots: bool = False) -> list[Holder]:
-        """Holders of the longest prefixes of `hashes`, longest first (docs/protocol.md §3)."""
+        """Holders of the longest prefixes of `hashes`, longest first (docs/protocol.md §3): the lookup answer's
+        own type, so that a replica's answer and a gateway mirror's are one thing (built unvalidated: the index
+        holds only what validated publishes put there)."""
         nodes, matched, slots = self.index.lookup(hashes, with_slots)
         found = map(self.by_idx.__getitem__, nodes.tolist())
+        make = Holder.model_construct
         if not with_slots:
-            return [Holder(n.node_id, n.epoch, k, None) for n, k in zip(found, matched.tolist())]
-        return [Holder(n.node_id, n.epoch, k, slots[j, :k].tolist()) for j, (n, k) in enumerate(zip(found, matched.tolist()))]
+            return [make(node_id=n.node_id, epoch=n.epoch, matched_blocks=k) for n, k in zip(found, matched.tolist())]
+        return [
+            make(node_id=n.node_id, epoch=n.epoch, matched_blocks=k, slots=slots[j, :k].tolist())
+            for j, (n, k) in enumerate(zip(found, matched.tolist()))
+        ]
 
     def blocks_held(self, node: Node) -> int:
         return self.index.count(node.idx)

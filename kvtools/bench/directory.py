@@ -141,7 +141,7 @@ def bench_lookups(quick: bool) -> dict[str, Any]:
         return out
     # Same answers first: the longest match per node must agree.
     for q_seq, q_loc in zip(queries[:200], w.query_local[:200]):
-        mine = {h.node_id: h.matched for h in st.lookup(np.asarray(q_seq, dtype=np.uint64))}
+        mine = {h.node_id: h.matched_blocks for h in st.lookup(np.asarray(q_seq, dtype=np.uint64))}
         theirs = {f"node{wid}": n for (wid, _), n in tree.find_matches(q_loc).scores.items() if n}
         if mine != theirs:
             raise AssertionError(f"kvdir and Dynamo disagree: {mine} vs {theirs}")

@@ -15,7 +15,8 @@ import numpy as np
 
 from directory.config import DirectorySettings
 from directory.views import Digest
-from kvproto.state import Command, DirectoryState, Holder, Register, Result
+from kvproto.schemas import Holder
+from kvproto.state import Command, DirectoryState, Register, Result
 
 T = TypeVar("T")
 

@@ -347,6 +347,6 @@ def test_the_node_session_flushes_binary_batches() -> None:
             ]
             assert (await digest(http))["entries"] == 8
             found = replica.state.lookup(np.array([1, 2, 3], dtype=np.uint64), with_slots=True)
-            assert [(h.node_id, h.matched, h.slots) for h in found] == [("w1", 2, [101, 102])]
+            assert [(h.node_id, h.matched_blocks, h.slots) for h in found] == [("w1", 2, [101, 102])]
 
     run(scenario)

@@ -153,7 +153,7 @@ def test_a_snapshot_of_an_older_replica_has_nodes_without_profiles() -> None:
     (f,) = FrameReader().feed(frame(snapshot_message(snap)))
     mirror = state_from(f["state"])
     assert {n: x.profile for n, x in mirror.nodes.items()} == {"worker-1": None, "worker-2": None, "worker-3": None}
-    assert mirror.lookup(np.asarray([1, 2, 3], dtype=np.uint64))[0].matched == 3
+    assert mirror.lookup(np.asarray([1, 2, 3], dtype=np.uint64))[0].matched_blocks == 3
 
 
 # -- pickles: Raft entries and snapshots --------------------------------------------------------------

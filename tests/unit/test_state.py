@@ -56,7 +56,7 @@ def pub(st, node_id, epoch, hashes, slots=None, **kw) -> Result:
 
 def view(st, hashes, with_slots=False):
     return [
-        (h.node_id, h.epoch, h.matched, h.slots) if with_slots else (h.node_id, h.epoch, h.matched)
+        (h.node_id, h.epoch, h.matched_blocks, h.slots) if with_slots else (h.node_id, h.epoch, h.matched_blocks)
         for h in st.lookup(H(*hashes), with_slots)
     ]
 

@@ -267,19 +267,19 @@ def check_against_model(state: DirectoryState, model: Model, queries) -> None:
         hashes = [HASHES[i] for i in q]
         got = state.lookup(H(hashes), with_slots=True)
         # the same answer as the model
-        assert {(h.node_id, h.epoch, h.matched, tuple(h.slots)) for h in got} == model.lookup(hashes)
+        assert {(h.node_id, h.epoch, h.matched_blocks, tuple(h.slots)) for h in got} == model.lookup(hashes)
         assert len(got) == len({h.node_id for h in got})
         # only current registrations are ever handed out
         for h in got:
             assert h.node_id in state.nodes and state.nodes[h.node_id].epoch == h.epoch
             assert model.nodes[h.node_id].epoch == h.epoch
-            assert 1 <= h.matched <= len(hashes) and len(h.slots) == h.matched
+            assert 1 <= h.matched_blocks <= len(hashes) and len(h.slots) == h.matched_blocks
         # longest first, ties by node index
-        keys_ = [(-h.matched, state.nodes[h.node_id].idx) for h in got]
+        keys_ = [(-h.matched_blocks, state.nodes[h.node_id].idx) for h in got]
         assert keys_ == sorted(keys_)
         # without slots: the same holders in the same order
         plain = state.lookup(H(hashes))
-        assert [(h.node_id, h.epoch, h.matched) for h in plain] == [(h.node_id, h.epoch, h.matched) for h in got]
+        assert [(h.node_id, h.epoch, h.matched_blocks) for h in plain] == [(h.node_id, h.epoch, h.matched_blocks) for h in got]
         assert all(h.slots is None for h in plain)
 
 
