@@ -30,7 +30,7 @@ from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from gateway.model_tokenizer import CHAT_FIELDS_NOT_RENDERED, TOKENIZER_FILE, ModelTokenizer, NotRendered, find_model_dir
 from kvproto import tokenizer as text_tokenizers
-from kvproto.openai_api import ChatMessage, ChatRequest, CompletionRequest, chat_prompt, check_prompt_chars, check_prompt_tokens
+from kvproto.openai_api import ChatMessage, ChatRequest, CompletionRequest, chat_prompt, check_prompt_tokens, encode_checked
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -68,20 +68,17 @@ class LocalTokenizer:
     """A tokenizer given by `--tokenizer` (kvproto.tokenizer: bytes or a tokenizer.json) with the worker stub's
     chat template and no special tokens: what worker stubs run.
 
-    A text with more characters than `limit` tokens could stand for is refused
-    before it is tokenized (kvproto.openai_api.check_prompt_chars), so a huge
-    prompt costs no tokenizing.
+    Tokenized as the worker stub tokenizes (kvproto.openai_api.encode_checked): a text with more characters
+    than `limit` tokens could stand for is refused before it is tokenized, so a huge prompt costs no tokenizing.
     """
 
     def __init__(self, tokenizer: text_tokenizers.Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.name = tokenizer.name
-        self.chars_per_token = text_tokenizers.max_chars_per_token(tokenizer)
 
     async def encode(self, model: str, prompt: str | ChatPrompt, limit: int, salt: str = "") -> list[int]:
         text, param = (prompt, "prompt") if isinstance(prompt, str) else (chat_prompt(prompt.messages), "messages")
-        check_prompt_chars(text, limit, self.chars_per_token, param)
-        return self.tokenizer.encode(text, salt)
+        return encode_checked(self.tokenizer, text, limit, param, salt)
 
 
 class ModelFilesTokenizer:

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from starlette.exceptions import HTTPException
 
 from kvproto.schemas import MODEL_NAME_MAX_LEN
-from kvproto.tokenizer import count_messages, render_chat
+from kvproto.tokenizer import Tokenizer, count_messages, max_chars_per_token, render_chat
 
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
@@ -156,6 +156,15 @@ def check_prompt_chars(text: str, limit: int, chars_per_token: int | None, param
     """Refuse a text provably over `limit` tokens (more characters than it could make) before tokenizing it."""
     if chars_per_token is not None and len(text) > limit * chars_per_token:
         raise context_length_exceeded(limit, f"the prompt has {len(text)} characters, which is more", param)
+
+
+def encode_checked(tokenizer: Tokenizer, text: str, limit: int, param: str, salt: str = "") -> list[int]:
+    """A prompt's tokens, the one way both servers tokenize what a client sent: refused before tokenizing where
+    its characters prove it over `limit` tokens (a huge prompt costs nothing), and after where its tokens are."""
+    check_prompt_chars(text, limit, max_chars_per_token(tokenizer), param)
+    tokens = tokenizer.encode(text, salt)
+    check_prompt_tokens(len(tokens), limit, param)
+    return tokens
 
 
 def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:

@@ -42,9 +42,8 @@ from kvproto.openai_api import (
     TokenizeRequest,
     chat_prompt,
     check_context,
-    check_prompt_chars,
-    check_prompt_tokens,
     context_length_exceeded,
+    encode_checked,
     error_response,
     http_error,
     message_count,
@@ -53,7 +52,7 @@ from kvproto.openai_api import (
     parse_request,
 )
 from kvproto.schemas import DP_RANK_HEADER, PULL_PLAN_FIELD, PullPlan
-from kvproto.tokenizer import Tokenizer, load_tokenizer, max_chars_per_token
+from kvproto.tokenizer import Tokenizer, load_tokenizer
 from worker_stub.config import WorkerSettings
 from worker_stub.responses import SSE_DONE, Completion, decode, kvdir_extension, sse_event, usage
 from worker_stub.runtime import Generation, WorkerRuntime
@@ -182,7 +181,7 @@ async def _sse(settings: WorkerSettings, completion: Completion, gen: Generation
         await gen.rest.aclose()
 
 
-def _tokenize(settings: WorkerSettings, tokenizer: Tokenizer, chars_per_token: int | None, raw: bytes) -> dict[str, Any]:
+def _tokenize(settings: WorkerSettings, tokenizer: Tokenizer, raw: bytes) -> dict[str, Any]:
     # Counted before validation: each message renders to at least one token, and a body of a million
     # messages would otherwise be validated (and tokenized) in full first.
     limit = settings.max_model_len
@@ -193,9 +192,7 @@ def _tokenize(settings: WorkerSettings, tokenizer: Tokenizer, chars_per_token: i
         raise OpenAIError(400, "give exactly one of `prompt` or `messages`")
     param = "prompt" if body.prompt is not None else "messages"
     text = body.prompt if body.prompt is not None else chat_prompt(body.messages or [])
-    check_prompt_chars(text, limit, chars_per_token, param)
-    tokens = tokenizer.encode(text)
-    check_prompt_tokens(len(tokens), limit, param)
+    tokens = encode_checked(tokenizer, text, limit, param)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": settings.max_model_len}
 
 
@@ -218,7 +215,6 @@ def _models(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def _add_openai_routes(app: FastAPI, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
-    chars_per_token = max_chars_per_token(tokenizer)
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request, runtime: RuntimeDep) -> Response:
@@ -235,7 +231,7 @@ def _add_openai_routes(app: FastAPI, settings: WorkerSettings, tokenizer: Tokeni
 
     @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
-        return JSONResponse(_tokenize(settings, tokenizer, chars_per_token, await request.body()))
+        return JSONResponse(_tokenize(settings, tokenizer, await request.body()))
 
     @app.get("/v1/models")
     async def models() -> Response:

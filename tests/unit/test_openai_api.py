@@ -15,9 +15,11 @@ from kvproto.openai_api import (
     check_context,
     check_prompt_chars,
     check_sizes,
+    encode_checked,
     parse_request,
 )
 from kvproto.schemas import MODEL_NAME_MAX_LEN
+from kvproto.tokenizer import ByteTokenizer
 
 MODEL = "kvdir-stub"
 
@@ -126,3 +128,23 @@ def test_the_context_checks() -> None:
     with pytest.raises(OpenAIError) as exc:
         check_context(6, 5, 10)
     assert exc.value.code == "context_length_exceeded" and "6 prompt tokens and asks for 5 more" in exc.value.message
+
+
+class _Counting(ByteTokenizer):
+    """The bytes tokenizer, counting the texts it was asked to tokenize."""
+
+    calls = 0
+
+    def encode(self, text: str, salt: str = "") -> list[int]:
+        self.calls += 1
+        return super().encode(text, salt)
+
+
+def test_both_servers_refuse_a_prompt_over_the_limit_the_same_way_and_a_huge_one_untokenized() -> None:
+    tok = _Counting()
+    assert encode_checked(tok, "abcd", 4, "prompt") == list(b"abcd") and tok.calls == 1
+    with pytest.raises(OpenAIError) as caught:
+        encode_checked(tok, "x" * 10_000_000, 4, "messages")
+    assert tok.calls == 1  # refused by its characters, never tokenized
+    assert (caught.value.status, caught.value.code, caught.value.param) == (400, "context_length_exceeded", "messages")
+    assert "10000000 characters" in caught.value.message
