@@ -18,7 +18,7 @@ from kvdir.progress import clocked, stderr_meter
 from kvtools.bench.clusters import bench_directory, pull_pair
 from kvtools.bench.loadgen import LoadSpec, load_in_process, run_load
 from kvtools.bench.report import emit, header, pct, say
-from worker_stub.transfer_bench import measure_read_bandwidth
+from kvtools.bench.transfer_read import measure_read_bandwidth
 
 
 def bench_pull(tmp: Path, urls: list[str], quick: bool, engine: str) -> dict[str, Any]:

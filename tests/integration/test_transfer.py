@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvtools.bench.transfer_read import PeerProcess, measure_read_bandwidth, pattern
 from kvtransfer.backends import ENGINES, create_engine
 from kvtransfer.engine import TransferEngine, TransferError
 from kvtransfer.mooncake import MooncakeEngine
 from kvtransfer.tcp import TcpEngine
-from worker_stub.transfer_bench import PeerProcess, measure_read_bandwidth, pattern
 
 HOST = "127.0.0.1"
 NAMES = sorted(ENGINES)
