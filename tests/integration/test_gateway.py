@@ -110,12 +110,11 @@ def test_hot_prefix_at_high_concurrency_spreads_by_pulls(file_directory, make_wo
 
 
 def test_directory_down_routes_by_load_and_never_fails(make_cluster, make_workers, make_gateway) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)  # all of the directory down: its one replica is as good as three
     make_workers(c, 2)
     g = make_gateway(c, 2, ("--mirror-stale-lag-s", "1"))
     wait_for(lambda: "kvdir_gateway_mirror_lag_seconds 0." in httpx.get(g.url + "/metrics").text, what="a fresh mirror")
-    for i in range(3):
-        c.kill(i)
+    c.kill(0)
     # Once REST fails, the gateway's mirror still answers lookups until it is --mirror-stale-lag-s behind
     # (tests/integration/test_gateway_mirror.py); past that, the request is routed by load.
     wait_for(lambda: _mirror_lag(g.url) > 1, what="the mirror past its stale bound")

@@ -123,10 +123,9 @@ def test_eviction_publishes_removals(file_directory, make_workers) -> None:
 
 
 def test_worker_serves_while_the_directory_is_down_and_catches_up(make_cluster, make_workers) -> None:
-    c = make_cluster(3)
+    c = make_cluster(1)  # all of the directory down: its one replica is as good as three
     w = make_workers(c, 1)
-    for i in range(3):
-        c.kill(i)
+    c.kill(0)
     answer = _complete(w.urls[0], PROMPT)  # the request never waits for the directory
     assert answer["usage"]["prompt_tokens"] == len(PROMPT)
     c.start()
@@ -205,20 +204,19 @@ def test_openai_api_shapes_streaming_and_errors(file_directory, make_workers) ->
 
 def test_directory_rebuilds_from_workers_after_losing_all_state(make_cluster, make_workers) -> None:
     """Every replica loses its data dir at once (the worst case): the workers' next heartbeat
-    gets a 409, they register again and republish what they hold, and lookups find it again."""
+    gets a 409, they register again and republish what they hold, and lookups find it again (one replica: what a
+    3-replica cluster restarted whole recovers is test_replication's)."""
     import shutil
 
-    c = make_cluster(3)
+    c = make_cluster(1)
     w = make_workers(c, 1)
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="blocks published")
     old_epoch = httpx.get(w.urls[0] + "/health").json()["epoch"]
-    for i in range(3):
-        c.kill(i)
-    for i in range(3):
-        shutil.rmtree(c.data_dir / f"replica{i + 1}")
+    c.kill(0)
+    shutil.rmtree(c.data_dir / "replica1")
     c.start()
     c.wait_ready(60)
-    wait_for(lambda: _holders(c.replica_urls[1], PROMPT) == {"worker-1": 25}, timeout=30, what="blocks republished")
+    wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, timeout=30, what="blocks republished")
     assert httpx.get(w.urls[0] + "/health").json()["epoch"] >= 1
     assert old_epoch >= 1
