@@ -112,14 +112,17 @@ class EngineCurve:
 
 
 class OutputLengths:
-    """Per model, the decayed mean of the completion tokens its answers had."""
+    """Per model, the decayed mean of the completion tokens its answers had, starting from `prior` counted as
+    `PRIOR_WEIGHT` answers that decay like the others: one short answer (a client's warm-up of `max_tokens: 1`)
+    does not make every request ahead free, and a steady stream replaces the prior."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, prior: float = 0.0) -> None:
         self.decay = 1.0 - 1.0 / window
+        self.prior = prior
         self._sums: dict[str, tuple[float, float]] = {}  # model -> (decayed tokens, decayed count)
 
     def observe(self, model: str, tokens: int) -> None:
-        s, n = self._sums.get(model, (0.0, 0.0))
+        s, n = self._sums.get(model, (PRIOR_WEIGHT * self.prior, PRIOR_WEIGHT))
         self._sums[model] = (self.decay * s + tokens, self.decay * n + 1.0)
 
     def mean(self, model: str) -> float | None:
@@ -139,7 +142,7 @@ class TtftLearner:
         self.window = window
         self.output_prior = output_prior
         self.curves: dict[str, EngineCurve] = {}
-        self.outputs = OutputLengths(max(window, 1))
+        self.outputs = OutputLengths(max(window, 1), output_prior)
 
     @property
     def learning(self) -> bool:
