@@ -116,7 +116,7 @@ class OutputLengths:
     `PRIOR_WEIGHT` answers that decay like the others: one short answer (a client's warm-up of `max_tokens: 1`)
     does not make every request ahead free, and a steady stream replaces the prior."""
 
-    def __init__(self, window: int, prior: float = 0.0) -> None:
+    def __init__(self, window: int, prior: float) -> None:
         self.decay = 1.0 - 1.0 / window
         self.prior = prior
         self._sums: dict[str, tuple[float, float]] = {}  # model -> (decayed tokens, decayed count)

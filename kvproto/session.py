@@ -39,6 +39,7 @@ from itertools import islice
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError, RequestRejected, StaleEpochError, WrongShardError
 from kvproto.schemas import Region
+from kvproto.tasks import cancel_and_wait
 
 CHUNK = 4096  # entries per publish/remove request (the directory accepts 16384 by default)
 
@@ -378,8 +379,7 @@ class NodeSession:
                 delay = await self.sync()
                 await asyncio.sleep(interval if delay is None else delay)
         finally:
-            beats.cancel()
-            await asyncio.gather(beats, return_exceptions=True)
+            await cancel_and_wait(beats)
 
     async def close(self, deadline: float = 2.0) -> None:
         """Deregister if ever registered, so the node's entries go at once, not when the lease ends."""

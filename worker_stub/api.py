@@ -215,7 +215,6 @@ def _models(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def _add_openai_routes(app: FastAPI, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
-
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request, runtime: RuntimeDep) -> Response:
         _, body = parse_request(await request.body(), CompletionRequest)

@@ -104,7 +104,7 @@ def test_output_length_is_the_observed_mean_else_the_prior_capped_by_max_tokens(
 
 
 def test_output_lengths_decay_toward_the_recent_ones() -> None:
-    lengths = OutputLengths(window=8)
+    lengths = OutputLengths(window=8, prior=256)
     for _ in range(50):
         lengths.observe("m", 1000)
     for _ in range(50):
