@@ -197,12 +197,23 @@ class VllmEngine:
             pass
 
     @contextmanager
-    def frozen(self) -> Iterator[None]:
+    def frozen(self, timeout: float = 10.0) -> Iterator[None]:
         """The engine's processes stopped (SIGSTOP) for the block, then resumed (unless killed meanwhile): a source
-        that hangs mid-pull, as a hung host or a link that stopped moving looks to a reader."""
+        that hangs mid-pull, as a hung host or a link that stopped moving looks to a reader.
+
+        The block starts once every thread of the group has stopped, not when the signal is sent: a thread stops
+        only when it next runs, and on two busy cores the worker's were seen running 50 ms later, long enough to
+        serve a whole pull (7 ms) that a test meant to hang."""
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGSTOP)
         try:
+            end = time.monotonic() + timeout
+            while (running := _running_threads(self.proc.pid)) and time.monotonic() < end:
+                time.sleep(0.005)
+            if running:
+                raise RuntimeError(
+                    f"{self.name}: threads {running[:5]} of process group {self.proc.pid} still run {timeout} s after SIGSTOP"
+                )
             yield
         finally:
             with suppress(ProcessLookupError):
@@ -242,6 +253,23 @@ class VllmEngine:
             return [ln for ln in self.log.read_text(errors="replace").splitlines() if needle in ln]
         except OSError:
             return []
+
+
+def _running_threads(pgid: int) -> list[str]:
+    """The threads (pid/tid) of process group `pgid` not stopped yet (state T, or gone), from /proc."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                task = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                if task[task.rindex(")") + 2] not in "TtZX":
+                    out.append(f"{pid}/{tid}")
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return out
 
 
 @contextmanager

@@ -32,9 +32,12 @@ def test_the_gateway_reads_a_vllm_engines_running_and_waiting(engines: dict[str,
     seen: list[dict[str, Any]] = []
 
     def busy() -> bool:
+        # The KV usage too: vLLM allocates a request's blocks chunk by chunk as it prefills, so the first sample
+        # that shows the queue can show a quarter of the pool in use (seen: 0.25), before the four fill it.
         e = _engine(gateway, "vllm-a")
         seen.append(e)
-        return e["load_source"] == "scrape" and e["running"] >= 1 and e["waiting"] >= 1 and e["running"] + e["waiting"] == N
+        queued = e["running"] >= 1 and e["waiting"] >= 1 and e["running"] + e["waiting"] == N
+        return e["load_source"] == "scrape" and queued and e["kv_usage"] > 0.5
 
     with ThreadPoolExecutor(N) as pool:
         answers = [pool.submit(a.complete, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
@@ -44,7 +47,7 @@ def test_the_gateway_reads_a_vllm_engines_running_and_waiting(engines: dict[str,
             for f in answers:
                 f.result()
     e = seen[-1]
-    assert e["inflight"] == 0 and e["kv_usage"] > 0.5 and e["load_age_s"] < 2  # none of them the gateway's
+    assert e["inflight"] == 0 and e["load_age_s"] < 2  # none of them the gateway's
 
     def idle() -> bool:
         e = _engine(gateway, "vllm-a")

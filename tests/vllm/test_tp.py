@@ -9,7 +9,7 @@ TP 1 engine C in B's place (the conftest runs it right after test_first_pull.py:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,14 +117,18 @@ def _read_tags(session: str, tags_base: int, slots: list[int]) -> list[int]:
     return [int(h) for h in _read(session, tags_base, 16, slots).view("<u8")[:, 0]]
 
 
-def _zero_tag(session: str, tags_base: int, slot: int) -> None:
-    """Overwrite one block's tag hash in a holder's rank memory (Mooncake lets any peer write registered memory)."""
+@contextmanager
+def _tag_zeroed(session: str, tags_base: int, slot: int) -> Iterator[None]:
+    """One block's tag hash overwritten in a holder's rank memory (Mooncake lets any peer write registered memory),
+    by a transfer engine of this process that lives until the block ends: one torn down meanwhile was seen to hold
+    the holder's transfer thread for 6 s (B's read of that rank timed out at 5 s, and every block recomputed)."""
     te = NativeEngine()
     assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     zero = np.zeros(2, dtype="<u8")
     assert te.register_memory(zero.ctypes.data, zero.nbytes) == 0
     try:
         assert te.transfer_sync_write(session, zero.ctypes.data, tags_base + 16 * slot, 8) == 0
+        yield
     finally:
         te.unregister_memory(zero.ctypes.data)
 
@@ -172,10 +176,10 @@ def test_one_ranks_stale_tag_makes_every_rank_recompute(tp: Engines) -> None:
     node = _node(tp.directory, a.name)
     assert node is not None
     session, regions = _rank_regions(node, 1)
-    _zero_tag(session, next(r for r in regions if r["rkey"] == TAGS)["base_addr"], holder["slots"][0])
     b.reset_cache()
     failed, pulled = b.metric(FAILED), b.metric(PULL)
-    out = b.complete(PROMPT, kv_transfer_params=_plan(holder))
+    with _tag_zeroed(session, next(r for r in regions if r["rkey"] == TAGS)["base_addr"], holder["slots"][0]):
+        out = b.complete(PROMPT, kv_transfer_params=_plan(holder))
     # The block rank 1 found stale failed on both ranks (counted once); rank 0's good read of it is not a pull.
     assert b.metric(FAILED) - failed == 1, b.log_lines("pull from")
     pullable = min(len(holder["slots"]), (out["usage"]["prompt_tokens"] - 1) // BLOCK)
