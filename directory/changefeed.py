@@ -13,7 +13,7 @@ re-snapshots (410 on `GET /v1/watch?from=N`).
 
 A position beyond the feed's is `Ahead`: either the replica lags the one the watcher followed, or the
 watcher followed another directory (one rebuilt from empty data dirs, a reused shard name) whose
-history this one never had. Only the group's identity (kvproto.watch_codec.group_of) tells the two
+history this one never had. Only the group's identity (kvproto.codec.group_of) tells the two
 apart: the stream (directory.watch) waits for a lagging replica of the watcher's own group and
 refuses every other future position (410).
 """

@@ -18,7 +18,7 @@ from directory.changefeed import Compacted
 from directory.errors import RESPONSES, ApiError, commit
 from directory.metrics import DirectoryMetrics
 from directory.replica import Replica
-from kvproto import shardmap, watch_codec
+from kvproto import codec, shardmap
 from kvproto import state as st
 
 log = logging.getLogger("kvdir.directory")
@@ -29,7 +29,7 @@ router = APIRouter(responses=RESPONSES)
 @router.get(
     "/v1/watch",
     response_class=Response,
-    responses={200: {"content": {watch_codec.MEDIA_TYPE: {}}, "description": "a stream of frames (docs/protocol.md §3.2)"}},
+    responses={200: {"content": {codec.MEDIA_TYPE: {}}, "description": "a stream of frames (docs/protocol.md §3.2)"}},
 )
 async def watch_changes(
     request: Request,
@@ -37,7 +37,7 @@ async def watch_changes(
     group: int | None = Query(
         None,
         ge=1,
-        le=watch_codec.MAX_INT,
+        le=codec.MAX_INT,
         description="the group the consumer followed (a snapshot's or tick's `group`): 410 foreign_group for another's",
     ),
     replica: Replica = Depends(get_replica),

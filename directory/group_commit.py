@@ -19,6 +19,7 @@ from typing import Any
 from pysyncobj import FAIL_REASON
 
 from directory.state_machine import StateMachine
+from kvproto import codec
 from kvproto.errors import CommitTimeout
 from kvproto.state import Command, Publish, Remove, Result, command_size
 
@@ -132,7 +133,7 @@ class GroupCommitter:
                 self._wake_pending = True
                 self._loop.call_soon_threadsafe(self._take_outcomes)
 
-        self._sm.apply_batch([p.cmd for p in batch], callback=done)
+        self._sm.apply_batch(codec.encode_entry([p.cmd for p in batch]), callback=done)
 
     def _take_outcomes(self) -> None:
         self._wake_pending = False  # first: an outcome appended from here on schedules another call

@@ -23,7 +23,7 @@ from fastapi import Request
 from directory.auth import PRINCIPAL, Principal
 from directory.replica import Replica
 from kvproto import state as st
-from kvproto.watch_codec import group_of
+from kvproto.codec import group_of
 
 _encode = msgspec.json.Encoder().encode
 

@@ -5,8 +5,9 @@ anyone runs code as the replica's user when there is no Raft password), buffers 
 announced length on the Raft thread with quadratic `bytes +=` appends before it decrypts anything,
 and keeps any number of connections that never identify themselves. kvdir closes each gap:
 
-- frames decode with an unpickler that builds only the types Raft traffic carries (kvdir's
-  commands, numpy arrays, pysyncobj's nodes): anything else, `os.system` included, is refused;
+- frames decode with an unpickler that builds only the types Raft traffic carries (pysyncobj's
+  nodes and plain data; kvdir's entries and snapshots are kvproto.codec's bytes): anything else,
+  `os.system` included, is refused;
 - a frame's announced length is checked against a cap as soon as its 4-byte header arrives, before
   any of it is buffered: 64 KiB until the peer has proven the Raft password (or, without one, named
   itself as a configured peer), `raft_max_frame_bytes` after; the inflated size has the same cap;
@@ -16,13 +17,11 @@ and keeps any number of connections that never identify themselves. kvdir closes
   oldest is dropped for a new one) and none for longer than the Raft connection timeout.
 
 It also makes the write path cheaper: pysyncobj pickles with protocol 2, which writes
-bytes and numpy data as latin-1 text (~1.5x the size, and slow to encode), once for each log entry
-and again inside every message; and it zlib-compresses every message, which for random block
-hashes costs milliseconds a message and saves little. Here both pickle with `PICKLE_PROTOCOL` (raw
-bytes), and a message whose start does not compress is sent as a stored zlib stream (`_compress`),
-which any peer still inflates.
-The unpickler still resolves every global through the same allow list, whatever the protocol;
-protocol 2 data (journals and snapshots written before) still loads.
+bytes as latin-1 text (~1.5x the size, and slow to encode), once for each log entry and again
+inside every message; and it zlib-compresses every message, which for random block hashes costs
+milliseconds a message and saves little. Here both pickle with `PICKLE_PROTOCOL` (raw bytes), and
+a message whose start does not compress is sent as a stored zlib stream (`_compress`), which any
+peer still inflates.
 
 `install` swaps the connection class that pysyncobj's server and transport construct by name and
 its pickle loaders; `GuardedTransport` is passed to SyncObj as its transport class. The private
@@ -38,7 +37,6 @@ import logging
 import pickle
 import socket
 import struct
-import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -49,9 +47,6 @@ import pysyncobj.tcp_server as _tcp_server
 import pysyncobj.transport as _transport
 from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 from pysyncobj.transport import TCPTransport
-
-from kvproto import index as kvindex
-from kvproto import state as kvstate
 
 # pysyncobj's win_inet_pton replaces socket.inet_ntop on every OS with a Windows-only one that raises
 # TypeError elsewhere, for the whole process: put the real one back.
@@ -67,8 +62,8 @@ READ_BUDGET_BYTES = 4 << 20
 RECV_BYTES = 64 << 10
 """Per recv(): a larger buffer is allocated with mmap, a cost paid on every call, small frames included."""
 PICKLE_PROTOCOL = 4
-"""For log entries, messages and snapshots: bytes stay raw (protocol 3 on), and numpy arrays still
-pickle through `_reconstruct` (protocol 5 would add `_frombuffer` to the allow list for nothing)."""
+"""For log entries, messages and snapshots: bytes stay raw (protocol 3 on); protocol 5's out-of-band
+buffers would add globals to the allow list for nothing."""
 COMPRESS_LEVEL = 1
 """zlib level of outgoing messages that compress (`_compress`; pysyncobj used 3, which is slower for little gain)."""
 PROBE_BYTES, PROBE_RATIO = 1024, 0.9
@@ -87,13 +82,6 @@ def _compress(data: bytes) -> bytes:
     return zlib.compress(data, 0)
 
 
-def _latin1(text: str, encoding: str = "latin1") -> bytes:
-    """`_codecs.encode` as protocol 2 uses it for bytes, with no other codec."""
-    if encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"codec {encoding!r} is not allowed in Raft traffic")
-    return text.encode("latin1")
-
-
 def _sized(kind: type) -> Any:
     """`bytes`/`bytearray` from an iterable only: `bytes(2**40)` is a few bytes of pickle."""
 
@@ -106,26 +94,12 @@ def _sized(kind: type) -> Any:
 
 
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    ("_codecs", "encode"): _latin1,  # how protocol 2 pickles bytes
     **{(m, "set"): set for m in ("builtins", "__builtin__")},
     **{(m, "frozenset"): frozenset for m in ("builtins", "__builtin__")},
     **{(m, "bytes"): _sized(bytes) for m in ("builtins", "__builtin__")},
     **{(m, "bytearray"): _sized(bytearray) for m in ("builtins", "__builtin__")},
 }
-_ALLOWED_BY_NAME = {
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "scalar"),
-    ("pysyncobj.node", "Node"),
-    ("pysyncobj.node", "TCPNode"),
-}
-WIRE_MODULES = {kvstate: "directory.state", kvindex: "directory.index"}
-"""The replicated classes (commands, nodes, the state and index of a snapshot) and the module name their
-pickles carry. They lived in `directory` until they moved to `kvproto`; replicas of before read only that
-name, so `install` has a replica write it still (a rolling upgrade mixes versions) and the unpickler
-reads both: the old name from journals, snapshots and peers of before, the new one from a later release."""
-_REPLICATED = {name: m for m, wire in WIRE_MODULES.items() for name in (m.__name__, wire)}
+_ALLOWED_BY_NAME = {("pysyncobj.node", "Node"), ("pysyncobj.node", "TCPNode")}
 
 
 class _RaftUnpickler(pickle.Unpickler):
@@ -134,23 +108,7 @@ class _RaftUnpickler(pickle.Unpickler):
             return _ALLOWED_GLOBALS[module, name]
         if (module, name) in _ALLOWED_BY_NAME:
             return super().find_class(module, name)
-        if (home := _REPLICATED.get(module)) is not None:
-            obj = getattr(home, name, None)  # only the classes these modules define: nothing they import
-            if isinstance(obj, type) and obj.__module__ in (home.__name__, WIRE_MODULES[home]):
-                return obj
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in Raft traffic")
-
-
-def write_wire_names() -> None:
-    """Label the replicated classes with their wire module (`WIRE_MODULES`), so that pickle, which names a
-    class by its `__module__`, writes what replicas of before read, at the C pickler's speed (a rewriting
-    pickler cost ~10x per entry). Process-wide, like the rest of `install`; pickle finds the module under
-    that name too. Idempotent."""
-    for home, wire in WIRE_MODULES.items():
-        sys.modules.setdefault(wire, home)
-        for obj in vars(home).values():
-            if isinstance(obj, type) and obj.__module__ == home.__name__:
-                obj.__module__ = wire
 
 
 def safe_loads(data: bytes | str) -> Any:
@@ -393,16 +351,14 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj ships n
 
 
 def install(max_frame_bytes: int, max_pending: int, journal_unsynced: Callable[[], bool] = _never) -> None:
-    """Make pysyncobj build guarded connections, encode with `PICKLE_PROTOCOL` and the wire names
-    (`write_wire_names`) and decode with the restricted unpickler, holding messages while
-    `journal_unsynced()` (process-wide)."""
+    """Make pysyncobj build guarded connections, encode with `PICKLE_PROTOCOL` and decode with the
+    restricted unpickler, holding messages while `journal_unsynced()` (process-wide)."""
     global unsynced
     unsynced = journal_unsynced
     GuardedTcpConnection.max_frame_bytes = max_frame_bytes
     GuardedTransport.max_pending = max_pending
     _tcp_server.TcpConnection = GuardedTcpConnection
     _transport.TcpConnection = GuardedTcpConnection
-    write_wire_names()
     _sopickle.loads = safe_loads
     _sopickle.load = safe_load
     _sopickle.dumps = dumps

@@ -7,10 +7,10 @@ resuming, here or on another replica: positions are the same on every replica). 
 after N are no longer kept (directory.changefeed), the answer is 410 and the consumer asks again
 without `from`. While nothing changes, a tick every `TICK_S` says the replica's position and whether
 it is caught up with a leader (its staleness bound), so a consumer knows how fresh its mirror is.
-The frames are kvproto.watch_codec's.
+The frames are kvproto.codec's.
 
 Positions number one group's log only. A consumer resuming says which group it followed (`group=G`,
-watch_codec.group_of, which the snapshot and every tick carry): another group's position (a directory
+codec.group_of, which the snapshot and every tick carry): another group's position (a directory
 rebuilt from empty data dirs, a shard name reused) is 410 `foreign_group`, whatever its number. With its
 own group's, a position beyond this replica's is a replica lagging the one the consumer followed: the
 stream waits for it. Without `group` (a consumer of before group identities) a future position cannot be
@@ -41,7 +41,7 @@ from kvproto.state import Command, DirectoryState
 
 if TYPE_CHECKING:
     from directory.metrics import DirectoryMetrics
-from kvproto.watch_codec import MEDIA_TYPE, batch_frame, capture, group_of, snapshot_frame_parts, tick_frame
+from kvproto.codec import MEDIA_TYPE, batch_frame, capture, group_of, snapshot_frame_parts, tick_frame
 
 log = logging.getLogger("kvdir.directory")
 
@@ -66,7 +66,7 @@ class Watchers:
 
     Each open stream counts against `--watch-max-streams` and its key's `--watch-max-streams-per-token` (the
     token's line, or the client's address with auth off). A snapshot frame is built once (its entries read off
-    the state lock: watch_codec.capture) and shared by every stream that starts within `SNAPSHOT_REUSE_S` while
+    the state lock: codec.capture) and shared by every stream that starts within `SNAPSHOT_REUSE_S` while
     the feed still holds the changes after it, so twenty watchers joining at once cost one frame, not twenty.
     """
 

@@ -7,9 +7,9 @@ the stream's commands change it) and answers lookups in-process.
 
 A `Feed` follows one group: one replica at a time, failing over to the next of that group on any
 error and resuming from its log position (positions are the same on every replica of a group) and the
-group's identity (watch_codec.group_of: a rebuilt directory, or a reused shard name, is another group);
+group's identity (codec.group_of: a rebuilt directory, or a reused shard name, is another group);
 a position the replica will not resume (410: no longer kept, another group's, or a future one) makes
-it re-snapshot. The stream is not trusted: every frame is checked as it is decoded (watch_codec), and a
+it re-snapshot. The stream is not trusted: every frame is checked as it is decoded (codec), and a
 frame that fails, or a batch that does not bring the state to the position it names, drops the state
 and that source: the feed re-snapshots from the next replica. The feed's task is supervised: any other
 failure is logged with its traceback and counted (`restarts`), and the feed starts again from a
@@ -45,13 +45,13 @@ import numpy as np
 from pydantic import SecretStr
 
 from kvproto.client import DirectoryClient
+from kvproto.codec import FrameReader, WireError, decode_command, group_of, state_from
 from kvproto.errors import AuthError, DirectoryError
 from kvproto.index import warm_up
 from kvproto.schemas import Holder
 from kvproto.shardmap import ShardMap
 from kvproto.state import DirectoryState
 from kvproto.tasks import cancel_and_wait
-from kvproto.watch_codec import FrameReader, WireError, decode_command, group_of, state_from
 
 log = logging.getLogger("kvdir.gateway")
 

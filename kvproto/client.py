@@ -47,7 +47,6 @@ from kvproto.errors import (
     DirectoryUnavailable,
     InvalidRequestError,
     MalformedAnswer,
-    NotFoundError,
     WrongShardError,
     rejection,
 )
@@ -126,10 +125,7 @@ class DirectoryClient:
             self._map_lock = asyncio.Lock()
         async with self._map_lock:
             if not self._map_read or refresh:
-                try:
-                    doc = await self.request("GET", "/v1/shards")
-                except NotFoundError:
-                    doc = {"version": 0}  # a replica from before sharding: one group
+                doc = await self.request("GET", "/v1/shards")  # version 0: not sharded, one group
                 m = None if not doc.get("version") else ShardMap.model_validate({k: v for k, v in doc.items() if k != "shard"})
                 if m is not None and (self._map is None or m.version != self._map.version):
                     log.info("shard map version %d: %d shards", m.version, len(m.shards))

@@ -1,24 +1,37 @@
-"""The watch stream's wire format: the directory's commands and state snapshots as msgpack frames.
+"""The directory's one wire codec: Raft log entries, Raft snapshots and the watch stream, in msgpack.
 
-`GET /v1/watch` sends a byte stream of frames, each a 4-byte little-endian length and that many
-bytes of msgpack (one of the three frame kinds below). A consumer that applies the snapshot and then
-every batch, in order, to a `DirectoryState` of its own holds exactly the replicas' state: the
-state machine is deterministic, so the same commands give the same state and results. This module is
-shared by the replica (which encodes) and the gateway's mirror (which decodes); it carries no
-pickle, so a consumer never runs code chosen by whoever sends it bytes.
+Everything the replicated log carries is encoded here and nowhere else: a Raft entry is a batch of commands
+(`encode_entry`), a Raft snapshot the whole state (`encode_state`), and the watch stream sends the same commands
+and a snapshot of the same state to the gateways' mirrors (`batch_frame`, `snapshot_frame_parts`). pysyncobj still
+pickles its own messages, but what they carry of kvdir's is these bytes: the Raft port's unpickler builds no
+kvdir class and no numpy array (directory/raft_transport.py).
 
-Frames (msgpack maps; `k` names the kind):
+Every encoding carries `VERSION`, and every decoder refuses another one (`VersionError`): a replica never
+applies an entry, nor loads a snapshot, whose layout it would have to guess, and a mirror refuses a stream it
+cannot read (it falls back to asking the directory over REST). Adding a field to a command is a change here
+only (`encode_command`, `decode_command`) and a version bump; docs/protocol.md §3.3 says how a cluster moves
+across one.
+
+The watch stream (`GET /v1/watch`) is a byte stream of frames, each a 4-byte little-endian length and that many
+bytes of msgpack (one of the three frame kinds below). A consumer that applies the snapshot and then every
+batch, in order, to a `DirectoryState` of its own holds exactly the replicas' state: the state machine is
+deterministic, so the same commands give the same state and results. It carries no pickle, so a consumer never
+runs code chosen by whoever sends it bytes.
+
+Frames (msgpack maps; `k` names the kind, `v` is `VERSION`):
 - `{"k": "snapshot", "position": P, "group": G, "state": {...}}`: the whole state at position P.
 - `{"k": "batch", "position": P, "commands": [...]}`: the commands that brought the state to P.
 - `{"k": "tick", "position": P, "fresh": bool, "bound_s": float, "group": G}`: nothing new up to P; `fresh`
   says whether the sending replica was caught up with a leader within its staleness bound `bound_s`.
 `G` is the group's identity (`group_of`), nil before its first registration.
 
-Everything decoded is checked (`WireError` else): the frames' fields, every command's types and ranges,
-and a snapshot's internal consistency (node indices within its bounds and at most `MAX_NODES`, every
-holder a registered node, every slot within its node's capacity, each (key, node) pair once), so that
-whoever can send a consumer bytes cannot make it fail outside `WireError` or allocate by a number it
-chose (a node index near 2**32 sized the index's per-node counts at tens of GB).
+Everything a watcher decodes is checked (`WireError` else): the frames' fields, every command's types and
+ranges, and a snapshot's internal consistency (node indices within its bounds and at most `MAX_NODES`, every
+holder a registered node, every slot within its node's capacity, each (key, node) pair once), so that whoever
+can send a consumer bytes cannot make it fail outside `WireError` or allocate by a number it chose (a node
+index near 2**32 sized the index's per-node counts at tens of GB). A Raft snapshot comes from this replica's
+own disk or from its authenticated leader: its nodes are checked the same way, and its index is restored as
+the leader's was partitioned (`BlockIndex.restore`), not re-sorted (5M entries: 1.6 s of the Raft thread).
 
 Commands are lists led by a one-letter tag; hashes are packed little-endian uint64 bytes and slots
 uint32, so a publish of n blocks costs two byte strings, not n objects.
@@ -61,12 +74,42 @@ MAX_NODES = 1 << 16
 on every lookup. A directory run with a larger --max-nodes cannot be mirrored (the gateway asks it over REST)."""
 MAX_INT = (1 << 63) - 1  # epochs, counts and positions are int64 on every replica
 
+VERSION = 1
+"""The layout of every entry, snapshot and frame this module writes; decoders read this one only."""
+
+_ARRAY_DTYPES = (np.dtype("<u8"), np.dtype("<u4"), np.dtype("<i8"))
+"""The array types of a Raft snapshot's index (msgpack extension type = position here + 1)."""
+
+
+def _array_to_ext(obj: Any) -> msgspec.msgpack.Ext:
+    if isinstance(obj, np.ndarray) and obj.ndim == 1 and obj.dtype in _ARRAY_DTYPES:
+        return msgspec.msgpack.Ext(_ARRAY_DTYPES.index(obj.dtype) + 1, np.ascontiguousarray(obj).data.cast("B"))
+    raise TypeError(f"not encodable in a kvdir snapshot: {type(obj).__name__}")
+
+
+def _ext_to_array(code: int, data: memoryview) -> np.ndarray:
+    if not 1 <= code <= len(_ARRAY_DTYPES) or len(data) % _ARRAY_DTYPES[code - 1].itemsize:
+        raise WireError(f"an array of type {code} and {len(data)} bytes")
+    return np.frombuffer(data, dtype=_ARRAY_DTYPES[code - 1]).copy()  # its own memory: the index writes in place
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
+_state_encoder = msgspec.msgpack.Encoder(enc_hook=_array_to_ext)
+_state_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_to_array)
 
 
 class WireError(ValueError):
-    """A frame that does not decode to a command, batch or snapshot."""
+    """Bytes that do not decode to a command, entry, snapshot or frame."""
+
+
+class VersionError(WireError):
+    """Bytes written by another version of this codec."""
+
+
+def _version(v: Any, what: str) -> None:
+    if v != VERSION:
+        raise VersionError(f"{what} of codec version {v!r:.20}; this kvdir reads version {VERSION} only")
 
 
 def group_of(s: DirectoryState) -> int | None:
@@ -178,11 +221,21 @@ def _profile(p: NodeProfile) -> list[Any]:
 
 
 def _unprofile(v: Any) -> NodeProfile:
-    models, fingerprint, tenant, shared, *rest = _list(v)  # no fifth: a replica of before DP ranks
-    if len(rest) > 1:
-        raise WireError(f"a profile of {4 + len(rest)} fields")
-    dp_rank = _opt_int(rest[0], 0, 65535) if rest else None
-    return NodeProfile(tuple(_str(m) for m in _list(models)), _opt_str(fingerprint), _str(tenant), _bool(shared), dp_rank)
+    models, fingerprint, tenant, shared, dp_rank = _fields(v, 5, "a profile")
+    return NodeProfile(
+        tuple(_str(m) for m in _list(models)), _opt_str(fingerprint), _str(tenant), _bool(shared), _opt_int(dp_rank, 0, 65535)
+    )
+
+
+def _fields(v: Any, n: int, what: str) -> list[Any]:
+    """`v` if it is a list of `n` fields (one more or less is another layout: another codec version)."""
+    if len(_list(v)) != n:
+        raise WireError(f"{what} of {len(v)} fields, not {n}")
+    return v  # type: ignore[no-any-return]
+
+
+_ARITY = {"P": 5, "R": 3, "H": 3, "G": 9, "D": 2, "C": 2, "E": 3, "A": 2, "S": 6, "N": 0}
+"""Each command tag's number of fields after the tag."""
 
 
 def encode_command(c: Command) -> list[Any]:
@@ -225,6 +278,9 @@ def decode_command(v: Any) -> Command:
     """The command `encode_command` made `v` from, its fields checked; WireError for anything else."""
     try:
         tag, *f = _list(v)
+        if tag not in _ARITY:
+            raise WireError(f"an unknown command tag {tag!r:.40}")
+        _fields(f, _ARITY[tag], f"a {tag!r} command")
         if tag == "P":
             hashes, slots = _u64(f[2]), _u32(f[3])
             if len(hashes) != len(slots):
@@ -235,7 +291,7 @@ def decode_command(v: Any) -> Command:
         if tag == "H":
             return Heartbeat(_str(f[0]), _int(f[1]), None if f[2] is None else _load(f[2]))
         if tag == "G":
-            profile = _unprofile(f[8]) if len(f) > 8 and f[8] is not None else None  # absent: a replica of before profiles
+            profile = None if f[8] is None else _unprofile(f[8])
             return Register(
                 _str(f[0]),
                 _str(f[1]),
@@ -248,7 +304,7 @@ def decode_command(v: Any) -> Command:
                 profile,
             )
         if tag == "D":
-            return Deregister(_str(f[0]), _opt_int(f[1]) if len(f) > 1 else None)  # absent: an older replica
+            return Deregister(_str(f[0]), _opt_int(f[1]))
         if tag == "C":
             return Clear(_str(f[0]), _int(f[1]))
         if tag == "E":
@@ -257,11 +313,9 @@ def decode_command(v: Any) -> Command:
             return AnnounceReplica(_str(f[0]), _str(f[1]))
         if tag == "S":
             return _assign_shards(f)
-        if tag == "N":
-            return Noop()
+        return Noop()
     except (TypeError, ValueError, IndexError, AttributeError) as exc:
         raise WireError(f"a malformed command: {exc}") from exc
-    raise WireError(f"an unknown command tag {tag!r:.40}")
 
 
 def _assign_shards(f: list[Any]) -> AssignShards:
@@ -269,7 +323,7 @@ def _assign_shards(f: list[Any]) -> AssignShards:
     pins = tuple((_str(a), _str(b)) for a, b in (_list(p) for p in _list(f[3])))
     if not names:
         raise ValueError("a shard map of no shards")
-    return AssignShards(_int(f[0]), _str(f[1]), names, pins, _str(f[4]), _bool(f[5]) if len(f) > 5 else False)
+    return AssignShards(_int(f[0]), _str(f[1]), names, pins, _str(f[4]), _bool(f[5]))
 
 
 # -- snapshots ---------------------------------------------------------------------------------
@@ -341,11 +395,18 @@ def state_from(snap: dict[str, Any], merge_threshold: int = 16384) -> DirectoryS
 
 
 def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
+    s = _state_head(snap, merge_threshold, MAX_NODES)
+    _load_entries(s, snap)
+    return s
+
+
+def _state_head(snap: dict[str, Any], merge_threshold: int, most_nodes: int) -> DirectoryState:
+    """A state with the snapshot's nodes, replicas, shard map and counters, checked, and no entries yet."""
     if type(snap) is not dict:
         raise TypeError(f"a snapshot is a map, not {type(snap).__name__}")
     max_nodes = _int(snap["max_nodes"], 1)
-    if max_nodes > MAX_NODES:
-        raise ValueError(f"max_nodes {max_nodes}: a mirror holds at most {MAX_NODES} nodes")
+    if max_nodes > most_nodes:
+        raise ValueError(f"max_nodes {max_nodes}: a mirror holds at most {most_nodes} nodes")
     s = DirectoryState(max_nodes, _int(snap["max_entries"], 1), merge_threshold)
     s.applied = _int(snap["applied"])
     s.epoch_counter = _int(snap["epoch_counter"])
@@ -358,7 +419,7 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
     if snap.get("shard_map") is not None:
         s.shard_map = _assign_shards(_list(snap["shard_map"]))
     for f in _list(snap["nodes"]):
-        f = _list(f)
+        f = _fields(f, 12, "a node")
         n = Node(
             _str(f[0]),
             _int(f[1], 0, s._next_idx - 1),
@@ -371,7 +432,7 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
             _opt_int(f[8], 1),
             _load(f[9]),
             _int(f[10]),
-            _unprofile(f[11]) if len(f) > 11 and f[11] is not None else None,
+            None if f[11] is None else _unprofile(f[11]),
         )
         if n.node_id in s.nodes or n.idx in s.by_idx:
             raise ValueError(f"node {n.node_id!r:.40} or its index {n.idx} is listed twice")
@@ -382,6 +443,11 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
     # Every index below next_idx is a node's or free, exactly once: what registrations take indices from.
     if len(s._free_idx) + len(s.by_idx) != s._next_idx or set(s._free_idx) & set(s.by_idx):
         raise ValueError(f"node indices and free indices do not partition [0, {s._next_idx})")
+    return s
+
+
+def _load_entries(s: DirectoryState, snap: dict[str, Any]) -> None:
+    """The snapshot's entry columns into `s`'s index, each checked against `s`'s nodes."""
     keys, holders, slots = _u64(snap["keys"]), _u32(snap["holders"]), _u32(snap["slots"])
     if not len(keys) == len(holders) == len(slots):
         raise ValueError("keys, holders and slots differ in length")
@@ -413,6 +479,51 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
             raise ValueError("a (key, node) entry listed twice")
     s.index.load(keys, holders, slots)
     s.rebuild_endpoints()
+
+
+# -- Raft: log entries and snapshots -------------------------------------------------------------
+
+
+def encode_entry(commands: list[Command]) -> bytes:
+    """A Raft log entry: a batch of commands that the state machine applies in one call."""
+    return _encoder.encode([VERSION, [encode_command(c) for c in commands]])
+
+
+def decode_entry(data: bytes) -> list[Command]:
+    """The commands of an entry `encode_entry` wrote; WireError (VersionError) for anything else."""
+    try:
+        entry = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"a Raft entry that is not msgpack: {exc}") from exc
+    version, commands = _fields(entry, 2, "a Raft entry")
+    _version(version, "a Raft entry")
+    return [decode_command(c) for c in _list(commands)]
+
+
+def encode_state(s: DirectoryState) -> bytes:
+    """A Raft snapshot: the state's nodes as the watch stream sends them, and its index as it is partitioned
+    (`BlockIndex.export`), so that loading it rebuilds no partition. O(entries): Raft takes it in the child it
+    forks to write a snapshot (directory/journal.py), never on its own thread when there is a data dir."""
+    return _state_encoder.encode({"v": VERSION, "head": _head(s), "index": s.index.export()})
+
+
+def decode_state(data: bytes) -> DirectoryState:
+    """The state `encode_state` wrote; WireError (VersionError) if the bytes are another version's or malformed."""
+    try:
+        snap = _state_decoder.decode(data)
+        if type(snap) is not dict:
+            raise TypeError(f"a Raft snapshot is a map, not {type(snap).__name__}")
+        _version(snap.get("v"), "a Raft snapshot")
+        index = snap["index"]
+        s = _state_head(snap["head"], _int(index["merge_threshold"], 1), MAX_INT)
+        s.index.restore(index)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"a Raft snapshot that is not msgpack: {exc}") from exc
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"a malformed Raft snapshot: {exc}") from exc
+    s.rebuild_endpoints()
     return s
 
 
@@ -426,7 +537,7 @@ def frame(obj: dict[str, Any]) -> bytes:
 
 def snapshot_message(snap: dict[str, Any]) -> dict[str, Any]:
     """The snapshot frame's message for `snapshot_of`'s result (encode it with `frame`, off the state lock)."""
-    return {"k": "snapshot", "position": snap["applied"], "group": _group(snap["epoch_counter"]), "state": snap}
+    return {"v": VERSION, "k": "snapshot", "position": snap["applied"], "group": _group(snap["epoch_counter"]), "state": snap}
 
 
 def snapshot_frame_parts(head: dict[str, Any], entries: FrozenEntries) -> list[bytes | memoryview]:
@@ -458,11 +569,11 @@ def _bin_header(n: int) -> bytes:
 
 
 def batch_frame(position: int, commands: list[Command]) -> bytes:
-    return frame({"k": "batch", "position": position, "commands": [encode_command(c) for c in commands]})
+    return frame({"v": VERSION, "k": "batch", "position": position, "commands": [encode_command(c) for c in commands]})
 
 
 def tick_frame(position: int, fresh: bool, bound_s: float, *, group: int | None) -> bytes:
-    return frame({"k": "tick", "position": position, "fresh": fresh, "bound_s": bound_s, "group": group})
+    return frame({"v": VERSION, "k": "tick", "position": position, "fresh": fresh, "bound_s": bound_s, "group": group})
 
 
 def decode_batch(f: dict[str, Any]) -> tuple[int, list[Command]]:
@@ -476,6 +587,7 @@ def _check(obj: Any) -> dict[str, Any]:
     if type(obj) is not dict or obj.get("k") not in ("snapshot", "batch", "tick"):
         raise WireError("a frame that is not a snapshot, batch or tick")
     kind = obj["k"]
+    _version(obj.get("v"), f"a {kind} frame")
     try:
         _int(obj["position"])
         if kind == "tick":
@@ -486,7 +598,7 @@ def _check(obj: Any) -> dict[str, Any]:
             _list(obj["commands"])
         elif type(obj["state"]) is not dict:
             raise TypeError(f"a snapshot's state is a map, not {type(obj['state']).__name__}")
-        if "group" in obj:  # absent: a replica of before group identities
+        if kind != "batch":
             _opt_int(obj["group"])
     except KeyError as exc:
         raise WireError(f"a {kind} frame without {exc}") from exc

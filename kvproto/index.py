@@ -298,41 +298,34 @@ class BlockIndex(_Levels):
         main = [(p.ukeys, p.starts, p.nodes, p.slots) for p in self._parts]
         return FrozenEntries(main, (self._rkeys, self._rnodes, self._rslots), self._size)
 
-    # -- pickling (Raft snapshots) ------------------------------------------------------
+    # -- Raft snapshots (kvproto.codec) ---------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Arrays and numbers: the probe and address tables are rebuilt on load (the addresses would be
-        meaningless), and Raft's unpickler builds no other types."""
+    def export(self) -> dict[str, Any]:
+        """The index as arrays and numbers, partitioned as it is (kvproto.codec.encode_state): the probe and
+        address tables are rebuilt by `restore` (addresses would be meaningless in another process). A partition's
+        `hi` is written inclusive: the last one's exclusive bound, 2**64, is no msgpack integer."""
         return {
             "merge_threshold": self.merge_threshold,
-            "parts": [(p.lo, p.hi, p.ukeys, p.starts, p.nodes, p.slots) for p in self._parts],
+            "parts": [[p.lo, p.hi - 1, p.ukeys, p.starts, p.nodes, p.slots] for p in self._parts],
             "dead": self._dead,
-            "recent": (self._rkeys, self._rnodes, self._rslots),
+            "recent": [self._rkeys, self._rnodes, self._rslots],
             "size": self._size,
-            "counts": self._counts,
+            "counts": sorted(self._counts.items()),
             "node_bound": self._node_bound,
         }
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore a snapshot; one taken before partitions (a single main level) is loaded from its entries."""
-        if "parts" not in state:
-            self.merge_threshold = state["merge_threshold"]
-            keys = np.repeat(state["_ukeys"], np.diff(state["_starts"][:-1]))
-            live = state["_nodes"] != DEAD
-            self.load(
-                np.concatenate([keys[live], state["_rkeys"]]),
-                np.concatenate([state["_nodes"][live], state["_rnodes"]]),
-                np.concatenate([state["_slots"][live], state["_rslots"]]),
-            )
-            self._node_bound = max(self._node_bound, state["_node_bound"])
-            return
+    def restore(self, state: dict[str, Any]) -> None:
+        """Replace this index by what `export` gave (a snapshot from this replica's disk or its leader)."""
         self.merge_threshold = state["merge_threshold"]
-        self._parts = [_Part(int(lo), int(hi), main) for lo, hi, *main in state["parts"]]
+        self._parts = [
+            _Part(int(lo), int(last) + 1, (ukeys, starts, nodes, slots))
+            for lo, last, ukeys, starts, nodes, slots in state["parts"]
+        ]
         self._dead = state["dead"]
         self._rkeys, self._rnodes, self._rslots = state["recent"]
         self._recent_shared, self._nshared = False, 0
         self._size = state["size"]
-        self._counts = state["counts"]
+        self._counts = {int(node): int(n) for node, n in state["counts"]}
         self._node_bound = state["node_bound"]
         self._relayout()
         where = np.searchsorted(self._prm[:, _LO], self._rkeys, side="right") - 1

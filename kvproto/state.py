@@ -29,7 +29,7 @@ Rules (everything that changes replicated state lives here):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -65,11 +65,6 @@ class NodeProfile:
     shared: bool = False
     dp_rank: int | None = None
 
-    def __setstate__(self, state: list[Any]) -> None:
-        """Unpickle a profile of any version: one written before `dp_rank` existed has four fields."""
-        for f, value in zip(fields(self), [*state, None][: len(fields(self))]):
-            object.__setattr__(self, f.name, value)
-
 
 @dataclass(frozen=True, slots=True)
 class Register:
@@ -83,18 +78,13 @@ class Register:
     epoch_base: int = 0
     """Where the epoch counter starts if no epoch was ever handed out (see `new_epoch_base`)."""
     profile: NodeProfile | None = None
-    """What the engine serves and whom (docs/protocol.md §2.1); None: a registration from before profiles."""
-
-    def __setstate__(self, state: list[Any]) -> None:
-        """Unpickle a Raft entry of any version: one written before `profile` existed has eight fields."""
-        for f, value in zip(fields(self), [*state, None][: len(fields(self))]):
-            object.__setattr__(self, f.name, value)
+    """What the engine serves and whom (docs/protocol.md §2.1); None: a registration that names none."""
 
 
 EPOCH_BASE_BITS = 31
 """An epoch is `high << EPOCH_BASE_BITS | low`, exact as an int64 (below 2**63): `high` (32 bits) is a group's
 SHARD_BITS shard index under `EPOCH_HIGH_RANDOM_BITS` random bits, fixed by its first registration (its identity,
-kvproto.watch_codec.group_of); `low` starts at a random offset below 2**EPOCH_OFFSET_BITS and counts
+kvproto.codec.group_of); `low` starts at a random offset below 2**EPOCH_OFFSET_BITS and counts
 registrations."""
 EPOCH_HIGH_RANDOM_BITS = 32 - SHARD_BITS
 EPOCH_OFFSET_BITS = EPOCH_BASE_BITS - 1
@@ -133,12 +123,7 @@ class Deregister:
     epoch: int | None = None
     """The registration it ends: refused (STALE_EPOCH) if the node has registered again since, so a retried or
     resent deregistration never drops a newer registration. None: whatever registration is current (an admin's
-    deregistration, or a Raft entry written before deregistrations named an epoch)."""
-
-    def __setstate__(self, state: list[Any]) -> None:
-        """Unpickle a Raft entry of any version: one written before `epoch` existed has one field."""
-        for f, value in zip(fields(self), [*state, None][: len(fields(self))]):
-            object.__setattr__(self, f.name, value)
+    deregistration)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +185,6 @@ class AssignShards:
     def of(cls, m: ShardMap, shard: str, bootstrap: bool = False) -> AssignShards:
         """The command that commits map `m` in the group that is shard `shard`."""
         return cls(m.version, shard, m.names, tuple(sorted(m.nodes.items())), m.document(), bootstrap)
-
-    def __setstate__(self, state: list[Any]) -> None:
-        """Unpickle a Raft entry of any version: one written before `bootstrap` existed has five fields."""
-        for f, value in zip(fields(self), [*state, False][: len(fields(self))]):
-            object.__setattr__(self, f.name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,13 +255,6 @@ class Node:
     seen: int = 0
     profile: NodeProfile | None = None
 
-    def __setstate__(self, state: tuple[Any, dict[str, Any]] | dict[str, Any]) -> None:
-        """Unpickle a snapshot's node of any version: one written before `profile` existed lacks it."""
-        slots = state[1] if isinstance(state, tuple) else state
-        self.profile = None
-        for name, value in slots.items():
-            setattr(self, name, value)
-
 
 def tenant_of(profile: NodeProfile | None) -> str:
     """The tenant a node belongs to: its registrant's (a shared node's too), "" for a registration without a profile."""
@@ -315,19 +288,8 @@ class DirectoryState:
         self._endpoints: dict[str, dict[str, set[str]]] = {}
         """endpoint key -> tenant -> ids of the nodes of that tenant that name it (derived from `nodes`)."""
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle (Raft snapshots) without the derived endpoint index: snapshots stay what replicas of before read."""
-        state = self.__dict__.copy()
-        state.pop("_endpoints", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle a snapshot of any version and derive the endpoint index from its nodes."""
-        self.__dict__.update(state)
-        self.rebuild_endpoints()
-
     def rebuild_endpoints(self) -> None:
-        """Derive the endpoint index from `nodes`: after a snapshot is loaded (pickled or decoded)."""
+        """Derive the endpoint index from `nodes`: after a snapshot is decoded (kvproto.codec)."""
         self._endpoints = {}
         for node in self.nodes.values():
             self._hold(node)

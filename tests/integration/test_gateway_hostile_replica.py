@@ -72,6 +72,8 @@ def hostile() -> Iterator[Hostile]:
                 self._answer(200, {"object": "list", "data": [{"id": MODEL, "max_model_len": 4096}]})
             elif self.path == "/v1/cluster":
                 self._answer(200, {"term": 1})
+            elif self.path == "/v1/shards":  # as every replica answers when not sharded
+                self._answer(200, {"version": 0, "shard": None, "shards": {}, "nodes": {}})
             else:
                 self._answer(404, {"error": "not_found"})
 

@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from gateway.mirror import Feed
+from kvproto.codec import MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from kvproto.state import DirectoryState, Register, new_epoch_base
-from kvproto.watch_codec import MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from tests.support.wait import until
 
 TICK_S = 0.05

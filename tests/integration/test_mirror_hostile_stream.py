@@ -1,5 +1,5 @@
 """A gateway whose directory URLs lead to a hostile watch stream (issue #29, item 4): a real gateway process,
-and two small HTTP servers on 127.0.0.1 that speak the watch stream's wire format (kvproto.watch_codec)
+and two small HTTP servers on 127.0.0.1 that speak the watch stream's wire format (kvproto.codec)
 and send, one connection after the other, frames malformed in every way a frame can be, then a good stream.
 
 The gateway must refuse each malformed frame, drop the state it had from that source and snapshot again
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kvdir.local_cluster import Gateway, free_ports
+from kvproto.codec import HEADER, MEDIA_TYPE, VERSION, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from kvproto.state import DirectoryState, Publish, Register, new_epoch_base
-from kvproto.watch_codec import HEADER, MEDIA_TYPE, frame, group_of, snapshot_message, snapshot_of, tick_frame
 from tests.support.metrics import mirror_gauges
 from tests.support.wait import wait_for
 
@@ -49,7 +49,7 @@ def _snap(spoil: Callable[[dict[str, object]], object] | None = None) -> bytes:
 
 
 def _tick(**fields: object) -> bytes:
-    return frame({"k": "tick", "position": P, "fresh": True, "bound_s": 0.5, "group": G, **fields})
+    return frame({"v": VERSION, "k": "tick", "position": P, "fresh": True, "bound_s": 0.5, "group": G, **fields})
 
 
 def _without(key: str) -> Callable[[dict[str, object]], object]:
@@ -72,7 +72,7 @@ def _slot(value: int) -> Callable[[dict[str, object]], None]:
 
 
 def _tick_without(key: str) -> bytes:
-    d = {"k": "tick", "position": P, "fresh": True, "bound_s": 0.5, "group": G}
+    d = {"v": VERSION, "k": "tick", "position": P, "fresh": True, "bound_s": 0.5, "group": G}
     d.pop(key)
     return frame(d)
 
@@ -94,23 +94,24 @@ MALFORMED: list[tuple[str, list[bytes]]] = [
     ("snapshot with a slot beyond its node's capacity", [_snap(_slot(64))]),
     ("tick of another group", [_snap(), _tick(group=G + 1)]),
     ("snapshot without nodes", [_snap(_without("nodes"))]),
-    ("batch with an unknown command", [_snap(), frame({"k": "batch", "position": P + 1, "commands": [["Z"]]})]),
+    ("batch with an unknown command", [_snap(), frame({"v": VERSION, "k": "batch", "position": P + 1, "commands": [["Z"]]})]),
     ("snapshot frame of another group", [_spoiled_group()]),
     (
         "batch with a torn publish",
-        [_snap(), frame({"k": "batch", "position": P + 1, "commands": [["P", "n1", EPOCH, b"\0" * 7, b"", None]]})],
+        [_snap(), frame({"v": VERSION, "k": "batch", "position": P + 1, "commands": [["P", "n1", EPOCH, b"\0" * 7, b"", None]]})],
     ),
     ("a frame that is not msgpack", [HEADER.pack(4) + b"\xc1\xc1\xc1\xc1"]),
-    ("batch to the wrong position", [_snap(), frame({"k": "batch", "position": P + 5, "commands": [["N"]]})]),
-    ("a frame of an unknown kind", [frame({"k": "evil", "position": P})]),
+    ("batch to the wrong position", [_snap(), frame({"v": VERSION, "k": "batch", "position": P + 5, "commands": [["N"]]})]),
+    ("a frame of an unknown kind", [frame({"v": VERSION, "k": "evil", "position": P})]),
     (
         "batch with a string epoch",
-        [_snap(), frame({"k": "batch", "position": P + 1, "commands": [["H", "n1", str(EPOCH), None]]})],
+        [_snap(), frame({"v": VERSION, "k": "batch", "position": P + 1, "commands": [["H", "n1", str(EPOCH), None]]})],
     ),
     ("snapshot with a mistyped load", [_snap(lambda s: s["nodes"][0].__setitem__(9, {"running": "many"}))]),  # type: ignore[index]
-    ("batch half good", [_snap(), frame({"k": "batch", "position": P + 2, "commands": [["N"], ["C", "n1", "x"]]})]),
+    ("batch half good", [_snap(), frame({"v": VERSION, "k": "batch", "position": P + 2, "commands": [["N"], ["C", "n1", "x"]]})]),
     ("a frame over the limit", [HEADER.pack(2**31)]),
-    ("batch whose commands are no list", [_snap(), frame({"k": "batch", "position": P + 1, "commands": {"N": 1}})]),
+    ("batch whose commands are no list", [_snap(), frame({"v": VERSION, "k": "batch", "position": P + 1, "commands": {"N": 1}})]),
+    ("a frame of another codec version", [_snap(), frame({"v": VERSION + 1, "k": "batch", "position": P + 1, "commands": []})]),
 ]
 
 
@@ -223,7 +224,7 @@ def test_every_malformed_frame_drops_its_source_and_the_gateway_snapshots_from_t
 def test_the_fake_speaks_the_real_format() -> None:
     """The good stream the fake sends decodes to the state it was made from (the test above is about the
     malformed ones only)."""
-    from kvproto.watch_codec import FrameReader, state_from
+    from kvproto.codec import FrameReader, state_from
 
     (f,) = FrameReader().feed(_snap())
     assert state_from(f["state"]).digest() == STATE.digest() and f["group"] == G

@@ -101,7 +101,7 @@ def test_profiles_are_registered_listed_and_kept_across_a_leader_change_and_a_re
     new_leader = wait_for(elected, timeout=60, what="a new leader among the survivors")
     _everywhere(c, expected, among=survivors)
     # A new registration commits under the new leader; the killed replica restarts from its data dir (its
-    # journal's entries unpickled) and catches up with it.
+    # journal's entries decoded) and catches up with it.
     r = httpx.post(
         new_leader + "/v1/nodes",
         json={"node_id": "worker-4", "api_url": "http://127.0.0.1:12", "models": ["m2"], "fingerprint": "fp-2"},

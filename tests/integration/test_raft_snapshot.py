@@ -1,5 +1,5 @@
-"""A real single-replica Raft node (it binds its ports on 127.0.0.1) writes a snapshot and a new one reloads it
-through kvdir's guarded unpickler. The unpickler's rules without sockets are in tests/unit/test_raft_transport.py."""
+"""A real single-replica Raft node (it binds its ports on 127.0.0.1) writes a snapshot (kvproto.codec's bytes, in
+pysyncobj's pickle) and a new one reloads it through kvdir's guarded unpickler. The unpickler's rules without sockets are in tests/unit/test_raft_transport.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 from directory.config import DirectorySettings
 from directory.replica import Replica
 from kvdir.local_cluster import free_ports
+from kvproto.codec import encode_entry
 from kvproto.state import NodeProfile, Publish, Register
 from tests.support.wait import wait_for
 
@@ -25,17 +26,19 @@ def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path:
         wait_for(lambda: replica.is_leader, timeout=30.0, what="a leader")
         assert (
             replica.sm.apply_batch(
-                [
-                    Register(
-                        "n",
-                        "inc",
-                        "http://127.0.0.1:9",
-                        regions=({"base": 4096, "rkey": "k"},),
-                        epoch_base=1 << 31,
-                        profile=PROFILE,
-                    ),
-                    Register("old", "inc", "http://127.0.0.1:10"),  # a registration of before profiles
-                ],
+                encode_entry(
+                    [
+                        Register(
+                            "n",
+                            "inc",
+                            "http://127.0.0.1:9",
+                            regions=({"base": 4096, "rkey": "k"},),
+                            epoch_base=1 << 31,
+                            profile=PROFILE,
+                        ),
+                        Register("old", "inc", "http://127.0.0.1:10"),  # a registration that names no profile
+                    ]
+                ),
                 sync=True,
                 timeout=10,
             )[0].status
@@ -43,7 +46,9 @@ def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path:
         )
         epoch = replica.state.nodes["n"].epoch
         hashes = np.arange(1, 1001, dtype=np.uint64)
-        replica.sm.apply_batch([Publish("n", epoch, hashes, np.arange(1000, dtype=np.uint32))], sync=True, timeout=10)
+        replica.sm.apply_batch(
+            encode_entry([Publish("n", epoch, hashes, np.arange(1000, dtype=np.uint32))]), sync=True, timeout=10
+        )
         digest = replica.state.digest()
         replica.raft.forceLogCompaction()
         wait_for(

@@ -14,23 +14,21 @@ import pytest
 from pysyncobj.poller import createPoller
 
 from directory import raft_transport
+from kvproto.codec import decode_entry, encode_entry
 from kvproto.state import Publish
 
 
-def test_entries_pickle_bytes_raw_and_still_decode_with_the_allow_list() -> None:
+def test_entries_pickle_bytes_raw_and_decode_with_the_allow_list() -> None:
     hashes = np.arange(1, 1025, dtype=np.uint64) * 0x9E3779B97F4A7C15  # every byte value, as real hashes have
-    call: tuple[int, tuple[list[Publish]], dict[str, object]] = (
-        0,
-        ([Publish("n", 3, hashes, np.arange(1024, dtype=np.uint32))],),
-        {},
-    )
+    entry = encode_entry([Publish("n", 3, hashes, np.arange(1024, dtype=np.uint32))])
+    call: tuple[int, tuple[bytes], dict[str, object]] = (0, (entry,), {})
     old, new = pickle.dumps(call, 2), raft_transport.dumps(call)
-    assert len(new) < hashes.nbytes + 4096 + 1024 < len(old)  # protocol 2 wrote the arrays as latin-1 text
-    for data in (old, new):  # journals and snapshots written with protocol 2 still load
-        (cmd,) = raft_transport.safe_loads(data)[1][0]
-        assert np.array_equal(cmd.hashes, hashes) and cmd.hashes.dtype == np.uint64
-    with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
-        raft_transport.safe_loads(pickle.dumps(socket.socket, raft_transport.PICKLE_PROTOCOL))
+    assert len(new) < hashes.nbytes + 4096 + 1024 < len(old)  # protocol 2 wrote bytes as latin-1 text
+    ((cmd,),) = [decode_entry(raft_transport.safe_loads(new)[1][0])]
+    assert np.array_equal(cmd.hashes, hashes) and cmd.hashes.dtype == np.uint64
+    for refused in (old, pickle.dumps(socket.socket, raft_transport.PICKLE_PROTOCOL)):  # protocol 2's bytes need a codec call
+        with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
+            raft_transport.safe_loads(refused)
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 
 from kvdir.local_cluster import Cluster, Workers, free_ports, write_raft_password
 from kvproto.client import DirectoryClient
+from kvproto.codec import FrameReader
 from kvproto.errors import AuthError
 from kvproto.hashing import block_hashes
-from kvproto.watch_codec import FrameReader
 from tests.support.cluster import deregister_all
 from tests.support.wait import wait_for
 

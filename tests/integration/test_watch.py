@@ -17,8 +17,8 @@ import numpy as np
 from gateway.mirror import Mirror
 from kvdir.local_cluster import Cluster
 from kvproto.client import DirectoryClient
+from kvproto.codec import FrameReader, group_of
 from kvproto.errors import DirectoryError
-from kvproto.watch_codec import FrameReader, group_of
 from tests.support.cluster import leader_index
 from tests.support.wait import until
 

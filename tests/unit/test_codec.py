@@ -12,6 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directory.changefeed import Ahead, ChangeFeed, Compacted
+from kvproto.codec import (
+    MAX_NODES,
+    VERSION,
+    FrameReader,
+    WireError,
+    batch_frame,
+    capture,
+    decode_command,
+    encode_command,
+    frame,
+    group_of,
+    snapshot_frame_parts,
+    snapshot_message,
+    snapshot_of,
+    state_from,
+    tick_frame,
+)
 from kvproto.state import (
     EPOCH_BASE_BITS,
     AnnounceReplica,
@@ -27,22 +44,6 @@ from kvproto.state import (
     Remove,
     command_size,
     new_epoch_base,
-)
-from kvproto.watch_codec import (
-    MAX_NODES,
-    FrameReader,
-    WireError,
-    batch_frame,
-    capture,
-    decode_command,
-    encode_command,
-    frame,
-    group_of,
-    snapshot_frame_parts,
-    snapshot_message,
-    snapshot_of,
-    state_from,
-    tick_frame,
 )
 
 NODES = ["n0", "n1", "n2"]
@@ -183,10 +184,12 @@ def test_the_feed_keeps_a_bounded_tail_and_says_when_a_position_is_gone() -> Non
         feed.after(5)
 
 
-def test_a_deregister_frame_carries_its_epoch_and_an_old_one_means_whatever_is_current():
+def test_a_deregister_frame_carries_its_epoch_or_none():
     assert encode_command(Deregister("w", 7)) == ["D", "w", 7]
     assert decode_command(["D", "w", 7]) == Deregister("w", 7)
-    assert decode_command(["D", "w"]) == Deregister("w", None)  # from a replica of before epochs on deregistrations
+    assert decode_command(["D", "w", None]) == Deregister("w", None)  # an admin's: whatever registration is current
+    with pytest.raises(WireError, match="of 1 fields, not 2"):
+        decode_command(["D", "w"])  # the layout before deregistrations named an epoch: another codec version
 
 
 # -- the group's identity and positions beyond the feed (issue #29, item 3) -------------------------------
@@ -329,23 +332,32 @@ def test_a_malformed_snapshot_is_refused_before_anything_is_allocated_for_it(spo
     assert time.monotonic() - started < 1.0  # before: the huge index sized per-node arrays at 2**32 (tens of GB)
 
 
+def _v(**fields: object) -> bytes:
+    """A frame of this codec's version with these fields."""
+    return frame({"v": VERSION, **fields})
+
+
 @pytest.mark.parametrize(
     ("data", "why"),
     [
-        (frame({"k": "tick", "position": 3, "bound_s": 0.5}), "tick frame without 'fresh'"),  # before: a KeyError
-        (frame({"k": "tick", "position": "3", "fresh": True, "bound_s": 0.5}), "integer was due"),
-        (frame({"k": "tick", "position": 3, "fresh": 1, "bound_s": 0.5}), "boolean was due"),
-        (frame({"k": "tick", "position": 3, "fresh": True, "bound_s": -1.0}), "negative bound_s"),
-        (frame({"k": "tick", "position": 3, "fresh": True, "bound_s": 0.5, "group": "g"}), "integer was due"),
-        (frame({"k": "tick", "position": -1, "fresh": True, "bound_s": 0.5}), "out of range"),
-        (frame({"k": "batch", "position": 3}), "batch frame without 'commands'"),
-        (frame({"k": "batch", "position": 3, "commands": 5}), "list was due"),
-        (frame({"k": "snapshot", "position": 3, "state": [1]}), "state is a map"),
-        (frame({"k": "snapshot", "state": {}}), "snapshot frame without 'position'"),
+        (_v(k="tick", position=3, bound_s=0.5, group=None), "tick frame without 'fresh'"),  # before: a KeyError
+        (_v(k="tick", position="3", fresh=True, bound_s=0.5, group=None), "integer was due"),
+        (_v(k="tick", position=3, fresh=1, bound_s=0.5, group=None), "boolean was due"),
+        (_v(k="tick", position=3, fresh=True, bound_s=-1.0, group=None), "negative bound_s"),
+        (_v(k="tick", position=3, fresh=True, bound_s=0.5, group="g"), "integer was due"),
+        (_v(k="tick", position=3, fresh=True, bound_s=0.5), "tick frame without 'group'"),
+        (_v(k="tick", position=-1, fresh=True, bound_s=0.5, group=None), "out of range"),
+        (_v(k="batch", position=3), "batch frame without 'commands'"),
+        (_v(k="batch", position=3, commands=5), "list was due"),
+        (_v(k="snapshot", position=3, state=[1], group=None), "state is a map"),
+        (_v(k="snapshot", state={}, group=None), "snapshot frame without 'position'"),
+        (frame({"k": "batch", "position": 3, "commands": []}), "batch frame of codec version None"),
+        (frame({"v": VERSION + 1, "k": "batch", "position": 3, "commands": []}), f"version {VERSION + 1}; this kvdir reads"),
         (frame([1, 2]), "not a snapshot, batch or tick"),  # type: ignore[arg-type]
     ],
 )
 def test_frames_with_missing_or_mistyped_fields_are_refused(data: bytes, why: str) -> None:
+    """Another codec version's frame is a VersionError, a WireError like every other refusal."""
     with pytest.raises(WireError, match=why):
         FrameReader().feed(data)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 from typing import NamedTuple
 
 import numpy as np
@@ -11,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvproto.index as index_module
-from directory.raft_transport import dumps, safe_loads
+from kvproto.codec import decode_state, encode_state
 from kvproto.index import BlockIndex
 from kvproto.index_kernels import DEAD
+from kvproto.state import DirectoryState
 
 MODES = ["delta", "merged", "t4", "mixed"]
 
@@ -494,11 +494,18 @@ def test_digest_of_empty_equal_after_removals():
         assert ix.digest(names) == empty
 
 
-def test_pickle_roundtrip(ix):
+def _through_a_raft_snapshot(ix: BlockIndex) -> BlockIndex:
+    """`ix` written into a Raft snapshot and read back (kvproto.codec: `export`, then `restore`)."""
+    s = DirectoryState()
+    s.index = ix
+    return decode_state(encode_state(s)).index
+
+
+def test_snapshot_roundtrip(ix):
     ix.put(0, [1, 2, 3], [0, 1, 2])
     ix.put(1, [1, 4], [5, 6])
     ix.remove(0, [3])
-    clone = pickle.loads(pickle.dumps(ix.ix))
+    clone = _through_a_raft_snapshot(ix.ix)
     names = {0: "a", 1: "b"}
     assert clone.digest(names) == ix.ix.digest(names)
     assert len(clone) == len(ix.ix) == 4
@@ -690,42 +697,11 @@ def test_partitioned_index_matches_model(small_partitions, spread):
     loaded.load(*ix.entries())
     assert loaded.digest(names) == ix.digest(names)
     assert [p.lo for p in loaded._parts] != [p.lo for p in ix._parts]
-    clone = pickle.loads(pickle.dumps(ix))
+    clone = _through_a_raft_snapshot(ix)
     assert clone.digest(names) == ix.digest(names) and clone.partitions() == ix.partitions()
     assert [matches_slots(look(clone, keys[j : j + 5], with_slots=True)) for j in range(0, len(flat), 37)] == [
         matches_slots(look(ix, keys[j : j + 5], with_slots=True)) for j in range(0, len(flat), 37)
     ]
-
-
-def test_snapshot_of_one_level_index_loads(monkeypatch):
-    """A Raft snapshot taken before partitions (one main level, one recent level) restores through
-    Raft's restricted unpickler into the same content."""
-    old = {
-        "merge_threshold": 4,
-        "_ukeys": H(3, 7),
-        "_starts": np.array([0, 2, 3, 3], dtype=np.int64),
-        "_nodes": np.array([0, DEAD, 1], dtype=np.uint32),
-        "_slots": S(10, 11, 12),
-        "_tsize": np.uint64(4),
-        "_tkey": H(3, 3, 7, 7, 2**64 - 1),
-        "_trow": np.array([0, 0, 1, 1, 2], dtype=np.int64),
-        "_dead": 1,
-        "_rkeys": H(5),
-        "_rnodes": S(0),
-        "_rslots": S(13),
-        "_counts": {0: 2, 1: 1},
-        "_node_bound": 3,
-    }
-    with monkeypatch.context() as m:
-        m.setattr(BlockIndex, "__getstate__", lambda self: old)  # pickled as the old shape was
-        data = dumps(BlockIndex())
-    ix = safe_loads(data)
-    assert isinstance(ix, BlockIndex)
-    assert [a.tolist() for a in ix.items()] == [[3, 5, 7], [0, 0, 1], [10, 13, 12]]
-    assert len(ix) == 3 and ix.count(0) == 2 and ix.count(1) == 1 and ix._node_bound == 3
-    assert matches(look(ix, [3, 5])) == [(0, 2)]
-    again = safe_loads(dumps(ix))  # and the new shape goes through Raft's unpickler too
-    assert again.digest({0: "a", 1: "b"}) == ix.digest({0: "a", 1: "b"})
 
 
 def _sorted(entries: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[tuple[int, int, int]]:

@@ -10,9 +10,9 @@ import pytest
 
 from kvproto import media
 from kvproto.binary import PublishBatch
+from kvproto.codec import snapshot_of, state_from
 from kvproto.schemas import PublishRequest, Region, RegionInfo, RegisterRequest
 from kvproto.state import INVALID, DirectoryState, Publish, Register
-from kvproto.watch_codec import snapshot_of, state_from
 
 HOST = media.location(0, media.HOST)
 

@@ -7,13 +7,26 @@ import os
 import pickle
 import subprocess
 
+import msgspec
 import numpy as np
 import pytest
 from pysyncobj.node import TCPNode
-from pysyncobj.pickle import dump, dumps
 
 from directory import raft_transport
-from kvproto.state import AnnounceReplica, Clear, Deregister, Expire, Heartbeat, Noop, Publish, Register, Remove
+from directory.raft_transport import dump, dumps
+from kvproto import codec
+from kvproto.state import (
+    AnnounceReplica,
+    Clear,
+    Deregister,
+    DirectoryState,
+    Expire,
+    Heartbeat,
+    Noop,
+    Publish,
+    Register,
+    Remove,
+)
 
 
 class _Call:
@@ -42,6 +55,7 @@ def test_the_raft_unpickler_refuses_functions_of_the_allowed_modules() -> None:
 
 
 def test_every_command_kind_survives_the_raft_unpickler() -> None:
+    """An entry is the codec's bytes: what pysyncobj pickles of it is one bytes argument."""
     hashes = np.arange(1, 5, dtype=np.uint64)
     commands = [
         Register("n", "inc", "http://127.0.0.1:9", "127.0.0.1:7", ({"base": 1, "rkey": "r", "len": 2},), 8, 16, 1 << 40),
@@ -54,14 +68,29 @@ def test_every_command_kind_survives_the_raft_unpickler() -> None:
         AnnounceReplica("127.0.0.1:1", "http://127.0.0.1:2"),
         Noop(),
     ]
-    call = (0, (commands,), {})  # how pysyncobj's @replicated pickles a call
+    call = (0, (codec.encode_entry(commands),), {})  # how pysyncobj's @replicated pickles a call
     back = raft_transport.safe_loads(dumps(call))
     assert back[0] == 0 and back[2] == {}
-    for a, b in zip(commands, back[1][0]):
+    for a, b in zip(commands, codec.decode_entry(back[1][0]), strict=True):
         assert type(a) is type(b)
         assert repr(a) == repr(b)
     frame = {"type": "append_entries", "term": 2, "entries": [(dumps(call), 5, 2)], "cluster": {TCPNode("127.0.0.1:5")}}
     assert raft_transport.safe_loads(dumps(frame))["cluster"] == {TCPNode("127.0.0.1:5")}
+
+
+def test_an_entry_of_another_codec_version_is_refused() -> None:
+    entry = msgspec.msgpack.encode([codec.VERSION + 1, []])
+    with pytest.raises(codec.VersionError, match=f"codec version {codec.VERSION + 1}"):
+        codec.decode_entry(entry)
+    with pytest.raises(codec.WireError, match="not msgpack"):
+        codec.decode_entry(b"\xc1")
+
+
+def test_kvdir_classes_and_numpy_arrays_are_not_raft_traffic() -> None:
+    """Commands, states and arrays travel as codec bytes: a pickle of one is refused, as any other class is."""
+    for obj in (Deregister("worker-1"), DirectoryState(), np.arange(3)):
+        with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
+            raft_transport.safe_loads(dumps(obj))
 
 
 def test_install_routes_pysyncobj_through_the_guarded_classes() -> None:
@@ -74,13 +103,18 @@ def test_install_routes_pysyncobj_through_the_guarded_classes() -> None:
     assert transport.TcpConnection is raft_transport.GuardedTcpConnection
     assert sopickle.loads is raft_transport.safe_loads and sopickle.load is raft_transport.safe_load
     buf = io.BytesIO()
+    dump({"state": b"\x93", "nodes": {TCPNode("127.0.0.1:5")}}, buf)
+    buf.seek(0)
+    assert sopickle.load(buf) == {"state": b"\x93", "nodes": {TCPNode("127.0.0.1:5")}}
+    buf = io.BytesIO()
     dump({"a": np.arange(3)}, buf)
     buf.seek(0)
-    assert list(sopickle.load(buf)["a"]) == [0, 1, 2]
+    with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
+        sopickle.load(buf)
 
 
 @pytest.mark.parametrize(
-    "payload", [_Call(bytes, 1 << 40), _Call(bytearray, 1 << 40), _Call(__import__("_codecs").encode, "x", "zlib")]
+    "payload", [_Call(bytes, 1 << 40), _Call(bytearray, 1 << 40), _Call(__import__("_codecs").encode, "x", "latin1")]
 )
 def test_the_raft_unpickler_refuses_huge_allocations_and_other_codecs(payload: _Call) -> None:
     with pytest.raises(pickle.UnpicklingError):
@@ -93,36 +127,3 @@ def test_importing_the_raft_layer_leaves_socket_inet_ntop_working() -> None:
     import pysyncobj.win_inet_pton  # noqa: F401  (replaces socket.inet_ntop when first imported)
 
     assert socket.inet_ntop(socket.AF_INET, b"\x7f\x00\x00\x01") == "127.0.0.1"
-
-
-# Deregister("worker-1") pickled (protocol 4, unframed) under each module name: the name of before the
-# move to kvproto, and kvproto's own, as a later release may write it.
-def _deregister_pickle(module: bytes) -> bytes:
-    return (
-        b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x94\x8c\nDeregister\x94\x93\x94)\x81\x94]\x94\x8c\x08worker-1\x94ab."
-    )
-
-
-def test_a_replica_writes_the_module_names_of_before_and_reads_both() -> None:
-    """A rolling upgrade mixes versions: replicas of before the move to kvproto read only `directory.state`."""
-    raft_transport.write_wire_names()
-    data = dumps((0, (Deregister("worker-1"), raft_transport.kvindex.BlockIndex()), {}))
-    assert b"directory.state" in data and b"directory.index" in data and b"kvproto" not in data
-    for module in (b"directory.state", b"kvproto.state"):
-        assert raft_transport.safe_loads(_deregister_pickle(module)) == Deregister("worker-1")
-
-
-@pytest.mark.parametrize(
-    ("module", "name"),
-    [
-        ("kvproto.state", "np"),
-        ("directory.state", "BlockIndex"),
-        ("kvproto.client", "DirectoryClient"),
-        ("directory.api", "Depends"),
-    ],
-)
-def test_the_raft_unpickler_builds_only_classes_the_replicated_modules_define(module: str, name: str) -> None:
-    """Not what they import (numpy, BlockIndex in state), nor anything of other modules of either package."""
-    data = b"\x80\x04\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93."
-    with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
-        raft_transport.safe_loads(data)

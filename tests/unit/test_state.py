@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 
+from kvproto.codec import decode_state, encode_state
 from kvproto.shardmap import SHARD_BITS
 from kvproto.state import (
     EPOCH_BASE_BITS,
@@ -144,7 +145,7 @@ def test_reregistrations_replace_the_old_one_and_leak_nothing(st):
     assert list(st.nodes) == ["a"] and list(st.by_idx) == [st.nodes["a"].idx] and st.nodes["a"].incarnation == "i999"
     assert st._next_idx == 1 and st._free_idx == []
     assert len(st.index) == 2 and view(st, [999, 1000]) == [("a", e, 2)]
-    assert len(pickle.dumps(st)) < len(pickle.dumps(regions)) + 64 * 1024
+    assert len(encode_state(st)) < len(msgspec.msgpack.encode(regions)) + 64 * 1024
 
 
 def test_epochs_strictly_increase_globally_across_reuse(st):
@@ -505,27 +506,6 @@ def test_a_delayed_deregister_of_an_old_epoch_spares_the_new_registration(st):
     assert "a" not in st.nodes
 
 
-def test_a_deregister_pickle_of_before_epochs_loads_as_whatever_is_current():
-    """A Raft entry written before `Deregister.epoch` existed (pinned bytes, pickle protocol 4 of
-    `Deregister("worker-1")` from the old directory/state.py, now kvproto/state.py) unpickles with epoch None and still
-    deregisters the current registration."""
-    from directory.raft_transport import safe_loads, write_wire_names
-
-    write_wire_names()  # plain pickle finds the old module name as in a replica
-    old = bytes.fromhex(
-        "80049534000000000000008c0f6469726563746f72792e7374617465948c0a446572656769737465729493942981945d948c08776f"
-        "726b65722d319461622e"
-    )
-    for got in (pickle.loads(old), safe_loads(old)):
-        assert got == Deregister("worker-1") and got.epoch is None
-        s = DirectoryState()
-        e = reg(s, "worker-1")
-        pub(s, "worker-1", e, [1])
-        assert s.apply(got) == Result(OK, 1)
-    new = Deregister("worker-1", 7)
-    assert pickle.loads(pickle.dumps(new, 4)) == new
-
-
 def test_deregistered_index_reused_without_leaking(st):
     ea = reg(st, "a")
     eb = reg(st, "b")
@@ -637,14 +617,14 @@ def test_digest_independent_of_index_assignment():
     assert s1.digest() == s2.digest()
 
 
-def test_pickle_roundtrip_state(st):
+def test_raft_snapshot_roundtrip_state(st):
     ea = reg(st, "a", capacity_blocks=100)
     eb = reg(st, "b")
     pub(st, "a", ea, [1, 2, 3], [1, 2, 3])
     pub(st, "b", eb, [1, 2], [9, 9])
     st.apply(Remove("a", ea, H(3)))
     st.apply(AnnounceReplica("r1", "http://r1"))
-    clone = pickle.loads(pickle.dumps(st))
+    clone = decode_state(encode_state(st))
     assert clone.digest() == st.digest()
     assert clone.replicas == st.replicas and clone.epoch_counter == st.epoch_counter
     assert view(clone, [1, 2, 3], True) == view(st, [1, 2, 3], True)
