@@ -33,7 +33,12 @@ class Pair:
     def fresh(self, name: str) -> Engine:
         if self.b is not None:
             self.b.stop()
-        self.b = Engine(name, vllm_venv(), self.model, self.directory.replica_urls, self.logs)
+        # A longer transfer timeout than the default 5 s: these tests are about a first pull landing, and in the
+        # gateway's test, with A decoding two streams on the same two cores, B's reader thread was seen to start
+        # the read only after 5 s (the pull then failed at its deadline, as it should on a hung source).
+        self.b = Engine(
+            name, vllm_venv(), self.model, self.directory.replica_urls, self.logs, connector={"transfer_timeout_s": 30}
+        )
         self.b.start()
         return self.b
 
