@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvproto import codec
 from kvproto import state as st
 from kvproto.errors import CommitTimeout
 from kvproto.rate_limit import retry_after
@@ -57,11 +58,14 @@ def error_response(status: int, error: str, detail: object = None, headers: dict
 
 
 async def commit(replica: Replica, cmd: st.Command) -> st.Result:
-    """Commit `cmd`; a timeout is a 503 and a command the state machine refused an ApiError for its status."""
+    """Commit `cmd`; a timeout is a 503, a command the log cannot carry a 422, and one the state machine refused an
+    ApiError for its status."""
     try:
         res = await replica.submit(cmd)
     except CommitTimeout as exc:
         raise ApiError(503, "commit_timeout", str(exc)) from exc
+    except codec.WireError as exc:  # the schemas' bounds let through what the log cannot carry: refused, not stored
+        raise ApiError(422, "invalid_request", str(exc)) from exc
     if not res.ok:
         raise ApiError(_STATUS.get(res.status, 422), res.status, res.detail)
     return res

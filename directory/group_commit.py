@@ -76,7 +76,9 @@ class GroupCommitter:
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._watchdog())]
 
     async def submit(self, cmd: Command, timeout: float) -> Result:
-        """Commit one command; raises CommitTimeout if it cannot commit before `timeout` s."""
+        """Commit one command; raises CommitTimeout if it cannot commit before `timeout` s, and codec.WireError at
+        once if the replicas could not read it back (`codec.check_command`)."""
+        codec.check_command(cmd)
         fut: asyncio.Future[Result] = self._loop.create_future()
         self._queue.append(_Pending(cmd, fut, time.monotonic() + timeout))
         self._wakeup.set()

@@ -19,6 +19,7 @@ from directory.node_list import NodeList, view_of
 from directory.replica import Replica
 from kvproto import state as st
 from kvproto.schemas import (
+    EPOCH_MAX,
     MAX_LOAD_LABELS,
     DeregisterResponse,
     HeartbeatRequest,
@@ -127,7 +128,7 @@ async def deregister(
     epoch: int | None = Query(
         None,
         ge=1,
-        le=(1 << 63) - 1,
+        le=EPOCH_MAX,
         description="the registration it ends: 409 if the node has registered again since; omitted: whatever is current",
     ),
     replica: Replica = Depends(get_replica),

@@ -61,9 +61,24 @@ READ_BUDGET_BYTES = 4 << 20
 """Most bytes read from one connection per poll event; the rest waits for the next tick."""
 RECV_BYTES = 64 << 10
 """Per recv(): a larger buffer is allocated with mmap, a cost paid on every call, small frames included."""
-PICKLE_PROTOCOL = 4
-"""For log entries, messages and snapshots: bytes stay raw (protocol 3 on); protocol 5's out-of-band
-buffers would add globals to the allow list for nothing."""
+PICKLE_PROTOCOL = 5
+"""For log entries, messages and snapshots: bytes stay raw (protocol 3 on), and a bytearray is one opcode
+(protocol 5), read straight into a new bytearray (`Snapshot`); out-of-band buffers are never used."""
+
+
+class Snapshot:
+    """What a snapshot pickles as its bytes (`raft_bytes`, called by `dump`, in the child pysyncobj forks to
+    write one) and loads as one bytearray: writable, so the codec's arrays can be views of it rather than copies."""
+
+    def raft_bytes(self) -> bytearray:
+        raise NotImplementedError
+
+
+class _SnapshotPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> bytearray | None:
+        return obj.raft_bytes() if isinstance(obj, Snapshot) else None
+
+
 COMPRESS_LEVEL = 1
 """zlib level of outgoing messages that compress (`_compress`; pysyncobj used 3, which is slower for little gain)."""
 PROBE_BYTES, PROBE_RATIO = 1024, 0.9
@@ -103,6 +118,12 @@ _ALLOWED_BY_NAME = {("pysyncobj.node", "Node"), ("pysyncobj.node", "TCPNode")}
 
 
 class _RaftUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> bytearray:
+        """A `Snapshot`'s bytes; nothing else is persisted."""
+        if type(pid) is not bytearray:
+            raise pickle.UnpicklingError(f"a persistent {type(pid).__name__} is not allowed in Raft traffic")
+        return pid
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
             return _ALLOWED_GLOBALS[module, name]
@@ -127,8 +148,8 @@ def dumps(obj: Any, protocol: int | None = None) -> bytes:
 
 
 def dump(obj: Any, file: IO[bytes], protocol: int | None = None) -> None:
-    """pysyncobj's `dump` (snapshots) with `PICKLE_PROTOCOL`."""
-    pickle.dump(obj, file, PICKLE_PROTOCOL)
+    """pysyncobj's `dump` (snapshots) with `PICKLE_PROTOCOL`, a `Snapshot` written as its bytes."""
+    _SnapshotPickler(file, PICKLE_PROTOCOL).dump(obj)
 
 
 def _inflate(data: bytes, limit: int) -> bytes:

@@ -11,6 +11,7 @@ from typing import Any
 
 from pysyncobj import SyncObjConsumer, replicated
 
+from directory import raft_transport
 from directory.changefeed import ChangeFeed
 from kvproto import codec
 from kvproto.state import DirectoryState, Result
@@ -18,17 +19,17 @@ from kvproto.state import DirectoryState, Result
 log = logging.getLogger("kvdir.raft")
 
 
-class _Encoded:
-    """The state in a snapshot: pickled as the codec's bytes, which pysyncobj writes in the child it forks for a
-    snapshot (so the O(entries) encoding never runs on the Raft thread when there is a data dir)."""
+class _Encoded(raft_transport.Snapshot):
+    """The state in a snapshot: its codec bytes, which pysyncobj writes in the child it forks for a snapshot (so the
+    O(entries) encoding never runs on the Raft thread when there is a data dir)."""
 
     __slots__ = ("state",)
 
     def __init__(self, state: DirectoryState) -> None:
         self.state = state
 
-    def __reduce__(self) -> tuple[type[bytes], tuple[bytes]]:
-        return bytes, (codec.encode_state(self.state),)
+    def raft_bytes(self) -> bytearray:
+        return codec.encode_state(self.state)
 
 
 class StateMachine(SyncObjConsumer):  # type: ignore[misc]  # pysyncobj ships no type information

@@ -88,9 +88,11 @@ def _array_to_ext(obj: Any) -> msgspec.msgpack.Ext:
 
 
 def _ext_to_array(code: int, data: memoryview) -> np.ndarray:
+    """A view of the decoded buffer if it is writable (a bytearray: the index writes its arrays in place), else a copy."""
     if not 1 <= code <= len(_ARRAY_DTYPES) or len(data) % _ARRAY_DTYPES[code - 1].itemsize:
         raise WireError(f"an array of type {code} and {len(data)} bytes")
-    return np.frombuffer(data, dtype=_ARRAY_DTYPES[code - 1]).copy()  # its own memory: the index writes in place
+    array = np.frombuffer(data, dtype=_ARRAY_DTYPES[code - 1])
+    return array.copy() if data.readonly else array
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -484,6 +486,16 @@ def _load_entries(s: DirectoryState, snap: dict[str, Any]) -> None:
 # -- Raft: log entries and snapshots -------------------------------------------------------------
 
 
+def check_command(c: Command) -> None:
+    """WireError unless `c` reads back as every replica will read it: what `encode_entry` writes of it, checked as
+    `decode_entry` checks it. A command that did not would stop every replica at its entry (an epoch of 2**63
+    encodes as msgpack's uint64 and fails the int64 check), so none enters the log (`GroupCommitter.submit`)."""
+    try:
+        decode_command(_decoder.decode(_encoder.encode(encode_command(c))))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"a {type(c).__name__} the replicated log cannot carry: {exc}") from exc
+
+
 def encode_entry(commands: list[Command]) -> bytes:
     """A Raft log entry: a batch of commands that the state machine applies in one call."""
     return _encoder.encode([VERSION, [encode_command(c) for c in commands]])
@@ -500,15 +512,18 @@ def decode_entry(data: bytes) -> list[Command]:
     return [decode_command(c) for c in _list(commands)]
 
 
-def encode_state(s: DirectoryState) -> bytes:
+def encode_state(s: DirectoryState) -> bytearray:
     """A Raft snapshot: the state's nodes as the watch stream sends them, and its index as it is partitioned
     (`BlockIndex.export`), so that loading it rebuilds no partition. O(entries): Raft takes it in the child it
     forks to write a snapshot (directory/journal.py), never on its own thread when there is a data dir."""
-    return _state_encoder.encode({"v": VERSION, "head": _head(s), "index": s.index.export()})
+    out = bytearray()
+    _state_encoder.encode_into({"v": VERSION, "head": _head(s), "index": s.index.export()}, out)
+    return out
 
 
-def decode_state(data: bytes) -> DirectoryState:
-    """The state `encode_state` wrote; WireError (VersionError) if the bytes are another version's or malformed."""
+def decode_state(data: bytes | bytearray) -> DirectoryState:
+    """The state `encode_state` wrote; WireError (VersionError) if the bytes are another version's or malformed.
+    From a bytearray (as Raft loads a snapshot) the index's arrays are views of it, not copies."""
     try:
         snap = _state_decoder.decode(data)
         if type(snap) is not dict:

@@ -43,7 +43,10 @@ PULL_GBPS_LABEL = "pull_gbps"
 # (`check_u64`, or numpy's conversion of bulk arrays).
 U64 = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": U64_MAX})]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
-Epoch = Annotated[int, msgspec.Meta(ge=1)]  # any larger integer is just not the node's epoch (409)
+EPOCH_MAX = (1 << 63) - 1
+"""Epochs are int64 everywhere (kvproto.state's layout, the replicated log's codec): a larger one is out of range
+(422), never a command; one in range that is not the node's is 409."""
+Epoch = Annotated[int, msgspec.Meta(ge=1, le=EPOCH_MAX)]
 # msgspec matches patterns with Python's re, where "$" also matches before a final newline: "(?!\n)" refuses it.
 NODE_ID_PATTERN = r"^[A-Za-z0-9._:@/-]+$"
 """Node ids: what every component's settings and the wire accept (no spaces, no `,`, which separate lists)."""

@@ -148,7 +148,8 @@ def test_overflowing_and_negative_numbers_are_422(make_cluster) -> None:
         ("/v1/blocks", {"node_id": "n1", "epoch": epoch, "blocks": [{"hash": 1, "slot": 100}]}, 422),  # past capacity
         ("/v1/blocks", {"node_id": "n1", "epoch": epoch, "blocks": [{"hash": True, "slot": 0}]}, 422),
         ("/v1/blocks", {"node_id": "n1", "epoch": epoch, "blocks": [{"hash": 1e19, "slot": 0}]}, 422),
-        ("/v1/blocks", {"node_id": "n1", "epoch": 2**64, "blocks": []}, 409),  # a valid int, just not the epoch
+        ("/v1/blocks", {"node_id": "n1", "epoch": 2**63, "blocks": []}, 422),  # epochs are int64
+        ("/v1/blocks", {"node_id": "n1", "epoch": 2**63 - 1, "blocks": []}, 409),  # a valid epoch, just not the node's
         ("/v1/blocks", {"node_id": "n1", "epoch": -5, "blocks": []}, 422),
         ("/v1/blocks/remove", {"node_id": "n1", "epoch": epoch, "hashes": [2**64 + 1]}, 422),
         ("/v1/lookup", {"hashes": [2**64]}, 422),

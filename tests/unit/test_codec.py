@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directory.changefeed import Ahead, ChangeFeed, Compacted
+from kvproto import codec
 from kvproto.codec import (
     MAX_NODES,
     VERSION,
@@ -391,3 +392,13 @@ def test_frames_with_missing_or_mistyped_fields_are_refused(data: bytes, why: st
 def test_commands_with_mistyped_or_out_of_range_fields_are_refused(encoded: object) -> None:
     with pytest.raises(WireError):
         decode_command(encoded)
+
+
+def test_a_command_the_log_cannot_carry_is_refused_before_it_is_written() -> None:
+    """An epoch of 2**63 encodes (msgpack's uint64) but no replica reads it back (epochs are int64): it would stop
+    every replica at its entry, so `check_command` (every write's, in GroupCommitter.submit) refuses it first."""
+    codec.check_command(Heartbeat("n", (1 << 63) - 1))
+    codec.check_command(Publish("n", 3, np.arange(4, dtype=np.uint64), np.arange(4, dtype=np.uint32)))
+    for bad in (Heartbeat("n", 1 << 63), Heartbeat("n", 1 << 64), Clear("n", -1), Heartbeat("n", 1, {"x": float("nan")})):
+        with pytest.raises(WireError, match="the replicated log cannot carry"):
+            codec.check_command(bad)

@@ -39,11 +39,11 @@ def _node(node_id: str, port: int, **over: Any) -> dict[str, Any]:
 
 
 def _directory(answer: Callable[[httpx.Request], Any]) -> DirectoryClient:
-    """A client of one replica that answers `answer(request)` as JSON (a 404 for the shard map: not sharded)."""
+    """A client of one replica that answers `answer(request)` as JSON (the shard map as an unsharded replica's)."""
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/shards":
-            return httpx.Response(404, json={"error": "not_found"})
+            return httpx.Response(200, json={"version": 0, "shard": None, "shards": {}, "nodes": {}})
         return httpx.Response(200, json=answer(request))
 
     return DirectoryClient("http://127.0.0.1:1", transport=httpx.MockTransport(handle), timeout=0.2, deadline=0.5, binary=False)

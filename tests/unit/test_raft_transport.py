@@ -127,3 +127,34 @@ def test_importing_the_raft_layer_leaves_socket_inet_ntop_working() -> None:
     import pysyncobj.win_inet_pton  # noqa: F401  (replaces socket.inet_ntop when first imported)
 
     assert socket.inet_ntop(socket.AF_INET, b"\x7f\x00\x00\x01") == "127.0.0.1"
+
+
+class _Held(raft_transport.Snapshot):
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def raft_bytes(self) -> bytearray:
+        return bytearray(self.data)
+
+
+def test_a_snapshot_is_written_as_its_bytes_and_loads_as_one_writable_bytearray() -> None:
+    """What pysyncobj's snapshot holds of kvdir (`StateMachine._serialize`): written by `dump`, read by `safe_load`."""
+    s = DirectoryState()
+    s.apply(Register("n", "inc", "http://127.0.0.1:9", epoch_base=1 << 31))
+    buf = io.BytesIO()
+    raft_transport.dump(({"state": _Held(bytes(codec.encode_state(s)))}, 7, {TCPNode("127.0.0.1:5")}), buf)
+    buf.seek(0)
+    data, seven, cluster = raft_transport.safe_load(buf)
+    assert type(data["state"]) is bytearray and (seven, cluster) == (7, {TCPNode("127.0.0.1:5")})
+    assert codec.decode_state(data["state"]).digest() == s.digest()
+
+
+def test_a_persistent_id_other_than_a_bytearray_is_refused() -> None:
+    class _Persisting(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("os", "system") if obj == "x" else None
+
+    buf = io.BytesIO()
+    _Persisting(buf, 5).dump(["x"])
+    with pytest.raises(pickle.UnpicklingError, match="a persistent tuple is not allowed"):
+        raft_transport.safe_loads(buf.getvalue())
