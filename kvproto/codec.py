@@ -78,27 +78,51 @@ VERSION = 1
 """The layout of every entry, snapshot and frame this module writes; decoders read this one only."""
 
 _ARRAY_DTYPES = (np.dtype("<u8"), np.dtype("<u4"), np.dtype("<i8"))
-"""The array types of a Raft snapshot's index (msgpack extension type = position here + 1)."""
+"""The array types of a Raft snapshot's index, by their code (position here)."""
+_ALIGN = 8
+_HEAD_LEN = struct.Struct("<Q")
 
 
-def _array_to_ext(obj: Any) -> msgspec.msgpack.Ext:
-    if isinstance(obj, np.ndarray) and obj.ndim == 1 and obj.dtype in _ARRAY_DTYPES:
-        return msgspec.msgpack.Ext(_ARRAY_DTYPES.index(obj.dtype) + 1, np.ascontiguousarray(obj).data.cast("B"))
-    raise TypeError(f"not encodable in a kvdir snapshot: {type(obj).__name__}")
+def _pad(n: int) -> int:
+    return -n % _ALIGN
 
 
-def _ext_to_array(code: int, data: memoryview) -> np.ndarray:
-    """A view of the decoded buffer if it is writable (a bytearray: the index writes its arrays in place), else a copy."""
-    if not 1 <= code <= len(_ARRAY_DTYPES) or len(data) % _ARRAY_DTYPES[code - 1].itemsize:
-        raise WireError(f"an array of type {code} and {len(data)} bytes")
-    array = np.frombuffer(data, dtype=_ARRAY_DTYPES[code - 1])
-    return array.copy() if data.readonly else array
+def _pack_arrays(obj: Any, arrays: list[np.ndarray], at: list[int]) -> Any:
+    """`obj` with each array replaced by `{"array": [code, offset, count]}`, the array appended to `arrays` at the
+    blob offset `at[0]` (8-byte aligned)."""
+    if isinstance(obj, np.ndarray):
+        if obj.ndim != 1 or obj.dtype not in _ARRAY_DTYPES:
+            raise TypeError(f"an array of {obj.dtype} and {obj.ndim} dimensions in a snapshot")
+        ref = {"array": [_ARRAY_DTYPES.index(obj.dtype), at[0], len(obj)]}
+        arrays.append(obj)
+        at[0] += obj.nbytes + _pad(obj.nbytes)
+        return ref
+    if isinstance(obj, dict):
+        return {k: _pack_arrays(v, arrays, at) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_pack_arrays(v, arrays, at) for v in obj]
+    return obj
+
+
+def _unpack_arrays(obj: Any, blob: memoryview) -> Any:
+    """`_pack_arrays` undone: views of `blob` where it is writable (a bytearray: the index writes in place), copies
+    where it is not."""
+    if type(obj) is dict:
+        if obj.keys() == {"array"}:
+            code, offset, count = _fields(obj["array"], 3, "an array reference")
+            dtype = _ARRAY_DTYPES[_int(code, 0, len(_ARRAY_DTYPES) - 1)]
+            if _int(offset) % _ALIGN or offset + _int(count) * dtype.itemsize > len(blob):
+                raise WireError(f"an array of {count} at {offset} in a blob of {len(blob)} bytes")
+            array = np.frombuffer(blob, dtype=dtype, count=count, offset=offset)
+            return array.copy() if blob.readonly else array
+        return {k: _unpack_arrays(v, blob) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_unpack_arrays(v, blob) for v in obj]
+    return obj
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
-_state_encoder = msgspec.msgpack.Encoder(enc_hook=_array_to_ext)
-_state_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_to_array)
 
 
 class WireError(ValueError):
@@ -514,10 +538,20 @@ def decode_entry(data: bytes) -> list[Command]:
 
 def encode_state(s: DirectoryState) -> bytearray:
     """A Raft snapshot: the state's nodes as the watch stream sends them, and its index as it is partitioned
-    (`BlockIndex.export`), so that loading it rebuilds no partition. O(entries): Raft takes it in the child it
-    forks to write a snapshot (directory/journal.py), never on its own thread when there is a data dir."""
-    out = bytearray()
-    _state_encoder.encode_into({"v": VERSION, "head": _head(s), "index": s.index.export()}, out)
+    (`BlockIndex.export`), so that loading it rebuilds no partition. Laid out as an 8-byte head length, the msgpack
+    head (arrays named by code, offset and count), then the arrays' bytes, each at an 8-byte aligned offset, so
+    that `decode_state` can load them as aligned views. O(entries): Raft takes it in the child it forks to write a
+    snapshot (directory/journal.py), never on its own thread when there is a data dir."""
+    arrays: list[np.ndarray] = []
+    index = _pack_arrays(s.index.export(), arrays, [0])
+    head = _encoder.encode({"v": VERSION, "head": _head(s), "index": index})
+    start = _HEAD_LEN.size + len(head) + _pad(_HEAD_LEN.size + len(head))
+    out = bytearray(start + sum(a.nbytes + _pad(a.nbytes) for a in arrays))
+    out[: _HEAD_LEN.size + len(head)] = _HEAD_LEN.pack(len(head)) + head
+    at = start
+    for a in arrays:
+        out[at : at + a.nbytes] = np.ascontiguousarray(a).data.cast("B")
+        at += a.nbytes + _pad(a.nbytes)
     return out
 
 
@@ -525,16 +559,19 @@ def decode_state(data: bytes | bytearray) -> DirectoryState:
     """The state `encode_state` wrote; WireError (VersionError) if the bytes are another version's or malformed.
     From a bytearray (as Raft loads a snapshot) the index's arrays are views of it, not copies."""
     try:
-        snap = _state_decoder.decode(data)
+        view = memoryview(data)
+        (n,) = _HEAD_LEN.unpack_from(view)
+        snap = _decoder.decode(view[_HEAD_LEN.size : _HEAD_LEN.size + n])
         if type(snap) is not dict:
             raise TypeError(f"a Raft snapshot is a map, not {type(snap).__name__}")
         _version(snap.get("v"), "a Raft snapshot")
-        index = snap["index"]
+        start = _HEAD_LEN.size + n + _pad(_HEAD_LEN.size + n)
+        index = _unpack_arrays(snap["index"], view[start:])
         s = _state_head(snap["head"], _int(index["merge_threshold"], 1), MAX_INT)
         s.index.restore(index)
     except msgspec.DecodeError as exc:
         raise WireError(f"a Raft snapshot that is not msgpack: {exc}") from exc
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, struct.error) as exc:
         if isinstance(exc, WireError):
             raise
         raise WireError(f"a malformed Raft snapshot: {exc}") from exc
