@@ -51,7 +51,7 @@ from kvproto.index import warm_up
 from kvproto.schemas import Holder
 from kvproto.shardmap import ShardMap
 from kvproto.state import DirectoryState
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, supervise
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -162,31 +162,24 @@ class Feed:
         self.state, self.position = None, -1
 
     async def _supervise(self) -> None:
-        """`_run`, started again whatever ends it but a refusal or `stop`: a failure is logged with its
-        traceback, counted, and followed by a snapshot from the next replica, after a backoff (doubling
-        while the feed fails within STABLE_S of its start, at most RETRY_S[1])."""
-        delay = RETRY_S[0]
-        while not self._stopping:
-            started = time.monotonic()
-            try:
-                # Loading the index's compiled kernels takes ~0.3 s (seconds where they must be compiled): left to
-                # the first batches, it held their application, and the mirror's lag, as long.
-                await asyncio.to_thread(warm_up)
-                await self._run()
-                return
-            except Exception:  # anything: a feed that dies silently leaves the gateway on REST for good
-                if self._stopping:
-                    return
-                self.restarts += 1
-                self.failovers += 1
-                url = self.urls[self._source % len(self.urls)] if self.urls else None
-                log.exception(
-                    "mirror: the feed from %s failed (restart %d); re-snapshotting from the next replica", url, self.restarts
-                )
-                self._drop()
-                self._source += 1
-            delay = RETRY_S[0] if time.monotonic() - started >= STABLE_S else min(delay * 2, RETRY_S[1])
-            await asyncio.sleep(delay)
+        """`_run`, started again whatever ends it but a refusal or `stop` (kvproto.tasks.supervise): a failure is
+        counted and followed by a snapshot from the next replica."""
+
+        async def run() -> None:
+            # Loading the index's compiled kernels takes ~0.3 s (seconds where they must be compiled): left to the
+            # first batches, it held their application, and the mirror's lag, as long.
+            await asyncio.to_thread(warm_up)
+            await self._run()
+
+        def failed() -> str:
+            self.restarts += 1
+            self.failovers += 1
+            url = self.urls[self._source % len(self.urls)] if self.urls else None
+            self._drop()
+            self._source += 1
+            return f"mirror: the feed from {url} failed (restart {self.restarts}); re-snapshotting from the next replica"
+
+        await supervise(run, failed, stopping=lambda: self._stopping, retry_s=RETRY_S, stable_s=STABLE_S, log=log)
 
     async def _run(self) -> None:
         delay = RETRY_S[0]
@@ -489,20 +482,15 @@ class Mirror:
             await f.stop()
 
     async def _supervise(self, directory: DirectoryClient) -> None:
-        """`_run`, started again (logged, counted, after a backoff) whatever but a refusal or `stop` ends it."""
-        delay = RETRY_S[0]
-        while not self._stopping:
-            started = time.monotonic()
-            try:
-                await self._run(directory)
-                return
-            except Exception:
-                if self._stopping:
-                    return
-                self._restarts += 1
-                log.exception("mirror: following the shard map failed (restart %d)", self._restarts)
-            delay = RETRY_S[0] if time.monotonic() - started >= STABLE_S else min(delay * 2, RETRY_S[1])
-            await asyncio.sleep(delay)
+        """`_run`, started again (counted, after a backoff) whatever but a refusal or `stop` ends it."""
+
+        def failed() -> str:
+            self._restarts += 1
+            return f"mirror: following the shard map failed (restart {self._restarts})"
+
+        await supervise(
+            lambda: self._run(directory), failed, stopping=lambda: self._stopping, retry_s=RETRY_S, stable_s=STABLE_S, log=log
+        )
 
     async def _run(self, directory: DirectoryClient) -> None:
         """Read the shard map and follow it; read it again whenever a shard has committed a newer one."""
