@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from kvdir.local_cluster import free_ports
+from kvtools.bench.proc import stat_fields
 
 __all__ = ["BLOCK", "MODEL", "VllmEngine", "make_tiny_model", "running", "vllm_venv"]
 
@@ -260,12 +261,10 @@ def _running_threads(pgid: int) -> list[str]:
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:
+            if int(stat_fields(f"/proc/{pid}/stat")[2]) != pgid:
                 continue
             for tid in os.listdir(f"/proc/{pid}/task"):
-                task = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-                if task[task.rindex(")") + 2] not in "TtZX":
+                if stat_fields(f"/proc/{pid}/task/{tid}/stat")[0] not in "TtZX":
                     out.append(f"{pid}/{tid}")
         except (OSError, ValueError):  # gone meanwhile
             continue

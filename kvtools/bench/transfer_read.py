@@ -18,6 +18,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from kvtools.bench import proc
 from kvtransfer.backends import create_engine
 from kvtransfer.engine import TransferEngine
 
@@ -91,7 +92,7 @@ class PeerProcess:
         os.kill(self.pid, signal.SIGSTOP)
         self._paused = True
         deadline = time.monotonic() + timeout_s
-        while _proc_state(self.pid) != "T":
+        while proc.state(self.pid) != "T":
             if time.monotonic() > deadline:
                 raise RuntimeError(f"peer {self.pid} did not stop within {timeout_s} s")
             time.sleep(0.001)
@@ -120,11 +121,6 @@ class PeerProcess:
         else:
             self.kill()
             self._conn.close()
-
-
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def measure_read_bandwidth(
