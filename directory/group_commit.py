@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from pysyncobj import FAIL_REASON
 
 from directory.state_machine import StateMachine
@@ -33,6 +34,7 @@ def _weight(cmd: Command) -> int:
 @dataclass(slots=True)
 class _Pending:
     cmd: Command
+    encoded: msgspec.Raw  # as the log carries it (codec.check_command)
     future: asyncio.Future[Result]
     deadline: float
 
@@ -78,9 +80,9 @@ class GroupCommitter:
     async def submit(self, cmd: Command, timeout: float) -> Result:
         """Commit one command; raises CommitTimeout if it cannot commit before `timeout` s, and codec.WireError at
         once if the replicas could not read it back (`codec.check_command`)."""
-        codec.check_command(cmd)
+        encoded = codec.check_command(cmd)
         fut: asyncio.Future[Result] = self._loop.create_future()
-        self._queue.append(_Pending(cmd, fut, time.monotonic() + timeout))
+        self._queue.append(_Pending(cmd, encoded, fut, time.monotonic() + timeout))
         self._wakeup.set()
         return await fut
 
@@ -135,7 +137,7 @@ class GroupCommitter:
                 self._wake_pending = True
                 self._loop.call_soon_threadsafe(self._take_outcomes)
 
-        self._sm.apply_batch(codec.encode_entry([p.cmd for p in batch]), callback=done)
+        self._sm.apply_batch(codec.encode_entry([p.encoded for p in batch]), callback=done)
 
     def _take_outcomes(self) -> None:
         self._wake_pending = False  # first: an outcome appended from here on schedules another call

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -510,19 +511,23 @@ def _load_entries(s: DirectoryState, snap: dict[str, Any]) -> None:
 # -- Raft: log entries and snapshots -------------------------------------------------------------
 
 
-def check_command(c: Command) -> None:
-    """WireError unless `c` reads back as every replica will read it: what `encode_entry` writes of it, checked as
-    `decode_entry` checks it. A command that did not would stop every replica at its entry (an epoch of 2**63
-    encodes as msgpack's uint64 and fails the int64 check), so none enters the log (`GroupCommitter.submit`)."""
+def check_command(c: Command) -> msgspec.Raw:
+    """`c` as a log entry carries it, once it is known to read back as every replica will read it (checked as
+    `decode_entry` checks it); WireError else. A command that did not would stop every replica at its entry (an
+    epoch of 2**63 encodes as msgpack's uint64 and fails the int64 check), so none enters the log
+    (`GroupCommitter.submit`, which hands the bytes to `encode_entry` rather than encode the command again)."""
     try:
-        decode_command(_decoder.decode(_encoder.encode(encode_command(c))))
+        encoded = _encoder.encode(encode_command(c))
+        decode_command(_decoder.decode(encoded))
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"a {type(c).__name__} the replicated log cannot carry: {exc}") from exc
+    return msgspec.Raw(encoded)
 
 
-def encode_entry(commands: list[Command]) -> bytes:
-    """A Raft log entry: a batch of commands that the state machine applies in one call."""
-    return _encoder.encode([VERSION, [encode_command(c) for c in commands]])
+def encode_entry(commands: Sequence[Command | msgspec.Raw]) -> bytes:
+    """A Raft log entry: a batch of commands that the state machine applies in one call (each a command, or what
+    `check_command` made of one)."""
+    return _encoder.encode([VERSION, [c if isinstance(c, msgspec.Raw) else encode_command(c) for c in commands]])
 
 
 def decode_entry(data: bytes) -> list[Command]:
