@@ -37,7 +37,7 @@ async def watch_changes(
     group: int | None = Query(
         None,
         ge=1,
-        le=codec.MAX_INT,
+        le=st.MAX_INT,
         description="the group the consumer followed (a snapshot's or tick's `group`): 410 foreign_group for another's",
     ),
     replica: Replica = Depends(get_replica),

@@ -38,14 +38,13 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import httpx
 import numpy as np
 from pydantic import SecretStr
 
 from kvproto.client import DirectoryClient
-from kvproto.codec import FrameReader, WireError, decode_command, group_of, state_from
+from kvproto.codec import BatchFrame, Frame, FrameReader, SnapshotFrame, TickFrame, WireError, group_of, state_from
 from kvproto.errors import AuthError, DirectoryError
 from kvproto.index import warm_up
 from kvproto.schemas import Holder
@@ -256,9 +255,9 @@ class Feed:
                 except TimeoutError:
                     raise SourceLost(f"{url} sent nothing for {wait_s:g} s") from None
                 for f in reader.feed(chunk):
-                    if f["k"] == "tick":
+                    if isinstance(f, TickFrame):
                         self._apply(f)
-                        if f["fresh"]:
+                        if f.fresh:
                             stale_since = None
                         elif stale_since is None:
                             stale_since = time.monotonic()
@@ -304,50 +303,46 @@ class Feed:
             reader = FrameReader()
             async for chunk in r.aiter_raw():
                 for f in reader.feed(chunk):
-                    if f["k"] == "tick":
-                        return bool(f["fresh"])
+                    if isinstance(f, TickFrame):
+                        return f.fresh
         return False
 
-    def _apply_locked(self, f: dict[str, Any]) -> None:
-        # Decoded and checked outside the lock (lookups go on from the old state meanwhile), and wholly before
-        # any of it is applied: a malformed command never leaves a batch half applied.
-        if f["k"] == "snapshot":
-            f = {**f, "state": state_from(f["state"])}
-        elif f["k"] == "batch":
-            f = {**f, "commands": [decode_command(c) for c in f["commands"]]}
+    def _apply_locked(self, f: Frame) -> None:
+        # A snapshot's state is decoded and checked outside the lock (lookups go on from the old state meanwhile);
+        # a batch's commands were, with the frame, so a malformed command never leaves a batch half applied.
+        state = state_from(f.state) if isinstance(f, SnapshotFrame) else None
         with self._lock:
-            self._apply(f)
+            self._apply(f, state)
 
-    def _apply(self, f: dict[str, Any]) -> None:
-        """Apply a frame whose fields FrameReader checked (a snapshot's state and a batch's commands decoded by
-        `_apply_locked`); WireError if it does not follow from what the feed holds."""
-        kind = f["k"]
-        if kind == "snapshot":
-            state: DirectoryState = f["state"]
-            if state.applied != f["position"]:
-                raise WireError(f"a snapshot at position {f['position']} of a state at {state.applied}")
-            if "group" in f and f["group"] != group_of(state):
-                raise WireError(f"a snapshot of group {f['group']} of a state of group {group_of(state)}")
+    def _apply(self, f: Frame, state: DirectoryState | None = None) -> None:
+        """Apply a frame that FrameReader decoded (a snapshot's with its `state` decoded by `_apply_locked`);
+        WireError if it does not follow from what the feed holds."""
+        if isinstance(f, SnapshotFrame):
+            assert state is not None
+            if state.applied != f.position:
+                raise WireError(f"a snapshot at position {f.position} of a state at {state.applied}")
+            if f.group != group_of(state):
+                raise WireError(f"a snapshot of group {f.group} of a state of group {group_of(state)}")
             if self.state is None:
                 log.info(
                     "mirror: snapshot at position %d, %d nodes, %d entries", state.applied, len(state.nodes), len(state.index)
                 )
             self.state, self.position = state, state.applied
             self.snapshots += 1
-        elif kind == "batch":
+        elif isinstance(f, BatchFrame):
             if self.state is None:
                 raise WireError("a batch before any snapshot")
-            if f["position"] != self.state.applied + len(f["commands"]):
+            if f.position != self.state.applied + len(f.commands):
                 raise WireError(
-                    f"a batch of {len(f['commands'])} commands to position {f['position']} after position {self.state.applied}"
+                    f"a batch of {len(f.commands)} commands to position {f.position} after position {self.state.applied}"
                 )
-            for c in f["commands"]:
+            for c in f.commands:
                 self.state.apply(c)
-            self.position = f["position"]
-        elif kind == "tick":
-            if self.state is not None and "group" in f and f["group"] != group_of(self.state):
-                raise WireError(f"a tick of group {f['group']} to a mirror of group {group_of(self.state)}")
-            if f["fresh"] and f["position"] == self.position:
+            self.position = f.position
+        else:
+            if self.state is not None and f.group != group_of(self.state):
+                raise WireError(f"a tick of group {f.group} to a mirror of group {group_of(self.state)}")
+            if f.fresh and f.position == self.position:
                 self.fresh_at = time.monotonic()
 
 

@@ -8,8 +8,8 @@ kvdir class and no numpy array (directory/raft_transport.py).
 
 Every encoding carries `VERSION`, and every decoder refuses another one (`VersionError`): a replica never
 applies an entry, nor loads a snapshot, whose layout it would have to guess, and a mirror refuses a stream it
-cannot read (it falls back to asking the directory over REST). Adding a field to a command is a change here
-only (`encode_command`, `decode_command`) and a version bump; docs/protocol.md §3.3 says how a cluster moves
+cannot read (it falls back to asking the directory over REST). Adding a field to a command is a change to
+its struct in kvproto.state only, and a version bump; docs/protocol.md §3.3 says how a cluster moves
 across one.
 
 The watch stream (`GET /v1/watch`) is a byte stream of frames, each a 4-byte little-endian length and that many
@@ -33,38 +33,36 @@ index near 2**32 sized the index's per-node counts at tens of GB). A Raft snapsh
 own disk or from its authenticated leader: its nodes are checked the same way, and its index is restored as
 the leader's was partitioned (`BlockIndex.restore`), not re-sorted (5M entries: 1.6 s of the Raft thread).
 
-Commands are lists led by a one-letter tag; hashes are packed little-endian uint64 bytes and slots
-uint32, so a publish of n blocks costs two byte strings, not n objects.
+Commands are the msgspec structs of kvproto.state, arrays led by a one-letter tag, decoded against those same
+structs (every field's type and range); hashes are packed little-endian uint64 bytes and slots uint32, so a
+publish of n blocks costs two byte strings, not n objects.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from kvproto import media
 from kvproto.index_levels import FrozenEntries
+from kvproto.schemas import Region
 from kvproto.state import (
     EPOCH_BASE_BITS,
-    AnnounceReplica,
+    MAX_INT,
     AssignShards,
-    Clear,
     Command,
-    Deregister,
     DirectoryState,
-    Expire,
-    Heartbeat,
+    Int64,
     Node,
     NodeProfile,
-    Noop,
-    Publish,
-    Register,
-    Remove,
+    U32Array,
+    U64Array,
 )
 
 HEADER = struct.Struct("<I")
@@ -73,7 +71,6 @@ MEDIA_TYPE = "application/x-kvdir-watch"
 MAX_NODES = 1 << 16
 """The most node indices a decoded state may hold (`max_nodes`): a consumer's index allocates per node index
 on every lookup. A directory run with a larger --max-nodes cannot be mirrored (the gateway asks it over REST)."""
-MAX_INT = (1 << 63) - 1  # epochs, counts and positions are int64 on every replica
 
 VERSION = 1
 """The layout of every entry, snapshot and frame this module writes; decoders read this one only."""
@@ -120,10 +117,6 @@ def _unpack_arrays(obj: Any, blob: memoryview) -> Any:
     if type(obj) is list:
         return [_unpack_arrays(v, blob) for v in obj]
     return obj
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder()
 
 
 class WireError(ValueError):
@@ -178,12 +171,6 @@ def _opt_str(v: Any) -> str | None:
     return None if v is None else _str(v)
 
 
-def _bool(v: Any) -> bool:
-    if type(v) is not bool:
-        raise TypeError(f"a boolean was due, not {type(v).__name__}")
-    return v
-
-
 def _list(v: Any) -> list[Any]:
     if type(v) is not list:
         raise TypeError(f"a list was due, not {type(v).__name__}")
@@ -196,64 +183,6 @@ def _number(v: Any) -> float | int:
     return v  # type: ignore[no-any-return]
 
 
-def _load(v: Any) -> dict[str, float]:
-    if type(v) is not dict:
-        raise TypeError(f"a load map was due, not {type(v).__name__}")
-    return {_str(k): _number(x) for k, x in v.items()}
-
-
-def _regions(v: Any) -> tuple[dict[str, Any], ...]:
-    out = []
-    for r in _list(v):
-        if type(r) is not dict:
-            raise TypeError(f"a region map was due, not {type(r).__name__}")
-        for k, x in r.items():
-            _str(k)
-            if x is not None and type(x) not in (int, str, bool, float):
-                raise TypeError(f"a region's {k!r} is a {type(x).__name__}")
-        out.append(dict(r))
-    return tuple(out)
-
-
-def _bytes(v: Any) -> bytes:
-    if type(v) is not bytes:
-        raise TypeError(f"packed bytes were due, not {type(v).__name__}")
-    return v
-
-
-def _u64(b: bytes) -> np.ndarray:
-    b = _bytes(b)
-    if len(b) % 8:
-        raise WireError(f"a uint64 array of {len(b)} bytes")
-    return np.frombuffer(b, dtype="<u8").astype(np.uint64, copy=True)
-
-
-def _u32(b: bytes) -> np.ndarray:
-    b = _bytes(b)
-    if len(b) % 4:
-        raise WireError(f"a uint32 array of {len(b)} bytes")
-    return np.frombuffer(b, dtype="<u4").astype(np.uint32, copy=True)
-
-
-def _b64(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype="<u8").tobytes()
-
-
-def _b32(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, dtype="<u4").tobytes()
-
-
-def _profile(p: NodeProfile) -> list[Any]:
-    return [list(p.models), p.fingerprint, p.tenant, p.shared, p.dp_rank]
-
-
-def _unprofile(v: Any) -> NodeProfile:
-    models, fingerprint, tenant, shared, dp_rank = _fields(v, 5, "a profile")
-    return NodeProfile(
-        tuple(_str(m) for m in _list(models)), _opt_str(fingerprint), _str(tenant), _bool(shared), _opt_int(dp_rank, 0, 65535)
-    )
-
-
 def _fields(v: Any, n: int, what: str) -> list[Any]:
     """`v` if it is a list of `n` fields (one more or less is another layout: another codec version)."""
     if len(_list(v)) != n:
@@ -261,96 +190,63 @@ def _fields(v: Any, n: int, what: str) -> list[Any]:
     return v  # type: ignore[no-any-return]
 
 
-_ARITY = {"P": 5, "R": 3, "H": 3, "G": 9, "D": 2, "C": 2, "E": 3, "A": 2, "S": 6, "N": 0}
-"""Each command tag's number of fields after the tag."""
+def _load(v: Any) -> dict[str, float]:
+    if type(v) is not dict:
+        raise TypeError(f"a load map was due, not {type(v).__name__}")
+    return {_str(k): _number(x) for k, x in v.items()}
+
+
+def _enc_hook(obj: Any) -> Any:
+    """A command's arrays as their bytes (already little-endian and contiguous: the commands' `__post_init__`)."""
+    if isinstance(obj, np.ndarray):
+        return obj.data.cast("B")
+    raise TypeError(f"not a directory command's field: {type(obj).__name__}")
+
+
+_ARRAYS: dict[type, np.dtype[Any]] = {U64Array: np.dtype("<u8"), U32Array: np.dtype("<u4")}
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    """A command's packed array, a writable copy of its bytes (the index's compiled kernels are warmed up for
+    writable arrays, kvproto.index.warm_up: a read-only view would compile another signature on the Raft thread);
+    the command makes it a plain ndarray."""
+    dtype = _ARRAYS.get(kind)
+    if dtype is None:
+        raise TypeError(f"no decoder for {kind.__name__}")
+    if type(obj) is not bytes:
+        raise TypeError(f"packed bytes were due, not {type(obj).__name__}")
+    if len(obj) % dtype.itemsize:
+        raise ValueError(f"a {dtype.name} array of {len(obj)} bytes")
+    return np.frombuffer(obj, dtype=dtype).copy().view(kind)
+
+
+def _column(b: Any, kind: type) -> np.ndarray:
+    """A snapshot's entry column, as a plain array."""
+    return np.asarray(_dec_hook(kind, b))
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder()
+_command_decoder = msgspec.msgpack.Decoder(Command, dec_hook=_dec_hook)
+_commands_decoder = msgspec.msgpack.Decoder(list[Command], dec_hook=_dec_hook)
+_entry_decoder = msgspec.msgpack.Decoder(tuple[Any, msgspec.Raw])
 
 
 def encode_command(c: Command) -> list[Any]:
-    """A command as a msgpack-ready list."""
-    if isinstance(c, Publish):
-        return ["P", c.node_id, c.epoch, _b64(c.hashes), _b32(c.slots), c.medium]
-    if isinstance(c, Remove):
-        return ["R", c.node_id, c.epoch, _b64(c.hashes)]
-    if isinstance(c, Heartbeat):
-        return ["H", c.node_id, c.epoch, c.load]
-    if isinstance(c, Register):
-        return [
-            "G",
-            c.node_id,
-            c.incarnation,
-            c.api_url,
-            c.transfer_url,
-            list(c.regions),
-            c.capacity_blocks,
-            c.block_size,
-            c.epoch_base,
-            None if c.profile is None else _profile(c.profile),
-        ]
-    if isinstance(c, Deregister):
-        return ["D", c.node_id, c.epoch]
-    if isinstance(c, Clear):
-        return ["C", c.node_id, c.epoch]
-    if isinstance(c, Expire):
-        return ["E", c.node_id, c.epoch, c.seen]
-    if isinstance(c, AnnounceReplica):
-        return ["A", c.raft_addr, c.http_url]
-    if isinstance(c, AssignShards):
-        return ["S", c.version, c.shard, list(c.names), [list(p) for p in c.pins], c.document, c.bootstrap]
-    if isinstance(c, Noop):
-        return ["N"]
-    raise TypeError(f"not a directory command: {type(c).__name__}")
+    """A command as the msgpack array it is on the wire (decoded: the lists a watcher's frame holds)."""
+    return _decoder.decode(_encoder.encode(c))  # type: ignore[no-any-return]
 
 
 def decode_command(v: Any) -> Command:
-    """The command `encode_command` made `v` from, its fields checked; WireError for anything else."""
+    """The command that `v` (a decoded array, as `encode_command` returns) is, its fields checked; WireError else."""
+    return _convert(v, Command)  # type: ignore[no-any-return]
+
+
+def _convert(v: Any, kind: Any, what: str = "command") -> Any:
     try:
-        tag, *f = _list(v)
-        if tag not in _ARITY:
-            raise WireError(f"an unknown command tag {tag!r:.40}")
-        _fields(f, _ARITY[tag], f"a {tag!r} command")
-        if tag == "P":
-            hashes, slots = _u64(f[2]), _u32(f[3])
-            if len(hashes) != len(slots):
-                raise WireError(f"a publish of {len(hashes)} hashes and {len(slots)} slots")
-            return Publish(_str(f[0]), _int(f[1]), hashes, slots, _opt_str(f[4]))
-        if tag == "R":
-            return Remove(_str(f[0]), _int(f[1]), _u64(f[2]))
-        if tag == "H":
-            return Heartbeat(_str(f[0]), _int(f[1]), None if f[2] is None else _load(f[2]))
-        if tag == "G":
-            profile = None if f[8] is None else _unprofile(f[8])
-            return Register(
-                _str(f[0]),
-                _str(f[1]),
-                _str(f[2]),
-                _opt_str(f[3]),
-                _regions(f[4]),
-                _opt_int(f[5]),
-                _opt_int(f[6], 1),
-                _int(f[7]),
-                profile,
-            )
-        if tag == "D":
-            return Deregister(_str(f[0]), _opt_int(f[1]))
-        if tag == "C":
-            return Clear(_str(f[0]), _int(f[1]))
-        if tag == "E":
-            return Expire(_str(f[0]), _int(f[1]), _int(f[2]))
-        if tag == "A":
-            return AnnounceReplica(_str(f[0]), _str(f[1]))
-        if tag == "S":
-            return _assign_shards(f)
-        return Noop()
-    except (TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise WireError(f"a malformed command: {exc}") from exc
-
-
-def _assign_shards(f: list[Any]) -> AssignShards:
-    names = tuple(_str(n) for n in _list(f[2]))
-    pins = tuple((_str(a), _str(b)) for a, b in (_list(p) for p in _list(f[3])))
-    if not names:
-        raise ValueError("a shard map of no shards")
-    return AssignShards(_int(f[0]), _str(f[1]), names, pins, _str(f[4]), _bool(f[5]))
+        return msgspec.convert(v, kind, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"a malformed {what}: {exc}") from exc
 
 
 # -- snapshots ---------------------------------------------------------------------------------
@@ -392,7 +288,7 @@ def _head(s: DirectoryState) -> dict[str, Any]:
         "free_idx": list(s._free_idx),
         "next_idx": s._next_idx,
         "replicas": dict(s.replicas),
-        "shard_map": None if s.shard_map is None else encode_command(s.shard_map)[1:],
+        "shard_map": None if s.shard_map is None else encode_command(s.shard_map)[1:],  # its fields, untagged
         "nodes": [
             [
                 n.node_id,
@@ -401,12 +297,12 @@ def _head(s: DirectoryState) -> dict[str, Any]:
                 n.incarnation,
                 n.api_url,
                 n.transfer_url,
-                list(n.regions),
+                n.regions,
                 n.capacity_blocks,
                 n.block_size,
                 n.load,
                 n.seen,
-                None if n.profile is None else _profile(n.profile),
+                n.profile,
             ]
             for n in s.nodes.values()
         ],
@@ -444,7 +340,7 @@ def _state_head(snap: dict[str, Any], merge_threshold: int, most_nodes: int) -> 
         raise TypeError(f"replicas are a map, not {type(replicas).__name__}")
     s.replicas = {_str(k): _str(v) for k, v in replicas.items()}
     if snap.get("shard_map") is not None:
-        s.shard_map = _assign_shards(_list(snap["shard_map"]))
+        s.shard_map = _convert(["S", *_list(snap["shard_map"])], AssignShards, "shard map")
     for f in _list(snap["nodes"]):
         f = _fields(f, 12, "a node")
         n = Node(
@@ -454,12 +350,12 @@ def _state_head(snap: dict[str, Any], merge_threshold: int, most_nodes: int) -> 
             _str(f[3]),
             _str(f[4]),
             _opt_str(f[5]),
-            _regions(f[6]),
+            _convert(f[6], tuple[Region, ...], "node's regions"),
             _opt_int(f[7]),
             _opt_int(f[8], 1),
             _load(f[9]),
             _int(f[10]),
-            None if f[11] is None else _unprofile(f[11]),
+            _convert(f[11], NodeProfile | None, "node's profile"),
         )
         if n.node_id in s.nodes or n.idx in s.by_idx:
             raise ValueError(f"node {n.node_id!r:.40} or its index {n.idx} is listed twice")
@@ -475,7 +371,7 @@ def _state_head(snap: dict[str, Any], merge_threshold: int, most_nodes: int) -> 
 
 def _load_entries(s: DirectoryState, snap: dict[str, Any]) -> None:
     """The snapshot's entry columns into `s`'s index, each checked against `s`'s nodes."""
-    keys, holders, slots = _u64(snap["keys"]), _u32(snap["holders"]), _u32(snap["slots"])
+    keys, holders, slots = _column(snap["keys"], U64Array), _column(snap["holders"], U32Array), _column(snap["slots"], U32Array)
     if not len(keys) == len(holders) == len(slots):
         raise ValueError("keys, holders and slots differ in length")
     if len(keys) > s.max_entries:
@@ -517,8 +413,8 @@ def check_command(c: Command) -> msgspec.Raw:
     epoch of 2**63 encodes as msgpack's uint64 and fails the int64 check), so none enters the log
     (`GroupCommitter.submit`, which hands the bytes to `encode_entry` rather than encode the command again)."""
     try:
-        encoded = _encoder.encode(encode_command(c))
-        decode_command(_decoder.decode(encoded))
+        encoded = _encoder.encode(c)
+        _command_decoder.decode(encoded)
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"a {type(c).__name__} the replicated log cannot carry: {exc}") from exc
     return msgspec.Raw(encoded)
@@ -527,18 +423,19 @@ def check_command(c: Command) -> msgspec.Raw:
 def encode_entry(commands: Sequence[Command | msgspec.Raw]) -> bytes:
     """A Raft log entry: a batch of commands that the state machine applies in one call (each a command, or what
     `check_command` made of one)."""
-    return _encoder.encode([VERSION, [c if isinstance(c, msgspec.Raw) else encode_command(c) for c in commands]])
+    return _encoder.encode([VERSION, commands])
 
 
 def decode_entry(data: bytes) -> list[Command]:
     """The commands of an entry `encode_entry` wrote; WireError (VersionError) for anything else."""
     try:
-        entry = _decoder.decode(data)
+        version, commands = _entry_decoder.decode(data)
+        _version(version, "a Raft entry")
+        return _commands_decoder.decode(commands)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"a malformed Raft entry: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise WireError(f"a Raft entry that is not msgpack: {exc}") from exc
-    version, commands = _fields(entry, 2, "a Raft entry")
-    _version(version, "a Raft entry")
-    return [decode_command(c) for c in _list(commands)]
 
 
 def encode_state(s: DirectoryState) -> bytearray:
@@ -625,55 +522,86 @@ def _bin_header(n: int) -> bytes:
     return b"\xc4" + bytes([n]) if n < 256 else b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
 
 
+class _Frame(msgspec.Struct, tag_field="k", frozen=True):
+    """A watch stream frame: a msgpack map, its kind in `k` and this codec's version in `v` (checked first,
+    `decode_frame`: a frame without one is refused as another version's)."""
+
+    position: Int64
+    v: int
+
+
+class SnapshotFrame(_Frame, tag="snapshot", frozen=True):
+    """The whole state at `position` (checked when decoded: `state_from`, off the event loop)."""
+
+    group: Int64 | None
+    state: dict[str, Any]
+
+
+class BatchFrame(_Frame, tag="batch", frozen=True):
+    """The commands that brought the state to `position`, every one decoded and checked with the frame."""
+
+    commands: list[Command]
+
+
+class TickFrame(_Frame, tag="tick", frozen=True):
+    """Nothing new up to `position`; `fresh`: the sender was caught up with a leader within `bound_s`."""
+
+    fresh: bool
+    bound_s: Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
+    group: Int64 | None
+
+
+Frame = SnapshotFrame | BatchFrame | TickFrame
+_frame_decoder = msgspec.msgpack.Decoder(Frame, dec_hook=_dec_hook)
+
+
+class _Versioned(msgspec.Struct):
+    k: Any = None
+    v: Any = None
+
+
+def _frame_bytes(f: _Frame) -> bytes:
+    body = _encoder.encode(f)
+    return HEADER.pack(len(body)) + body
+
+
 def batch_frame(position: int, commands: list[Command]) -> bytes:
-    return frame({"v": VERSION, "k": "batch", "position": position, "commands": [encode_command(c) for c in commands]})
+    return _frame_bytes(BatchFrame(position, VERSION, commands))
 
 
 def tick_frame(position: int, fresh: bool, bound_s: float, *, group: int | None) -> bytes:
-    return frame({"v": VERSION, "k": "tick", "position": position, "fresh": fresh, "bound_s": bound_s, "group": group})
+    return _frame_bytes(TickFrame(position, VERSION, fresh, bound_s, group))
 
 
-def decode_batch(f: dict[str, Any]) -> tuple[int, list[Command]]:
-    """A batch frame's position and commands, every one decoded and checked before any is applied."""
-    return f["position"], [decode_command(c) for c in f["commands"]]
-
-
-def _check(obj: Any) -> dict[str, Any]:
-    """`obj` if it is a frame whose fields have their types and ranges (a batch's commands and a snapshot's
-    state are checked when decoded: `decode_batch`, `state_from`)."""
-    if type(obj) is not dict or obj.get("k") not in ("snapshot", "batch", "tick"):
-        raise WireError("a frame that is not a snapshot, batch or tick")
-    kind = obj["k"]
-    _version(obj.get("v"), f"a {kind} frame")
+def decode_frame(body: bytes) -> Frame:
+    """One frame's msgpack, its fields checked (a batch's commands too; a snapshot's state is checked by
+    `state_from`); WireError (VersionError) else. The version is checked first: a frame of another version is
+    refused as that, whatever its layout."""
     try:
-        _int(obj["position"])
-        if kind == "tick":
-            _bool(obj["fresh"])
-            if _number(obj["bound_s"]) < 0:
-                raise ValueError(f"a negative bound_s {obj['bound_s']}")
-        elif kind == "batch":
-            _list(obj["commands"])
-        elif type(obj["state"]) is not dict:
-            raise TypeError(f"a snapshot's state is a map, not {type(obj['state']).__name__}")
-        if kind != "batch":
-            _opt_int(obj["group"])
-    except KeyError as exc:
-        raise WireError(f"a {kind} frame without {exc}") from exc
-    except (TypeError, ValueError) as exc:
-        raise WireError(f"a malformed {kind} frame: {exc}") from exc
-    return obj
+        head = msgspec.msgpack.decode(body, type=_Versioned)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"a frame that is not a snapshot, batch or tick: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise WireError(f"a frame that is not msgpack: {exc}") from exc
+    if head.k not in ("snapshot", "batch", "tick"):
+        raise WireError(f"a frame that is not a snapshot, batch or tick: {head.k!r:.40}")
+    _version(head.v, f"a {head.k} frame")
+    try:
+        return _frame_decoder.decode(body)  # type: ignore[no-any-return]
+    except msgspec.DecodeError as exc:
+        raise WireError(f"a malformed {head.k} frame: {exc}") from exc
 
 
 class FrameReader:
-    """Splits a byte stream into decoded frames (dicts, their fields checked: `_check`), whatever the chunking."""
+    """Splits a byte stream into decoded frames (`decode_frame`), whatever the chunking."""
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
         self._max = max_frame_bytes
 
-    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+    def feed(self, chunk: bytes) -> list[Frame]:
         self._buf += chunk
-        out: list[dict[str, Any]] = []
+        out: list[Frame] = []
         while len(self._buf) >= HEADER.size:
             (n,) = HEADER.unpack_from(self._buf)
             if n > self._max:
@@ -682,9 +610,5 @@ class FrameReader:
                 break
             body = bytes(self._buf[HEADER.size : HEADER.size + n])
             del self._buf[: HEADER.size + n]
-            try:
-                obj = _decoder.decode(body)
-            except msgspec.DecodeError as exc:
-                raise WireError(f"a frame that is not msgpack: {exc}") from exc
-            out.append(_check(obj))
+            out.append(decode_frame(body))
         return out

@@ -13,8 +13,8 @@ entry of its log, reads an unknown one (none can be committed since) as the devi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -95,12 +95,18 @@ def medium_name(loc: int) -> str:
     return MEDIA[loc >> SHIFT]
 
 
-def _field(region: Mapping[str, Any] | Any, name: str) -> Any:
-    """A region's field, whether the region is a registration's mapping or a listing's typed record."""
-    return region.get(name) if isinstance(region, Mapping) else getattr(region, name)
+class SizedRegion(Protocol):
+    """What capacity reads of a region: a `kvproto.schemas.Region` (registered) or a listing's `RegionInfo`."""
+
+    @property
+    def length(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def medium(self) -> str | None: ...
 
 
-def capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any] | Any], code: int) -> int | None:
+def capacity(capacity_blocks: int | None, regions: Sequence[SizedRegion], code: int) -> int | None:
     """Slots a node has in medium `code`, from its registration: the device's `capacity_blocks`, a lower tier's
     from its regions (the fewest whole blocks any of them holds; the regions are read only for a lower tier, so a
     device publish costs nothing more). None: unchecked (a node that registered no regions at all: an events
@@ -108,13 +114,13 @@ def capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any] | 
     accepts but a hostile listing may carry, is none)."""
     if code == DEVICE:
         return capacity_blocks
-    mine = [r for r in regions if _field(r, "medium") == MEDIA[code] and int(_field(r, "block_bytes")) >= 1]
+    mine = [r for r in regions if r.medium == MEDIA[code] and r.block_bytes >= 1]
     if mine:
-        return min(int(_field(r, "length")) // int(_field(r, "block_bytes")) for r in mine)
+        return min(r.length // r.block_bytes for r in mine)
     return None if not regions else 0
 
 
-def total_capacity(capacity_blocks: int | None, regions: Sequence[Mapping[str, Any] | Any]) -> int | None:
+def total_capacity(capacity_blocks: int | None, regions: Sequence[SizedRegion]) -> int | None:
     """Blocks a node can hold in all its media (`capacity` of each, a tier it registered none of counting 0);
     None while its device capacity is unknown."""
     if capacity_blocks is None:

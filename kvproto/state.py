@@ -28,16 +28,18 @@ Rules (everything that changes replicated state lives here):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
+import msgspec
 import numpy as np
 import xxhash
 
 from kvproto import media
 from kvproto.index import BlockIndex
-from kvproto.schemas import Holder, endpoint_key
+from kvproto.schemas import Holder, Region, endpoint_key
 from kvproto.shardmap import SHARD_BITS, home_of
 
 if TYPE_CHECKING:
@@ -46,8 +48,40 @@ if TYPE_CHECKING:
 # -- commands -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class NodeProfile:
+class _Struct(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What the replicated log carries: encoded by kvproto.codec as a msgpack array of the fields in their order
+    (a command's led by its one-letter tag), decoded there with every field's type and range checked."""
+
+
+MAX_INT = (1 << 63) - 1
+Int64 = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+"""Epochs, counts and positions: int64 on every replica (an epoch of 2**63 would encode as msgpack's uint64)."""
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+"""A load figure: NaN and infinities are refused (they would make routing's comparisons meaningless)."""
+Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+if TYPE_CHECKING:
+    U64Array = np.ndarray
+    U32Array = np.ndarray
+else:
+
+    class U64Array(np.ndarray):
+        """The declared type of a command's uint64 field, which kvproto.codec's decoder reads from the packed
+        little-endian bytes the wire carries; a command holds a plain ndarray (`_array`), so nothing downstream
+        sees this class, and to the type checker it is one."""
+
+    class U32Array(np.ndarray):
+        """As `U64Array`, of uint32."""
+
+
+def _array(cmd: _Struct, name: str, dtype: str) -> np.ndarray:
+    value = np.ascontiguousarray(getattr(cmd, name), dtype=dtype)
+    msgspec.structs.force_setattr(cmd, name, value)
+    return value
+
+
+class NodeProfile(_Struct, frozen=True):
     """What a registration says of the engine besides where its memory is (docs/protocol.md §2.1).
 
     `models`: the model and adapter names it serves (empty: unknown, from a client of before profiles).
@@ -63,19 +97,18 @@ class NodeProfile:
     fingerprint: str | None = None
     tenant: str = ""
     shared: bool = False
-    dp_rank: int | None = None
+    dp_rank: Rank | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Register:
+class Register(_Struct, tag="G", frozen=True):
     node_id: str
     incarnation: str
     api_url: str
     transfer_url: str | None = None
-    regions: tuple[dict[str, Any], ...] = ()
-    capacity_blocks: int | None = None
-    block_size: int | None = None
-    epoch_base: int = 0
+    regions: tuple[Region, ...] = ()
+    capacity_blocks: Int64 | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None = None
+    epoch_base: Int64 = 0
     """Where the epoch counter starts if no epoch was ever handed out (see `new_epoch_base`)."""
     profile: NodeProfile | None = None
     """What the engine serves and whom (docs/protocol.md §2.1); None: a registration that names none."""
@@ -110,59 +143,58 @@ def new_epoch_base(random_bits: int, shard_index: int = 0) -> int:
     return (high | (shard_index & ((1 << SHARD_BITS) - 1))) << EPOCH_BASE_BITS | offset
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
+class Heartbeat(_Struct, tag="H", frozen=True):
     node_id: str
-    epoch: int
-    load: dict[str, float] | None = None
+    epoch: Int64
+    load: dict[str, Finite] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Deregister:
+class Deregister(_Struct, tag="D", frozen=True):
     node_id: str
-    epoch: int | None = None
+    epoch: Int64 | None
     """The registration it ends: refused (STALE_EPOCH) if the node has registered again since, so a retried or
     resent deregistration never drops a newer registration. None: whatever registration is current (an admin's
-    deregistration)."""
+    deregistration), said explicitly, never by leaving the field out."""
 
 
-@dataclass(frozen=True, slots=True)
-class Publish:
+class Publish(_Struct, tag="P", frozen=True):
     node_id: str
-    epoch: int
-    hashes: np.ndarray  # uint64
-    slots: np.ndarray  # uint32
+    epoch: Int64
+    hashes: U64Array
+    slots: U32Array
     medium: str | None = None
 
+    def __post_init__(self) -> None:
+        if len(_array(self, "hashes", "<u8")) != len(_array(self, "slots", "<u4")):
+            raise ValueError(f"a publish of {len(self.hashes)} hashes and {len(self.slots)} slots")
 
-@dataclass(frozen=True, slots=True)
-class Remove:
+
+class Remove(_Struct, tag="R", frozen=True):
     node_id: str
-    epoch: int
-    hashes: np.ndarray  # uint64
+    epoch: Int64
+    hashes: U64Array
+
+    def __post_init__(self) -> None:
+        _array(self, "hashes", "<u8")
 
 
-@dataclass(frozen=True, slots=True)
-class Clear:
+class Clear(_Struct, tag="C", frozen=True):
     node_id: str
-    epoch: int
+    epoch: Int64
 
 
-@dataclass(frozen=True, slots=True)
-class Expire:
+class Expire(_Struct, tag="E", frozen=True):
     node_id: str
-    epoch: int
-    seen: int
+    epoch: Int64
+    seen: Int64
 
 
-@dataclass(frozen=True, slots=True)
-class AnnounceReplica:
+class AnnounceReplica(_Struct, tag="A", frozen=True):
     raft_addr: str
     http_url: str
 
 
-@dataclass(frozen=True, slots=True)
-class AssignShards:
+class AssignShards(_Struct, tag="S", frozen=True):
     """Commit a shard map (kvproto.shardmap) in this group, which is shard `shard` of it.
 
     Applied only if `version` is newer than the group's map, and a `bootstrap` command only if the group
@@ -170,16 +202,20 @@ class AssignShards:
     and refuses to register such nodes (WRONG_SHARD).
     """
 
-    version: int
+    version: Int64
     shard: str
     names: tuple[str, ...]
     pins: tuple[tuple[str, str], ...]
     document: str
     """The map's canonical JSON (kvproto.shardmap.ShardMap.document), served on GET /v1/shards."""
-    bootstrap: bool = False
+    bootstrap: bool
     """A replica's --shard-map-file: the group's first map, never a change to one. Replicas started with
     different versions of the file race to commit it; whichever commits first is kept, so a file edited
     between restarts never bypasses the safe order of PUT /v1/shards (kvproto.shardmap.apply_order)."""
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("a shard map of no shards")
 
     @classmethod
     def of(cls, m: ShardMap, shard: str, bootstrap: bool = False) -> AssignShards:
@@ -187,8 +223,7 @@ class AssignShards:
         return cls(m.version, shard, m.names, tuple(sorted(m.nodes.items())), m.document(), bootstrap)
 
 
-@dataclass(frozen=True, slots=True)
-class Noop:
+class Noop(_Struct, tag="N", frozen=True):
     """A barrier: once applied locally, every write committed before the read is visible."""
 
 
@@ -209,7 +244,7 @@ def command_size(cmd: Command) -> int:
             256
             + len(cmd.api_url)
             + len(cmd.transfer_url or "")
-            + sum(16 + len(k) + len(str(v)) for region in cmd.regions for k, v in region.items())
+            + len(msgspec.msgpack.encode(cmd.regions))
             + (sum(16 + len(m) for m in cmd.profile.models) + len(cmd.profile.fingerprint or "") if cmd.profile else 0)
         )
     return 256
@@ -248,7 +283,7 @@ class Node:
     incarnation: str
     api_url: str
     transfer_url: str | None
-    regions: tuple[dict[str, Any], ...]
+    regions: tuple[Region, ...]
     capacity_blocks: int | None
     block_size: int | None
     load: dict[str, float] = field(default_factory=dict)
@@ -261,11 +296,11 @@ def tenant_of(profile: NodeProfile | None) -> str:
     return "" if profile is None else profile.tenant
 
 
-def endpoint_keys(api_url: str, transfer_url: str | None, regions: tuple[dict[str, Any], ...]) -> set[str]:
+def endpoint_keys(api_url: str, transfer_url: str | None, regions: tuple[Region, ...]) -> set[str]:
     """The endpoints a registration names: its API origin, its transfer session and its ranks' own sessions."""
     keys = {endpoint_key(api_url)}
-    for url in (transfer_url, *(r.get("transfer_url") for r in regions)):
-        if isinstance(url, str):
+    for url in (transfer_url, *(r.transfer_url for r in regions)):
+        if url is not None:
             keys.add(endpoint_key(url))
     return keys
 
@@ -379,7 +414,7 @@ class DirectoryState:
             cmd.incarnation,
             cmd.api_url,
             cmd.transfer_url,
-            tuple(cmd.regions),
+            cmd.regions,
             cmd.capacity_blocks,
             cmd.block_size,
             profile=cmd.profile,

@@ -29,8 +29,9 @@ from gateway.mirror import Feed, Mirror
 from kvdir.local_cluster import Cluster
 from kvdir.progress import Meter, stderr_meter
 from kvproto.client import DirectoryClient
+from kvproto.codec import BatchFrame, Frame
 from kvproto.errors import DirectoryError
-from kvproto.state import Publish
+from kvproto.state import DirectoryState, Publish
 from kvtools.bench.clusters import bench_directory
 from kvtools.bench.report import emit, header, pct, say
 from kvtools.plots import LagSeries, lag_over_time, latency_cdf
@@ -46,16 +47,16 @@ class _TimedMirror(Feed):
         self.applied_at: dict[int, float] = {}
         self.apply_s: list[float] = []
 
-    def _apply_locked(self, f: dict[str, Any]) -> None:
+    def _apply_locked(self, f: Frame) -> None:
         started = time.perf_counter()
         super()._apply_locked(f)
         self.apply_s.append(time.perf_counter() - started)
 
-    def _apply(self, f: dict[str, Any]) -> None:
-        super()._apply(f)
-        if f["k"] == "batch":
+    def _apply(self, f: Frame, state: DirectoryState | None = None) -> None:
+        super()._apply(f, state)
+        if isinstance(f, BatchFrame):
             now = time.monotonic()
-            for c in f["commands"]:  # decoded by Feed._apply_locked
+            for c in f.commands:
                 if isinstance(c, Publish) and len(c.hashes):
                     self.applied_at[int(c.hashes[0])] = now
 

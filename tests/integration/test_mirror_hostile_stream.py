@@ -224,8 +224,8 @@ def test_every_malformed_frame_drops_its_source_and_the_gateway_snapshots_from_t
 def test_the_fake_speaks_the_real_format() -> None:
     """The good stream the fake sends decodes to the state it was made from (the test above is about the
     malformed ones only)."""
-    from kvproto.codec import FrameReader, state_from
+    from kvproto.codec import FrameReader, SnapshotFrame, state_from
 
     (f,) = FrameReader().feed(_snap())
-    assert state_from(f["state"]).digest() == STATE.digest() and f["group"] == G
+    assert isinstance(f, SnapshotFrame) and state_from(f.state).digest() == STATE.digest() and f.group == G
     assert msgspec.msgpack.decode(tick_frame(P, True, 0.5, group=G)[HEADER.size :])["group"] == G

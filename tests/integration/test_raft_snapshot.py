@@ -11,6 +11,7 @@ from directory.config import DirectorySettings
 from directory.replica import Replica
 from kvdir.local_cluster import free_ports
 from kvproto.codec import encode_entry
+from kvproto.schemas import Region
 from kvproto.state import NodeProfile, Publish, Register
 from tests.support.wait import wait_for
 
@@ -32,7 +33,7 @@ def test_a_snapshot_is_written_and_reloaded_through_the_raft_unpickler(tmp_path:
                             "n",
                             "inc",
                             "http://127.0.0.1:9",
-                            regions=({"base": 4096, "rkey": "k"},),
+                            regions=(Region(rank=0, base_addr=4096, length=4096, block_bytes=512, rkey="k"),),
                             epoch_base=1 << 31,
                             profile=PROFILE,
                         ),

@@ -13,7 +13,7 @@ import pytest
 
 from kvdir.local_cluster import Cluster, Workers, free_ports, write_raft_password
 from kvproto.client import DirectoryClient
-from kvproto.codec import FrameReader
+from kvproto.codec import Frame, FrameReader, SnapshotFrame
 from kvproto.errors import AuthError
 from kvproto.hashing import block_hashes
 from tests.support.cluster import deregister_all
@@ -318,12 +318,12 @@ def test_the_watch_stream_refuses_tokens_confined_to_a_tenant(tenanted) -> None:
     with httpx.stream("GET", url, headers=bearer(GATEWAY), timeout=5) as r:
         assert r.status_code == 200
         reader = FrameReader()
-        frames: list[dict[str, object]] = []
+        frames: list[Frame] = []
         for chunk in r.iter_raw():
             frames += reader.feed(chunk)
             if frames:
                 break
-    assert frames[0]["k"] == "snapshot"
+    assert isinstance(frames[0], SnapshotFrame)
 
 
 @pytest.mark.parametrize("_tenanted_cluster", [TOKENS_BRAVO_ON_WORKER_1], indirect=True)

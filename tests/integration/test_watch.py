@@ -12,13 +12,13 @@ import signal
 import time
 
 import httpx
-import numpy as np
 
 from gateway.mirror import Mirror
 from kvdir.local_cluster import Cluster
 from kvproto.client import DirectoryClient
-from kvproto.codec import FrameReader, group_of
+from kvproto.codec import BatchFrame, Frame, FrameReader, SnapshotFrame, TickFrame, group_of
 from kvproto.errors import DirectoryError
+from kvproto.state import Publish
 from tests.support.cluster import leader_index
 from tests.support.wait import until
 
@@ -170,7 +170,7 @@ def test_the_stream_carries_a_snapshot_then_batches_then_ticks(make_cluster) -> 
     with httpx.Client(timeout=5) as http:
         reg = http.post(cluster.replica_urls[0] + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:1"})
         epoch = reg.json()["epoch"]
-        frames: list[dict[str, object]] = []
+        frames: list[Frame] = []
         with http.stream("GET", cluster.replica_urls[0] + "/v1/watch") as r:
             assert r.headers["content-type"].startswith("application/x-kvdir-watch")
             reader = FrameReader()
@@ -181,14 +181,14 @@ def test_the_stream_carries_a_snapshot_then_batches_then_ticks(make_cluster) -> 
                     body = {"node_id": "n1", "epoch": epoch, "blocks": [{"hash": 9, "slot": 3}]}
                     assert http.post(cluster.replica_urls[0] + "/v1/blocks", json=body).status_code == 200
                     published = True
-                if any(f["k"] == "batch" for f in frames) and frames[-1]["k"] == "tick":
+                if any(isinstance(f, BatchFrame) for f in frames) and isinstance(frames[-1], TickFrame):
                     break
-    kinds = [f["k"] for f in frames]
-    assert kinds[0] == "snapshot" and "batch" in kinds
-    batch = next(f for f in frames if f["k"] == "batch")
-    (cmd,) = batch["commands"]  # type: ignore[misc]
-    assert cmd[0] == "P" and np.frombuffer(cmd[3], "<u8").tolist() == [9] and np.frombuffer(cmd[4], "<u4").tolist() == [3]
-    assert frames[-1]["position"] == batch["position"] and frames[-1]["fresh"] is True
+    assert isinstance(frames[0], SnapshotFrame)
+    batch = next(f for f in frames if isinstance(f, BatchFrame))
+    (cmd,) = batch.commands
+    assert isinstance(cmd, Publish) and cmd.hashes.tolist() == [9] and cmd.slots.tolist() == [3]
+    tick = frames[-1]
+    assert isinstance(tick, TickFrame) and tick.position == batch.position and tick.fresh is True
 
 
 def test_a_bad_position_is_a_422(make_cluster) -> None:
@@ -199,15 +199,15 @@ def test_a_bad_position_is_a_422(make_cluster) -> None:
         assert r.json()["error"] == "invalid_request"
 
 
-def _first_frames(url: str, params: dict[str, object], kinds: tuple[str, ...]) -> list[dict[str, object]]:
+def _first_frames(url: str, params: dict[str, object], kinds: tuple[type[Frame], ...]) -> list[Frame]:
     """The stream's frames up to and including the first of each of `kinds`."""
-    frames: list[dict[str, object]] = []
+    frames: list[Frame] = []
     with httpx.stream("GET", url + "/v1/watch", params=params, timeout=5) as r:  # type: ignore[arg-type]
         assert r.status_code == 200, r.read()
         reader = FrameReader()
         for chunk in r.iter_raw():
             frames += reader.feed(chunk)
-            if all(any(f["k"] == k for f in frames) for k in kinds):
+            if all(any(isinstance(f, k) for f in frames) for k in kinds):
                 return frames
     raise AssertionError(f"the stream ended before {kinds}")
 
@@ -216,9 +216,10 @@ def test_a_foreign_group_or_a_future_position_answers_410(make_cluster) -> None:
     cluster = make_cluster(1)
     url = cluster.replica_urls[0]
     assert httpx.post(url + "/v1/nodes", json={"node_id": "n1", "api_url": "http://127.0.0.1:1"}, timeout=5).status_code == 200
-    snap = _first_frames(url, {}, ("snapshot", "tick"))
-    group, applied = snap[0]["group"], int(snap[0]["position"])  # type: ignore[call-overload]
-    assert isinstance(group, int) and snap[-1]["group"] == group  # the snapshot and every tick carry it
+    snap, *_, tick = _first_frames(url, {}, (SnapshotFrame, TickFrame))
+    assert isinstance(snap, SnapshotFrame) and isinstance(tick, TickFrame)
+    group, applied = snap.group, snap.position
+    assert isinstance(group, int) and tick.group == group  # the snapshot and every tick carry it
 
     def get(params: dict[str, object]) -> httpx.Response:
         return httpx.get(url + "/v1/watch", params=params, timeout=5)  # type: ignore[arg-type]
@@ -234,12 +235,12 @@ def test_a_foreign_group_or_a_future_position_answers_410(make_cluster) -> None:
         r = get({"from": applied, "group": bad})
         assert r.status_code == 422 and r.json()["error"] == "invalid_request", (bad, r.text)
     # Its own group: resumed; a position ahead of this replica is one it will reach (a lagging replica): it waits.
-    (tick,) = _first_frames(url, {"from": applied, "group": group}, ("tick",))
-    assert tick["position"] == applied and tick["group"] == group
-    frames = _first_frames(url, {"from": applied + 1, "group": group}, ("tick",))
-    assert [f["k"] for f in frames] == ["tick"]
+    (tick,) = _first_frames(url, {"from": applied, "group": group}, (TickFrame,))
+    assert isinstance(tick, TickFrame) and tick.position == applied and tick.group == group
+    frames = _first_frames(url, {"from": applied + 1, "group": group}, (TickFrame,))
+    assert [type(f) for f in frames] == [TickFrame]
     # A consumer that names no group still resumes from a position the replica has.
-    assert [f["k"] for f in _first_frames(url, {"from": applied}, ("tick",))] == ["tick"]
+    assert [type(f) for f in _first_frames(url, {"from": applied}, (TickFrame,))] == [TickFrame]
 
 
 def test_the_mirror_resnapshots_a_directory_rebuilt_from_empty_data_dirs(make_cluster) -> None:

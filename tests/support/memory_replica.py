@@ -7,10 +7,10 @@ test can see what the API handed the state machine.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TypeVar
 
+import msgspec
 import numpy as np
 
 from directory.config import DirectorySettings
@@ -44,7 +44,7 @@ class MemoryReplica:
 
     async def submit(self, cmd: Command, timeout: float | None = None) -> Result:
         if isinstance(cmd, Register):
-            cmd = dataclasses.replace(cmd, epoch_base=0)
+            cmd = msgspec.structs.replace(cmd, epoch_base=0)
         self.commands.append(cmd)
         res = self.state.apply(cmd)
         if self._on_commit is not None:

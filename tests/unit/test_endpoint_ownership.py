@@ -8,7 +8,7 @@ import pytest
 
 from directory import errors, raft_transport
 from kvproto import codec
-from kvproto.schemas import endpoint_key
+from kvproto.schemas import Region, endpoint_key
 from kvproto.state import (
     ENDPOINT_TAKEN,
     Deregister,
@@ -34,8 +34,8 @@ def reg(
     return Register(node_id, inc, api_url, transfer_url, regions, 64, 16, 1 << 31, NodeProfile((), "fp", tenant, shared))
 
 
-def region(rank: int, session: str | None) -> dict[str, object]:
-    return {"rank": rank, "base_addr": 4096, "length": 1 << 20, "block_bytes": 4096, "rkey": 0, "transfer_url": session}
+def region(rank: int, session: str | None) -> Region:
+    return Region(rank=rank, base_addr=4096, length=1 << 20, block_bytes=4096, rkey=0, transfer_url=session)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_transfer_sessions_belong_to_one_tenant() -> None:
 def test_an_endpoint_is_released_with_its_last_node() -> None:
     s = DirectoryState()
     assert s.apply(reg("acme-0", "acme")).ok and s.apply(reg("acme-1", "acme")).ok
-    assert s.apply(Deregister("acme-0")).ok
+    assert s.apply(Deregister("acme-0", None)).ok
     assert s.apply(reg("bravo-0", "bravo")).status == ENDPOINT_TAKEN  # acme-1 still holds it
     epoch = s.nodes["acme-1"].epoch
     assert s.apply(Expire("acme-1", epoch, s.nodes["acme-1"].seen)).value is True

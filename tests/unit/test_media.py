@@ -4,6 +4,8 @@ node registered in it, and the wire schemas take engines' names for media."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 import pytest
@@ -17,11 +19,11 @@ from kvproto.state import INVALID, DirectoryState, Publish, Register
 HOST = media.location(0, media.HOST)
 
 
-def _regions(host_blocks: int | None) -> tuple[dict[str, object], ...]:
-    device = {"rank": 0, "base_addr": 0, "length": 64 * 8, "block_bytes": 64, "medium": None}
+def _regions(host_blocks: int | None) -> tuple[Region, ...]:
+    device = Region(rank=0, base_addr=0, length=64 * 8, block_bytes=64)
     if host_blocks is None:
         return (device,)
-    return device, {"rank": 0, "base_addr": 4096, "length": 64 * host_blocks, "block_bytes": 64, "medium": "host"}
+    return device, Region(rank=0, base_addr=4096, length=64 * host_blocks, block_bytes=64, medium="host")
 
 
 def _state(host_blocks: int | None = 4) -> tuple[DirectoryState, int]:
@@ -119,15 +121,16 @@ def test_an_adapter_publishes_an_engines_unknown_medium_as_the_device() -> None:
 
 
 def test_a_nodes_capacity_over_its_media_is_one_sum_whatever_carries_its_regions() -> None:
-    """The directory (a registration's mappings) and the gateway (the listing's records) count alike: the device's
+    """The directory (a registration's regions) and the gateway (the listing's records) count alike: the device's
     blocks, plus each lower tier's fewest whole blocks, disk included."""
-    regions = [
+    fields: list[dict[str, Any]] = [
         {"rank": 0, "base_addr": 0, "length": 8 << 20, "block_bytes": 1 << 20},
         {"rank": 0, "base_addr": 1 << 30, "length": 4 << 20, "block_bytes": 1 << 20, "medium": "host"},
         {"rank": 0, "base_addr": 2 << 30, "length": 16 << 20, "block_bytes": 1 << 20, "medium": "disk"},
     ]
-    listed = [RegionInfo(**r) for r in regions]
-    for carried in (regions, listed):
+    registered = [Region(**r) for r in fields]
+    listed = [RegionInfo(**r) for r in fields]
+    for carried in (registered, listed):
         assert [media.capacity(8, carried, code) for code in (media.DEVICE, media.HOST, media.DISK)] == [8, 4, 16]
         assert media.total_capacity(8, carried) == 28
         assert media.total_capacity(8, carried[:1]) == 8  # no lower tier registered

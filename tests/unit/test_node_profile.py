@@ -9,7 +9,9 @@ import pytest
 
 from directory.raft_transport import dumps, safe_loads
 from kvproto.codec import (
+    BatchFrame,
     FrameReader,
+    SnapshotFrame,
     WireError,
     batch_frame,
     decode_command,
@@ -23,12 +25,13 @@ from kvproto.codec import (
     snapshot_of,
     state_from,
 )
+from kvproto.schemas import Region
 from kvproto.state import OK, DirectoryState, NodeProfile, Publish, Register, command_size
 
 PROFILE = NodeProfile(("Qwen/Qwen3-8B", "ü-lora"), "fp-0123abcd", "acme", False)
 SHARED = NodeProfile(("m",), None, "", True)
 DP_RANK = NodeProfile(("m",), "fp", "", False, 3)
-REGION = {"rank": 0, "base_addr": 4096, "length": 1 << 20, "block_bytes": 512, "rkey": 7}
+REGION = Region(rank=0, base_addr=4096, length=1 << 20, block_bytes=512, rkey=7)
 
 
 def register(node_id: str = "worker-1", inc: str = "inc-1", profile: NodeProfile | None = PROFILE) -> Register:
@@ -38,8 +41,8 @@ def register(node_id: str = "worker-1", inc: str = "inc-1", profile: NodeProfile
 
 def _through_frames(cmd: Register) -> Register:
     (f,) = FrameReader().feed(batch_frame(1, [cmd]))
-    (encoded,) = f["commands"]
-    out = decode_command(encoded)
+    assert isinstance(f, BatchFrame)
+    (out,) = f.commands
     assert isinstance(out, Register)
     return out
 
@@ -65,17 +68,20 @@ def test_register_round_trips_through_a_watch_frame(profile: NodeProfile | None)
 
 
 def test_a_profile_or_register_of_another_layout_is_refused() -> None:
-    """A profile of four fields (the layout before DP ranks) or a register of eight (before profiles): another
-    codec version's, refused in a command and in a snapshot rather than read with fields made up."""
+    """A profile or a register with a field more than this codec version's layout (a later version's), or
+    without one it must carry: refused in a command and in a snapshot rather than read with fields dropped or
+    made up. (A trailing field with a default may be left out and reads as its default: docs/protocol.md §3.3.)"""
     encoded = encode_command(register(profile=PROFILE))
-    encoded[9] = encoded[9][:4]
-    with pytest.raises(WireError, match="a profile of 4 fields, not 5"):
+    encoded[9] = [*encoded[9], "later"]
+    with pytest.raises(WireError, match="at most length 5, got 6"):
         decode_command(encoded)
-    with pytest.raises(WireError, match="of 8 fields, not 9"):
-        decode_command(encode_command(register(profile=None))[:9])
+    with pytest.raises(WireError, match="at most length 9, got 10"):
+        decode_command([*encode_command(register(profile=None)), None])
+    with pytest.raises(WireError, match="at least length 4, got 3"):
+        decode_command(encode_command(register(profile=None))[:3])
     snap = snapshot_of(_state_with_profiles())
-    snap["nodes"][0][11] = snap["nodes"][0][11][:4]
-    with pytest.raises(WireError, match="a profile of 4 fields"):
+    snap["nodes"][0][11] = [*encode_command(register(profile=PROFILE))[9], "later"]
+    with pytest.raises(WireError, match=r"profile.*at most length 5"):
         state_from(snap)
 
 
@@ -84,7 +90,7 @@ def test_a_profile_or_register_of_another_layout_is_refused() -> None:
     [
         [1, 2],
         "x",
-        [["m"], None, "t"],
+        [["m"], None, 5],
         [5, None, "", False],
         [["m"], None, "", False, "1"],
         [["m"], None, "", False, -1],
@@ -115,7 +121,8 @@ def _state_with_profiles() -> DirectoryState:
 def test_a_snapshot_keeps_the_profiles() -> None:
     s = _state_with_profiles()
     (f,) = FrameReader().feed(frame(snapshot_message(snapshot_of(s))))
-    mirror = state_from(f["state"])
+    assert isinstance(f, SnapshotFrame)
+    mirror = state_from(f.state)
     assert mirror.digest() == s.digest()
     assert {n: x.profile for n, x in mirror.nodes.items()} == {
         "worker-1": PROFILE,

@@ -15,6 +15,7 @@ from pysyncobj.node import TCPNode
 from directory import raft_transport
 from directory.raft_transport import dump, dumps
 from kvproto import codec
+from kvproto.schemas import Region
 from kvproto.state import (
     AnnounceReplica,
     Clear,
@@ -58,9 +59,18 @@ def test_every_command_kind_survives_the_raft_unpickler() -> None:
     """An entry is the codec's bytes: what pysyncobj pickles of it is one bytes argument."""
     hashes = np.arange(1, 5, dtype=np.uint64)
     commands = [
-        Register("n", "inc", "http://127.0.0.1:9", "127.0.0.1:7", ({"base": 1, "rkey": "r", "len": 2},), 8, 16, 1 << 40),
+        Register(
+            "n",
+            "inc",
+            "http://127.0.0.1:9",
+            "127.0.0.1:7",
+            (Region(rank=0, base_addr=1, length=2, block_bytes=2, rkey="r"),),
+            8,
+            16,
+            1 << 40,
+        ),
         Heartbeat("n", 3, {"queue": 1.5}),
-        Deregister("n"),
+        Deregister("n", None),
         Publish("n", 3, hashes, np.arange(4, dtype=np.uint32), "cpu"),
         Remove("n", 3, hashes),
         Clear("n", 3),
@@ -88,7 +98,7 @@ def test_an_entry_of_another_codec_version_is_refused() -> None:
 
 def test_kvdir_classes_and_numpy_arrays_are_not_raft_traffic() -> None:
     """Commands, states and arrays travel as codec bytes: a pickle of one is refused, as any other class is."""
-    for obj in (Deregister("worker-1"), DirectoryState(), np.arange(3)):
+    for obj in (Deregister("worker-1", None), DirectoryState(), np.arange(3)):
         with pytest.raises(pickle.UnpicklingError, match="not allowed in Raft traffic"):
             raft_transport.safe_loads(dumps(obj))
 

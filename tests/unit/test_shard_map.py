@@ -149,5 +149,5 @@ def test_map_commands_round_trip_and_a_layout_without_the_bootstrap_flag_is_refu
     cmd = AssignShards.of(smap(["s0", "s1"], version=4), "s1")
     boot = AssignShards.of(smap(["s0"], version=1), "s0", bootstrap=True)
     assert codec.decode_entry(codec.encode_entry([cmd, boot])) == [cmd, boot]
-    with pytest.raises(codec.WireError, match="of 5 fields, not 6"):
+    with pytest.raises(codec.WireError, match="at least length 7, got 6"):
         codec.decode_command(codec.encode_command(cmd)[:-1])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvproto.codec import decode_state, encode_state
+from kvproto.schemas import Region
 from kvproto.shardmap import SHARD_BITS
 from kvproto.state import (
     EPOCH_BASE_BITS,
@@ -81,7 +82,7 @@ def test_register_returns_increasing_epochs(st):
 
 
 def test_register_stores_fields(st):
-    regions = ({"rank": 0, "base_addr": 4096, "length": 1 << 20, "rkey": "k0", "block_bytes": 4096},)
+    regions = (Region(rank=0, base_addr=4096, length=1 << 20, rkey="k0", block_bytes=4096),)
     r = st.apply(Register("a", "i1", "http://a", "tcp://a:1", regions, 256, 16))
     assert r.ok and isinstance(r.value, int)
     node = st.nodes["a"]
@@ -136,9 +137,7 @@ def test_reregistration_updates_fields(st):
 def test_reregistrations_replace_the_old_one_and_leak_nothing(st):
     """Issue #12 item 7: the state holds one registration per node, whatever the churn; only the Raft
     log grows with re-registrations (compacted by size in the replica)."""
-    regions = tuple(
-        {"rank": r, "base_addr": 0, "length": 1, "block_bytes": 1, "rkey": "k" * 256, "layer": None} for r in range(256)
-    )
+    regions = tuple(Region(rank=r, base_addr=0, length=1, block_bytes=1, rkey="k" * 256) for r in range(256))
     for k in range(1000):
         e = st.apply(Register("a", f"i{k}", "http://a", regions=regions)).value
         assert pub(st, "a", e, [k, k + 1]).ok
@@ -153,7 +152,7 @@ def test_epochs_strictly_increase_globally_across_reuse(st):
     for i in range(3):
         epochs.append(reg(st, "a", f"i{i}"))
         epochs.append(reg(st, "b", f"i{i}"))
-        st.apply(Deregister("a"))
+        st.apply(Deregister("a", None))
         epochs.append(reg(st, "a", "same"))  # after deregistration, a fresh epoch
         st.apply(Expire("a", epochs[-1], st.nodes["a"].seen))
     assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs)
@@ -236,7 +235,7 @@ def test_unknown_node(st):
         Remove("zz", e, H(1)),
         Clear("zz", e),
         Heartbeat("zz", e),
-        Deregister("zz"),
+        Deregister("zz", None),
     ):
         r = st.apply(cmd)
         assert r.status == UNKNOWN_NODE and r.detail, cmd
@@ -246,7 +245,7 @@ def test_unknown_node(st):
 def test_writes_after_deregister_are_unknown(st):
     e = reg(st, "a")
     pub(st, "a", e, [1])
-    assert st.apply(Deregister("a")).ok
+    assert st.apply(Deregister("a", None)).ok
     assert st.apply(Publish("a", e, H(2), S(0))).status == UNKNOWN_NODE
     assert st.apply(Heartbeat("a", e)).status == UNKNOWN_NODE
     assert len(st.index) == 0
@@ -349,7 +348,7 @@ def test_node_limit():
     assert st.apply(Register("a", "i1", "http://a")).value == ea
     assert st.apply(Register("a", "i2", "http://a")).ok
     # a freed place can be taken
-    assert st.apply(Deregister("b")).ok
+    assert st.apply(Deregister("b", None)).ok
     assert st.apply(Register("c", "i1", "http://c")).ok
     assert st.apply(Register("d", "i1", "http://d")).status == NODE_LIMIT
 
@@ -358,7 +357,7 @@ def test_node_limit_does_not_consume_epoch():
     st = DirectoryState(max_nodes=1)
     e = reg(st, "a")
     assert st.apply(Register("b", "i", "http://b")).status == NODE_LIMIT
-    st.apply(Deregister("a"))
+    st.apply(Deregister("a", None))
     assert reg(st, "b") == e + 1
 
 
@@ -471,11 +470,11 @@ def test_deregister(st):
     eb = reg(st, "b")
     pub(st, "a", ea, [1, 2, 3])
     pub(st, "b", eb, [1, 2])
-    r = st.apply(Deregister("a"))
+    r = st.apply(Deregister("a", None))
     assert r.ok and r.value == 3
     assert "a" not in st.nodes
     assert view(st, [1, 2, 3]) == [("b", eb, 2)]
-    assert st.apply(Deregister("a")).status == UNKNOWN_NODE
+    assert st.apply(Deregister("a", None)).status == UNKNOWN_NODE
 
 
 def test_deregister_names_the_epoch_it_ends(st):
@@ -512,7 +511,7 @@ def test_deregistered_index_reused_without_leaking(st):
     pub(st, "a", ea, [1, 2, 3], [7, 8, 9])
     pub(st, "b", eb, [1], [0])
     idx_a = st.nodes["a"].idx
-    st.apply(Deregister("a"))
+    st.apply(Deregister("a", None))
     ec = reg(st, "c")
     assert st.nodes["c"].idx == idx_a  # the freed index is reused
     assert ec > eb
@@ -629,7 +628,7 @@ def test_raft_snapshot_roundtrip_state(st):
     assert clone.replicas == st.replicas and clone.epoch_counter == st.epoch_counter
     assert view(clone, [1, 2, 3], True) == view(st, [1, 2, 3], True)
     for s in (st, clone):
-        s.apply(Deregister("a"))
+        s.apply(Deregister("a", None))
         reg(s, "c")
         pub(s, "c", s.nodes["c"].epoch, [1], [0])
         assert pub(s, "b", eb, [3], [1]).ok
