@@ -197,9 +197,10 @@ def _load(v: Any) -> dict[str, float]:
 
 
 def _enc_hook(obj: Any) -> Any:
-    """A command's arrays as their bytes (already little-endian and contiguous: the commands' `__post_init__`)."""
+    """A command's arrays as their bytes (already little-endian and contiguous: the commands' `__post_init__`):
+    a copy while small (cheaper for msgspec than a memoryview), the array's own buffer once large."""
     if isinstance(obj, np.ndarray):
-        return obj.data.cast("B")
+        return obj.tobytes() if obj.nbytes < 1 << 16 else obj.data
     raise TypeError(f"not a directory command's field: {type(obj).__name__}")
 
 
