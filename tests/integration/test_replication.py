@@ -373,10 +373,12 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_snapshots_are_gzipped_fast_and_load(tmp_path) -> None:
-    """pysyncobj's serializer, as a replica installs it: a snapshot at gzip's fastest level (the header's XFL
-    byte is 4; pysyncobj's level 9 took 58 s of CPU at 5M entries, for 3% less), which loads back whole."""
+def test_snapshots_are_stored_uncompressed_and_load(tmp_path) -> None:
+    """pysyncobj's serializer, as a replica installs it: a snapshot in gzip's stored blocks (not compressed: its
+    random hashes do not compress, and level 1 took 1.7-2.0 s of CPU at 5M entries on every replica at once,
+    pysyncobj's level 9 58 s), which loads back whole."""
     code = f"""
+import os
 import numpy as np
 from pysyncobj.serializer import Serializer
 from directory.journal import install
@@ -385,7 +387,7 @@ data = (None, {{"keys": np.arange(100_000, dtype=np.uint64)}})
 s = Serializer({str(tmp_path / "raft.dump")!r}, 1 << 16, False, None, None, None)
 s.serialize(data, 1)
 loaded = s.deserialize()
-print(open({str(tmp_path / "raft.dump")!r}, "rb").read(9)[8], bool((loaded[1]["keys"] == data[1]["keys"]).all()))
+print(os.path.getsize({str(tmp_path / "raft.dump")!r}) >= 800_000, bool((loaded[1]["keys"] == data[1]["keys"]).all()))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert out.stdout.split() == ["4", "True"], out.stderr
+    assert out.stdout.split() == ["True", "True"], out.stderr
