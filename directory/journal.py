@@ -146,8 +146,8 @@ def sync() -> None:
 
 DUMP_GZIP_LEVEL = 0
 """pysyncobj gzips its snapshots at level 9: 58 s of CPU for a 5M-entry state (119 MB pickled, to 58 MB), and
-level 1 still takes 1.7-2.0 s (to 63 MB); stored blocks (level 0) take 0.4-0.6 s for 120 MB, and load in 0.43 s
-where level 1's took 0.6-0.75 s. The block hashes that are a third of a snapshot are random and the rest is
+level 1 still takes 1.7-2.0 s (to 63 MB); stored blocks (level 0) take 0.26-0.6 s for 120 MB, and load in
+0.3-0.43 s where level 1's took 0.58-0.75 s. The block hashes that are a third of a snapshot are random and the rest is
 small integers that compress to half at best, so compressing buys half the disk and half a lagging follower's
 transfer for seconds of CPU on every replica at once (their logs reach the threshold together), which starved
 their Raft threads (elections all through a bulk fill), and without a data dir it runs on the Raft thread
