@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvproto.errors import CommitTimeout
 from kvproto.state import Expire
+from kvproto.tasks import cancel_and_wait, every
 
 if TYPE_CHECKING:
     from directory.replica import Replica
@@ -30,18 +31,13 @@ class LeaseKeeper:
         self._ttl = ttl
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
         self._expiring: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
-        self._task = asyncio.create_task(self._run())
+        self._task = asyncio.create_task(
+            every(min(1.0, ttl / 4), lambda: self.check(time.monotonic()), what="lease check", log=log, first_now=False),
+            name="leases",
+        )
 
-    def close(self) -> None:
-        self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self._ttl / 4))
-            try:
-                await self.check(time.monotonic())
-            except Exception:  # keep the lease loop alive whatever one round hit
-                log.exception("lease check failed")
+    async def close(self) -> None:
+        await cancel_and_wait(self._task, *self._expiring)
 
     async def check(self, now: float) -> None:
         if not self._replica.is_leader:

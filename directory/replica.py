@@ -44,6 +44,7 @@ from kvproto import index
 from kvproto.errors import CommitTimeout
 from kvproto.schemas import Holder
 from kvproto.state import AnnounceReplica, AssignShards, Command, DirectoryState, Result
+from kvproto.tasks import cancel_and_wait
 
 log = logging.getLogger("kvdir.directory")
 
@@ -276,11 +277,9 @@ class Replica:
         self._bootstrap = asyncio.create_task(self._commit_first_shard_map())
 
     async def stop(self) -> None:
-        for task in (self._announce, self._bootstrap):
-            if task is not None:
-                task.cancel()
+        await cancel_and_wait(self._announce, self._bootstrap)
         if self.leases is not None:
-            self.leases.close()
+            await self.leases.close()
         if self.committer is not None:
             await self.committer.close()
         self.raft.destroy()

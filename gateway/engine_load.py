@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvproto.engine_metrics import FAMILIES
 from kvproto.schemas import DP_RANK_HEADER
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, every
 
 if TYPE_CHECKING:
     from gateway.engine_registry import EngineState
@@ -135,15 +135,12 @@ class LoadScraper:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(
+            every(self.interval_s, lambda: self.tick(time.monotonic()), what="engine load reads", log=log), name="engine load"
+        )
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task, *self._reads.values())
-
-    async def _loop(self) -> None:
-        while True:
-            self.tick(time.monotonic())
-            await asyncio.sleep(self.interval_s)
 
     def tick(self, now: float) -> None:
         """Start a read of every engine due one and not being read; forget engines no longer known."""

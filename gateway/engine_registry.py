@@ -37,7 +37,7 @@ from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
 from kvproto.ranks import tp_size
 from kvproto.schemas import PULL_GBPS_LABEL, NodeInfo, Origin
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, every
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -212,7 +212,7 @@ class EngineRegistry:
         self._probes: set[asyncio.Task[None]] = set()
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
         self._foreign: set[str] = set()  # listed engines of other tenants, not routed to (logged once each)
-        self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `_loop`)
+        self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `start`)
         self._mismatched: set[str] = set()  # known engines whose published blocks are hashed at another block size
         self._block_sizes: dict[str, int] = {}  # model -> the block size its prompts are hashed at (hash_block_size)
 
@@ -266,7 +266,23 @@ class EngineRegistry:
         return False
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        """`refresh` every `refresh_s` for as long as the gateway runs; a refresh that fails unexpectedly (a bug, a
+        malformed answer) is logged and counted (`refresh_failures`), and the next comes after a backoff (doubling
+        while refreshes keep failing, up to REFRESH_RETRY_MAX_S): the engine list is never left frozen."""
+        self._task = asyncio.create_task(
+            every(
+                self.refresh_s,
+                self.refresh,
+                what="engine refresh",
+                log=log,
+                failed=self._refresh_failed,
+                retry_max_s=REFRESH_RETRY_MAX_S,
+            ),
+            name="engine refresh",
+        )
+
+    def _refresh_failed(self) -> None:
+        self.refresh_failures += 1
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task, *self._probes)
@@ -414,24 +430,6 @@ class EngineRegistry:
         if lens and max(lens) > 0 and e.max_model_len != max(lens):
             e.max_model_len = max(lens)
             log.info("engine %s serves up to %d tokens of context", e.node_id, e.max_model_len)
-
-    async def _loop(self) -> None:
-        """`refresh` every `refresh_s`, for as long as the gateway runs: a refresh that fails unexpectedly (a bug,
-        a malformed answer) is logged with its traceback and counted (`refresh_failures`), and the next one comes
-        after a backoff (doubling while refreshes keep failing, from `refresh_s` to REFRESH_RETRY_MAX_S), so
-        the engine list is never left frozen by a task that died."""
-        delay = self.refresh_s
-        while True:
-            try:
-                await self.refresh()
-            except Exception:  # anything but a cancellation (stop): a loop that dies freezes the engine list
-                self.refresh_failures += 1
-                log.exception("engine refresh failed (%d so far): retrying in %.1fs", self.refresh_failures, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, max(self.refresh_s, REFRESH_RETRY_MAX_S))
-                continue
-            delay = self.refresh_s
-            await asyncio.sleep(self.refresh_s)
 
     def mark_unhealthy(self, node_id: str) -> None:
         e = self.engines.get(node_id)

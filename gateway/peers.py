@@ -69,7 +69,7 @@ from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.errors import GatewayError
 from kvproto.rate_limit import TokenBucket
 from kvproto.schemas import Origin, parse_origin
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, every
 
 __all__ = ["NOTES_PATH", "STATUS_PATH", "Note", "NoteBatch", "PeerNotes", "routes"]
 
@@ -483,13 +483,10 @@ class PeerNotes(Collector):
             )
             for origin, q in zip(self.peers, self._queues, strict=True):
                 self._tasks.append(asyncio.create_task(self._send_loop(origin, q), name=f"peer {origin}"))
-        self._tasks.append(asyncio.create_task(self._sweep(), name="peer notes expiry"))
-
-    async def _sweep(self) -> None:
-        period = min(1.0, self.ttl_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            self.expire(time.monotonic())
+        sweep = every(
+            min(1.0, self.ttl_s / 4), lambda: self.expire(time.monotonic()), what="peer notes expiry", log=log, first_now=False
+        )
+        self._tasks.append(asyncio.create_task(sweep, name="peer notes expiry"))
 
     async def stop(self) -> None:
         await cancel_and_wait(*self._tasks)

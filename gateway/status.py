@@ -44,7 +44,7 @@ from gateway.router import make_candidate
 from gateway.ttft_learner import TtftLearner
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError, DirectoryUnavailable, RequestRejected
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, every
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -354,18 +354,15 @@ class StatusBoard:
 
     def start(self) -> None:
         self.history.add(self.sample(time.monotonic()))  # the zero every first interval counts from
-        self._task = asyncio.create_task(self._loop(), name="status samples")
+        self._task = asyncio.create_task(
+            every(self.sample_s, self._sample, what="status page sample", log=log, first_now=False), name="status samples"
+        )
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.sample_s)
-            try:
-                self.history.add(self.sample(time.monotonic()))
-            except Exception:  # a sample that fails (a bug) must not end the history for good
-                log.exception("status page: taking a sample failed")
+    def _sample(self) -> None:
+        self.history.add(self.sample(time.monotonic()))
 
     async def _directory(self) -> DirectoryFigures:
         """The directory's figures: its /v1/cluster as last read (again when older than CLUSTER_TTL_S or when the

@@ -28,7 +28,7 @@ from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.model_tokenizer import NotRendered
 from gateway.tokenizers import ChatPrompt, GatewayTokenizer, Local
 from kvproto.openai_api import ChatMessage
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, every
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -98,18 +98,12 @@ class ParityProbe:
             self.mismatches.labels(status)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(
+            every(self.interval_s, self.check, what="tokenizer parity probe", log=log), name="tokenizer parity"
+        )
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.check()
-            except Exception:  # a bug must not end the probing: logged, tried again at the next look
-                log.exception("tokenizer parity probe failed")
-            await asyncio.sleep(self.interval_s)
 
     @property
     def problems(self) -> list[Parity]:

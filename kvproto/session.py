@@ -39,7 +39,7 @@ from itertools import islice
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError, RequestRejected, StaleEpochError, WrongShardError
 from kvproto.schemas import Region
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import cancel_and_wait, every
 
 CHUNK = 4096  # entries per publish/remove request (the directory accepts 16384 by default)
 
@@ -368,12 +368,8 @@ class NodeSession:
     async def run(self, interval: float, heartbeat_interval: float) -> None:
         """Sync every `interval` (sooner after a 409, later while failing) and heartbeat, until cancelled."""
 
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(heartbeat_interval)
-                await self.heartbeat()
-
-        beats = asyncio.create_task(beat(), name=f"heartbeat-{self.node_id}")
+        beat = every(heartbeat_interval, self.heartbeat, what=f"heartbeat of {self.node_id}", log=self.log, first_now=False)
+        beats = asyncio.create_task(beat, name=f"heartbeat-{self.node_id}")
         try:
             while True:
                 delay = await self.sync()

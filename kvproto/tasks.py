@@ -1,5 +1,5 @@
-"""Background tasks: supervised while they run, and stopped one way for every service, since cancelling once is
-not enough.
+"""Background tasks: supervised while they run (`supervise` for a task that should run for good, `every` for one
+that does a step at an interval), and stopped one way for every service, since cancelling once is not enough.
 
 A task awaiting `asyncio.wait_for` can swallow a cancellation that arrives as the inner await completes
 (CPython gh-86296, Python 3.11), and code that catches `CancelledError` to clean up can swallow it too: a
@@ -10,6 +10,7 @@ stop hangs. `cancel_and_wait` cancels again until every task has ended.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -56,3 +57,37 @@ async def supervise(
             log.exception("%s", failed())
         delay = retry_s[0] if time.monotonic() - started >= stable_s else min(delay * 2, retry_s[1])
         await asyncio.sleep(delay)
+
+
+async def every(
+    interval_s: float,
+    step: Callable[[], object],
+    *,
+    what: str,
+    log: logging.Logger,
+    failed: Callable[[], object] = lambda: None,
+    retry_max_s: float | None = None,
+    first_now: bool = True,
+) -> None:
+    """`step` (a function, or a coroutine function) every `interval_s`, the first at once or after one interval, for
+    as long as the task runs (stop it with `cancel_and_wait`). A step that raises is counted (`failed`) and logged
+    with its traceback as `what` failing: one bad round (a bug, a malformed answer) never ends the loop and leaves
+    its service on stale state for good. With `retry_max_s` the next try comes after a backoff that doubles while
+    steps keep failing, from `interval_s` to at most `retry_max_s`."""
+    delay = interval_s
+    if not first_now:
+        await asyncio.sleep(interval_s)
+    while True:
+        try:
+            done = step()
+            if inspect.isawaitable(done):
+                await done
+        except Exception:
+            failed()
+            log.exception("%s failed: trying again in %.1fs", what, delay)
+            if retry_max_s is not None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max(interval_s, retry_max_s))
+                continue
+        delay = interval_s
+        await asyncio.sleep(interval_s)

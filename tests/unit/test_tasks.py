@@ -1,4 +1,5 @@
-"""kvproto.tasks: a stop that ends tasks which swallow a cancellation, and a supervisor that restarts failing ones."""
+"""kvproto.tasks: a stop that ends tasks which swallow a cancellation, a supervisor that restarts failing ones, and
+a loop that survives its failing steps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from kvproto.tasks import cancel_and_wait, supervise
+from kvproto.tasks import cancel_and_wait, every, supervise
 
 
 async def _stubborn(swallow: int, ended: list[str]) -> None:
@@ -102,3 +103,60 @@ def test_supervise_does_not_restart_once_stopping_nor_swallow_a_cancellation() -
             await t
 
     asyncio.run(cancelled())
+
+
+def test_every_goes_on_after_failing_steps_counting_and_logging_each_with_a_doubling_backoff(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[float] = []
+    failures: list[int] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def step() -> None:
+            calls.append(time.monotonic())
+            if len(calls) <= 3:
+                raise RuntimeError(f"a bug in step {len(calls)}")
+            if len(calls) == 5:
+                done.set()
+
+        log = logging.getLogger("test.every")
+        t = asyncio.create_task(
+            every(0.02, step, what="the step", log=log, failed=lambda: failures.append(len(calls)), retry_max_s=0.06)
+        )
+        try:
+            await asyncio.wait_for(done.wait(), 10)
+            assert not t.done()  # three failures did not end it
+        finally:
+            await cancel_and_wait(t)
+
+    asyncio.run(main())
+    assert failures == [1, 2, 3]
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    # after failures: 0.02, doubled, then at most 0.06; after a success the interval again (timers may fire 1 ms early)
+    assert gaps[0] >= 0.019 and gaps[1] >= 0.039 and gaps[2] >= 0.059 and gaps[3] >= 0.019, gaps
+    logged = [r for r in caplog.records if r.name == "test.every"]
+    assert [r.getMessage().split(":")[0] for r in logged] == ["the step failed"] * 3
+    assert all(r.exc_info is not None for r in logged)  # with the traceback
+
+
+def test_every_runs_a_plain_function_and_can_wait_one_interval_first() -> None:
+    async def main() -> tuple[float, int]:
+        ran: list[float] = []
+        first = asyncio.Event()
+
+        def step() -> None:
+            ran.append(time.monotonic())
+            first.set()
+
+        started = time.monotonic()
+        t = asyncio.create_task(every(0.05, step, what="x", log=logging.getLogger("test.every"), first_now=False))
+        try:
+            await asyncio.wait_for(first.wait(), 10)
+        finally:
+            await cancel_and_wait(t)
+        return ran[0] - started, len(ran)
+
+    waited, runs = asyncio.run(main())
+    assert waited >= 0.049 and runs == 1
