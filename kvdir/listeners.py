@@ -1,8 +1,8 @@
 """Who listens on a TCP port: `kvdir up` checks its ports before it starts anything, and trusts an answer
 on a port only from the process it started there.
 
-A clash used to pass for success: another cluster on the same ports answered the readiness polls with
-*its* leader while the new replicas were failing to bind. Linux says who holds a socket: the
+Without that, a clash passes for success: another cluster on the same ports answers the readiness polls with
+*its* leader while the new replicas fail to bind. Linux says who holds a socket: the
 listening sockets of a network namespace are in /proc/PID/net/tcp{,6} (state 0A) with their inodes,
 and a process's descriptors link to `socket:[INODE]` in /proc/PID/fd. Elsewhere (or for another
 user's processes) the answers below are "cannot tell", never a guess.

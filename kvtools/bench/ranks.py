@@ -1,4 +1,4 @@
-"""`kvdir bench ranks`: what a pull costs in metadata, and in time, as the TP rank count grows (issue #31).
+"""`kvdir bench ranks`: what a pull costs in metadata, and in time, as the TP rank count grows.
 
 Per TP size (1, 2, 8) two worker stubs of that size (mirrored slots, a transfer engine per rank) hold the same
 bytes per block in total (`TOTAL_BLOCK_BYTES` split over the ranks); A serves a prompt of `BLOCKS` blocks, B

@@ -82,7 +82,7 @@ class Setup:
     # The gateway reads the stubs' tokenizer.json (their chat template is the stub's own); in front of vLLM it is
     # told nothing: it finds the model's files and template through the engines' /v1/models (--tokenizer auto).
     tokenizer_file: bool = True
-    # kvdir_static: kvdir's gateway as it was before it learned (issue #44), told the engines' figures by hand, with
+    # kvdir_static: kvdir's gateway as it was before it learned from what it observes, told the engines' figures by hand, with
     # nothing learned, no stay margins and requests ahead priced at their max_tokens: the "before" of the estimate
     # error and of the routing.
     static_args: tuple[str, ...] = ()
@@ -102,7 +102,7 @@ SETUPS = {
         gateway_args=(),
         hot_long=4096,
     ),
-    # In front of vLLM the gateway is not tuned (issue #44): no block size, tokenizer, prefill or decode rate nor
+    # In front of vLLM the gateway is not tuned: no block size, tokenizer, prefill or decode rate nor
     # concurrency; it learns the engines' prefill rate, overhead and answers' length from what it observes. Only the
     # link is given, a fact of the deployment: pulls over Mooncake's TCP on two shared cores run at ~40 MB/s here.
     "vllm": Setup(

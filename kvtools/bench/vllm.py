@@ -487,7 +487,7 @@ def _beside_prefill(engine: VllmEngine, fresh: Callable[[int], list[int]]) -> fl
     return float(statistics.mean(during) / statistics.mean(other))
 
 
-# -- the replay against a live run of the same requests (issue #44: hit rate within 3 points, TTFT p50 within 15%)
+# -- the replay against a live run of the same requests (its targets: hit rate within 3 points, TTFT p50 within 15%)
 
 LIVE_WORKLOAD: dict[
     str, Any

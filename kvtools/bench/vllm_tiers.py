@@ -1,5 +1,5 @@
 """`kvdir bench vllm-tiers`: TTFT of a prefix vLLM evicted, served from the kvdir connector's host tier, against a
-device hit and against recomputing it, on a real `vllm serve` (vLLM's CPU build, the tiny model; issue #32).
+device hit and against recomputing it, on a real `vllm serve` (vLLM's CPU build, the tiny model).
 
 Engine A has a small device cache (160 blocks of 32 tokens, `--max-model-len 2048`) and a 512-block host tier
 (`host_blocks`); engine B has no host tier and only checks outputs. Per prefix size (1,024 and 1,792 tokens) and

@@ -20,7 +20,7 @@ its users) or in the LRU list (held, unused, cold end first); only LRU blocks
 are evicted, so a node whose blocks are all pinned briefly holds more than its
 capacity, and `NodeCache.settle` brings it back down once blocks are released.
 
-A host tier (``host_capacity`` > 0, issue #32): a block evicted from the device moves to the node's host LRU
+A host tier (``host_capacity`` > 0): a block evicted from the device moves to the node's host LRU
 (still held: ``holders`` keeps its bit, and peers may pull it), and leaves the node when evicted from there. A
 request that finds blocks of its prefix there loads them back (`pin` moves them to the device and says how
 many), as the worker stub does; a pull reading them from there pins them in the host tier (`pin(read=True)`).

@@ -33,7 +33,7 @@ class SimParams:
     # a holder and a routing candidate of its own as in the gateway (docs/protocol.md §2.2).
     dp_ranks: int = 1
     capacity_blocks: int = 3000  # per engine: per node, or per DP rank
-    # A host tier per engine (issue #32): blocks evicted from the device live on there, loaded back on a hit at
+    # A host tier per engine: blocks evicted from the device live on there, loaded back on a hit at
     # host_copy_bytes_per_s, readable by peers (0: none).
     host_blocks: int = 0
     host_copy_bytes_per_s: float = 20e9
