@@ -35,6 +35,7 @@ from itertools import pairwise
 from typing import Any
 
 from prometheus_client import Counter, Histogram
+from prometheus_client.samples import Sample as MetricSample
 
 from gateway.engine_registry import EngineRegistry, EngineState
 from gateway.metrics import GatewayMetrics, PullFailure
@@ -282,17 +283,18 @@ class StatusFigures:
 def _by_label(counter: Counter) -> dict[str, float]:
     """A one-label counter's values, by that label's value: those that happened (its series exist at zero from the
     start, for the dashboards)."""
-    return {
-        next(iter(s.labels.values())): s.value
-        for m in counter.collect()
-        for s in m.samples
-        if s.name.endswith("_total") and s.value
-    }
+    return {next(iter(s.labels.values())): s.value for s in _samples(counter, "total") if s.value}
 
 
-def _value(metric: Counter | Histogram, suffix: str) -> float:
-    """The sample named `..._{suffix}` of an unlabelled counter or histogram."""
-    return sum(s.value for m in metric.collect() for s in m.samples if s.name.endswith(f"_{suffix}"))
+def _value(metric: Counter | Histogram, sample: str) -> float:
+    """An unlabelled counter's `total`, or a histogram's `sum` or `count`."""
+    return sum(s.value for s in _samples(metric, sample))
+
+
+def _samples(metric: Counter | Histogram, sample: str) -> list[MetricSample]:
+    """The metric's samples of one kind, by their exact name: the family's name and the kind (`total`, `sum`, `count`),
+    never another series whose name happens to end alike (a counter's `created`, a histogram's buckets)."""
+    return [s for m in metric.collect() for s in m.samples if s.name == f"{m.name}_{sample}"]
 
 
 def _place(url: object, urls: Sequence[str]) -> int | None:
