@@ -21,7 +21,7 @@ from gateway.engine_registry import EngineRegistry
 from gateway.metrics import GatewayMetrics
 from gateway.mirror import Mirror
 from gateway.models_list import ModelsList
-from gateway.peers import PeerNotes
+from gateway.peers import PeerBounds, PeerNotes
 from gateway.policy import Policy
 from gateway.proxy import Proxy
 from gateway.router import Router
@@ -152,15 +152,17 @@ def _peer_notes(settings: GatewaySettings, registry: EngineRegistry, metrics: Ga
         registry,
         settings.peer_urls,
         token=settings.peer_token,
-        ttl_s=settings.peer_note_ttl_s,
+        bounds=PeerBounds(
+            ttl_s=settings.peer_note_ttl_s,
+            max_notes=settings.peer_max_notes,
+            max_sender_notes=settings.peer_max_sender_notes,
+            max_senders=settings.peer_max_senders,
+            note_rate=settings.peer_note_rate,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_engine_tokens=settings.peer_engine_tokens,
+        ),
         queue_size=settings.peer_queue,
         timeout_s=settings.peer_timeout_s,
-        max_notes=settings.peer_max_notes,
-        max_sender_notes=settings.peer_max_sender_notes,
-        max_senders=settings.peer_max_senders,
-        note_rate=settings.peer_note_rate,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        max_engine_tokens=settings.peer_engine_tokens,
         metrics=metrics.registry,
         on_note=policy.on_peer_routed,
     )

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from gateway.config import GatewaySettings
 from gateway.engine_registry import EngineState
 from gateway.errors import GatewayError
-from gateway.peers import MAX_BATCH, Note, NoteBatch, PeerNotes
+from gateway.peers import MAX_BATCH, Note, NoteBatch, PeerBounds, PeerNotes
 from kvproto.schemas import Origin
 from tests.support.fakes import registry, run
 
@@ -45,7 +45,7 @@ def test_notes_add_pending_prefill_until_done_or_expiry() -> None:
 def test_the_table_is_bounded_oldest_first() -> None:
     async def body(http: httpx.AsyncClient) -> None:
         reg = registry(http, "a")
-        p = PeerNotes(reg, max_notes=2)
+        p = PeerNotes(reg, bounds=PeerBounds(max_notes=2))
         p.receive(NoteBatch("g", [Note(i, "a", 1, 10 * (i + 1), 60) for i in range(3)]), 0.0)
         assert reg.engines["a"].pending_prefill_tokens == 50.0  # notes 1 and 2
 
@@ -55,7 +55,7 @@ def test_the_table_is_bounded_oldest_first() -> None:
 def test_bad_settings_are_refused() -> None:
     async def body(http: httpx.AsyncClient) -> None:
         with pytest.raises(ValueError):
-            PeerNotes(registry(http), ttl_s=0)
+            PeerNotes(registry(http), bounds=PeerBounds(ttl_s=0))
         with pytest.raises(ValueError):
             PeerNotes(registry(http), ["http://127.0.0.1:1/path"])
 
@@ -84,13 +84,15 @@ def flood(sender: str, node: str = "a", first: int = 0, n: int = MAX_BATCH, toke
 def test_a_flood_of_oversized_notes_is_clamped_to_a_prompt_a_ttl_and_the_engines_bound() -> None:
     async def body(http: httpx.AsyncClient) -> None:
         reg = registry(http, "a", "b")
-        p = PeerNotes(reg, ttl_s=10, max_prompt_tokens=4096, max_engine_tokens=100_000)
+        p = PeerNotes(reg, bounds=PeerBounds(ttl_s=10, max_prompt_tokens=4096, max_engine_tokens=100_000))
         p.receive(flood("g1"), 0.0)  # 512 notes of 1e9 tokens for 600 s: 5.1e11 tokens before
         a = reg.engines["a"]
         assert a.pending_prefill_tokens == 100_000 and p.pending() == {"a": 100_000}
         # 24 notes of 4,096 tokens, then 1,696 in a 25th; the other 487 would find no room.
-        assert len(p._held) == 25 and p.stats["refused"] == 487 and p.stats["clamped"] == 25
-        assert max(h.tokens for h in p._held.values()) == 4096 and max(h.expires for h in p._held.values()) == 10.0
+        assert len(p.receiver.held) == 25 and p.stats["refused"] == 487 and p.stats["clamped"] == 25
+        assert (
+            max(h.tokens for h in p.receiver.held.values()) == 4096 and max(h.expires for h in p.receiver.held.values()) == 10.0
+        )
         # An engine's own max_model_len is the bound of its notes.
         reg.engines["b"].max_model_len = 1000
         p.receive(NoteBatch("g1", [Note(10_000, "b", 1, 5000, 1)]), 0.0)
@@ -98,9 +100,9 @@ def test_a_flood_of_oversized_notes_is_clamped_to_a_prompt_a_ttl_and_the_engines
         # Invented senders add nothing more to the full engine.
         for k in range(20):
             p.receive(flood(f"churn{k}"), 0.0)
-        assert a.pending_prefill_tokens == 100_000 and len(p._held) == 26
+        assert a.pending_prefill_tokens == 100_000 and len(p.receiver.held) == 26
         p.expire(10.0)  # everything asked for 600 s and counts 10 s at most
-        assert a.pending_prefill_tokens == 0 and p.pending() == {} and len(p._expiry) == 0
+        assert a.pending_prefill_tokens == 0 and p.pending() == {} and len(p.receiver.expiry) == 0
 
     run(body)
 
@@ -115,7 +117,7 @@ def test_a_note_is_refused_again_after_its_done_and_ids_below_the_highest() -> N
         p.receive(NoteBatch("g", done=[5]), 1.0)
         assert a.pending_prefill_tokens == 0
         p.receive(NoteBatch("g", [Note(5, "a", 1, 100, 10), Note(3, "a", 1, 100, 10)]), 2.0)  # after its done; older
-        assert a.pending_prefill_tokens == 0 and p.stats["replayed"] == 3 and p._held == {}
+        assert a.pending_prefill_tokens == 0 and p.stats["replayed"] == 3 and p.receiver.held == {}
         p.expire(20.0)
         p.receive(NoteBatch("g", [Note(4, "a", 1, 100, 10)]), 20.0)  # after expiry too: the sender is remembered
         assert a.pending_prefill_tokens == 0 and p.stats["replayed"] == 4
@@ -128,21 +130,21 @@ def test_a_note_is_refused_again_after_its_done_and_ids_below_the_highest() -> N
 def test_the_expiry_heap_holds_no_more_than_the_notes_after_a_flood() -> None:
     async def body(http: httpx.AsyncClient) -> None:
         reg = registry(http, "a")
-        p = PeerNotes(reg, max_notes=1000, max_senders=1000, max_engine_tokens=1e12)
+        p = PeerNotes(reg, bounds=PeerBounds(max_notes=1000, max_senders=1000, max_engine_tokens=1e12))
         for k in range(100):  # 51,200 notes from 100 senders: before, 1,000 held and 51,200 heap entries
             p.receive(flood(f"s{k}", tokens=10, ttl=10), k * 0.01)
-            assert len(p._expiry) == len(p._held) <= 1000
-        assert len(p._held) == 1000 and p.stats["evicted"] == 50_200
+            assert len(p.receiver.expiry) == len(p.receiver.held) <= 1000
+        assert len(p.receiver.held) == 1000 and p.stats["evicted"] == 50_200
         assert reg.engines["a"].pending_prefill_tokens == 10_000 == sum(p.pending().values())
         # Notes ended by their done leave nothing behind either (the first one made room by dropping the oldest).
         for k in range(100):
             p.receive(NoteBatch("d", [Note(k, "a", 1, 10, 10)], done=[k]), 1.0)
-        assert len(p._expiry) == len(p._held) == 999
+        assert len(p.receiver.expiry) == len(p.receiver.held) == 999
         # The heap still pops in expiry order: the latest flood's notes (at 0.99 + 10) last.
         p.expire(10.985)
-        assert len(p._held) == len(p._expiry) == 512 and {s for s, _ in p._held} == {"s99"}
+        assert len(p.receiver.held) == len(p.receiver.expiry) == 512 and {s for s, _ in p.receiver.held} == {"s99"}
         p.expire(11.0)
-        assert len(p._expiry) == 0 and reg.engines["a"].pending_prefill_tokens == 0
+        assert len(p.receiver.expiry) == 0 and reg.engines["a"].pending_prefill_tokens == 0
 
     run(body)
 
@@ -150,21 +152,23 @@ def test_the_expiry_heap_holds_no_more_than_the_notes_after_a_flood() -> None:
 def test_invented_senders_are_bounded_and_each_sender_by_rate_and_count() -> None:
     async def body(http: httpx.AsyncClient) -> None:
         reg = registry(http, "a")
-        p = PeerNotes(reg, ttl_s=5, max_senders=3, max_sender_notes=600, note_rate=1000, max_engine_tokens=1e12)
+        p = PeerNotes(
+            reg, bounds=PeerBounds(ttl_s=5, max_senders=3, max_sender_notes=600, note_rate=1000, max_engine_tokens=1e12)
+        )
         for k in range(3):
             p.receive(flood(f"s{k}", tokens=1, ttl=5), 0.0)
         with pytest.raises(GatewayError) as exc:  # a 4th sender while 3 hold notes
             p.receive(flood("s3", tokens=1), 0.0)
         assert exc.value.status == 429 and "at most 3 peer senders" in exc.value.message
-        assert len(p._senders) == 3 and len(p._held) == 3 * MAX_BATCH
+        assert len(p.receiver.senders) == 3 and len(p.receiver.held) == 3 * MAX_BATCH
         # A sender's rate: 1,000 a second (burst 1,000): 512 more now is over it; its dones still count.
         with pytest.raises(GatewayError) as exc:
             p.receive(NoteBatch("s0", [Note(1000 + i, "a", 1, 1, 5) for i in range(MAX_BATCH)], done=[0, 1]), 0.0)
         assert exc.value.status == 429 and exc.value.code == "rate_limit_exceeded"
-        assert p.stats["done"] == 2 and p._senders["s0"].notes == 510
+        assert p.stats["done"] == 2 and p.receiver.senders["s0"].notes == 510
         # 0.6 s later the allowance is back over 512, and the sender's count (600) cuts the batch at 90 more.
         p.receive(NoteBatch("s0", [Note(2000 + i, "a", 1, 1, 5) for i in range(MAX_BATCH)]), 0.6)
-        assert p._senders["s0"].notes == 600 and p.stats["refused"] == 2 * MAX_BATCH + 422
+        assert p.receiver.senders["s0"].notes == 600 and p.stats["refused"] == 2 * MAX_BATCH + 422
         # A sender is forgotten once it holds nothing and was silent for a TTL: then a new one has room.
         with pytest.raises(GatewayError):
             p.receive(flood("s4", tokens=1), 4.9)  # their notes still count
@@ -172,7 +176,7 @@ def test_invented_senders_are_bounded_and_each_sender_by_rate_and_count() -> Non
         with pytest.raises(GatewayError):
             p.receive(flood("s4", tokens=1), 5.0)  # s1 and s2 hold nothing, but spoke 5 s ago only
         p.receive(flood("s4", tokens=1), 5.1)
-        assert set(p._senders) == {"s0", "s2", "s4"} and p._senders["s4"].notes == MAX_BATCH
+        assert set(p.receiver.senders) == {"s0", "s2", "s4"} and p.receiver.senders["s4"].notes == MAX_BATCH
 
 
 def test_the_gateway_settings_refuse_peers_off_loopback_without_a_token(tmp_path) -> None:
