@@ -401,40 +401,28 @@ def _has_text(path: Path) -> bool:
         return False
 
 
-def run_up(settings: UpSettings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("kvdir.client").setLevel(logging.WARNING)  # the demo's clients would each say the shard map
+def _ports_free(settings: UpSettings) -> bool:
+    """Whether every port `kvdir up` would bind is free (else it says which are not, and a base port that is)."""
     taken = taken_ports(settings.host, up_ports(settings))
-    if taken:
-        free = _free_base_port(settings)
-        log.error(
-            "kvdir up: %d of the ports it would bind on %s %s taken; nothing was started.\n%s\n"
-            "Stop what holds %s, or choose another --base-port%s.",
-            len(taken),
-            settings.host,
-            "is" if len(taken) == 1 else "are",
-            "\n".join(f"  {t}" for t in taken),
-            "it" if len(taken) == 1 else "them",
-            f" (--base-port {free} is free now)" if free else "",
-        )
-        return 1
-    temp = settings.data_dir is None
-    data_dir = Path(tempfile.mkdtemp(prefix="kvdir-up-")) if temp else settings.data_dir
-    assert data_dir is not None
-    data_dir.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    caught: list[int] = []
+    if not taken:
+        return True
+    free = _free_base_port(settings)
+    log.error(
+        "kvdir up: %d of the ports it would bind on %s %s taken; nothing was started.\n%s\n"
+        "Stop what holds %s, or choose another --base-port%s.",
+        len(taken),
+        settings.host,
+        "is" if len(taken) == 1 else "are",
+        "\n".join(f"  {t}" for t in taken),
+        "it" if len(taken) == 1 else "them",
+        f" (--base-port {free} is free now)" if free else "",
+    )
+    return False
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        caught.append(signum)
-        stop.set()
 
-    auth = AuthFiles.generate(data_dir / "secrets", worker_node_ids(settings.workers)) if settings.auth else None
-    raft_password = auth.raft_password if auth else write_raft_password(data_dir / "secrets")
-    clusters, shard_map = _directory(settings, data_dir, raft_password, auth)
-    replica_urls = [u for c in clusters for u in c.replica_urls]
-    workers = Workers(
+def _workers(settings: UpSettings, data_dir: Path, replica_urls: list[str], auth: AuthFiles | None) -> Workers:
+    """The worker stubs, on BASE_PORT+10+i, not started."""
+    return Workers(
         data_dir,
         [settings.base_port + 10 + i for i in range(1, settings.workers + 1)],
         replica_urls,
@@ -454,79 +442,122 @@ def run_up(settings: UpSettings) -> int:
         ],
         token_files=auth.engines if auth else None,
     )
-    up = _Launch(clusters, workers)
+
+
+def _announce(
+    up: _Launch, leaders: list[str], shard_map: Path | None, data_dir: Path, auth: AuthFiles | None, raft_password: Path
+) -> None:
+    """The ready line (one JSON object on stdout, what scripts wait for) and where the secrets are."""
+    gateway = up.gateway
+    ready = {
+        "ready": True,
+        "gateway": gateway.url if gateway else None,
+        "replicas": up.replica_urls,
+        "leader": leaders[0],
+        **({"shard_map_file": str(shard_map), "leaders": leaders} if shard_map else {}),
+        "workers": up.workers.urls,
+        "data_dir": str(data_dir),
+        "admin_token_file": str(auth.admin) if auth else None,
+        "gateway_token_file": str(auth.gateway) if auth else None,
+    }
+    print(json.dumps(ready), flush=True)
+    if auth is None:
+        log.info("Raft password in %s (directory auth off: --auth turns it on)", raft_password)
+        return
+    log.info(
+        "directory auth on: tokens file %s, Raft password %s; admin token in %s, e.g.\n"
+        '  curl -H "Authorization: Bearer $(cat %s)" %s/v1/nodes',
+        auth.tokens,
+        raft_password,
+        auth.admin,
+        auth.admin,
+        leaders[0],
+    )
+
+
+def _serve(settings: UpSettings, up: _Launch, stop: threading.Event) -> list[str]:
+    """The demo if asked, then the cluster supervised until `stop`; returns the names of the processes that died."""
+    gateway = up.gateway
+    if settings.demo or settings.demo_and_exit:
+        from kvdir.demo import run_demo
+
+        asyncio.run(
+            run_demo(up.replica_urls, up.workers.urls, gateway.url if gateway else None, print, token=up.clusters[0].token)
+        )
+    if settings.demo_and_exit:
+        return []
+    log.info("kvdir cluster up; Ctrl-C to stop")
+    supervisor = _supervisor(up.clusters, up.workers, gateway)
+    try:
+        while not stop.wait(0.2):
+            supervisor.tick(time.monotonic())
+    finally:
+        died = sorted(supervisor.died)
+    return died
+
+
+def _start_failed(exc: ChildExited | NotReady, temp: bool) -> list[str]:
+    """Say why the cluster did not come up, with the last lines of the logs that say more; returns the names of the
+    processes whose logs those are (a temporary data dir that holds them is kept)."""
+    if isinstance(exc, ChildExited):
+        said = f"kvdir up: {exc.name} (pid {exc.pid}) {exit_reason(exc.code)} during start-up"
+        if not _has_text(exc.log):
+            log.error("%s; its log is empty", said)
+            return []
+        log.error("%s. Last lines of %s:\n%s", said, exc.log, log_tail(exc.log))
+        return [exc.name]
+    log.error("kvdir up: %s", exc.reason if temp else exc)
+    evidence = []
+    for name, path in exc.logs:
+        if _has_text(path):
+            evidence.append(name)
+            log.error("Last lines of %s (%s):\n%s", path, name, log_tail(path, 10))
+    if not evidence:
+        log.error("(their logs are empty: --log-level info says more)")
+    return evidence
+
+
+def run_up(settings: UpSettings) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("kvdir.client").setLevel(logging.WARNING)  # the demo's clients would each say the shard map
+    if not _ports_free(settings):
+        return 1
+    temp = settings.data_dir is None
+    data_dir = Path(tempfile.mkdtemp(prefix="kvdir-up-")) if temp else settings.data_dir
+    assert data_dir is not None
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    caught: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        caught.append(signum)
+        stop.set()
+
+    auth = AuthFiles.generate(data_dir / "secrets", worker_node_ids(settings.workers)) if settings.auth else None
+    raft_password = auth.raft_password if auth else write_raft_password(data_dir / "secrets")
+    clusters, shard_map = _directory(settings, data_dir, raft_password, auth)
+    up = _Launch(clusters, _workers(settings, data_dir, [u for c in clusters for u in c.replica_urls], auth))
     progress = Progress(
-        StartState(len(replica_urls), settings.workers, settings.gateway), sys.stderr, live=on_terminal(sys.stderr)
+        StartState(len(up.replica_urls), settings.workers, settings.gateway), sys.stderr, live=on_terminal(sys.stderr)
     )
     evidence: list[str] = []  # what died: then a temporary data dir holds the only copy of its log, and is kept
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         leaders = _start(settings, up, auth, progress, stop)
-        leader = leaders[0]
         progress.close(f"cluster ready in {progress.elapsed:.1f}s")
-        gateway = up.gateway
-        ready = {
-            "ready": True,
-            "gateway": gateway.url if gateway else None,
-            "replicas": replica_urls,
-            "leader": leader,
-            **({"shard_map_file": str(shard_map), "leaders": leaders} if shard_map else {}),
-            "workers": workers.urls,
-            "data_dir": str(data_dir),
-            "admin_token_file": str(auth.admin) if auth else None,
-            "gateway_token_file": str(auth.gateway) if auth else None,
-        }
-        print(json.dumps(ready), flush=True)
-        if auth is not None:
-            log.info(
-                "directory auth on: tokens file %s, Raft password %s; admin token in %s, e.g.\n"
-                '  curl -H "Authorization: Bearer $(cat %s)" %s/v1/nodes',
-                auth.tokens,
-                raft_password,
-                auth.admin,
-                auth.admin,
-                leader,
-            )
-        else:
-            log.info("Raft password in %s (directory auth off: --auth turns it on)", raft_password)
-        if settings.demo or settings.demo_and_exit:
-            from kvdir.demo import run_demo
-
-            asyncio.run(run_demo(replica_urls, workers.urls, gateway.url if gateway else None, print, token=clusters[0].token))
-        if settings.demo_and_exit:
-            return 0
-        log.info("kvdir cluster up; Ctrl-C to stop")
-        supervisor = _supervisor(clusters, workers, gateway)
-        try:
-            while not stop.wait(0.2):
-                supervisor.tick(time.monotonic())
-        finally:
-            evidence = sorted(supervisor.died)
+        _announce(up, leaders, shard_map, data_dir, auth, raft_password)
+        evidence = _serve(settings, up, stop)
         return 0
-    except (Interrupted, ChildExited) as exc:
+    except (Interrupted, ChildExited, NotReady) as exc:
         progress.close()
         if stop.is_set():  # a Ctrl-C reaches the children too: one of them dying of it is no failure
             n = len(up.procs())
             up.stop()
             log.error("kvdir up: interrupted; stopped %d process%s", n, "" if n == 1 else "es")
             return 128 + caught[0]
-        assert isinstance(exc, ChildExited)
-        said = f"kvdir up: {exc.name} (pid {exc.pid}) {exit_reason(exc.code)} during start-up"
-        if _has_text(exc.log):
-            evidence = [exc.name]
-            log.error("%s. Last lines of %s:\n%s", said, exc.log, log_tail(exc.log))
-        else:
-            log.error("%s; its log is empty", said)
-        return 1
-    except NotReady as exc:
-        progress.close()
-        log.error("kvdir up: %s", exc.reason if temp else exc)
-        for name, path in exc.logs:
-            if _has_text(path):
-                evidence.append(name)
-                log.error("Last lines of %s (%s):\n%s", path, name, log_tail(path, 10))
-        if not evidence:
-            log.error("(their logs are empty: --log-level info says more)")
+        assert not isinstance(exc, Interrupted)
+        evidence = _start_failed(exc, temp)
         return 1
     finally:
         up.stop()
