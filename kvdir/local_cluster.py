@@ -206,7 +206,52 @@ def _answered_by(proc: subprocess.Popen[bytes] | None, url: str, verified: set[i
     return True
 
 
-class Cluster:
+_ENDS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT})
+"""The signals `kill` waits on: they end a process (SIGSTOP and SIGCONT do not)."""
+
+
+class _Children:
+    """Processes of one kind started here, one per slot, each writing its log file: started, signalled, checked
+    and stopped alike for the replicas, the workers and the gateway."""
+
+    def __init__(self, data_dir: Path, n: int) -> None:
+        self.data_dir = data_dir
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self._verified: set[int] = set()  # pids seen listening on their HTTP port
+
+    def _log(self, i: int) -> Path:
+        raise NotImplementedError
+
+    def name(self, i: int) -> str:
+        raise NotImplementedError
+
+    def _spawn(self, i: int, cmd: Sequence[str]) -> None:
+        with open(self._log(i), "ab") as logf:
+            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to process i (if it runs), and wait for it to end if `sig` ends it."""
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            if sig in _ENDS:
+                proc.wait()
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
+
+    def _check_running(self) -> None:
+        """ChildExited for the first process that ended other than by a SIGKILL sent to it (`kill`)."""
+        for i, p in enumerate(self.procs):
+            if p is not None and p.poll() not in (None, -signal.SIGKILL):
+                raise ChildExited(self.name(i), p, self._log(i))
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM to every process, then SIGKILL to those still running after `grace` seconds."""
+        stop_all([p for p in self.procs if p is not None], grace)
+
+
+class Cluster(_Children):
     """Directory replica processes on one host; `stop()` ends them all (SIGTERM, then SIGKILL)."""
 
     def __init__(
@@ -229,7 +274,7 @@ class Cluster:
         Raft peers (the fault harness runs replicas in network namespaces or behind link proxies);
         by default all share `host` and each peers with the others' Raft addresses.
         `raft_password_file` (see `write_raft_password`) is passed to every replica."""
-        self.data_dir = data_dir
+        super().__init__(data_dir, len(http_ports))
         self.raft_password_file = raft_password_file
         self.token = token  # bearer token for wait_ready when the replicas run with an auth tokens file
         self.lease_ttl_s = lease_ttl_s
@@ -240,11 +285,14 @@ class Cluster:
         self.raft_addrs = [f"{h}:{p}" for h, p in zip(hosts, raft_ports)]
         self._prefix = prefix
         self._peers = peers
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
-        self._verified: set[int] = set()  # pids seen listening on their replica's HTTP port
 
     def log_path(self, i: int) -> Path:
         return self.data_dir / f"replica{i + 1}.log"
+
+    _log = log_path
+
+    def name(self, i: int) -> str:
+        return f"replica {i + 1}"
 
     def start(self) -> None:
         for i in range(len(self.procs)):
@@ -275,18 +323,7 @@ class Cluster:
             *(["--raft-password-file", str(self.raft_password_file)] if self.raft_password_file else []),
             *self.extra_args,
         ]
-        with open(self.log_path(i), "ab") as logf:
-            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            if sig == signal.SIGKILL:
-                proc.wait()
-
-    def alive(self) -> list[int]:
-        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
+        self._spawn(i, cmd)
 
     def wait_ready(
         self, timeout: float, among: Sequence[int] | None = None, progress: Callable[[int, str | None], None] | None = None
@@ -300,9 +337,7 @@ class Cluster:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         with httpx.Client(timeout=1.0, headers=headers) as http:
             while time.monotonic() < end:
-                for i, p in enumerate(self.procs):
-                    if p is not None and p.poll() not in (None, -signal.SIGKILL):
-                        raise ChildExited(f"replica {i + 1}", p, self.log_path(i))
+                self._check_running()
                 leaders: set[str | None] = set()
                 up = 0  # replicas that answered, as the processes started here
                 for i in self.alive() if among is None else among:
@@ -340,11 +375,8 @@ class Cluster:
                 time.sleep(0.05)
         raise TimeoutError(f"replica {i} did not catch up within {timeout}s; see {self.data_dir}/replica{i + 1}.log")
 
-    def stop(self, grace: float = 5.0) -> None:
-        stop_all([p for p in self.procs if p is not None], grace)
 
-
-class Workers:
+class Workers(_Children):
     """Worker stub processes registered with a directory; `stop()` ends them all."""
 
     def __init__(
@@ -358,15 +390,13 @@ class Workers:
         extra_args: Sequence[str] = (),
         token_files: Mapping[str, Path] | None = None,
     ) -> None:
-        self.data_dir = data_dir
+        super().__init__(data_dir, len(http_ports))
         self.urls = [f"http://{host}:{p}" for p in http_ports]
         self.node_ids = worker_node_ids(len(http_ports))
         self.directory_urls = list(directory_urls)
         self.log_level = log_level
         self.extra_args = list(extra_args)
         self.token_files = dict(token_files or {})  # node id -> file of its directory token
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(http_ports)
-        self._verified: set[int] = set()  # pids seen listening on their worker's HTTP port
 
     def start(self) -> None:
         for i in range(len(self.procs)):
@@ -374,6 +404,11 @@ class Workers:
 
     def log_path(self, i: int) -> Path:
         return self.data_dir / f"{self.node_ids[i]}.log"
+
+    _log = log_path
+
+    def name(self, i: int) -> str:
+        return self.node_ids[i]
 
     def start_worker(self, i: int, *extra: str) -> None:
         token_file = self.token_files.get(self.node_ids[i])
@@ -394,14 +429,7 @@ class Workers:
             *self.extra_args,
             *extra,
         ]
-        with open(self.log_path(i), "ab") as logf:
-            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(sig)
-            proc.wait()
+        self._spawn(i, cmd)
 
     def wait_ready(self, timeout: float, progress: Callable[[int], None] | None = None) -> list[int]:
         """Poll until every worker answers /health with its node id and a directory epoch; returns the epochs.
@@ -412,9 +440,7 @@ class Workers:
         epochs: list[int | None] = []
         with httpx.Client(timeout=1.0) as http:
             while time.monotonic() < end:
-                for i, p in enumerate(self.procs):
-                    if p is not None and p.poll() not in (None, -signal.SIGKILL):
-                        raise ChildExited(self.node_ids[i], p, self.log_path(i))
+                self._check_running()
                 epochs = [self._epoch(http, i) for i in range(len(self.urls))]
                 if progress is not None:
                     progress(sum(e is not None for e in epochs))
@@ -434,11 +460,8 @@ class Workers:
             return None
         return cast(int | None, health.get("epoch"))
 
-    def stop(self, grace: float = 5.0) -> None:
-        stop_all([p for p in self.procs if p is not None], grace)
 
-
-class Gateway:
+class Gateway(_Children):
     """One gateway process in front of the workers."""
 
     def __init__(
@@ -472,24 +495,32 @@ class Gateway:
             *(["--directory-token-file", str(token_file)] if token_file else []),
             *extra_args,
         ]
-        self.data_dir = data_dir
+        super().__init__(data_dir, 1)
         self.log_path = data_dir / "gateway.log"
-        self.proc: subprocess.Popen[bytes]
-        self._verified: set[int] = set()  # pids seen listening on the gateway's port
         self.start()
+
+    def _log(self, i: int) -> Path:
+        return self.log_path
+
+    def name(self, i: int) -> str:
+        return "gateway"
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        proc = self.procs[0]
+        assert proc is not None
+        return proc
 
     def start(self) -> None:
         """Start the process (again)."""
-        with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(self._cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._spawn(0, self._cmd)
 
     def wait_ready(self, timeout: float, engines: int, progress: Callable[[], None] | None = None) -> None:
         """Poll until the gateway started here answers and knows `engines` engines; `progress()` on every poll."""
         end = time.monotonic() + timeout
         with httpx.Client(timeout=1.0) as http:
             while time.monotonic() < end:
-                if self.proc.poll() is not None:
-                    raise ChildExited("gateway", self.proc, self.log_path)
+                self._check_running()
                 try:
                     known = http.get(self.url + "/health").json().get("engines", -1)
                 except (httpx.HTTPError, ValueError):
@@ -500,9 +531,6 @@ class Gateway:
                     progress()
                 time.sleep(0.05)
         raise NotReady(f"the gateway was not ready within {timeout}s", [("gateway", self.log_path)], str(self.log_path))
-
-    def stop(self, grace: float = 5.0) -> None:
-        stop_all([self.proc], grace)
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
