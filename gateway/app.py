@@ -16,7 +16,11 @@ Response headers say what happened: `x-kvdir-node`, `x-kvdir-decision`,
 `x-kvdir-predicted-cached-tokens`.
 
 This module is the FastAPI wiring: routes, middleware and lifespan, each route
-translating HTTP to calls on the running gateway (gateway.runtime). The request
+translating HTTP to calls on the running gateway (gateway.runtime). The two
+completion routes, which every request of a cluster pays for, are served before
+FastAPI's routing and middleware stack (`GatewayApp`): the body read within its
+limit, then the same `complete` the declared routes call; everything else (the
+docs, status, metrics, admin and peer routes, a wrong method's 405) is FastAPI's. The request
 shapes, their parsing and size checks are kvproto.openai_api's (shared with the
 worker stub, so both answer a bad request alike); the body to forward and the
 request's KV identity are gateway.client_request's, its tokens
@@ -39,11 +43,13 @@ import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from gateway.client_request import kv_request, parse
 from gateway.config import GatewaySettings
@@ -56,7 +62,7 @@ from gateway.status import status_json
 from gateway.status_page import render_page
 from gateway.tokenizers import fixed_tokenizer, prompt_tokens
 from gateway.ttft_learner import TtftLearner
-from kvproto.http_limits import BodyLimit
+from kvproto.http_limits import BodyLimit, TooLarge, read_body
 from kvproto.offline_docs import add_offline_docs
 from kvproto.openai_api import (
     ChatRequest,
@@ -94,7 +100,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             await rt.stop()
 
-    app = FastAPI(title="kvdir gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(
+        settings.max_body_bytes, title="kvdir gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     add_offline_docs(app)
     if settings.peer_urls:  # the notes route exists only on a gateway with peers (gateway.peers)
         app.include_router(peer_routes(lambda request: runtime(request).peers))
@@ -103,25 +111,56 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
+def _too_large(limit: int) -> JSONResponse:
+    response = error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
+    response.headers["connection"] = "close"  # the rest of the body is not read: the connection cannot be reused
+    return response
+
+
+COMPLETIONS: dict[str, type[CompletionRequest] | type[ChatRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+}
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the completion routes served before its routing and middleware: a request there pays for
+    reading its body within the limit and for the gateway's own work, not for a router's table walk, the
+    middleware stack and a Request object (BENCHMARKS.md, "The gateway's own cost")."""
+
+    def __init__(self, max_body_bytes: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        model = COMPLETIONS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if model is None:
+            return await super().__call__(scope, receive, send)
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except TooLarge:
+            return await _too_large(self.max_body_bytes)(scope, receive, send)
+        if body is None:
+            return  # the client went away
+        try:
+            response = await complete(self.state.runtime, scope["path"], model, body)
+        except OpenAIError as exc:
+            response = exc.response()
+        await response(scope, receive, send)
+
+
 def _add_error_handling(app: FastAPI, max_body_bytes: int) -> None:
     """Bodies over `max_body_bytes` refused unread (413), and every error answered in OpenAI's shape."""
-
-    def too_large(limit: int) -> JSONResponse:
-        response = error_response(413, f"request bodies are limited to {limit} bytes", code="body_too_large")
-        response.headers["connection"] = "close"  # the rest of the body is not read: the connection cannot be reused
-        return response
-
-    app.add_middleware(BodyLimit, limit=max_body_bytes, too_large=too_large)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, too_large=_too_large)
     app.exception_handler(OpenAIError)(openai_error)  # GatewayError's and the request checks' (kvproto.openai_api)
     app.exception_handler(HTTPException)(http_error)  # an unknown path or method: OpenAI-shaped, naming the routes
 
 
-async def _complete(request: Request, path: str, model: type[CompletionRequest] | type[ChatRequest]) -> Response:
-    """A completion request to `path`: checked and parsed, its model and prompt resolved, then proxied."""
+async def complete(rt: GatewayRuntime, path: str, model: type[CompletionRequest] | type[ChatRequest], data: bytes) -> Response:
+    """A completion request to `path` (its body `data`, within the body limit): checked and parsed, its model and
+    prompt resolved, then proxied."""
     t = time.perf_counter()
-    rt = runtime(request)
-    # At most max_body_bytes: BodyLimit refused more (413) before reading it.
-    raw, body = parse(await request.body(), model, rt.settings.max_messages, rt.max_prompt_tokens())
+    raw, body = parse(data, model, rt.settings.max_messages, rt.max_prompt_tokens())
     kv = kv_request(rt.registry, rt.settings.namespace, raw, body)
     t_tok = time.perf_counter()
     tokens = await prompt_tokens(rt.tokenizer, raw, body, rt.max_prompt_tokens)
@@ -131,13 +170,14 @@ async def _complete(request: Request, path: str, model: type[CompletionRequest] 
 def _add_routes(app: FastAPI) -> None:
     """The OpenAI API, the health and metrics probes and the status page."""
 
+    # Declared for the OpenAPI schema and the route lists of 404s and 405s: GatewayApp serves them before routing.
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _complete(request, "/v1/completions", CompletionRequest)
+        return await complete(runtime(request), "/v1/completions", CompletionRequest, await request.body())
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
     async def chat(request: Request) -> Response:
-        return await _complete(request, "/v1/chat/completions", ChatRequest)
+        return await complete(runtime(request), "/v1/chat/completions", ChatRequest, await request.body())
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -58,7 +58,8 @@ additions included) because replayed traces compare decisions bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = [
@@ -170,7 +171,13 @@ class Decision:
     pull_epoch: int | None = None
     pull_slots: tuple[int, ...] = ()  # the holder's slots for blocks [0, n)
     estimated_ttft_s: float = 0.0
-    detail: str = ""  # the formula with values, for debug logs
+    why: str | Callable[[], str] = field(default="", compare=False, repr=False)
+    """The formula with its values, for debug logs, or what builds it: built only when asked (`detail`), since a
+    request that logs nothing has no use for it (derived from the other fields' inputs: not compared)."""
+
+    @property
+    def detail(self) -> str:
+        return self.why() if callable(self.why) else self.why
 
 
 class TTFTBreakdown(NamedTuple):

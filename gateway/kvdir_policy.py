@@ -12,6 +12,7 @@ serve reads), and only candidates with ``can_pull`` get the pull option.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -164,7 +165,7 @@ class KvdirPolicy(PolicyHooks):
         _, _, _, chosen, br, _ = tied[0]
         t = br.total_s
         cached = engine_tokens(br.cached_tokens, chosen)
-        detail = self._explain(req, chosen, br, holder, longest)
+        detail = functools.partial(self._explain, req, chosen, br, holder, longest)
 
         if br.pulled_blocks:
             return Decision(
@@ -175,18 +176,18 @@ class KvdirPolicy(PolicyHooks):
                 pull_epoch=holder.epoch,
                 pull_slots=tuple(holder.slots[:pull_to]),
                 estimated_ttft_s=t,
-                detail=detail,
+                why=detail,
             )
         held = blocks_held(chosen, nh)
         ready = blocks_ready(chosen, nh)
         if ready <= held:
-            return Decision(chosen.node_id, cache_reason(held, longest), cached, estimated_ttft_s=t, detail=detail)
+            return Decision(chosen.node_id, cache_reason(held, longest), cached, estimated_ttft_s=t, why=detail)
         # Reusing what another request is computing there: it queues behind that prefill. Where a holder can serve
         # that prefix the follower carries the plan a pull there carries (the prefix may be that pull's), since it
         # may reach the engine first: the engine reads the blocks once, for whichever comes first.
         share = min(pull_to, ready) if chosen.can_pull and pullable(holder, chosen) is None else 0
         if share <= held:
-            return Decision(chosen.node_id, "inflight", cached, estimated_ttft_s=t, detail=detail)
+            return Decision(chosen.node_id, "inflight", cached, estimated_ttft_s=t, why=detail)
         return Decision(
             chosen.node_id,
             "inflight",
@@ -195,7 +196,7 @@ class KvdirPolicy(PolicyHooks):
             pull_epoch=holder.epoch,
             pull_slots=tuple(holder.slots[:share]),
             estimated_ttft_s=t,
-            detail=detail,
+            why=detail,
         )
 
     def _least_worked(self, near: list[_Option]) -> list[_Option]:

@@ -70,7 +70,7 @@ def plain_decision(
         reason,
         block_tokens(blocks, req, chosen),
         estimated_ttft_s=estimate_ttft(req, chosen, cost),
-        detail=detail,
+        why=detail,
     )
 
 

@@ -279,7 +279,8 @@ class Proxy:
         self.metrics.prompt_tokens.inc(len(tokens))
         engine.served += 1
         engine.prompt_tokens += len(tokens)
-        log.debug("routed to %s: %s (%s)", engine.node_id, decision.reason, decision.detail)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed to %s: %s (%s)", engine.node_id, decision.reason, decision.detail)
         headers = {
             "x-kvdir-node": engine.node_id,
             "x-kvdir-decision": decision.reason,

@@ -393,14 +393,14 @@ class Router:
                 pull_from=None,
                 pull_epoch=None,
                 pull_slots=(),
-                detail=f"{unhashed}: the gateway cannot hash it as the engine does, so routed by load without a pull",
+                why=f"{unhashed}: the gateway cannot hash it as the engine does, so routed by load without a pull",
             )
         elif lookup_failure is not None and decision.reason != "inflight":  # "inflight": the gateway's own knowledge
             decision = replace(
                 decision,
                 reason="fallback",
                 predicted_cached_tokens=0,
-                detail=f"directory lookup failed ({lookup_failure}): routed by load",
+                why=f"directory lookup failed ({lookup_failure}): routed by load",
             )
         plan = None
         if decision.pull_from is not None and decision.pull_epoch is not None:

@@ -139,7 +139,7 @@ class SGLangPolicy(PolicyHooks):
             reason,
             block_tokens(match, req, chosen),
             estimated_ttft_s=estimate_ttft(req, chosen, self.cost),
-            detail=detail,
+            why=detail,
         )
 
     def on_routed(self, req: RouteRequest, decision: Decision) -> None:

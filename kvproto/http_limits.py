@@ -74,6 +74,31 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().shutdown()
 
 
+class TooLarge(Exception):
+    """A request body over its limit (`read_body`)."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The request's body, read whole: TooLarge once it is declared or found to be over `limit` bytes (the rest is
+    left unread), None if the client went away first."""
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise TooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
 class BodyLimit:
     """ASGI middleware: 413 for bodies over `limit` bytes, whether declared or streamed.
 
@@ -88,23 +113,12 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+        try:
+            body = await read_body(scope, receive, self.limit)
+        except TooLarge:
             return await self.too_large(self.limit)(scope, receive, send)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # client went away
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self.too_large(self.limit)(scope, receive, send)
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        if body is None:
+            return  # client went away
         delivered = False
 
         async def replay() -> Message:
