@@ -64,8 +64,9 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
     higher term deposed a healthy leader. Likewise a restarted replica, whose deadline ran out while
     it loaded its snapshot and journal, stood for election the moment its first link came up, before
     the leader could reach it. Here a tick first reads what has arrived, a follower reads again for
-    as long as reading took long (what queued up meanwhile restarts its deadline), and a replica
-    that had no link to anyone waits a whole election timeout after its first link comes up.
+    as long as reading took long (what queued up meanwhile restarts its deadline), and again if the thread
+    stalled between its read and the deadline's judgment, and a replica that had no link to anyone waits a
+    whole election timeout after its first link comes up.
     `kvdir bench elections` measures all three (BENCHMARKS.md). It also notes when the replica was
     last caught up with its leader, which bounds the staleness of local reads (`fresh_within`).
     The private names are pysyncobj 0.3.17's; the version is pinned.
@@ -159,15 +160,26 @@ class _ReadFirstSyncObj(SyncObj):  # type: ignore[misc]  # pysyncobj ships no ty
         which still believe they follow a leader."""
         return time.monotonic() - self._fresh_at <= bound_s
 
-    def _onTick(self, timeToWait: float = 0.0) -> None:
-        self._sync_journal()  # what the last tick appended, before pysyncobj counts it towards a commit
-        leader = self._isLeader()
-        for _ in range(1 if leader else self.MAX_DRAIN_PASSES):
+    def _drain(self, passes: int) -> None:
+        """Read what has arrived, again for as long as a read took long (what queued meanwhile), at most `passes`."""
+        for _ in range(passes):
             started = time.monotonic()
             self._poller.poll(0)
             if time.monotonic() - started < self._quick_pass_s:
+                return
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        self._sync_journal()  # what the last tick appended, before pysyncobj counts it towards a commit
+        leader = self._isLeader()
+        self._drain(1 if leader else self.MAX_DRAIN_PASSES)
+        for _ in range(self.MAX_DRAIN_PASSES):
+            read_at = time.monotonic()
+            self._sync_journal()  # what these reads appended: acknowledge it before the tick's final, waiting poll
+            # A follower that stalled since it read (a slow sync, the process stopped there) reads again before
+            # pysyncobj judges its election deadline: the heartbeats that queued meanwhile are its leader's.
+            if leader or time.monotonic() - read_at < self._quick_pass_s:
                 break
-        self._sync_journal()  # what these reads appended: acknowledge it before the tick's final, waiting poll
+            self._drain(self.MAX_DRAIN_PASSES)
         connected = any(self.isNodeConnected(n) for n in self.otherNodes)
         if connected and not self._was_connected and not leader:
             lo, hi = self._election_timeout

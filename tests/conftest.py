@@ -26,6 +26,7 @@ _LOW, _HIGH = 10000, 32000  # below Linux's ephemeral range (32768-60999)
 # milliseconds against 3-6 s) run in the parallel pass.
 SERIAL = {
     "tests/integration/test_replication.py": "a stalled or restarted follower must not cause an election",
+    "tests/integration/test_raft_read_first.py": "a follower stalled in its tick must not cause an election",
     "tests/integration/test_raft_security.py::test_a_pickled_command_sent_to_the_raft_port_runs_nothing": (
         "a pickled command sent to the Raft port must not move the leader or the term"
     ),
