@@ -485,7 +485,8 @@ def decode_state(data: bytes | bytearray) -> DirectoryState:
 # -- frames ------------------------------------------------------------------------------------
 
 
-def frame(obj: dict[str, Any]) -> bytes:
+def frame(obj: dict[str, Any] | _Frame) -> bytes:
+    """A frame's bytes: its length, then its msgpack (a message map, or one of the frame structs below)."""
     body = _encoder.encode(obj)
     return HEADER.pack(len(body)) + body
 
@@ -561,36 +562,42 @@ class _Versioned(msgspec.Struct):
     v: Any = None
 
 
-def _frame_bytes(f: _Frame) -> bytes:
-    body = _encoder.encode(f)
-    return HEADER.pack(len(body)) + body
-
-
 def batch_frame(position: int, commands: list[Command]) -> bytes:
-    return _frame_bytes(BatchFrame(position, VERSION, commands))
+    return frame(BatchFrame(position, VERSION, commands))
 
 
 def tick_frame(position: int, fresh: bool, bound_s: float, *, group: int | None) -> bytes:
-    return _frame_bytes(TickFrame(position, VERSION, fresh, bound_s, group))
+    return frame(TickFrame(position, VERSION, fresh, bound_s, group))
 
 
 def decode_frame(body: bytes) -> Frame:
     """One frame's msgpack, its fields checked (a batch's commands too; a snapshot's state is checked by
-    `state_from`); WireError (VersionError) else. The version is checked first: a frame of another version is
-    refused as that, whatever its layout."""
+    `state_from`); WireError (VersionError) else. A frame of another version is refused as that, whatever its
+    layout: its version is read apart only when the frame does not decode (`_refusal`), so a frame is decoded
+    once."""
     try:
-        head = msgspec.msgpack.decode(body, type=_Versioned)
+        f: Frame = _frame_decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise WireError(f"a frame that is not a snapshot, batch or tick: {exc}") from exc
+        raise _refusal(body, exc) from exc
     except msgspec.DecodeError as exc:
         raise WireError(f"a frame that is not msgpack: {exc}") from exc
-    if head.k not in ("snapshot", "batch", "tick"):
-        raise WireError(f"a frame that is not a snapshot, batch or tick: {head.k!r:.40}")
-    _version(head.v, f"a {head.k} frame")
+    _version(f.v, f"a {f.__struct_config__.tag} frame")
+    return f
+
+
+def _refusal(body: bytes, exc: msgspec.ValidationError) -> WireError:
+    """Why a frame of msgpack does not decode: it is no frame, another version's, or malformed."""
     try:
-        return _frame_decoder.decode(body)  # type: ignore[no-any-return]
-    except msgspec.DecodeError as exc:
-        raise WireError(f"a malformed {head.k} frame: {exc}") from exc
+        head = msgspec.msgpack.decode(body, type=_Versioned)
+    except msgspec.ValidationError as not_a_map:
+        return WireError(f"a frame that is not a snapshot, batch or tick: {not_a_map}")
+    if head.k not in ("snapshot", "batch", "tick"):
+        return WireError(f"a frame that is not a snapshot, batch or tick: {head.k!r:.40}")
+    try:
+        _version(head.v, f"a {head.k} frame")
+    except VersionError as other:
+        return other
+    return WireError(f"a malformed {head.k} frame: {exc}")
 
 
 class FrameReader:
