@@ -155,8 +155,32 @@ def test_a_stale_plan_is_recomputed_and_counted(engines: dict[str, Engine], dire
 
 def _gateway_running(gateway: Gateway, node_id: str) -> int | None:
     """The engine's running requests as the gateway last read them (`GET /v1/status`), None if it lists no such engine."""
+    e = _gateway_engine(gateway, node_id)
+    return None if e is None else int(e["running"])
+
+
+def _gateway_engine(gateway: Gateway, node_id: str) -> dict[str, Any] | None:
     engines = httpx.get(gateway.url + "/v1/status", timeout=5).json()["engines"]
-    return next((int(e["running"]) for e in engines if e["node_id"] == node_id), None)
+    return next((e for e in engines if e["node_id"] == node_id), None)
+
+
+def wait_gateway_sees_running(gateway: Gateway, node_id: str, n: int, timeout: float = 30) -> None:
+    """Until the gateway's status shows `node_id` running at least `n`; a timeout says what it showed last (where
+    the figure came from and how old it was) and what the gateway logged of that engine's load reads."""
+    last: list[dict[str, Any] | None] = [None]
+
+    def seen() -> bool:
+        last[0] = e = _gateway_engine(gateway, node_id)
+        return e is not None and e["running"] >= n
+
+    try:
+        wait_for(seen, what=f"the gateway to see {node_id} running {n}", timeout=timeout)
+    except AssertionError as exc:
+        e = last[0] or {}
+        shown = {k: e.get(k) for k in ("running", "waiting", "inflight", "load_source", "load_age_s", "alive")}
+        lines = gateway.log_path.read_text(errors="replace").splitlines()
+        reads = [x for x in lines if f"engine {node_id}" in x and "load" in x][-5:]
+        raise AssertionError(f"{exc}; the status showed {shown}; its load reads: {reads}") from None
 
 
 def _decisions(gateway: Gateway) -> str:
@@ -181,7 +205,7 @@ def test_the_gateway_plans_a_pull_from_a_busy_holder(engines: dict[str, Engine],
     with ExitStack() as streams, httpx.Client(timeout=180) as http:
         for _ in range(2):
             assert streams.enter_context(http.stream("POST", a.url + "/v1/completions", json=busy)).status_code == 200
-        wait_for(lambda: (_gateway_running(gateway, "vllm-a") or 0) >= 2, what="the gateway to see A running 2", timeout=30)
+        wait_gateway_sees_running(gateway, "vllm-a", 2)
         r = http.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     wait_for(lambda: (n := _node(directory, "vllm-a")) is not None and n["load"].get("running") == 0, what="A idle", timeout=60)
     assert r.status_code == 200, r.text

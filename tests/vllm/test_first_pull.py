@@ -19,7 +19,17 @@ import pytest
 from kvdir.local_cluster import Cluster, Gateway
 from tests.support.wait import wait_for
 from tests.vllm.conftest import BLOCK, MODEL, PROMPT, Engine, running_directory, start_gateway, vllm_venv
-from tests.vllm.test_connector import FAILED, PULL, REFUSED, _decisions, _gateway_running, _node, _plan, _served
+from tests.vllm.test_connector import (
+    FAILED,
+    PULL,
+    REFUSED,
+    _decisions,
+    _gateway_running,
+    _node,
+    _plan,
+    _served,
+    wait_gateway_sees_running,
+)
 
 
 class Pair:
@@ -119,7 +129,7 @@ def test_a_fresh_engines_first_request_can_be_a_gateway_pull(pair: Pair, tmp_pat
         with ExitStack() as streams, httpx.Client(timeout=180) as http:
             for _ in range(2):
                 assert streams.enter_context(http.stream("POST", a.url + "/v1/completions", json=busy)).status_code == 200
-            wait_for(lambda: (_gateway_running(gateway, a.name) or 0) >= 2, what="the gateway to see A running 2", timeout=30)
+            wait_gateway_sees_running(gateway, a.name, 2)
             r = http.post(
                 gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
             )

@@ -28,12 +28,12 @@ from tests.vllm.test_connector import (
     PULL,
     REFUSED,
     _decisions,
-    _gateway_running,
     _holder,
     _node,
     _plan,
     _recomputed,
     _served,
+    wait_gateway_sees_running,
 )
 
 TAGS = "kvdir-tags"
@@ -210,7 +210,7 @@ def test_a_tp1_holder_is_never_a_source_for_a_tp2_engine(tp: Engines, tmp_path_f
             for _ in range(2):
                 stream = streams.enter_context(http.stream("POST", c.url + "/v1/completions", json={**busy, "stream": True}))
                 assert stream.status_code == 200
-            wait_for(lambda: (_gateway_running(gateway, c.name) or 0) >= 2, what="the gateway to see C running 2", timeout=30)
+            wait_gateway_sees_running(gateway, c.name, 2)
             r = http.post(
                 gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
             )
