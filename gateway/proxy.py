@@ -17,11 +17,10 @@ request, `Proxy.complete`:
 3. relays the response: read whole (not streamed, or an error status) or
    streamed chunk by chunk as it comes.
 
-The forward goes through httpcore's connection pool, the transport under
-httpx, rather than an `httpx.AsyncClient`: the proxy needs none of what httpx
-adds on top (request and response models, cookies, redirects, auth), and those
-would be a large share of its CPU per request (BENCHMARKS.md, "The forward on
-httpcore").
+The forward goes through the gateway's own keep-alive client (gateway.upstream:
+asyncio and httptools), not httpx or httpcore: the forward needs one request
+shape, and their layers were most of the gateway's CPU per request
+(BENCHMARKS.md, "The gateway's own cost").
 
 What the gateway adds to an engine's reported load is counted by one
 `InflightTicket` per request, from just before the request is sent until the
@@ -30,7 +29,6 @@ response is over.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -39,7 +37,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import httpcore
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.cost import RouteRequest
@@ -51,16 +48,16 @@ from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
 from gateway.router import HolderView, NoEngineAvailable, Route, Router
 from gateway.stream_join import StreamError, join, streamable, streamed_body
+from gateway.upstream import ConnectFailed, Timeouts, Upstream, UpstreamFailed, UpstreamResponse
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity
-from kvproto.schemas import DP_RANK_HEADER, Origin
+from kvproto.schemas import DP_RANK_HEADER
 
 log = logging.getLogger("kvdir.gateway")
 
 _TAIL_BYTES = 65536  # the end of a stream kept to read its final usage chunk
 _DP_RANK = DP_RANK_HEADER.lower().encode()
-_CONNECT_FAILED = (httpcore.ConnectError, httpcore.ConnectTimeout)  # nothing was sent: the next engine may take it
-_UPSTREAM_FAILED = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError)  # httpcore's, all of them
+_JSON = (b"content-type", b"application/json")
 
 
 class InflightTicket:
@@ -182,14 +179,7 @@ def _usage_in_tail(tail: bytes) -> Any:
     return None
 
 
-@functools.lru_cache(maxsize=4096)
-def _target(origin: Origin, path: str) -> tuple[httpcore.URL, bytes]:
-    """`path` on the engine at `origin` as httpcore takes it, and the Host header to send: built once."""
-    host = str(origin).split("://")[1]  # HOST:PORT, an IPv6 address in brackets
-    return httpcore.URL(scheme=origin.scheme, host=origin.host, port=origin.port, target=path), host.encode()
-
-
-def _content_type(upstream: httpcore.Response, default: str) -> str:
+def _content_type(upstream: UpstreamResponse, default: str) -> str:
     return next((v.decode("latin-1") for k, v in upstream.headers if k.lower() == b"content-type"), default)
 
 
@@ -211,7 +201,7 @@ class Proxy:
         router: Router,
         registry: EngineRegistry,
         directory: DirectoryClient,
-        upstream: httpcore.AsyncConnectionPool,
+        upstream: Upstream,
         request_timeout_s: float,
         metrics: GatewayMetrics,
         lookup_timeout_s: float,
@@ -222,8 +212,7 @@ class Proxy:
         self.router = router
         self.registry = registry
         self.upstream = upstream
-        # connect: as `httpx.Timeout(request_timeout_s, connect=2.0)` had it; the rest bound one request.
-        self._timeout = {"connect": 2.0, "read": request_timeout_s, "write": request_timeout_s, "pool": request_timeout_s}
+        self._timeouts = Timeouts(connect_s=2.0, read_s=request_timeout_s)
         self.metrics = metrics
         self.peers = peers
         self._lookup = HolderLookup(directory, lookup_timeout_s, mirror, mirror_stale_lag_s)
@@ -311,7 +300,7 @@ class Proxy:
         holders: Mapping[str, HolderView],
         lookup_failure: str | None,
         timing: Timing,
-    ) -> tuple[Route, EngineState, httpcore.Response, InflightTicket]:
+    ) -> tuple[Route, EngineState, UpstreamResponse, InflightTicket]:
         """Send to the best engine that serves the model, then the next best while connections are refused;
         503 when none is left."""
         exclude: set[str] = set()
@@ -335,14 +324,14 @@ class Proxy:
             self.metrics.added_seconds.observe(time.perf_counter() - timing.arrival - timing.tokenize_s - timing.hash_s)
             try:
                 upstream = await self._post(engine, path, body)
-            except _CONNECT_FAILED as exc:
+            except ConnectFailed as exc:
                 ticket.close()
                 self.registry.mark_unhealthy(engine.node_id)
                 self.metrics.upstream_errors.labels("connect").inc()
                 exclude.add(engine.node_id)
                 log.warning("engine %s unreachable (%s): retrying on the next best", engine.node_id, exc)
                 continue
-            except _UPSTREAM_FAILED as exc:
+            except UpstreamFailed as exc:
                 ticket.close()
                 raise self._failed(engine, exc) from exc
             except BaseException:
@@ -362,20 +351,12 @@ class Proxy:
 
         return InflightTicket(engine, uncached, prefilled)
 
-    async def _post(self, engine: EngineState, path: str, body: bytes) -> httpcore.Response:
+    async def _post(self, engine: EngineState, path: str, body: bytes) -> UpstreamResponse:
         """POST `body` (JSON) to `path` on `engine`: the response once its headers are in, its body still to read."""
-        url, host = _target(engine.origin, path)
-        headers = [(b"host", host), (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers = [_JSON]
         if engine.dp_rank is not None:  # one rank of a data-parallel engine: its API server routes by this header
             headers.append((_DP_RANK, b"%d" % engine.dp_rank))
-        request = httpcore.Request(
-            b"POST",
-            url,
-            headers=headers,
-            content=body,
-            extensions={"timeout": self._timeout},
-        )
-        return await self.upstream.handle_async_request(request)
+        return await self.upstream.post(engine.origin, path, headers, body, self._timeouts)
 
     def _failed(self, engine: EngineState, exc: Exception) -> GatewayError:
         """The 502 for an engine that failed after the request was sent (it may have run: not retried elsewhere)."""
@@ -423,13 +404,13 @@ class Proxy:
         if generated is not None:
             self.router.learner.outputs.observe(sent.model, generated)
 
-    async def _buffered(self, upstream: httpcore.Response, sent: Sent, headers: dict[str, str]) -> Response:
+    async def _buffered(self, upstream: UpstreamResponse, sent: Sent, headers: dict[str, str]) -> Response:
         """A response read whole (a non-streamed request, or any error status), then answered at once: no TTFT
         is observed (its first byte is its last)."""
         with sent.ticket as ticket:
             try:
                 content = await upstream.aread()
-            except _UPSTREAM_FAILED as exc:
+            except UpstreamFailed as exc:
                 raise self._failed(sent.engine, exc) from exc
             finally:
                 ticket.first_byte()
@@ -449,7 +430,7 @@ class Proxy:
             media_type=_content_type(upstream, "application/json"),
         )
 
-    async def _joined(self, upstream: httpcore.Response, sent: Sent, headers: dict[str, str], chat: bool) -> Response:
+    async def _joined(self, upstream: UpstreamResponse, sent: Sent, headers: dict[str, str], chat: bool) -> Response:
         """A non-streamed request's answer, streamed from the engine (its prefill ends at the first chunk) and
         joined into one body (gateway.stream_join); an error event in the stream is answered as an error."""
         with sent.ticket as ticket:
@@ -458,7 +439,7 @@ class Proxy:
                 async for chunk in upstream.aiter_stream():
                     ticket.first_byte()
                     parts.append(chunk)
-            except _UPSTREAM_FAILED as exc:
+            except UpstreamFailed as exc:
                 raise self._failed(sent.engine, exc) from exc
             finally:
                 ticket.first_byte(ok=False)
@@ -475,7 +456,7 @@ class Proxy:
             self._record(sent, answer)
         return Response(json.dumps(answer, ensure_ascii=False).encode(), headers=headers, media_type="application/json")
 
-    async def _relay(self, upstream: httpcore.Response, sent: Sent) -> AsyncIterator[bytes]:
+    async def _relay(self, upstream: UpstreamResponse, sent: Sent) -> AsyncIterator[bytes]:
         """The upstream stream, chunk by chunk as it comes; a break mid-stream ends it (the client sees a short stream)."""
         with sent.ticket as ticket:
             tail = b""
@@ -486,7 +467,7 @@ class Proxy:
                     tail = (tail + chunk)[-_TAIL_BYTES:]
                     events += chunk.count(b"data: {")
                     yield chunk
-            except _UPSTREAM_FAILED as exc:
+            except UpstreamFailed as exc:
                 self.metrics.upstream_errors.labels("stream").inc()
                 log.warning("stream from %s broke: %s", sent.engine.node_id, exc)
             finally:

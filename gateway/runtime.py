@@ -11,7 +11,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import httpcore
 import httpx
 from fastapi import Request
 
@@ -28,6 +27,7 @@ from gateway.router import Router
 from gateway.status import StatusBoard
 from gateway.tokenizer_parity import ParityProbe
 from gateway.tokenizers import GatewayTokenizer, Local
+from gateway.upstream import Upstream
 from kvproto.client import DirectoryClient
 from kvproto.index import warm_up
 
@@ -46,7 +46,7 @@ class GatewayRuntime:
     mirror: Mirror | None
     peers: PeerNotes
     status: StatusBoard
-    upstream: httpcore.AsyncConnectionPool
+    upstream: Upstream
     proxy: Proxy
     models: ModelsList
     tokenizer: GatewayTokenizer
@@ -91,7 +91,7 @@ class GatewayRuntime:
         status.start()
         # An idle connection is dropped after 4 s, before an engine's server drops it (uvicorn, and vLLM on it:
         # 5 s): one closed by the engine as a request goes out would fail a request the engine never saw.
-        upstream = httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32, keepalive_expiry=4.0)
+        upstream = Upstream(keepalive_s=4.0)
         proxy = Proxy(
             router=router,
             registry=registry,

@@ -133,8 +133,11 @@ def bench_added_latency(quick: bool) -> tuple[dict[str, Any], dict[str, list[flo
                 (Path(tmp) / name).mkdir()
                 gateways[name] = Gateway(Path(tmp) / name, free_ports(1)[0], c.replica_urls, extra_args=args)
                 gateways[name].wait_ready(60, engines=1)
-            with floor_proxy(w.urls[0], free_ports(1)[0]) as (floor_url, floor_pid):
-                proxies = {"floor": (floor_url, floor_pid)} | {name: (g.url, g.proc.pid) for name, g in gateways.items()}
+            with (
+                floor_proxy(w.urls[0], free_ports(1)[0]) as floor,
+                floor_proxy(w.urls[0], free_ports(1)[0], lean=True) as lean_floor,
+            ):
+                proxies = {"floor": floor, "lean_floor": lean_floor} | {n: (g.url, g.proc.pid) for n, g in gateways.items()}
                 lat: dict[str, list[float]] = {name: [] for name in ("direct", *proxies)}
                 cpu = dict.fromkeys(proxies, 0.0)
                 sent = dict.fromkeys(proxies, 0)
@@ -160,7 +163,7 @@ def bench_added_latency(quick: bool) -> tuple[dict[str, Any], dict[str, list[flo
         "requests_per_s": rate,
     }
     for name in proxies:
-        label = "floor_proxy" if name == "floor" else f"{name}_gateway"
+        label = {"floor": "floor_proxy", "lean_floor": "lean_floor_proxy"}.get(name, f"{name}_gateway")
         out[f"{label}_p50_ms"] = pct(lat[name], 50) * 1e3
         out[f"{label}_p99_ms"] = pct(lat[name], 99) * 1e3
         out[f"{name}_added_p50_ms"] = (pct(lat[name], 50) - pct(lat["direct"], 50)) * 1e3
@@ -168,6 +171,7 @@ def bench_added_latency(quick: bool) -> tuple[dict[str, Any], dict[str, list[flo
         out[f"{label}_cpu_s_per_1000_requests"] = cpu[name] / max(1, sent[name]) * 1000
     for name in gateways:
         out[f"{name}_added_over_floor_p50_ms"] = (pct(lat[name], 50) - pct(lat["floor"], 50)) * 1e3
+        out[f"{name}_added_over_lean_floor_p50_ms"] = (pct(lat[name], 50) - pct(lat["lean_floor"], 50)) * 1e3
         out[f"{name}_internal_added_p50_le_s"] = _added_buckets(metrics[name])
         out[f"{name}_lookup_sources"] = _lookup_sources(metrics[name])
     return out, lat
@@ -175,7 +179,8 @@ def bench_added_latency(quick: bool) -> tuple[dict[str, Any], dict[str, list[flo
 
 PATHS = {  # a request's path in the latency figure, by the bench's name for it
     "direct": "straight to the worker",
-    "floor": "do-nothing proxy (the HTTP stack's floor)",
+    "floor": "do-nothing proxy, old stack (uvicorn, FastAPI, httpcore)",
+    "lean_floor": "do-nothing proxy, the completions' stack (uvicorn, ASGI, gateway.upstream)",
     "mirror": "gateway, lookups from its mirror",
     "rest": "gateway, lookups over REST (--no-mirror)",
 }
@@ -195,7 +200,8 @@ def main(*, as_json: bool, quick: bool, plot: str | None = None) -> int:
     figures, latencies = bench_added_latency(quick)
     results.update(figures)
     say(
-        "the HTTP stack's own CPU per request: httpcore (and httpx) forwarding, uvicorn + FastAPI receiving (kvtools/bench/http_stack.py)..."
+        "the HTTP stack's own CPU per request: the gateway's client, httpcore and httpx forwarding, uvicorn + FastAPI"
+        " receiving (kvtools/bench/http_stack.py)..."
     )
     results.update(bench_http_stack(quick))
     emit(results, as_json)

@@ -1,25 +1,26 @@
 """The CPU the gateway's HTTP stack costs per request before any routing work: its floor.
 
-The gateway receives each request through uvicorn + FastAPI and forwards it with httpcore's
-connection pool (httpx's transport). Each is measured alone against a bare asyncio peer in another
-process (which answers or sends fixed bytes and costs its side next to nothing), as CPU per request of
-the measured process:
+The gateway receives each request through uvicorn and forwards it with its own keep-alive client
+(gateway.upstream). Each side is measured alone against a bare asyncio peer in another process (which
+answers or sends fixed bytes and costs its side next to nothing), as CPU per request of the measured
+process:
 
-* ``httpcore_forward_us``: a POST of a 90-byte body, read whole, over one pooled keep-alive
-  connection of an ``httpcore.AsyncConnectionPool`` with the gateway's limits: its forward;
-* ``httpx_forward_us``: the same through an ``httpx.AsyncClient`` (the gateway's forward until
-  2026-12-01), for comparison;
+* ``upstream_forward_us``: a POST of a 90-byte body, read whole, over one pooled keep-alive
+  connection of the gateway's `Upstream`: its forward;
+* ``httpcore_forward_us``: the same through an ``httpcore.AsyncConnectionPool`` with the gateway's
+  former limits (its forward until issue #48), and ``httpx_forward_us`` through an
+  ``httpx.AsyncClient`` (its forward until 2026-12-01), for comparison;
 * ``asyncio_forward_us``: the same exchange with the benches' own minimal HTTP/1.1 client on
   asyncio streams (`kvtools.bench.loadgen.Conn`), about the least any client in Python costs;
 * ``fastapi_inbound_us``: uvicorn (uvloop, httptools) + a FastAPI route that reads the body,
   parses it and answers 200 bytes: the gateway's inbound side, minus its own work.
 
-``http_stack_floor_us``, the sum of the gateway's forward and its inbound side, is what a gateway
-built as it is spends per request on this machine, whatever it does in between.
+``http_stack_floor_us``, the sum of the gateway's forward and a FastAPI route's inbound side, is what a
+gateway built that way spends per request on this machine, whatever it does in between.
 
-`floor_proxy` is the same floor in latency: a proxy that does nothing but receive through uvicorn +
-FastAPI and forward through httpcore the way the gateway does, for `kvdir bench gateway` to measure
-next to the gateway against the same worker.
+`floor_proxy` is the old floor in latency, kept as the fixed yardstick of `kvdir bench gateway`'s
+figures since issue #15: a proxy that does nothing but receive through uvicorn + FastAPI and forward
+through httpcore, measured next to the gateway against the same worker.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from typing import Any
 import httpcore
 import httpx
 
+from gateway.upstream import Timeouts, Upstream
 from kvdir.local_cluster import free_ports
+from kvproto.schemas import parse_origin
 from kvtools.bench.loadgen import Conn
 from kvtools.bench.proc import cpu_s
 
@@ -80,6 +83,39 @@ async def completions(request: Request) -> Response:
     content = await upstream.aread()
     await upstream.aclose()
     return Response(content, status_code=upstream.status, media_type="application/json", headers={"x-kvdir-node": "w"})
+"""
+
+# The lean floor: what the gateway's completion routes run on since issue #48 (uvicorn, an ASGI callable ahead of
+# any framework, the gateway's own forward client), doing nothing but forward.
+_LEAN_PROXY_APP = """
+import json, os
+from gateway.upstream import Timeouts, Upstream
+from kvproto.schemas import parse_origin
+ORIGIN = parse_origin(os.environ["KVDIR_BENCH_UPSTREAM"])
+TIMEOUTS = Timeouts(connect_s=2.0, read_s=600.0)
+upstream = Upstream()
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await upstream.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    json.loads(body)
+    answer = await upstream.post(ORIGIN, "/v1/completions", [(b"content-type", b"application/json")], body, TIMEOUTS)
+    content = await answer.aread()
+    await answer.aclose()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(content)), (b"x-kvdir-node", b"w")]
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
 """
 
 _SERVER = (
@@ -135,10 +171,21 @@ async def _per_request_us(exchange: Callable[[], Awaitable[object]], n: int, cpu
 
 
 async def _clients(port: int, n: int) -> dict[str, float]:
-    """CPU per request of this process as an httpcore, an httpx and a bare asyncio client."""
+    """CPU per request of this process as the gateway's client, an httpcore, an httpx and a bare asyncio client."""
     await _wait_listening(port)
     url = f"http://127.0.0.1:{port}"
     out: dict[str, float] = {}
+    upstream, origin, timeouts = Upstream(), parse_origin(url), Timeouts(connect_s=2.0, read_s=600.0)
+
+    async def with_upstream() -> None:
+        response = await upstream.post(origin, PATH, [(b"content-type", b"application/json")], BODY, timeouts)
+        await response.aread()
+        await response.aclose()
+
+    try:
+        out["upstream_forward_us"] = await _per_request_us(with_upstream, n)
+    finally:
+        await upstream.aclose()
     async with httpcore.AsyncConnectionPool(max_connections=512, max_keepalive_connections=32) as pool:  # the gateway's
         target = httpcore.URL(url + PATH)
         headers = [
@@ -190,10 +237,11 @@ def _uvicorn(app_dir: str, module: str, port: int, env: dict[str, str] | None = 
 
 
 @contextlib.contextmanager
-def floor_proxy(upstream: str, port: int) -> Iterator[tuple[str, int]]:
-    """(URL, pid) of a do-nothing proxy to `upstream` on the gateway's HTTP stack, listening until the block ends."""
+def floor_proxy(upstream: str, port: int, lean: bool = False) -> Iterator[tuple[str, int]]:
+    """(URL, pid) of a do-nothing proxy to `upstream`, listening until the block ends: on the old stack (uvicorn,
+    FastAPI, httpcore), or `lean`, on the gateway's completion path's (uvicorn, bare ASGI, gateway.upstream)."""
     with tempfile.TemporaryDirectory(prefix="kvdir-bench-proxy-") as tmp:
-        (Path(tmp) / "bench_proxy.py").write_text(_PROXY_APP)
+        (Path(tmp) / "bench_proxy.py").write_text(_LEAN_PROXY_APP if lean else _PROXY_APP)
         proc = _uvicorn(tmp, "bench_proxy", port, {"KVDIR_BENCH_UPSTREAM": upstream})
         try:
             asyncio.run(_wait_listening(port))
@@ -220,5 +268,5 @@ def bench_http_stack(quick: bool) -> dict[str, Any]:
             for p in procs:
                 p.kill()
                 p.wait()
-    out["http_stack_floor_us"] = out["httpcore_forward_us"] + out["fastapi_inbound_us"]
+    out["http_stack_floor_us"] = out["upstream_forward_us"] + out["fastapi_inbound_us"]
     return out

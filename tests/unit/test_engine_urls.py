@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from gateway.config import GatewaySettings
 from gateway.engine_registry import EngineRefused, Origin, admit, parse_networks, parse_origin
-from gateway.proxy import _target
+from gateway.upstream import Upstream
 
 HIJACK = "http://127.0.0.1:47900/internal/admin/action?x="  # the registration that made the gateway POST prompts there
 
@@ -130,12 +130,6 @@ def test_settings_refuse_bad_static_engines_and_networks() -> None:
     ],
 )
 def test_the_forward_goes_to_the_origins_parts_with_its_host_header(origin: Origin, host: bytes) -> None:
-    """What the proxy hands httpcore: the origin's scheme, host and port, the path as the target, Host as sent."""
-    url, sent = _target(origin, "/v1/completions")
-    assert (url.scheme, url.host, url.port, url.target) == (
-        origin.scheme.encode(),
-        origin.host.encode(),
-        origin.port,
-        b"/v1/completions",
-    )
-    assert sent == host
+    """Where the forward connects: the origin's own host and port (TLS for https), and the Host header it sends."""
+    target = Upstream()._target(origin)
+    assert (target.origin, target.host_header, target.ssl is not None) == (origin, host, origin.scheme == "https")
