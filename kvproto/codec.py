@@ -40,7 +40,6 @@ publish of n blocks costs two byte strings, not n objects.
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
 from collections.abc import Sequence
@@ -58,6 +57,7 @@ from kvproto.state import (
     AssignShards,
     Command,
     DirectoryState,
+    Finite,
     Int64,
     Node,
     NodeProfile,
@@ -102,16 +102,24 @@ def _pack_arrays(obj: Any, arrays: list[np.ndarray], at: list[int]) -> Any:
     return obj
 
 
+class _ArrayRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """Where one of a Raft snapshot's arrays lies in the blob after its head."""
+
+    code: Annotated[int, msgspec.Meta(ge=0, le=len(_ARRAY_DTYPES) - 1)]  # its type: a position in _ARRAY_DTYPES
+    offset: Int64
+    count: Int64
+
+
 def _unpack_arrays(obj: Any, blob: memoryview) -> Any:
     """`_pack_arrays` undone: views of `blob` where it is writable (a bytearray: the index writes in place), copies
     where it is not."""
     if type(obj) is dict:
         if obj.keys() == {"array"}:
-            code, offset, count = _fields(obj["array"], 3, "an array reference")
-            dtype = _ARRAY_DTYPES[_int(code, 0, len(_ARRAY_DTYPES) - 1)]
-            if _int(offset) % _ALIGN or offset + _int(count) * dtype.itemsize > len(blob):
-                raise WireError(f"an array of {count} at {offset} in a blob of {len(blob)} bytes")
-            array = np.frombuffer(blob, dtype=dtype, count=count, offset=offset)
+            ref = _convert(obj["array"], _ArrayRef, "array reference")
+            dtype = _ARRAY_DTYPES[ref.code]
+            if ref.offset % _ALIGN or ref.offset + ref.count * dtype.itemsize > len(blob):
+                raise WireError(f"an array of {ref.count} at {ref.offset} in a blob of {len(blob)} bytes")
+            array = np.frombuffer(blob, dtype=dtype, count=ref.count, offset=ref.offset)
             return array.copy() if blob.readonly else array
         return {k: _unpack_arrays(v, blob) for k, v in obj.items()}
     if type(obj) is list:
@@ -146,54 +154,43 @@ def _group(epoch_counter: int) -> int | None:
     return (epoch_counter >> EPOCH_BASE_BITS) or None
 
 
-# -- checks: what a frame holds, before it is used -----------------------------------------------
+# -- a snapshot's head: what a state holds besides its entries --------------------------------------
 
 
-def _int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int:
-    if type(v) is not int:  # a bool is no count
-        raise TypeError(f"an integer was due, not {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise ValueError(f"{v} is out of range [{lo}, {hi}]")
-    return v
+class _NodeRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """A registered node as a snapshot lists it (kvproto.state.Node's fields, in its order)."""
+
+    node_id: str
+    idx: Int64
+    epoch: Int64
+    incarnation: str
+    api_url: str
+    transfer_url: str | None
+    regions: tuple[Region, ...]
+    capacity_blocks: Int64 | None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None
+    load: dict[str, Finite]
+    seen: Int64
+    profile: NodeProfile | None
 
 
-def _opt_int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int | None:
-    return None if v is None else _int(v, lo, hi)
+_NODE_FIELDS = _NodeRow.__struct_fields__
 
 
-def _str(v: Any) -> str:
-    if type(v) is not str:
-        raise TypeError(f"a string was due, not {type(v).__name__}")
-    return v
+class _StateHead(msgspec.Struct, frozen=True):
+    """A snapshot's head: the state's counters, nodes, replicas and shard map. A map (a snapshot's entry columns
+    sit beside these keys); checked field by field when a snapshot is decoded (`state_from`, `decode_state`),
+    then across fields by `_state_head`."""
 
-
-def _opt_str(v: Any) -> str | None:
-    return None if v is None else _str(v)
-
-
-def _list(v: Any) -> list[Any]:
-    if type(v) is not list:
-        raise TypeError(f"a list was due, not {type(v).__name__}")
-    return v
-
-
-def _number(v: Any) -> float | int:
-    if type(v) not in (int, float) or not math.isfinite(v):
-        raise ValueError(f"a finite number was due, not {v!r:.40}")
-    return v  # type: ignore[no-any-return]
-
-
-def _fields(v: Any, n: int, what: str) -> list[Any]:
-    """`v` if it is a list of `n` fields (one more or less is another layout: another codec version)."""
-    if len(_list(v)) != n:
-        raise WireError(f"{what} of {len(v)} fields, not {n}")
-    return v  # type: ignore[no-any-return]
-
-
-def _load(v: Any) -> dict[str, float]:
-    if type(v) is not dict:
-        raise TypeError(f"a load map was due, not {type(v).__name__}")
-    return {_str(k): _number(x) for k, x in v.items()}
+    applied: Int64
+    max_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+    max_entries: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+    epoch_counter: Int64
+    free_idx: list[Int64]
+    next_idx: Int64
+    replicas: dict[str, str]
+    shard_map: list[Any] | None  # an AssignShards' fields, untagged
+    nodes: list[_NodeRow]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -219,6 +216,13 @@ def _dec_hook(kind: type, obj: Any) -> Any:
     if len(obj) % dtype.itemsize:
         raise ValueError(f"a {dtype.name} array of {len(obj)} bytes")
     return np.frombuffer(obj, dtype=dtype).copy().view(kind)
+
+
+def _merge_threshold(index: Any) -> int:
+    threshold = index["merge_threshold"]
+    if type(threshold) is not int or threshold < 1:
+        raise ValueError(f"a merge threshold of {threshold!r:.20}")
+    return threshold
 
 
 def _column(b: Any, kind: type) -> np.ndarray:
@@ -281,6 +285,7 @@ def _columns(entries: FrozenEntries) -> dict[str, np.ndarray]:
 
 
 def _head(s: DirectoryState) -> dict[str, Any]:
+    """The state's `_StateHead` as the map it encodes to (built directly: under the state lock, O(nodes))."""
     return {
         "applied": s.applied,
         "max_nodes": s.max_nodes,
@@ -290,23 +295,7 @@ def _head(s: DirectoryState) -> dict[str, Any]:
         "next_idx": s._next_idx,
         "replicas": dict(s.replicas),
         "shard_map": None if s.shard_map is None else encode_command(s.shard_map)[1:],  # its fields, untagged
-        "nodes": [
-            [
-                n.node_id,
-                n.idx,
-                n.epoch,
-                n.incarnation,
-                n.api_url,
-                n.transfer_url,
-                n.regions,
-                n.capacity_blocks,
-                n.block_size,
-                n.load,
-                n.seen,
-                n.profile,
-            ]
-            for n in s.nodes.values()
-        ],
+        "nodes": [[getattr(n, f) for f in _NODE_FIELDS] for n in s.nodes.values()],
     }
 
 
@@ -314,7 +303,7 @@ def state_from(snap: dict[str, Any], merge_threshold: int = 16384) -> DirectoryS
     """A state equal to the one `snapshot_of` described; WireError if `snap` is malformed or inconsistent."""
     try:
         return _state_from(snap, merge_threshold)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, msgspec.ValidationError) as exc:
         raise WireError(f"a malformed snapshot: {exc}") from exc
 
 
@@ -324,40 +313,26 @@ def _state_from(snap: dict[str, Any], merge_threshold: int) -> DirectoryState:
     return s
 
 
-def _state_head(snap: dict[str, Any], merge_threshold: int, most_nodes: int) -> DirectoryState:
+def _state_head(snap: Any, merge_threshold: int, most_nodes: int) -> DirectoryState:
     """A state with the snapshot's nodes, replicas, shard map and counters, checked, and no entries yet."""
-    if type(snap) is not dict:
-        raise TypeError(f"a snapshot is a map, not {type(snap).__name__}")
-    max_nodes = _int(snap["max_nodes"], 1)
+    head = msgspec.convert(snap, _StateHead)  # a ValidationError: the callers' malformed snapshot
+    max_nodes = head.max_nodes
     if max_nodes > most_nodes:
         raise ValueError(f"max_nodes {max_nodes}: a mirror holds at most {most_nodes} nodes")
-    s = DirectoryState(max_nodes, _int(snap["max_entries"], 1), merge_threshold)
-    s.applied = _int(snap["applied"])
-    s.epoch_counter = _int(snap["epoch_counter"])
-    s._next_idx = _int(snap["next_idx"], 0, max_nodes)
-    s._free_idx = [_int(i, 0, s._next_idx - 1) for i in _list(snap["free_idx"])]
-    replicas = snap["replicas"]
-    if type(replicas) is not dict:
-        raise TypeError(f"replicas are a map, not {type(replicas).__name__}")
-    s.replicas = {_str(k): _str(v) for k, v in replicas.items()}
-    if snap.get("shard_map") is not None:
-        s.shard_map = _convert(["S", *_list(snap["shard_map"])], AssignShards, "shard map")
-    for f in _list(snap["nodes"]):
-        f = _fields(f, 12, "a node")
-        n = Node(
-            _str(f[0]),
-            _int(f[1], 0, s._next_idx - 1),
-            _int(f[2], 0, s.epoch_counter),
-            _str(f[3]),
-            _str(f[4]),
-            _opt_str(f[5]),
-            _convert(f[6], tuple[Region, ...], "node's regions"),
-            _opt_int(f[7]),
-            _opt_int(f[8], 1),
-            _load(f[9]),
-            _int(f[10]),
-            _convert(f[11], NodeProfile | None, "node's profile"),
-        )
+    if head.next_idx > max_nodes:
+        raise ValueError(f"next_idx {head.next_idx} is out of range [0, {max_nodes}]")
+    s = DirectoryState(max_nodes, head.max_entries, merge_threshold)
+    s.applied = head.applied
+    s.epoch_counter = head.epoch_counter
+    s._next_idx = head.next_idx
+    s._free_idx = [_below(i, s._next_idx, "a free index") for i in head.free_idx]
+    s.replicas = head.replicas
+    if head.shard_map is not None:
+        s.shard_map = _convert(["S", *head.shard_map], AssignShards, "shard map")
+    for row in head.nodes:
+        _below(row.idx, s._next_idx, "a node's index")
+        _below(row.epoch, s.epoch_counter + 1, "a node's epoch")
+        n = Node(*(getattr(row, f) for f in _NODE_FIELDS))
         if n.node_id in s.nodes or n.idx in s.by_idx:
             raise ValueError(f"node {n.node_id!r:.40} or its index {n.idx} is listed twice")
         s.nodes[n.node_id] = n
@@ -368,6 +343,12 @@ def _state_head(snap: dict[str, Any], merge_threshold: int, most_nodes: int) -> 
     if len(s._free_idx) + len(s.by_idx) != s._next_idx or set(s._free_idx) & set(s.by_idx):
         raise ValueError(f"node indices and free indices do not partition [0, {s._next_idx})")
     return s
+
+
+def _below(v: int, bound: int, what: str) -> int:
+    if v >= bound:
+        raise ValueError(f"{what} {v} is out of range [0, {bound})")
+    return v
 
 
 def _load_entries(s: DirectoryState, snap: dict[str, Any]) -> None:
@@ -470,8 +451,10 @@ def decode_state(data: bytes | bytearray) -> DirectoryState:
         _version(snap.get("v"), "a Raft snapshot")
         start = _HEAD_LEN.size + n + _pad(_HEAD_LEN.size + n)
         index = _unpack_arrays(snap["index"], view[start:])
-        s = _state_head(snap["head"], _int(index["merge_threshold"], 1), MAX_INT)
+        s = _state_head(snap["head"], _merge_threshold(index), MAX_INT)
         s.index.restore(index)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"a malformed Raft snapshot: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise WireError(f"a Raft snapshot that is not msgpack: {exc}") from exc
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, struct.error) as exc:
