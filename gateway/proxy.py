@@ -220,6 +220,10 @@ class Relay(StreamingResponse):
             if not state["gone"]:
                 raise
             task.uncancel()
+            # Cancelled in `send`, the relay is suspended at its yield: closed now, not when it is collected.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
         finally:
             state["over"] = True
             watcher.cancel()
