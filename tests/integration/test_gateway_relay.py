@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
+from kvdir.local_cluster import Gateway, Workers
+from tests.support.cluster import one_engine_stack
 from tests.support.wait import wait_for
 
 DECODE_TOKENS_PER_S = 20.0  # a 1,000-token answer streams for 50 s
@@ -19,31 +20,9 @@ DECODE_TOKENS_PER_S = 20.0  # a 1,000-token answer streams for 50 s
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Workers, Gateway]]:
     """One replica, one worker stub decoding slowly in real time, one gateway."""
-    d = tmp_path_factory.mktemp("relay")
-    ports = free_ports(4)
-    c = Cluster(d, ports[:1], ports[1:2], lease_ttl_s=300, log_level="info")
-    w = Workers(
-        d,
-        ports[2:3],
-        c.replica_urls,
-        log_level="info",
-        extra_args=("--transfer", "tcp", "--decode-tokens-per-s", str(DECODE_TOKENS_PER_S), "--heartbeat-interval-s", "0.3"),
-    )
-    g: Gateway | None = None
-    try:
-        c.start()
-        c.wait_ready(60)
-        w.start()
-        w.wait_ready(60)
-        (d / "gateway").mkdir()
-        g = Gateway(d / "gateway", ports[3], c.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1"))
-        g.wait_ready(60, engines=1)
+    worker = ("--transfer", "tcp", "--decode-tokens-per-s", str(DECODE_TOKENS_PER_S), "--heartbeat-interval-s", "0.3")
+    with one_engine_stack(tmp_path_factory.mktemp("relay"), worker) as (_, w, g):
         yield w, g
-    finally:
-        if g is not None:
-            g.stop()
-        w.stop()
-        c.stop()
 
 
 def _inflight(g: Gateway) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.cluster import one_engine_stack
 from tests.support.wait import wait_for
 
 JSON = {"content-type": "application/json"}
@@ -41,32 +42,9 @@ def _rss_kib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """One replica, one worker stub (no simulated waiting) and a gateway, shared by this module's tests."""
-    from kvdir.local_cluster import Cluster, Gateway, Workers, free_ports
-
-    d = tmp_path_factory.mktemp("hostile")
-    ports = free_ports(4)
-    c = Cluster(d, ports[:1], ports[1:2], lease_ttl_s=300, log_level="info")
-    w = Workers(
-        d,
-        ports[2:3],
-        c.replica_urls,
-        log_level="info",
-        extra_args=("--time-scale", "0", "--transfer", "tcp", "--max-model-len", "4096", "--heartbeat-interval-s", "0.3"),
-    )
-    g: Gateway | None = None
-    try:
-        c.start()
-        c.wait_ready(60)
-        w.start()
-        w.wait_ready(60)
-        g = Gateway(d, ports[3], c.replica_urls, log_level="info", extra_args=("--refresh-s", "0.1"))
-        g.wait_ready(60, engines=1)
-        yield c, w, g
-    finally:
-        if g is not None:
-            g.stop()
-        w.stop()
-        c.stop()
+    worker = ("--time-scale", "0", "--transfer", "tcp", "--max-model-len", "4096", "--heartbeat-interval-s", "0.3")
+    with one_engine_stack(tmp_path_factory.mktemp("hostile"), worker) as stack:
+        yield stack
 
 
 DEEP = 10_000
