@@ -157,6 +157,10 @@ def _group(epoch_counter: int) -> int | None:
 # -- a snapshot's head: what a state holds besides its entries --------------------------------------
 
 
+_Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+"""A size or a bound: at least 1."""
+
+
 class _NodeRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     """A registered node as a snapshot lists it (kvproto.state.Node's fields, in its order)."""
 
@@ -168,7 +172,7 @@ class _NodeRow(msgspec.Struct, array_like=True, forbid_unknown_fields=True, froz
     transfer_url: str | None
     regions: tuple[Region, ...]
     capacity_blocks: Int64 | None
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)] | None
+    block_size: _Positive | None
     load: dict[str, Finite]
     seen: Int64
     profile: NodeProfile | None
@@ -183,8 +187,8 @@ class _StateHead(msgspec.Struct, frozen=True):
     then across fields by `_state_head`."""
 
     applied: Int64
-    max_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
-    max_entries: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+    max_nodes: _Positive
+    max_entries: _Positive
     epoch_counter: Int64
     free_idx: list[Int64]
     next_idx: Int64
@@ -216,13 +220,6 @@ def _dec_hook(kind: type, obj: Any) -> Any:
     if len(obj) % dtype.itemsize:
         raise ValueError(f"a {dtype.name} array of {len(obj)} bytes")
     return np.frombuffer(obj, dtype=dtype).copy().view(kind)
-
-
-def _merge_threshold(index: Any) -> int:
-    threshold = index["merge_threshold"]
-    if type(threshold) is not int or threshold < 1:
-        raise ValueError(f"a merge threshold of {threshold!r:.20}")
-    return threshold
 
 
 def _column(b: Any, kind: type) -> np.ndarray:
@@ -451,7 +448,7 @@ def decode_state(data: bytes | bytearray) -> DirectoryState:
         _version(snap.get("v"), "a Raft snapshot")
         start = _HEAD_LEN.size + n + _pad(_HEAD_LEN.size + n)
         index = _unpack_arrays(snap["index"], view[start:])
-        s = _state_head(snap["head"], _merge_threshold(index), MAX_INT)
+        s = _state_head(snap["head"], msgspec.convert(index["merge_threshold"], _Positive), MAX_INT)
         s.index.restore(index)
     except msgspec.ValidationError as exc:
         raise WireError(f"a malformed Raft snapshot: {exc}") from exc
