@@ -59,7 +59,19 @@ class UpstreamResponse:
     `aiter_stream`); `aclose` when done with it, read or not (a response not read to its end closes its
     connection). Event loop only."""
 
-    __slots__ = ("_chunks", "_conn", "_done", "_eof_ends", "_error", "_queued", "_timeouts", "_waiter", "headers", "status")
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_done",
+        "_eof_ends",
+        "_error",
+        "_headers_in",
+        "_queued",
+        "_timeouts",
+        "_waiter",
+        "headers",
+        "status",
+    )
 
     def __init__(self, conn: _Connection, timeouts: Timeouts) -> None:
         self._conn: _Connection | None = conn
@@ -71,6 +83,7 @@ class UpstreamResponse:
         self._done = False
         self._eof_ends = False  # no content-length and not chunked: the body ends with the connection
         self._error: UpstreamFailed | None = None
+        self._headers_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiter: asyncio.Future[None] | None = None
 
     async def aiter_stream(self) -> AsyncIterator[bytes]:
@@ -102,16 +115,22 @@ class UpstreamResponse:
     async def _wait(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         try:
+            await self._until(self._waiter, "no more of the answer from the engine")
+        finally:
+            self._waiter = None
+
+    async def _until(self, event: asyncio.Future[None], what: str) -> None:
+        """`event` (the headers in, or more of the body), or UpstreamFailed after the read timeout, the
+        connection closed."""
+        try:
             async with asyncio.timeout(self._timeouts.read_s):
-                await self._waiter
+                await event
         except TimeoutError:
-            error = UpstreamFailed(f"no more of the answer from the engine within {self._timeouts.read_s:g} s")
+            error = UpstreamFailed(f"{what} within {self._timeouts.read_s:g} s")
             self._fail(error)
             if self._conn is not None:
                 self._conn.close()
             raise error from None
-        finally:
-            self._waiter = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -128,7 +147,16 @@ class UpstreamResponse:
         self._done = True
         self._wake()
 
+    def _headers_done(self, status: int) -> None:
+        self.status = status
+        names = {name.lower() for name, _ in self.headers}
+        self._eof_ends = b"content-length" not in names and b"transfer-encoding" not in names and status not in (204, 304)
+        if not self._headers_in.done():
+            self._headers_in.set_result(None)
+
     def _fail(self, error: UpstreamFailed) -> None:
+        if not self._headers_in.done():
+            self._headers_in.set_exception(error)
         if not self._done and self._error is None:
             self._error = error
         self._wake()
@@ -143,7 +171,6 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
-        self.headers_in: asyncio.Future[None] | None = None
         self.lost = False
         self.paused = False
         self.idle_since = 0.0
@@ -159,18 +186,20 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._failed(UpstreamFailed(f"the engine answered malformed HTTP: {exc}"))
+            if self.response is not None:
+                self.response._fail(UpstreamFailed(f"the engine answered malformed HTTP: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.pool.forget(self)
-        r = self.response
-        if r is not None and r._eof_ends and self.headers_in is not None and self.headers_in.done():
-            self.response = None
-            r._end()
+        r, self.response = self.response, None
+        if r is None:
             return
-        self._failed(UpstreamFailed(f"the engine closed the connection{f': {exc}' if exc else ''}"))
+        if r._eof_ends and r._headers_in.done():
+            r._end()
+        else:
+            r._fail(UpstreamFailed(f"the engine closed the connection{f': {exc}' if exc else ''}"))
 
     # httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -178,14 +207,8 @@ class _Connection(asyncio.Protocol):
             self.response.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        r = self.response
-        if r is None:
-            return
-        r.status = self.parser.get_status_code()
-        names = {name.lower() for name, _ in r.headers}
-        r._eof_ends = b"content-length" not in names and b"transfer-encoding" not in names and r.status not in (204, 304)
-        if self.headers_in is not None and not self.headers_in.done():
-            self.headers_in.set_result(None)
+        if self.response is not None:
+            self.response._headers_done(self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None and not self.response._feed(body):
@@ -209,7 +232,6 @@ class _Connection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes, timeouts: Timeouts) -> UpstreamResponse:
         assert self.transport is not None
         self.response = UpstreamResponse(self, timeouts)
-        self.headers_in = asyncio.get_running_loop().create_future()
         self.transport.writelines((head, body))
         return self.response
 
@@ -228,12 +250,6 @@ class _Connection(asyncio.Protocol):
         self.pool.forget(self)
         if self.transport is not None:
             self.transport.close()
-
-    def _failed(self, error: UpstreamFailed) -> None:
-        if self.headers_in is not None and not self.headers_in.done():
-            self.headers_in.set_exception(error)
-        if self.response is not None:
-            self.response._fail(error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,14 +280,9 @@ class Upstream:
         lines.extend(b"%s: %s\r\n" % kv for kv in headers)
         lines.append(b"\r\n")
         response = conn.send(b"".join(lines), body, timeouts)
-        assert conn.headers_in is not None
         try:
-            async with asyncio.timeout(timeouts.read_s):
-                await conn.headers_in
-        except TimeoutError:
-            conn.close()
-            raise UpstreamFailed(f"no answer from the engine within {timeouts.read_s:g} s") from None
-        except BaseException:  # cancelled (the client went away), or the connection failed
+            await response._until(response._headers_in, "no answer from the engine")
+        except BaseException:  # timed out, cancelled (the client went away), or the connection failed
             conn.close()
             raise
         return response
