@@ -20,13 +20,12 @@ import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
-
-import jinja2
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing import TYPE_CHECKING, Any
 
 from kvproto.prefix_tokens import PrefixTokenCache
+
+if TYPE_CHECKING:
+    import jinja2
 
 TOKENIZER_FILE = "tokenizer.json"
 # Request fields that change what vLLM renders, which the gateway does not reproduce: such requests ask the engine.
@@ -115,7 +114,9 @@ def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 def _tojson(
@@ -131,7 +132,11 @@ def _strftime_now(format: str) -> str:
 
 def compile_template(source: str) -> jinja2.Template:
     """A chat template compiled as transformers compiles it (sandboxed, trim_blocks, lstrip_blocks, loop controls,
-    its `raise_exception`, `tojson` and `strftime_now`), so it renders the same text."""
+    its `raise_exception`, `tojson` and `strftime_now`), so it renders the same text. jinja2 is imported here, as
+    `tokenizers` is in ModelTokenizer: a gateway without a model folder (and every test's) never loads either."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -188,6 +193,8 @@ class ModelTokenizer:
         """The chat as the model's template writes it; NotRendered where there is no template or it refused."""
         if self.template is None:
             raise NotRendered("the model has no chat template")
+        from jinja2 import TemplateError
+
         try:
             return self.template.render(
                 messages=list(messages),
@@ -197,7 +204,7 @@ class ModelTokenizer:
                 additional_special_tokens=self._additional,
                 **self.special_tokens,
             )
-        except jinja2.TemplateError as exc:  # the template refused the chat: the engine answers why
+        except TemplateError as exc:  # the template refused the chat: the engine answers why
             raise NotRendered(f"the chat template refused the chat: {exc}") from exc
 
     def encode_chat(self, raw: Mapping[str, Any], salt: str = "") -> list[int]:
