@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from kvproto.tasks import TaskFailures
+
 PLAN_OUTCOMES = ("pull", "joined", "cached", "own", "invalid", "fingerprint", "refused")
 """What became of a request's pull plan: pulled; joined a pull of the same blocks already under way here; its
 blocks were cached here already; it named this engine; malformed; another model's KV; its source is unknown, of
@@ -19,6 +21,7 @@ class ConnectorMetrics:
 
     def __init__(self, tp_size: int) -> None:
         r = self.registry = CollectorRegistry()
+        self.tasks = TaskFailures("kvdir_connector", ("publish",), r)
         self.pulled = Counter("kvdir_connector_pulled_blocks_total", "Blocks pulled from peers and validated", registry=r)
         self.failed = Counter(
             "kvdir_connector_pull_failed_blocks_total", "Pulled blocks that failed (transfer or stale): recomputed", registry=r

@@ -154,7 +154,8 @@ class SchedulerHalf:
             logger=log,
         )
         self._session_task = asyncio.run_coroutine_threadsafe(
-            self._session.run(self.s.publish_interval_s, self.s.heartbeat_interval_s), self._loop.loop
+            self._session.run(self.s.publish_interval_s, self.s.heartbeat_interval_s, self.metrics.tasks.failed("publish")),
+            self._loop.loop,
         )
         log.info(
             "kvdir connector: node %s, transfer %s, %d blocks, %d host blocks, model %s, KV fingerprint %s",

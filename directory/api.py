@@ -71,7 +71,7 @@ def _lifespan(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         replica = replica_factory(settings)
         metrics = DirectoryMetrics(replica)
-        await replica.start(on_commit=metrics.on_commit)
+        await replica.start(on_commit=metrics.on_commit, tasks=metrics.tasks)
         app.state.replica, app.state.metrics = replica, metrics
         app.state.node_list = NodeList(replica)
         app.state.watchers = watch.Watchers(

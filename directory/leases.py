@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvproto.errors import CommitTimeout
@@ -26,13 +27,21 @@ class LeaseKeeper:
     leader judged, so a node heard from in the meantime survives it.
     """
 
-    def __init__(self, replica: Replica, ttl: float) -> None:
+    def __init__(self, replica: Replica, ttl: float, failed: Callable[[], object]) -> None:
+        """`failed`: counts a lease check that raised (logged; the next check comes as usual)."""
         self._replica = replica
         self._ttl = ttl
         self._seen: dict[tuple[str, int], tuple[int, float]] = {}
         self._expiring: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
         self._task = asyncio.create_task(
-            every(min(1.0, ttl / 4), lambda: self.check(time.monotonic()), what="lease check", log=log, first_now=False),
+            every(
+                min(1.0, ttl / 4),
+                lambda: self.check(time.monotonic()),
+                what="lease check",
+                log=log,
+                failed=failed,
+                first_now=False,
+            ),
             name="leases",
         )
 

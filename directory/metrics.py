@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvproto.state import OK, Command, DirectoryState, Result
+from kvproto.tasks import TaskFailures
 
 if TYPE_CHECKING:
     from directory.replica import Replica
@@ -37,6 +38,7 @@ class DirectoryMetrics:
         self.commit_seconds = Histogram(
             "kvdir_directory_commit_seconds", "Time for a Raft command to commit", buckets=_LATENCY, registry=r
         )
+        self.tasks = TaskFailures("kvdir_directory", ("lease_check",), r)
         self.watchers = Gauge("kvdir_directory_watchers", "Watch streams open on this replica", registry=r)
         self.watch_refused = Counter(
             "kvdir_directory_watch_refused_total", "Watch streams refused (429), by the cap hit", ["cap"], registry=r

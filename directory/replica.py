@@ -44,7 +44,7 @@ from kvproto import index
 from kvproto.errors import CommitTimeout
 from kvproto.schemas import Holder
 from kvproto.state import AnnounceReplica, AssignShards, Command, DirectoryState, Result
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import TaskFailures, cancel_and_wait
 
 log = logging.getLogger("kvdir.directory")
 
@@ -273,8 +273,11 @@ class Replica:
             term = None if term is None else term + 1
         log.info("raft: %s -> %s in term %s", ROLES.get(old, old), ROLES.get(new, new), term)
 
-    async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
-        """Start the loop-side machinery; call from the server's event loop."""
+    async def start(
+        self, *, on_commit: Callable[[list[Command], list[Result], float], None] | None = None, tasks: TaskFailures
+    ) -> None:
+        """Start the loop-side machinery; call from the server's event loop. `tasks` counts the lease check's
+        failures."""
         # A batch of commands is one Raft entry, of at most ENTRY_SHARE of the frame cap by `command_size` (plus the
         # one command that may overshoot it): see APPEND_SHARE (directory.raft_conf) for why entries stay well under the cap.
         self.committer = GroupCommitter(
@@ -284,7 +287,7 @@ class Replica:
             on_commit=on_commit,
         )
         self._readers = anyio.CapacityLimiter(READ_THREADS)
-        self.leases = LeaseKeeper(self, self.settings.lease_ttl_s)
+        self.leases = LeaseKeeper(self, self.settings.lease_ttl_s, tasks.failed("lease_check"))
         self._announce = asyncio.create_task(self._announce_self())
         self._bootstrap = asyncio.create_task(self._commit_first_shard_map())
 

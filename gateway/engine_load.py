@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,10 +134,9 @@ class LoadScraper:
         self._reads: dict[str, asyncio.Task[None]] = {}  # node id -> its read under way
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(
-            every(self.interval_s, lambda: self.tick(time.monotonic()), what="engine load reads", log=log), name="engine load"
-        )
+    def start(self, failed: Callable[[], object]) -> None:
+        tick = every(self.interval_s, lambda: self.tick(time.monotonic()), what="engine load reads", log=log, failed=failed)
+        self._task = asyncio.create_task(tick, name="engine load")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task, *self._reads.values())

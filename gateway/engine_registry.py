@@ -212,7 +212,6 @@ class EngineRegistry:
         self._probes: set[asyncio.Task[None]] = set()
         self._refused: dict[str, tuple[str, float]] = {}  # node id -> (URL refused, when to look at it again)
         self._foreign: set[str] = set()  # listed engines of other tenants, not routed to (logged once each)
-        self.refresh_failures = 0  # refreshes that raised (logged, retried after a backoff: `start`)
         self._mismatched: set[str] = set()  # known engines whose published blocks are hashed at another block size
         self._block_sizes: dict[str, int] = {}  # model -> the block size its prompts are hashed at (hash_block_size)
 
@@ -265,9 +264,9 @@ class EngineRegistry:
             log.info("engine %r belongs to tenant %r, not %r: not routed to", n.node_id, n.tenant, self.tenant)
         return False
 
-    def start(self) -> None:
+    def start(self, failed: Callable[[], object]) -> None:
         """`refresh` every `refresh_s` for as long as the gateway runs; a refresh that fails unexpectedly (a bug, a
-        malformed answer) is logged and counted (`refresh_failures`), and the next comes after a backoff (doubling
+        malformed answer) is logged and counted (`failed`), and the next comes after a backoff (doubling
         while refreshes keep failing, up to REFRESH_RETRY_MAX_S): the engine list is never left frozen."""
         self._task = asyncio.create_task(
             every(
@@ -275,14 +274,11 @@ class EngineRegistry:
                 self.refresh,
                 what="engine refresh",
                 log=log,
-                failed=self._refresh_failed,
+                failed=failed,
                 retry_max_s=REFRESH_RETRY_MAX_S,
             ),
             name="engine refresh",
         )
-
-    def _refresh_failed(self) -> None:
-        self.refresh_failures += 1
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task, *self._probes)

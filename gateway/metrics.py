@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from gateway.cost import REASONS
 from gateway.engine_registry import EngineRegistry
 from gateway.mirror import Mirror
+from kvproto.tasks import TaskFailures
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -57,6 +58,10 @@ def failure_category(engine_failure: str) -> str:
     """The category of an engine's words on a failed pull (PULL_FAILURE_CATEGORIES)."""
     text = engine_failure.lower()
     return next((category for words, category in PULL_FAILURE_CATEGORIES if words in text), "other")
+
+
+TASKS = ("engine_refresh", "engine_load", "status_sample", "tokenizer_parity", "peer_expiry")
+"""The gateway's periodic tasks, whose failures `tasks` counts (the mirror's restarts are its own counter)."""
 
 
 class GatewayMetrics:
@@ -133,11 +138,7 @@ class GatewayMetrics:
         Gauge("kvdir_gateway_directory_up", "1 if the last directory read succeeded", registry=r).set_function(
             lambda: 1 if registry.directory_ok else 0
         )
-        Gauge(
-            "kvdir_gateway_engine_refresh_failures",
-            "Engine list refreshes that failed unexpectedly (logged with a traceback, retried after a backoff)",
-            registry=r,
-        ).set_function(lambda: registry.refresh_failures)
+        self.tasks = TaskFailures("kvdir_gateway", TASKS, r)
 
     def pulled(
         self, at: float, node_id: str, source: str, predicted: int, reported: int | None, engine_failures: Sequence[str]

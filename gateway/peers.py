@@ -163,14 +163,15 @@ class PeerNotes(Collector):
             yield CounterMetricFamily(f"kvdir_gateway_peer_{name}", what, value=stats[name])
         yield GaugeMetricFamily("kvdir_gateway_peer_notes", "Peers' notes counted now", value=len(self.receiver.held))
 
-    def start(self) -> None:
-        """Start a sender per peer and the expiry sweep."""
+    def start(self, failed: Callable[[], object]) -> None:
+        """Start a sender per peer and the expiry sweep (`failed`: counts a failed sweep)."""
         self.sender.start()
         sweep = every(
             min(1.0, self.bounds.ttl_s / 4),
             lambda: self.expire(time.monotonic()),
             what="peer notes expiry",
             log=log,
+            failed=failed,
             first_now=False,
         )
         self._sweep = asyncio.create_task(sweep, name="peer notes expiry")

@@ -77,16 +77,16 @@ class GatewayRuntime:
             settings.block_size,
         )
         registry.on_gone = policy.on_engine_gone
+        metrics = GatewayMetrics(registry)
         await registry.refresh()
-        registry.start()
+        registry.start(metrics.tasks.failed("engine_refresh"))
         loads = LoadScraper(registry.engines, http, settings.load_scrape_s)
         if settings.load_scrape_s > 0:
-            loads.start()
-        metrics = GatewayMetrics(registry)
+            loads.start(metrics.tasks.failed("engine_load"))
         mirror = await _start_mirror(settings, directory)
         metrics.watch_mirror(mirror)
         peers = _peer_notes(settings, registry, metrics, policy)
-        peers.start()
+        peers.start(metrics.tasks.failed("peer_expiry"))
         status = StatusBoard(metrics, registry, directory, settings.policy, mirror, peers, learner=router.learner)
         status.start()
         # An idle connection is dropped after 4 s, before an engine's server drops it (uvicorn, and vLLM on it:
@@ -106,7 +106,7 @@ class GatewayRuntime:
         )
         tokenizer = GatewayTokenizer(settings.tokenizer, registry, http, local, settings.tokenize_cache_entries)
         parity = ParityProbe(registry, tokenizer, metrics.registry, settings.refresh_s)
-        parity.start()
+        parity.start(metrics.tasks.failed("tokenizer_parity"))
         models = ModelsList(registry, http)
         log.info("gateway on %s, policy %s, %d engines known", settings.http, settings.policy, len(registry.engines))
         return cls(

@@ -357,7 +357,15 @@ class StatusBoard:
     def start(self) -> None:
         self.history.add(self.sample(time.monotonic()))  # the zero every first interval counts from
         self._task = asyncio.create_task(
-            every(self.sample_s, self._sample, what="status page sample", log=log, first_now=False), name="status samples"
+            every(
+                self.sample_s,
+                self._sample,
+                what="status page sample",
+                log=log,
+                failed=self.metrics.tasks.failed("status_sample"),
+                first_now=False,
+            ),
+            name="status samples",
         )
 
     async def stop(self) -> None:

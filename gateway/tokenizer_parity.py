@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -97,10 +97,9 @@ class ParityProbe:
         for status in ("mismatch", "unverified"):
             self.mismatches.labels(status)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(
-            every(self.interval_s, self.check, what="tokenizer parity probe", log=log), name="tokenizer parity"
-        )
+    def start(self, failed: Callable[[], object]) -> None:
+        probe = every(self.interval_s, self.check, what="tokenizer parity probe", log=log, failed=failed)
+        self._task = asyncio.create_task(probe, name="tokenizer parity")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

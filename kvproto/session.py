@@ -365,14 +365,23 @@ class NodeSession:
             self.log.info("heartbeat of %s failed: %s", self.node_id, exc)
         return True
 
-    async def run(self, interval: float, heartbeat_interval: float) -> None:
-        """Sync every `interval` (sooner after a 409, later while failing) and heartbeat, until cancelled."""
+    async def run(self, interval: float, heartbeat_interval: float, failed: Callable[[], object]) -> None:
+        """Sync every `interval` (sooner after a 409, later while failing) and heartbeat, until cancelled. A round or
+        a heartbeat that raises what `sync` and `heartbeat` do not expect (a bug, a `collect` that failed) is logged
+        with its traceback, counted (`failed`) and retried after the back-off: the node never goes silent for good."""
 
-        beat = every(heartbeat_interval, self.heartbeat, what=f"heartbeat of {self.node_id}", log=self.log, first_now=False)
+        beat = every(
+            heartbeat_interval, self.heartbeat, what=f"heartbeat of {self.node_id}", log=self.log, failed=failed, first_now=False
+        )
         beats = asyncio.create_task(beat, name=f"heartbeat-{self.node_id}")
         try:
             while True:
-                delay = await self.sync()
+                try:
+                    delay = await self.sync()
+                except Exception:
+                    failed()
+                    delay = self.retry.failed()
+                    self.log.exception("publishing of %s failed: trying again in %.1fs", self.node_id, delay)
                 await asyncio.sleep(interval if delay is None else delay)
         finally:
             await cancel_and_wait(beats)

@@ -5,6 +5,9 @@ A task awaiting `asyncio.wait_for` can swallow a cancellation that arrives as th
 (CPython gh-86296, Python 3.11), and code that catches `CancelledError` to clean up can swallow it too: a
 `task.cancel()` followed by one `gather` then waits for a task that goes on running, and the service's
 stop hangs. `cancel_and_wait` cancels again until every task has ended.
+
+A task that fails and is restarted must be seen to fail on /metrics, not only in the log: each service counts its
+tasks' failures in one `TaskFailures` counter, by task, with every task's series at zero from the start.
 """
 
 from __future__ import annotations
@@ -13,10 +16,34 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter
 
 RECANCEL_S = 0.1
 """How long a cancelled task has to end before it is cancelled again."""
+
+
+class TaskFailures:
+    """The failures of one service's background tasks, by task (`{service}_task_failures_total{task=...}`), each
+    series created at zero for the tasks the service runs (a rate over no series is "no data" to an alert)."""
+
+    def __init__(self, service: str, tasks: Iterable[str], registry: CollectorRegistry) -> None:
+        self.counter = Counter(
+            f"{service}_task_failures_total",
+            "Failures of background tasks (each logged with its traceback, the task carrying on), by task",
+            ["task"],
+            registry=registry,
+        )
+        self.tasks = tuple(tasks)
+        for task in self.tasks:
+            self.counter.labels(task)
+
+    def failed(self, task: str) -> Callable[[], None]:
+        """What `every` (or `supervise`'s caller) calls on each failure of `task`, one of `tasks`."""
+        if task not in self.tasks:
+            raise ValueError(f"{task!r} is not one of this service's tasks {self.tasks}")
+        return self.counter.labels(task).inc
 
 
 async def cancel_and_wait(*tasks: asyncio.Task[object] | asyncio.Future[object] | None) -> None:
@@ -65,7 +92,7 @@ async def every(
     *,
     what: str,
     log: logging.Logger,
-    failed: Callable[[], object] = lambda: None,
+    failed: Callable[[], object],
     retry_max_s: float | None = None,
     first_now: bool = True,
 ) -> None:

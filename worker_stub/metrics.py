@@ -15,6 +15,7 @@ from typing import cast
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvproto.engine_metrics import VLLM_KV_USAGE, VLLM_LABELS, VLLM_PREEMPTIONS, VLLM_RUNNING, VLLM_WAITING
+from kvproto.tasks import TaskFailures
 from worker_stub.publisher import Publisher
 from worker_stub.stub_engine import Engine, RequestStats
 
@@ -33,6 +34,7 @@ class WorkerMetrics:
     def __init__(self, engine: Engine, dp_rank: int | None = None) -> None:
         """`dp_rank`: the data-parallel rank the engine is (vLLM's `engine` label on its series; None: 0)."""
         r = self.registry = CollectorRegistry()
+        self.tasks = TaskFailures("kvdir_worker", ("publish",), r)
         self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
         self.cached_tokens = Counter("kvdir_worker_cached_tokens_total", "Prompt tokens not recomputed", ["source"], registry=r)

@@ -87,8 +87,9 @@ class Publisher:
         )
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.session.run(self.interval, self.heartbeat_interval))
+    def start(self, failed: Callable[[], object]) -> None:
+        """Publish and heartbeat until `stop`; `failed` counts a round or heartbeat that raised (kvproto.session)."""
+        self._task = asyncio.create_task(self.session.run(self.interval, self.heartbeat_interval, failed))
 
     async def stop(self, deregister: bool = True) -> None:
         await cancel_and_wait(self._task)

@@ -90,7 +90,7 @@ class WorkerRuntime:
 
     def start(self) -> None:
         settings = self.settings
-        self.publisher.start()
+        self.publisher.start(self.metrics.tasks.failed("publish"))
         log.info(
             "worker %s serving %s (transfer %s at %s)",
             self.node_id,

@@ -122,7 +122,7 @@ def test_a_hostile_replicas_answers_are_taken_as_no_answer(hostile: Hostile, tmp
             health = client.get(g.url + "/health").json()
             assert health["engines"] == 1
             metrics = client.get(g.url + "/metrics").text
-            assert "kvdir_gateway_engine_refresh_failures 0.0" in metrics
+            assert 'kvdir_gateway_task_failures_total{task="engine_refresh"} 0.0' in metrics
             r = client.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "y" * 40, "max_tokens": 1})
             assert r.status_code == 200 and r.headers["x-kvdir-node"] == "engine-1", r.text
     finally:

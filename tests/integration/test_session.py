@@ -102,7 +102,7 @@ def test_an_expired_lease_is_renewed_by_registering_again(make_cluster) -> None:
                 return not await _held(client, [31])
 
             await until(expired, what="the lease to run out")  # no heartbeats from here on
-            task = asyncio.create_task(s.run(interval=0.05, heartbeat_interval=0.1))
+            task = asyncio.create_task(s.run(interval=0.05, heartbeat_interval=0.1, failed=lambda: None))
             try:
                 await until(lambda: _held(client, [31]), what="the entry republished")
             finally:
@@ -133,3 +133,31 @@ def test_rejections_drop_the_round_and_back_off(file_directory) -> None:
             assert await s.sync() == 0.05  # a success reset the back-off
 
     asyncio.run(go())
+
+
+def test_a_round_that_raises_is_counted_and_the_session_publishes_on(file_directory) -> None:
+    """A `collect` that raises (a bug in the engine's bookkeeping) ended the session's task for good, silently: the
+    node stopped publishing and heartbeating. Now each such round is counted and logged, and the next one runs."""
+    c = file_directory
+    failures: list[float] = []
+    collects = 0
+
+    def collect() -> None:
+        nonlocal collects
+        collects += 1
+        if collects <= 2:
+            raise RuntimeError(f"a bug in collect {collects}")
+
+    async def go() -> None:
+        async with DirectoryClient(c.replica_urls) as client:
+            s = _session(client, {51: 3}, collect=collect, retry_first_s=0.02, retry_max_s=0.05)
+            task = asyncio.create_task(s.run(interval=0.05, heartbeat_interval=0.5, failed=lambda: failures.append(1)))
+            try:
+                await until(lambda: _held(client, [51]), what="the entry published after two failed rounds")
+                assert not task.done()
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
+    assert len(failures) == 2 and collects >= 3

@@ -17,6 +17,7 @@ from directory.config import DirectorySettings
 from directory.views import Digest
 from kvproto.schemas import Holder
 from kvproto.state import Command, DirectoryState, Register, Result
+from kvproto.tasks import TaskFailures
 
 T = TypeVar("T")
 
@@ -36,7 +37,9 @@ class MemoryReplica:
         self.commands: list[Command] = []
         self._on_commit: Callable[[list[Command], list[Result], float], None] | None = None
 
-    async def start(self, on_commit: Callable[[list[Command], list[Result], float], None] | None = None) -> None:
+    async def start(
+        self, *, on_commit: Callable[[list[Command], list[Result], float], None] | None = None, tasks: TaskFailures
+    ) -> None:
         self._on_commit = on_commit
 
     async def stop(self) -> None:

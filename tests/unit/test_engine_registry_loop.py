@@ -18,7 +18,7 @@ def test_an_exception_in_a_refresh_does_not_end_the_refresh_loop(
 ) -> None:
     calls = 0
 
-    async def main() -> tuple[int, bool, float]:
+    async def main() -> tuple[bool, float]:
         done = asyncio.Event()  # set by the fourth refresh: two failed, two went through
 
         async def refresh(self: EngineRegistry) -> None:
@@ -34,21 +34,21 @@ def test_an_exception_in_a_refresh_does_not_end_the_refresh_loop(
             directory = DirectoryClient("http://127.0.0.1:1")
             reg = EngineRegistry(directory, http, [], refresh_s=0.01, unhealthy_s=1.0)
             metrics = GatewayMetrics(reg)
-            reg.start()
+            reg.start(metrics.tasks.failed("engine_refresh"))
             try:
                 await asyncio.wait_for(done.wait(), 10)
                 assert reg._task is not None
                 alive = not reg._task.done()
-                gauge = metrics.registry.get_sample_value("kvdir_gateway_engine_refresh_failures")
+                counted = metrics.registry.get_sample_value("kvdir_gateway_task_failures_total", {"task": "engine_refresh"})
             finally:
                 await reg.stop()
                 await directory.aclose()
-            assert gauge is not None
-            return reg.refresh_failures, alive, gauge
+            assert counted is not None
+            return alive, counted
 
     with caplog.at_level(logging.ERROR, logger="kvdir.gateway"):
-        failures, alive, gauge = asyncio.run(main())
-    assert failures == 2 and gauge == 2.0
+        alive, counted = asyncio.run(main())
+    assert counted == 2.0
     assert alive  # the loop survived both failures and went on refreshing
     logged = [r for r in caplog.records if "engine refresh failed" in r.getMessage()]
     assert len(logged) == 2 and all(r.exc_info for r in logged)  # with the traceback

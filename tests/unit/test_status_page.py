@@ -257,7 +257,7 @@ def test_every_decision_reason_has_a_colour() -> None:
 
 
 def _metrics() -> GatewayMetrics:
-    return GatewayMetrics(SimpleNamespace(engines={}, directory_ok=True, refresh_failures=0))  # type: ignore[arg-type]
+    return GatewayMetrics(SimpleNamespace(engines={}, directory_ok=True))  # type: ignore[arg-type]
 
 
 def test_a_sample_reads_the_gateways_counters() -> None:
@@ -331,7 +331,7 @@ def _board(
     handler: Any, urls: list[str], directory_ok: bool = True, engines: dict[str, Any] | None = None
 ) -> tuple[StatusBoard, DirectoryClient]:
     client = DirectoryClient(urls, transport=httpx.MockTransport(handler), timeout=0.2)
-    registry = SimpleNamespace(engines=engines or {}, directory_ok=directory_ok, refresh_failures=0, mismatched_block_size=[])
+    registry = SimpleNamespace(engines=engines or {}, directory_ok=directory_ok, mismatched_block_size=[])
     return StatusBoard(_metrics(), registry, client, "kvdir"), client  # type: ignore[arg-type]
 
 

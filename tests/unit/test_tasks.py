@@ -9,8 +9,9 @@ import logging
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from kvproto.tasks import cancel_and_wait, every, supervise
+from kvproto.tasks import TaskFailures, cancel_and_wait, every, supervise
 
 
 async def _stubborn(swallow: int, ended: list[str]) -> None:
@@ -151,7 +152,9 @@ def test_every_runs_a_plain_function_and_can_wait_one_interval_first() -> None:
             first.set()
 
         started = time.monotonic()
-        t = asyncio.create_task(every(0.05, step, what="x", log=logging.getLogger("test.every"), first_now=False))
+        t = asyncio.create_task(
+            every(0.05, step, what="x", log=logging.getLogger("test.every"), failed=lambda: None, first_now=False)
+        )
         try:
             await asyncio.wait_for(first.wait(), 10)
         finally:
@@ -160,3 +163,38 @@ def test_every_runs_a_plain_function_and_can_wait_one_interval_first() -> None:
 
     waited, runs = asyncio.run(main())
     assert waited >= 0.049 and runs == 1
+
+
+def test_task_failures_start_at_zero_and_count_each_failure_of_every_by_task() -> None:
+    registry = CollectorRegistry()
+    tasks = TaskFailures("kvdir_test", ("sweep", "probe"), registry)
+
+    def count(task: str) -> float | None:
+        return registry.get_sample_value("kvdir_test_task_failures_total", {"task": task})
+
+    assert (count("sweep"), count("probe")) == (0.0, 0.0)  # on /metrics before anything failed
+
+    async def main() -> None:
+        done = asyncio.Event()
+        calls = 0
+
+        def step() -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                done.set()
+            if calls <= 2:
+                raise RuntimeError("a bug")
+
+        t = asyncio.create_task(
+            every(0.01, step, what="sweep", log=logging.getLogger("test.every"), failed=tasks.failed("sweep"))
+        )
+        try:
+            await asyncio.wait_for(done.wait(), 10)
+        finally:
+            await cancel_and_wait(t)
+
+    asyncio.run(main())
+    assert (count("sweep"), count("probe")) == (2.0, 0.0)
+    with pytest.raises(ValueError, match="not one of this service's tasks"):
+        tasks.failed("unknown")  # a task without its zero series would be "no data" until it first fails
