@@ -17,24 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvproto.engine_metrics import VLLM_KV_USAGE, VLLM_LABELS, VLLM_PREEMPTIONS, VLLM_RUNNING, VLLM_WAITING
 from kvproto.tasks import TaskFailures
 from worker_stub.publisher import Publisher
-from worker_stub.stub_engine import Engine, RequestStats
-
-_ENGINE_COUNTERS = (
-    ("pulled_blocks", "Blocks pulled from peers and verified"),
-    ("pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"),
-    ("pull_errors", "Pulls that failed as a whole"),
-    ("pull_refused", "Pull plans refused: the source's KV fingerprint, TP size or tenant rules it out (recomputed)"),
-    ("pool_full", "Requests served uncached because every slot was pinned"),
-)
+from worker_stub.stub_engine import Engine, EngineCounts, RequestStats
 
 
 class WorkerMetrics:
     """Request counters and histograms, plus gauges read from the engine, its pool and the publisher at scrape time."""
 
-    def __init__(self, engine: Engine, dp_rank: int | None = None) -> None:
-        """`dp_rank`: the data-parallel rank the engine is (vLLM's `engine` label on its series; None: 0)."""
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.tasks = TaskFailures("kvdir_worker", ("publish",), r)
+        self.engine = EngineCounts(r)  # the engine's own counts, handed to it
         self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)
         self.cached_tokens = Counter("kvdir_worker_cached_tokens_total", "Prompt tokens not recomputed", ["source"], registry=r)
@@ -55,15 +47,17 @@ class WorkerMetrics:
             registry=r,
         )
         self.published = Counter("kvdir_worker_published_blocks_total", "Blocks published to the directory", registry=r)
-        self._engine_gauges(engine)
-        self._vllm_gauges(engine, dp_rank or 0)
         self._publish_pending = Gauge("kvdir_worker_publish_pending", "Changes not yet published", registry=r)
         self._epoch = Gauge("kvdir_worker_epoch", "Current directory epoch", registry=r)
 
+    def watch_engine(self, engine: Engine, dp_rank: int | None = None) -> None:
+        """Read the engine's load, pool and host tier at scrape time, and vLLM's gauges of it (`dp_rank`: the
+        data-parallel rank the engine is, vLLM's `engine` label; None: 0)."""
+        self._engine_gauges(engine)
+        self._vllm_gauges(engine, dp_rank or 0)
+
     def _engine_gauges(self, engine: Engine) -> None:
-        r, c, pool = self.registry, engine.counters, engine.pool
-        for key, help_text in _ENGINE_COUNTERS:
-            Gauge(f"kvdir_worker_{key}_total", help_text, registry=r).set_function(cast(Callable[[], float], lambda k=key: c[k]))
+        r, pool = self.registry, engine.pool
         Gauge("kvdir_worker_running", "Requests running", registry=r).set_function(lambda: engine.running)
         Gauge("kvdir_worker_waiting", "Requests queued", registry=r).set_function(lambda: engine.waiting)
         Gauge("kvdir_worker_free_slots", "Free KV slots", registry=r).set_function(lambda: pool.free_slots)

@@ -67,8 +67,9 @@ class WorkerRuntime:
                 t.close()
             raise
         directory = DirectoryClient(settings.directory_urls, deadline=5.0, token=settings.directory_token, tenant=settings.tenant)
-        engine = Engine(settings, pool, transfers, directory, node_id)
-        metrics = WorkerMetrics(engine, dp_rank)
+        metrics = WorkerMetrics()
+        engine = Engine(settings, pool, transfers, directory, node_id, metrics.engine)
+        metrics.watch_engine(engine, dp_rank)
         publisher = Publisher(
             node_id,
             settings.url,

@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Counter
+
 from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import DirectoryError
@@ -72,6 +74,24 @@ class _Claim:
     done: asyncio.Event
 
 
+class EngineCounts:
+    """What the engine counts, as the worker's Prometheus counters (`kvdir_worker_<name>_total`), at zero from the start."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, help_text: str) -> Counter:
+            return Counter(f"kvdir_worker_{name}", help_text, registry=registry)
+
+        self.pulled_blocks = counter("pulled_blocks", "Blocks pulled from peers and verified")
+        self.pull_failed_blocks = counter(
+            "pull_failed_blocks", "Pulled blocks that failed (transfer error or verification): recomputed"
+        )
+        self.pull_errors = counter("pull_errors", "Pulls that failed as a whole")
+        self.pull_refused = counter(
+            "pull_refused", "Pull plans refused: the source's KV fingerprint, TP size or tenant rules it out (recomputed)"
+        )
+        self.pool_full = counter("pool_full", "Requests served uncached because every slot was pinned")
+
+
 class Engine:
     """One worker's request execution. Use from a single asyncio loop."""
 
@@ -82,9 +102,11 @@ class Engine:
         transfers: Sequence[TransferEngine],
         directory: DirectoryClient,
         node_id: str,
+        counts: EngineCounts,
     ) -> None:
         """`transfers`: one transfer engine per TP rank, rank order (empty: this engine never pulls); `node_id`: the
-        directory node it is, whose registered tenant decides which sources it may pull from."""
+        directory node it is, whose registered tenant decides which sources it may pull from; `counts`: where its
+        pulls and full-pool requests are counted (the worker's registry)."""
         self.s = settings
         self.node_id = node_id
         self.pool = pool
@@ -96,14 +118,7 @@ class Engine:
         self._peers: dict[tuple[str, int], NodeInfo] = {}
         self._me: NodeInfo | None = None  # this engine's registration, as the directory's node list last showed it
         self._computing: dict[int, asyncio.Event] = {}  # block hash -> set when the request computing or pulling it is done
-        self.counters = {
-            "requests": 0,
-            "pulled_blocks": 0,
-            "pull_failed_blocks": 0,
-            "pull_errors": 0,
-            "pull_refused": 0,
-            "pool_full": 0,
-        }
+        self.counts = counts
         self.pull_bandwidth = PullBandwidth()  # of completed reads; heartbeats report it (PULL_GBPS_LABEL)
 
     def load(self) -> dict[str, float]:
@@ -128,7 +143,6 @@ class Engine:
         fills `stats`."""
         if self.waiting >= self.s.max_queue and self._slots.locked():
             raise QueueFull(f"{self.waiting} requests are waiting already (max_queue {self.s.max_queue})")
-        self.counters["requests"] += 1
         stats.prompt_tokens = len(tokens)
         t0 = time.perf_counter()
         self.waiting += 1
@@ -220,7 +234,7 @@ class Engine:
             return self.pool.acquire(hashes)
         except PoolFull:
             # Every slot is pinned by running requests: serve without caching this prompt.
-            self.counters["pool_full"] += 1
+            self.counts.pool_full.inc()
             return None
 
     async def _prefill(
@@ -299,7 +313,7 @@ class Engine:
             peer = None
             stats.pull_failures.append(f"directory: {exc}")
         if peer is None or not peer.transfer_url:
-            self.counters["pull_errors"] += 1
+            self.counts.pull_errors.inc()
             stats.pull_failures.append(
                 f"source {plan.source_node} epoch {plan.source_epoch} is not registered with a transfer URL"
             )
@@ -309,7 +323,7 @@ class Engine:
             # Another model's, revision's or layout's KV, heads sliced over another rank count (docs/protocol.md
             # §2.1, §2.2), or a source of a tenant this engine's users do not trust (kvproto.pull_tenancy): never
             # read, recomputed.
-            self.counters["pull_refused"] += 1
+            self.counts.pull_refused.inc()
             stats.pull_failures.append(why)
             log.warning("pull plan from %s refused: %s", plan.source_node, why)
             return set()
@@ -319,24 +333,24 @@ class Engine:
         for mine in self.pool.regions:
             session = sessions[mine.rank]
             if session is None:
-                self.counters["pull_errors"] += 1
+                self.counts.pull_errors.inc()
                 stats.pull_failures.append(f"source has no transfer session for rank {mine.rank}")
                 return set()
             local, remote = [], []
             for _, slot, loc in wanted:
                 code, src = media.split(loc)  # the plan's location: the source's slot in one of its media
                 if code >= len(media.MEDIA):
-                    self.counters["pull_errors"] += 1
+                    self.counts.pull_errors.inc()
                     stats.pull_failures.append(f"location {loc} lies in no medium (docs/protocol.md §2.3)")
                     return set()
                 theirs = regions.get((mine.rank, media.tier(code)))
                 if theirs is None or theirs.block_bytes != mine.block_bytes:
-                    self.counters["pull_errors"] += 1
+                    self.counts.pull_errors.inc()
                     stats.pull_failures.append(f"source has no matching {media.MEDIA[code]} region for rank {mine.rank}")
                     return set()
                 if theirs.base_addr < 0 or theirs.base_addr + theirs.length > _ADDRESS_SPACE:
                     # No transfer engine can address it (a 64-bit address space): nothing is read, every rank recomputes.
-                    self.counters["pull_errors"] += 1
+                    self.counts.pull_errors.inc()
                     stats.pull_failures.append(
                         f"source's rank {mine.rank} {media.MEDIA[code]} region [{theirs.base_addr}, +{theirs.length}) lies "
                         "outside the 64-bit address space"
@@ -344,7 +358,7 @@ class Engine:
                     return set()
                 if src >= (slots := theirs.length // theirs.block_bytes):
                     # Past that rank's registered memory: no rank reads (a partial load would leave the ranks unequal).
-                    self.counters["pull_errors"] += 1
+                    self.counts.pull_errors.inc()
                     stats.pull_failures.append(
                         f"slot {src} is outside rank {mine.rank}'s {slots} {media.MEDIA[code]} slots on {plan.source_node}"
                     )
@@ -359,8 +373,8 @@ class Engine:
         errors = [f"rank {r[0]}: {e}" for r, (_, e) in zip(reads, outcomes) if e is not None]
         if errors:
             # One rank's read failed: every rank recomputes (no rank may keep a block the others lack).
-            self.counters["pull_errors"] += 1
-            self.counters["pull_failed_blocks"] += len(wanted)
+            self.counts.pull_errors.inc()
+            self.counts.pull_failed_blocks.inc(len(wanted))
             stats.pull_failures.append(f"transfer: {'; '.join(errors)}")
             log.warning("pull from %s failed: %s; recomputing", plan.source_node, "; ".join(errors))
             return set()
@@ -368,9 +382,9 @@ class Engine:
         self.pull_bandwidth.add(stats.pull_bytes, stats.pull_transfer_s)
         good = {h for h, slot, _ in wanted if self.pool.verify(h, slot)}
         bad = len(wanted) - len(good)
-        self.counters["pulled_blocks"] += len(good)
+        self.counts.pulled_blocks.inc(len(good))
         if bad:
-            self.counters["pull_failed_blocks"] += bad
+            self.counts.pull_failed_blocks.inc(bad)
             stats.pull_failures.append(f"{bad} blocks failed verification (slot reused on the source?)")
             log.info("pull from %s: %d of %d blocks failed verification; recomputing them", plan.source_node, bad, len(wanted))
         return good

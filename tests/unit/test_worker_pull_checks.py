@@ -8,12 +8,14 @@ import asyncio
 import struct
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import NodeInfo, PullPlan, RegionInfo
 from tests.support.fakes import Directory
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool
-from worker_stub.stub_engine import Engine, RequestStats
+from worker_stub.stub_engine import Engine, EngineCounts, RequestStats
 
 BLOCKS = 4
 TOKENS = list(range(BLOCKS * 16))
@@ -56,7 +58,7 @@ def serve(nodes: list[NodeInfo]) -> tuple[Engine, Transfer, RequestStats, bytes]
     """One request with a plan naming SOURCE's slots 0..3, on worker-1 that sees `nodes`."""
     transfer = Transfer()
     directory: Any = Directory(nodes)
-    engine = Engine(SETTINGS, KVPool(8, 64), [transfer], directory, "worker-1")  # type: ignore[list-item]
+    engine = Engine(SETTINGS, KVPool(8, 64), [transfer], directory, "worker-1", EngineCounts(CollectorRegistry()))  # type: ignore[list-item]
     plan = PullPlan(source_node=SOURCE, source_epoch=3, slots=list(range(BLOCKS)))
     stats = RequestStats()
 
@@ -73,7 +75,7 @@ def test_a_source_region_past_the_64_bit_address_space_is_a_counted_recompute() 
     assert stats.pull_failures == [
         f"source's rank 0 device region [{(1 << 64) - 64}, +512) lies outside the 64-bit address space"
     ]
-    assert engine.counters["pull_errors"] == 1
+    assert engine.counts.pull_errors._value.get() == 1
     assert engine.pool.cached_blocks == BLOCKS  # computed instead
 
 
@@ -85,11 +87,11 @@ def test_a_shared_engine_refuses_a_tenants_source_and_a_tenants_engine_another_t
     ):
         engine, transfer, stats, out = serve([me, source])
         assert out == b"the" and transfer.reads == [] and stats.pulled_tokens == 0
-        assert engine.counters["pull_refused"] == 1, stats.pull_failures
+        assert engine.counts.pull_refused._value.get() == 1, stats.pull_failures
         assert stats.pull_failures[0].startswith(f"source {SOURCE} is of tenant {source.tenant!r}")
     # Not listed itself (yet): which tenants' KV it may read is unknown, so it reads none.
     engine, transfer, stats, _ = serve([node(SOURCE, shared=True)])
-    assert engine.counters["pull_refused"] == 1 and transfer.reads == []
+    assert engine.counts.pull_refused._value.get() == 1 and transfer.reads == []
     assert stats.pull_failures == ["this engine (worker-1) is not in the directory's node list yet: its tenant is unknown"]
 
 
@@ -100,4 +102,4 @@ def test_a_source_it_may_read_is_read() -> None:
         (node("worker-1", tenant="bravo"), node(SOURCE, tenant="bravo")),
     ):
         engine, transfer, stats, _ = serve([me, source])
-        assert len(transfer.reads) == 1 and engine.counters["pull_refused"] == 0, stats.pull_failures
+        assert len(transfer.reads) == 1 and engine.counts.pull_refused._value.get() == 0, stats.pull_failures

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import NodeInfo, PullPlan, RegionInfo
@@ -23,7 +24,7 @@ from tests.support.fakes import Directory
 from tests.support.wait import until
 from worker_stub.config import WorkerSettings
 from worker_stub.pool import KVPool
-from worker_stub.stub_engine import Engine, RequestStats
+from worker_stub.stub_engine import Engine, EngineCounts, RequestStats
 
 KV = KvIdentity(model="kvdir-stub")
 BLOCKS = 4
@@ -87,7 +88,7 @@ def _setup(settings: WorkerSettings = SETTINGS, fail: bool = False) -> tuple[Eng
     transfer = Transfer(source, fail)
     directory: Any = Directory([_node("worker-1", mine), _node(SOURCE, source)])
     transfers: list[Any] = [transfer]
-    engine = Engine(settings, mine, transfers, directory, "worker-1")
+    engine = Engine(settings, mine, transfers, directory, "worker-1", EngineCounts(CollectorRegistry()))
     plan = PullPlan(source_node=SOURCE, source_epoch=3, slots=[source.location(h) or 0 for h in hashes])
     return engine, transfer, plan
 
@@ -166,7 +167,7 @@ def test_a_failed_read_is_computed_once_and_the_waiter_reports_it_cached() -> No
         await until(lambda: engine.running == 2, what="the second request at the engine")
         transfer.release.set()
         await asyncio.wait_for(asyncio.gather(first, second), 10)
-        assert transfer.reads == 1 and engine.counters["pull_errors"] == 1
+        assert transfer.reads == 1 and engine.counts.pull_errors._value.get() == 1
         assert (first_stats.cached_tokens, first_stats.pull_failures) == (0, ["transfer: rank 0: connection reset by peer"])
         assert (second_stats.local_cached_tokens, second_stats.pulled_tokens) == (len(PREFIX), 0)
         assert all(engine.pool.verify(h, engine.pool.slot_of(h) or 0) for h in identity_hashes(PREFIX, KV, 16))
