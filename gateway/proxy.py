@@ -478,17 +478,13 @@ class Proxy:
         """A non-streamed request's answer, streamed from the engine (its prefill ends at the first chunk) and
         joined into one body (gateway.stream_join); an error event in the stream is answered as an error."""
         with sent.ticket as ticket:
-            parts = []
             try:
-                async for chunk in upstream.aiter_stream():
-                    ticket.first_byte()
-                    parts.append(chunk)
+                content = await upstream.aread(on_first=ticket.first_byte)
             except UpstreamFailed as exc:
                 raise self._failed(sent.engine, exc) from exc
             finally:
                 ticket.first_byte(ok=False)
                 await upstream.aclose()
-            content = b"".join(parts)
             try:
                 answer = join(content, chat)
             except StreamError as exc:

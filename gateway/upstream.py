@@ -1,6 +1,6 @@
 """The gateway's client to its engines for the forward: HTTP/1.1 POSTs over pooled keep-alive connections.
 
-Why not httpcore (the forward's client until issue #48): the forward needs one request shape (a POST whose body
+Why not httpcore (httpx's transport): the forward needs one request shape (a POST whose body
 is in memory), a response read whole or chunk by chunk as it comes, keep-alive, TLS and timeouts, and httpcore
 spent most of the gateway's per-request CPU on its layers around that (BENCHMARKS.md, "The gateway's own
 cost"). Here a connection is an `asyncio.Protocol` whose bytes are parsed by httptools (llhttp, the parser
@@ -25,7 +25,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -66,9 +66,13 @@ class UpstreamResponse:
         "_eof_ends",
         "_error",
         "_headers_in",
+        "_last_at",
+        "_loop",
+        "_on_first",
         "_queued",
         "_timeouts",
         "_waiter",
+        "_whole",
         "headers",
         "status",
     )
@@ -83,8 +87,12 @@ class UpstreamResponse:
         self._done = False
         self._eof_ends = False  # no content-length and not chunked: the body ends with the connection
         self._error: UpstreamFailed | None = None
-        self._headers_in: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._headers_in: asyncio.Future[None] = self._loop.create_future()
         self._waiter: asyncio.Future[None] | None = None
+        self._whole = False  # `aread`: wake the reader at the end only
+        self._last_at = 0.0  # loop time of the last bytes of the body, while `_whole`
+        self._on_first: Callable[[], object] | None = None
 
     async def aiter_stream(self) -> AsyncIterator[bytes]:
         """The body's chunks (chunked transfer encoding undone) as they arrive."""
@@ -102,9 +110,28 @@ class UpstreamResponse:
             else:
                 await self._wait()
 
-    async def aread(self) -> bytes:
-        """The whole body."""
-        return b"".join([chunk async for chunk in self.aiter_stream()])
+    async def aread(self, on_first: Callable[[], object] | None = None) -> bytes:
+        """The whole body; `on_first` is called as its first bytes arrive (a joined stream's first token).
+
+        The reader is woken once, when the body has ended, not at each chunk (a joined answer of N tokens cost N
+        wake-ups of the request's task, each with its timer); the read timeout still bounds the wait between two
+        chunks (`_until`). Not paused at `HIGH_WATER`: the whole body is wanted in memory."""
+        self._whole = True
+        self._last_at = self._loop.time()
+        if self._chunks and on_first is not None:
+            on_first()
+        else:
+            self._on_first = on_first
+        if self._conn is not None:
+            self._conn.resume()
+        while not self._done and self._error is None:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        self._queued = 0
+        return body
 
     async def aclose(self) -> None:
         """Done with the response: a connection whose response did not end cleanly is closed, not reused."""
@@ -120,17 +147,30 @@ class UpstreamResponse:
             self._waiter = None
 
     async def _until(self, event: asyncio.Future[None], what: str) -> None:
-        """`event` (the headers in, or more of the body), or UpstreamFailed after the read timeout, the
-        connection closed."""
-        try:
-            async with asyncio.timeout(self._timeouts.read_s):
-                await event
-        except TimeoutError:
-            error = UpstreamFailed(f"{what} within {self._timeouts.read_s:g} s")
-            self._fail(error)
-            if self._conn is not None:
-                self._conn.close()
-            raise error from None
+        """`event` (the headers in, more of the body, or with `_whole` its end), or UpstreamFailed after the read
+        timeout, the connection closed. With `_whole` the timeout runs from the last bytes that came (`_last_at`,
+        which the chunks move on without waking the reader): the wait ends only after `read_s` without any."""
+        read_s = self._timeouts.read_s
+        since = self._last_at if self._whole else self._loop.time()
+        while True:
+            try:
+                async with asyncio.timeout_at(since + read_s):
+                    await (asyncio.shield(event) if self._whole else event)  # `_whole`: waited on again
+                return
+            except TimeoutError:
+                if self._whole and self._last_at > since:
+                    since = self._last_at  # bytes came meanwhile: wait on from them
+                    continue
+                error = UpstreamFailed(f"{what} within {read_s:g} s")
+                self._fail(error)
+                if event.done() and not event.cancelled():
+                    event.exception()  # retrieved: the error is raised here
+                if self._conn is not None:
+                    self._conn.close()
+                raise error from None
+            except asyncio.CancelledError:
+                event.cancel()  # the caller gave up on it: a failure later is nobody's to retrieve
+                raise
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -140,8 +180,14 @@ class UpstreamResponse:
         """A chunk of the body arrived; False when the reader is `HIGH_WATER` behind (pause the socket)."""
         self._chunks.append(chunk)
         self._queued += len(chunk)
-        self._wake()
-        return self._queued < HIGH_WATER
+        if not self._whole:
+            self._wake()
+            return self._queued < HIGH_WATER
+        self._last_at = self._loop.time()
+        if self._on_first is not None:
+            on_first, self._on_first = self._on_first, None
+            on_first()
+        return True
 
     def _end(self) -> None:
         self._done = True

@@ -147,6 +147,46 @@ def test_a_chunked_stream_is_read_as_it_comes(run: Run) -> None:
     run(scenario)
 
 
+def test_a_whole_read_tells_the_first_bytes_at_once_and_times_out_only_between_chunks(run: Run) -> None:
+    """`aread(on_first=...)` (a joined stream: the first token ends the prefill) is told of the first chunk while the
+    rest is still to come, and waits for the end with the read timeout bounding each gap, not the whole body: four
+    chunks 0.15 s apart (0.6 s in all) under a 0.5 s timeout are read whole; a gap of 1.2 s times out."""
+
+    async def scenario(serve: Serve) -> None:
+        first = asyncio.Event()
+        gaps = [0.15, 0.15, 0.15, 0.15]
+
+        async def stream(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            w.write(b"1\r\n0\r\n")
+            await first.wait()  # the rest goes only once the client was told of the first chunk
+            for i, gap in enumerate(gaps, 1):
+                await asyncio.sleep(gap)
+                w.write(b"1\r\n%d\r\n" % i)
+            w.write(b"0\r\n\r\n")
+            return True
+
+        engine = await serve(stream)
+        up = Upstream()
+        timeouts = Timeouts(connect_s=2.0, read_s=0.5)
+        try:
+            r = await up.post(engine.origin, "/s", [], b"{}", timeouts)
+            told: list[bool] = []
+            assert await r.aread(on_first=lambda: (told.append(r._done), first.set())) == b"01234"
+            assert told == [False]  # once, before the body ended
+            await r.aclose()
+            gaps[2] = 1.2
+            first.clear()
+            r = await up.post(engine.origin, "/s", [], b"{}", timeouts)
+            with pytest.raises(UpstreamFailed, match=r"within 0\.5 s"):
+                await r.aread(on_first=first.set)
+            await r.aclose()
+        finally:
+            await up.aclose()
+
+    run(scenario)
+
+
 def test_no_engine_listening_is_a_connect_failure(run: Run) -> None:
     async def scenario(serve: Serve) -> None:
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)

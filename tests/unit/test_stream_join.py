@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.stream_join import StreamError, join, streamable, streamed_body
+from gateway.stream_join import StreamError, events, join, streamable, streamed_body
 
 
 def sse(*payloads: Any) -> bytes:
@@ -105,3 +105,16 @@ def test_the_streamed_body_asks_for_the_usage_chunk() -> None:
     raw = {"model": "m", "prompt": "p"}
     assert streamed_body(raw) == {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True}}
     assert raw == {"model": "m", "prompt": "p"}
+
+
+def test_events_skip_what_is_not_one_json_object_and_keep_the_rest_in_order() -> None:
+    """The events decode as one array; one that is not JSON, holds two values, or is no object is left out alone, as
+    a per-event decode did; values msgspec refuses but Python's json reads (NaN, huge ints) are still read."""
+    good = [{"i": 0}, {"i": 1, "x": None}]
+    assert events(sse(*good) + b": a comment\n\ndata:\n\n") == good
+    cases = [b"data: {not json}\n\n", b'data: {"a": 1}, {"b": 2}\n\n', b"data: [1, 2]\n\n", b"data: 7\n\n"]
+    for bad in cases:
+        assert events(b'data: {"i": 0}\n\n' + bad + b'data: {"i": 1, "x": null}\n\n') == good, bad
+    assert events(b'data: {"v": NaN, "n": 123456789012345678901234567890}\n\n') == [
+        {"v": pytest.approx(float("nan"), nan_ok=True), "n": 123456789012345678901234567890}
+    ]
