@@ -222,6 +222,7 @@ def _disk_mib(path: Path) -> float:
     return sum(os.stat(Path(d) / f).st_blocks * 512 for d, _, files in os.walk(path) for f in files) / 2**20
 
 
+@pytest.mark.scale  # 77 MB through Raft: 13 s of a replica's CPU, `make test-scale` (run by .ci/run)
 def test_reregistrations_keep_memory_and_disk_bounded(make_cluster) -> None:
     """1,000 re-registrations of one node with the most regions allowed (256, each with a distinct
     256-character rkey: ~77 KB a Raft entry, 77 MB in all) leave each replica's RSS and data
