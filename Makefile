@@ -25,7 +25,7 @@ sysdeps:
 	  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
 	else echo "warning: libibverbs1 is missing and cannot be installed here (needs root and apt-get)"; fi
 
-run: install
+run: kernels
 	$(VENV)/bin/kvdir up --demo $(ARGS)
 
 # Lint, format, the import direction (docs/architecture.md, "Import layers") and types: part of `make test`.
@@ -35,9 +35,9 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# The index's numba kernels compiled into numba's cache (kvproto/__pycache__) once, before a pass starts replicas:
-# on a fresh clone each replica of a cluster started at once compiled them itself (about 7 s of CPU each, against
-# 0.3 s to load them from the cache). Loads them and exits when the cache is already warm.
+# The index's numba kernels compiled into numba's cache (kvproto/__pycache__) once, before a test pass or the demo
+# starts replicas: on a fresh clone each replica of a cluster started at once compiled them itself (about 7 s of
+# CPU each, against 0.3 s to load them from the cache). Loads them and exits when the cache is already warm.
 kernels: install
 	@$(PY) -c 'from kvproto.index import warm_up; loaded, compiled = warm_up(); print(f"numba kernels: {loaded} loaded from the cache, {compiled} compiled")'
 
