@@ -21,7 +21,7 @@ def test_sends_never_block_a_full_queue_drops_and_a_dead_peer_is_counted() -> No
         assert keys == [0, 1, 2] and p.stats["dropped"] == 1  # before any send: the third did not fit
         p.prefilled(-1)
         assert p.stats["dropped"] == 1
-        p.start()
+        p.start(lambda: None)
         try:
             deadline = time.monotonic() + 10
             while p.stats["send_failures"] == 0:

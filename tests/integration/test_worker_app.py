@@ -75,8 +75,10 @@ def test_the_lifespan_builds_one_runtime_that_health_and_metrics_read() -> None:
         health = (await client.get("/health")).json()
         assert health == {"ok": True, "node_id": "worker-7", "epoch": None, "load": runtime.engine.load()}
         text = (await client.get("/metrics")).text
-        exported = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
-        assert METRICS <= exported, METRICS - exported
+        types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+        assert METRICS <= types.keys(), METRICS - types.keys()
+        counted = [m for m in METRICS if m.endswith("_total")]  # what the engine and its pool count: counters, not gauges
+        assert all(types[m] == "counter" for m in counted), {m: types[m] for m in counted}
         assert "kvdir_worker_epoch 0.0" in text  # the publisher's, not yet registered
         assert "kvdir_worker_free_slots 64.0" in text
 
