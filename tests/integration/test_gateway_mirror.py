@@ -110,7 +110,7 @@ def test_a_directory_rebuilt_under_a_running_gateway_is_snapshotted_anew(make_cl
     _register_and_publish(url, "old", 25)
     old = _applied(url)
     wait_for(
-        lambda: (m := mirror_gauges(g.url))["position"] == old and m["lag_seconds"] <= 0.5 and m["snapshots"] == 1,
+        lambda: (m := mirror_gauges(g.url))["position"] == old and m["lag_seconds"] <= 0.5 and m["snapshots_total"] == 1,
         what="the mirror of the old directory",
     )
     c.stop()
@@ -122,11 +122,11 @@ def test_a_directory_rebuilt_under_a_running_gateway_is_snapshotted_anew(make_cl
     new = _applied(url)
     assert new < old
     wait_for(
-        lambda: (m := mirror_gauges(g.url))["snapshots"] == 2 and m["position"] == new and m["lag_seconds"] <= 0.5,
+        lambda: (m := mirror_gauges(g.url))["snapshots_total"] == 2 and m["position"] == new and m["lag_seconds"] <= 0.5,
         timeout=30,
         what="a snapshot of the rebuilt directory",
     )
     _register_and_publish(url, "new", old)  # past the old position: applied onto the new state, no third snapshot
     new = _applied(url)
     assert new > old
-    wait_for(lambda: (m := mirror_gauges(g.url))["position"] == new and m["snapshots"] == 2, what="the mirror past it")
+    wait_for(lambda: (m := mirror_gauges(g.url))["position"] == new and m["snapshots_total"] == 2, what="the mirror past it")
