@@ -12,12 +12,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.cost import REASONS
 from gateway.engine_registry import EngineRegistry
 from gateway.mirror import Mirror
+from kvproto.scraped import ScrapedCounters
 from kvproto.tasks import TaskFailures
 
 log = logging.getLogger("kvdir.gateway")
@@ -176,26 +177,24 @@ class GatewayMetrics:
             registry=r,
         ).set_function(lambda: mirror.map_version)
         r.register(_ShardGauges(mirror))
-        r.register(_MirrorCounts(mirror))
-
-
-class _MirrorCounts(Collector):
-    """The mirror's counts, summed over its feeds (one per shard, made as shards appear), as counters read at scrape
-    time: `kvdir_gateway_mirror_{snapshots,failovers,rejected,restarts}_total`."""
-
-    _COUNTS = (
-        ("snapshots", "Snapshots the mirror loaded"),
-        ("failovers", "Streams the mirror lost and resumed elsewhere"),
-        ("rejected", "Streams the mirror dropped for a frame that failed its checks"),
-        ("restarts", "Times a task of the mirror failed and was started again (logged with a traceback)"),
-    )
-
-    def __init__(self, mirror: Mirror) -> None:
-        self.mirror = mirror
-
-    def collect(self) -> Iterator[Metric]:
-        for name, help_text in self._COUNTS:
-            yield CounterMetricFamily(f"kvdir_gateway_mirror_{name}", help_text, value=getattr(self.mirror, name))
+        r.register(  # the mirror's counts, summed over its feeds (one per shard, made as shards appear)
+            ScrapedCounters(
+                [
+                    ("kvdir_gateway_mirror_snapshots", "Snapshots the mirror loaded", lambda: mirror.snapshots),
+                    ("kvdir_gateway_mirror_failovers", "Streams the mirror lost and resumed elsewhere", lambda: mirror.failovers),
+                    (
+                        "kvdir_gateway_mirror_rejected",
+                        "Streams the mirror dropped for a frame that failed its checks",
+                        lambda: mirror.rejected,
+                    ),
+                    (
+                        "kvdir_gateway_mirror_restarts",
+                        "Times a task of the mirror failed and was started again (logged with a traceback)",
+                        lambda: mirror.restarts,
+                    ),
+                ]
+            )
+        )
 
 
 class _ShardGauges(Collector):

@@ -140,7 +140,7 @@ class UpstreamResponse:
             conn.close()
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._until(self._waiter, "no more of the answer from the engine")
         finally:

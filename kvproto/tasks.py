@@ -29,21 +29,21 @@ class TaskFailures:
     series created at zero for the tasks the service runs (a rate over no series is "no data" to an alert)."""
 
     def __init__(self, service: str, tasks: Iterable[str], registry: CollectorRegistry) -> None:
-        self.counter = Counter(
+        self._counter = Counter(
             f"{service}_task_failures_total",
             "Failures of background tasks (each logged with its traceback, the task carrying on), by task",
             ["task"],
             registry=registry,
         )
-        self.tasks = tuple(tasks)
-        for task in self.tasks:
-            self.counter.labels(task)
+        self._tasks = tuple(tasks)
+        for task in self._tasks:
+            self._counter.labels(task)
 
     def failed(self, task: str) -> Callable[[], None]:
         """What `every` (or `supervise`'s caller) calls on each failure of `task`, one of `tasks`."""
-        if task not in self.tasks:
-            raise ValueError(f"{task!r} is not one of this service's tasks {self.tasks}")
-        return self.counter.labels(task).inc
+        if task not in self._tasks:
+            raise ValueError(f"{task!r} is not one of this service's tasks {self._tasks}")
+        return self._counter.labels(task).inc
 
 
 async def cancel_and_wait(*tasks: asyncio.Task[object] | asyncio.Future[object] | None) -> None:

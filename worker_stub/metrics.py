@@ -9,15 +9,13 @@ are registered here and bound to it by `watch_publisher` once it exists.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from kvproto.engine_metrics import VLLM_KV_USAGE, VLLM_LABELS, VLLM_PREEMPTIONS, VLLM_RUNNING, VLLM_WAITING
+from kvproto.scraped import ScrapedCounters
 from kvproto.tasks import TaskFailures
-from worker_stub.pool import KVPool
 from worker_stub.publisher import Publisher
 from worker_stub.stub_engine import Engine, EngineCounts, RequestStats
 
@@ -64,10 +62,23 @@ class WorkerMetrics:
         Gauge("kvdir_worker_waiting", "Requests queued", registry=r).set_function(lambda: engine.waiting)
         Gauge("kvdir_worker_free_slots", "Free KV slots", registry=r).set_function(lambda: pool.free_slots)
         Gauge("kvdir_worker_cached_blocks", "Blocks cached", registry=r).set_function(lambda: pool.cached_blocks)
+        # The pool's and host tier's counts stay ints in the data structures (their property tests read them).
+        counts: list[tuple[str, str, Callable[[], float]]] = [
+            ("kvdir_worker_evictions", "Blocks evicted (LRU)", lambda: pool.stats["evictions"])
+        ]
         host = pool.host
         if host is not None:
             Gauge("kvdir_worker_host_blocks", "Blocks in the host tier", registry=r).set_function(lambda: host.used_slots)
-        r.register(_PoolCounts(pool))
+            counts += [
+                ("kvdir_worker_host_stored", "Blocks the device pool evicted into the host tier", lambda: host.stats["stored"]),
+                (
+                    "kvdir_worker_host_evictions",
+                    "Blocks evicted from the host tier (LRU): gone from this node",
+                    lambda: host.stats["evictions"],
+                ),
+                ("kvdir_worker_host_loads", "Blocks loaded back from the host tier for a request", lambda: host.stats["loads"]),
+            ]
+        r.register(ScrapedCounters(counts))
 
     def _vllm_gauges(self, engine: Engine, rank: int) -> None:
         """The scheduler's load as vLLM exports it: requests running and waiting, KV cache in use, preemptions (a
@@ -98,24 +109,3 @@ class WorkerMetrics:
         self.cached_tokens.labels("local").inc(stats.local_cached_tokens - stats.host_cached_tokens)
         self.cached_tokens.labels("host").inc(stats.host_cached_tokens)
         self.cached_tokens.labels("pulled").inc(stats.pulled_tokens)
-
-
-class _PoolCounts(Collector):
-    """The pool's and host tier's counts (plain ints in the data structures, which their property tests read) as
-    counters, read at scrape time: `kvdir_worker_evictions_total` and `kvdir_worker_host_{stored,evictions,loads}_total`."""
-
-    _HOST = (
-        ("stored", "Blocks the device pool evicted into the host tier"),
-        ("evictions", "Blocks evicted from the host tier (LRU): gone from this node"),
-        ("loads", "Blocks loaded back from the host tier for a request"),
-    )
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-
-    def collect(self) -> Iterator[Metric]:
-        yield CounterMetricFamily("kvdir_worker_evictions", "Blocks evicted (LRU)", value=self.pool.stats["evictions"])
-        host = self.pool.host
-        if host is not None:
-            for key, help_text in self._HOST:
-                yield CounterMetricFamily(f"kvdir_worker_host_{key}", help_text, value=host.stats[key])
