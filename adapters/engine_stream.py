@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -70,9 +71,11 @@ class SubscriberStats:
 class EventsSubscriber(NodeFeed):
     """The subscriber of one engine: `open()` its socket, then `run()` until cancelled (an `Adapter` does both)."""
 
-    def __init__(self, settings: EventsSettings, *, directory: DirectoryClient, lag: Histogram | None = None) -> None:
-        """`directory` is shared by every engine of the process; `lag` is this engine's series of the lag histogram."""
-        super().__init__(settings, directory=directory, lag=lag)
+    def __init__(
+        self, settings: EventsSettings, *, directory: DirectoryClient, failed: Callable[[], None], lag: Histogram | None = None
+    ) -> None:
+        """As `NodeFeed`'s."""
+        super().__init__(settings, directory=directory, failed=failed, lag=lag)
         self.decode_stats = DecodeStats()
         self.stats = SubscriberStats()
         self.last_seq: int | None = None

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -75,9 +75,14 @@ class NodeFeed:
     """One engine's node in the directory, fed from its hash map: the subscriber queues changes in `session`
     and sets `_wake` (and `_full` once a round's worth is queued); `_sync_loop` and `_health_loop` do the rest."""
 
-    def __init__(self, settings: EventsSettings, *, directory: DirectoryClient, lag: Histogram | None = None) -> None:
-        """`directory` is shared by every engine of the process; `lag` is this engine's series of the lag histogram."""
+    def __init__(
+        self, settings: EventsSettings, *, directory: DirectoryClient, failed: Callable[[], None], lag: Histogram | None = None
+    ) -> None:
+        """`directory` is shared by every engine of the process; `failed` counts an unexpected error of a sync round
+        (the process's `kvdir_events_task_failures_total{task="sync"}`); `lag` is this engine's series of the lag
+        histogram."""
         self.s = settings
+        self._failed = failed
         self.node_id = settings.node
         self.log = NodeLog(log, {"node": self.node_id})
         self.client = directory
@@ -132,6 +137,7 @@ class NodeFeed:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                self._failed()
                 self.log.exception("unexpected error while syncing with the directory")
                 delay = self.session.retry.failed()
             if delay is not None:  # a 409 (0: at once), an unreachable directory or a rejection: another round later

@@ -32,6 +32,7 @@ from adapters.node_feed import lag_histogram
 from adapters.subscriber_metrics import SubscriberCollector
 from kvproto.addresses import parse_hostport
 from kvproto.client import DirectoryClient
+from kvproto.tasks import TaskFailures
 
 __all__ = ["Adapter", "StartError", "run_subscriber", "serve"]
 
@@ -69,12 +70,15 @@ class Adapter:
         self.client = DirectoryClient(settings.directory_urls, token=token, tenant=settings.tenant)
         self.registry = CollectorRegistry(auto_describe=False)
         self.lag = lag_histogram(self.registry)
+        self.tasks = TaskFailures("kvdir_events", ("sync",), self.registry)
         self.subs: dict[str, EventsSubscriber] = {}
         self.failures: dict[str, int] = {e.node: 0 for e in self.engines}
         self.registry.register(SubscriberCollector(self.subs, self.failures))
 
     def _new(self, settings: EventsSettings) -> EventsSubscriber:
-        sub = EventsSubscriber(settings, directory=self.client, lag=self.lag.labels(settings.node))
+        sub = EventsSubscriber(
+            settings, directory=self.client, failed=self.tasks.failed("sync"), lag=self.lag.labels(settings.node)
+        )
         self.subs[settings.node] = sub
         return sub
 

@@ -84,7 +84,7 @@ def test_the_model_is_shared_or_per_engine_and_registered_without_a_fingerprint(
 
     async def main() -> None:
         for s in (a, b, EventsSettings(directory="http://127.0.0.1:1", node_id="c")):
-            sub = EventsSubscriber(s, directory=Directory())  # type: ignore[arg-type]
+            sub = EventsSubscriber(s, directory=Directory(), failed=lambda: None)  # type: ignore[arg-type]
             await sub.session.register()
 
     asyncio.run(main())
@@ -93,7 +93,7 @@ def test_the_model_is_shared_or_per_engine_and_registered_without_a_fingerprint(
         ("b", ["qwen"], None),
         ("c", [], None),
     ]
-    sub = EventsSubscriber(b, directory=Directory())  # type: ignore[arg-type]
+    sub = EventsSubscriber(b, directory=Directory(), failed=lambda: None)  # type: ignore[arg-type]
     assert (sub.mapper.namespace, sub.mapper.model) == ("ns", "qwen")
 
 
@@ -119,7 +119,7 @@ def test_a_message_over_max_message_bytes_is_dropped_and_the_subscriber_keeps_re
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         directory = DirectoryClient("http://127.0.0.1:1")
-        sub = EventsSubscriber(settings, directory=directory)
+        sub = EventsSubscriber(settings, directory=directory, failed=lambda: None)
 
         async def record(batch: Batch) -> None:
             seen.append(batch.seq)

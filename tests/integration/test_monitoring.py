@@ -17,7 +17,12 @@ from typing import Any
 
 import httpx
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+
+from adapters.config import EventsSettings
+from adapters.connector_metrics import ConnectorMetrics
+from adapters.subscriber import Adapter
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 RULES = MONITORING / "kvdir-alerts.yml"
@@ -29,7 +34,13 @@ GROUPED = re.compile(r"by\s*\(([\w\s,]*)\)\s*\([^{}]*?(kvdir_[a-z0-9_]+)")  # `b
 SCRAPE_LABELS = {"job", "instance", "shard", "le"}  # added by Prometheus' scrape config, or a histogram's own
 # The series a family exposes, by type (prometheus_client's parser strips a counter's `_total` from its family name).
 SERIES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
-EXPORTER = {"kvdir_directory_": "directory", "kvdir_gateway_": "gateway", "kvdir_worker_": "worker"}
+EXPORTER = {
+    "kvdir_directory_": "directory",
+    "kvdir_gateway_": "gateway",
+    "kvdir_worker_": "worker",
+    "kvdir_connector_": "connector",
+    "kvdir_events_": "events",
+}
 
 
 def _rules() -> list[dict[str, Any]]:
@@ -131,12 +142,16 @@ def test_every_metric_queried_is_on_a_live_metrics_page(make_cluster, make_worke
     g = make_gateway(c, 1)
     urls = {"directory": c.replica_urls[0], "worker": w.urls[0], "gateway": g.url}
     exported = {name: _exported(httpx.get(url + "/metrics", timeout=10).text) for name, url in urls.items()}
+    # The vLLM connector's and the events adapter's registries, as their metrics servers serve them (the connector
+    # runs inside vLLM: make test-vllm scrapes it live).
+    exported["connector"] = _exported(generate_latest(ConnectorMetrics(tp_size=2).registry).decode())
+    exported["events"] = _exported(generate_latest(Adapter(EventsSettings(node_id="e")).registry).decode())
     queries = _queries()
     assert len(queries) > 40
     assert _problems(queries, exported) == []
     # The check itself catches an unknown name and an unknown label.
     assert len(_problems({"bogus": 'rate(kvdir_gateway_bogus_total[5m]) + kvdir_worker_running{nope="x"}'}, exported)) == 2
-    unlabelled = {"worker": {"kvdir_worker_requests_total": None}, "directory": {}, "gateway": {}}
+    unlabelled = {"worker": {"kvdir_worker_requests_total": None}, "directory": {}, "gateway": {}, "connector": {}, "events": {}}
     assert _problems({"grouped": "sum by (endpoint) (rate(kvdir_worker_requests_total[5m]))"}, unlabelled) == [
         "grouped: kvdir_worker_requests_total has no series before its first event: create its labels at zero"
     ]

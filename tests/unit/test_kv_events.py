@@ -16,6 +16,8 @@ from adapters.event_wire import END_SEQ, DecodeError, decode_message, decode_pay
 from adapters.extra_keys import raw_key
 from adapters.hash_mapper import HashMapper, event_identity
 from kvproto.hashing import KvIdentity, block_hashes, identity_hashes, multimodal_extra_keys
+from kvproto.tasks import cancel_and_wait
+from tests.support.wait import until
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = ROOT / "tests" / "data" / "vllm_kv_events"  # a copy of shared/data/vllm_kv_events (vLLM 0.32 captures)
@@ -734,11 +736,11 @@ class FakeDirectory:
         return len(blocks)
 
 
-def _subscriber():
+def _subscriber(failed=lambda: None):
     from adapters.engine_stream import EventsSubscriber
 
     fake = FakeDirectory()
-    sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake)  # type: ignore[arg-type]
+    sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake, failed=failed)  # type: ignore[arg-type]
     sub.session.epoch, sub.session.need_register = 1, False  # registered already, as epoch 1
     return sub, fake
 
@@ -803,6 +805,39 @@ def test_subscriber_flushes_clear_then_removals_then_stores_and_keeps_failed_rou
         assert session.pending_stores == {} and session.pending_removals == {ours[0]}
         await session.flush()
         assert fake.calls == [("clear", 1), ("remove", 1, frozenset({ours[0]}))]
+
+    asyncio.run(go())
+
+
+def test_an_unexpected_error_in_a_sync_round_is_counted_and_the_round_goes_again() -> None:
+    """A bug in a round (not the directory's answer) must show on /metrics, not only in the log: the sync loop
+    counts it (`kvdir_events_task_failures_total{task="sync"}`) and keeps the changes for the next round."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from kvproto.tasks import TaskFailures
+
+    registry = CollectorRegistry()
+    tasks = TaskFailures("kvdir_events", ("sync",), registry)
+    sub, fake = _subscriber(tasks.failed("sync"))
+    sub.engine_healthy = True
+    ours = block_hashes(list(range(16)), 16)
+
+    def failures() -> float | None:
+        return registry.get_sample_value("kvdir_events_task_failures_total", {"task": "sync"})
+
+    async def go() -> None:
+        assert failures() == 0  # at zero before any failure
+        await sub.on_batch(_batch(0, _chain(list(range(16)), 16, [1])))
+        fake.fail = RuntimeError("a bug")
+        syncing = asyncio.create_task(sub._sync_loop())
+        try:
+            await until(lambda: fake.calls, "the next round", timeout=5.0)
+        finally:
+            await cancel_and_wait(syncing)
+        assert failures() == 1
+        assert fake.calls == [("publish", 1, frozenset(ours), None)]  # the failed round's change, published by the next
 
     asyncio.run(go())
 
