@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample as MetricSample
 
 from gateway.cost import REASONS
 from gateway.engine_registry import EngineRegistry
@@ -59,6 +60,26 @@ def failure_category(engine_failure: str) -> str:
     """The category of an engine's words on a failed pull (PULL_FAILURE_CATEGORIES)."""
     text = engine_failure.lower()
     return next((category for words, category in PULL_FAILURE_CATEGORIES if words in text), "other")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The gateway's cumulative counters at monotonic time `t`."""
+
+    t: float
+    decisions: Mapping[str, float]  # routed requests, by reason
+    prompt_tokens: float
+    predicted_tokens: float  # cached tokens the directory predicted
+    reported_tokens: float  # cached tokens the engines reported
+    error_tokens: float  # sum of |predicted - reported| over the requests whose engine reported
+    reports: float  # those requests
+    lookups: Mapping[str, float]  # by source
+    upstream_errors: float
+    pulls: Mapping[str, float]  # pull plans, by outcome
+
+    @property
+    def requests(self) -> float:
+        return sum(self.decisions.values())
 
 
 TASKS = ("engine_refresh", "engine_load", "status_sample", "tokenizer_parity", "peer_expiry")
@@ -141,6 +162,21 @@ class GatewayMetrics:
         )
         self.tasks = TaskFailures("kvdir_gateway", TASKS, r)
 
+    def sample(self, now: float) -> Sample:
+        """The routing counters' values now (the status page's history differences them)."""
+        return Sample(
+            now,
+            _by_label(self.decisions),
+            _value(self.prompt_tokens, "total"),
+            _value(self.predicted, "total"),
+            _value(self.reported, "total"),
+            _value(self.prediction_error, "sum"),
+            _value(self.prediction_error, "count"),
+            _by_label(self.lookups),
+            sum(_by_label(self.upstream_errors).values()),
+            _by_label(self.pulls),
+        )
+
     def pulled(
         self, at: float, node_id: str, source: str, predicted: int, reported: int | None, engine_failures: Sequence[str]
     ) -> None:
@@ -214,3 +250,20 @@ class _ShardGauges(Collector):
                 position.add_metric([name], feed.position)
         yield lag
         yield position
+
+
+def _by_label(counter: Counter) -> dict[str, float]:
+    """A one-label counter's values, by that label's value: those that happened (its series exist at zero from the
+    start, for the dashboards)."""
+    return {next(iter(s.labels.values())): s.value for s in _samples(counter, "total") if s.value}
+
+
+def _value(metric: Counter | Histogram, sample: str) -> float:
+    """An unlabelled counter's `total`, or a histogram's `sum` or `count`."""
+    return sum(s.value for s in _samples(metric, sample))
+
+
+def _samples(metric: Counter | Histogram, sample: str) -> list[MetricSample]:
+    """The metric's samples of one kind, by their exact name: the family's name and the kind (`total`, `sum`, `count`),
+    never another series whose name happens to end alike (a counter's `created`, a histogram's buckets)."""
+    return [s for m in metric.collect() for s in m.samples if s.name == f"{m.name}_{sample}"]

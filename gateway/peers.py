@@ -51,15 +51,13 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Gauge
 from pydantic import SecretStr
 
 from gateway.engine_registry import EngineRegistry
@@ -68,6 +66,7 @@ from gateway.peer_receiver import PeerBounds, PeerReceiver
 from gateway.peer_sender import PeerSender
 from gateway.peer_wire import MAX_BATCH, NOTES_PATH, STATUS_PATH, Note, NoteBatch
 from kvproto.schemas import Origin, parse_origin
+from kvproto.scraped import ScrapedCounters
 from kvproto.tasks import cancel_and_wait, every
 
 __all__ = ["MAX_BATCH", "NOTES_PATH", "STATUS_PATH", "Note", "NoteBatch", "PeerBounds", "PeerNotes", "routes"]
@@ -89,12 +88,12 @@ _COUNTERS = (
 )
 
 
-class PeerNotes(Collector):
+class PeerNotes:
     """Both halves of decision sharing for one gateway: `routed`/`prefilled` send (`PeerSender`), `receive` folds
     in (`PeerReceiver`), and an expiry sweep ends the notes whose ``done`` was lost.
 
     Event loop only (not thread-safe). `start` the sender and expiry tasks, `stop` them at shutdown.
-    Registered in the gateway's metrics registry: it reports its own counters when scraped.
+    Its counts go to the gateway's metrics registry as counters read at each scrape (`ScrapedCounters`).
     """
 
     def __init__(
@@ -116,7 +115,10 @@ class PeerNotes(Collector):
         self.receiver = PeerReceiver(registry, self.id, bounds, on_note)
         self._sweep: asyncio.Task[None] | None = None
         if metrics is not None:
-            metrics.register(self)
+            metrics.register(ScrapedCounters((f"kvdir_gateway_peer_{name}", what, self._count(name)) for name, what in _COUNTERS))
+            Gauge("kvdir_gateway_peer_notes", "Peers' notes counted now", registry=metrics).set_function(
+                lambda: len(self.receiver.held)
+            )
 
     @property
     def peers(self) -> list[Origin]:
@@ -157,11 +159,8 @@ class PeerNotes(Collector):
             **self.stats,
         }
 
-    def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        for name, what in _COUNTERS:
-            yield CounterMetricFamily(f"kvdir_gateway_peer_{name}", what, value=stats[name])
-        yield GaugeMetricFamily("kvdir_gateway_peer_notes", "Peers' notes counted now", value=len(self.receiver.held))
+    def _count(self, name: str) -> Callable[[], float]:
+        return lambda: self.stats[name]
 
     def start(self, failed: Callable[[], object]) -> None:
         """Start a sender per peer and the expiry sweep (`failed`: counts a failed sweep)."""

@@ -34,11 +34,8 @@ from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from typing import Any
 
-from prometheus_client import Counter, Histogram
-from prometheus_client.samples import Sample as MetricSample
-
 from gateway.engine_registry import EngineRegistry, EngineState
-from gateway.metrics import GatewayMetrics, PullFailure
+from gateway.metrics import GatewayMetrics, PullFailure, Sample
 from gateway.mirror import Mirror
 from gateway.peers import PeerNotes
 from gateway.router import make_candidate
@@ -56,26 +53,6 @@ CLUSTER_TTL_S = 2.0  # the directory's /v1/cluster answer is read at most this o
 RECENT_S = 60.0  # "recent" figures (rates, hit rate) are over the last minute
 
 PULL_OUTCOMES = ("full", "short", "unreported")  # kvdir_gateway_pulls_total{outcome}
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """The gateway's cumulative counters at monotonic time `t`."""
-
-    t: float
-    decisions: Mapping[str, float]  # routed requests, by reason
-    prompt_tokens: float
-    predicted_tokens: float  # cached tokens the directory predicted
-    reported_tokens: float  # cached tokens the engines reported
-    error_tokens: float  # sum of |predicted - reported| over the requests whose engine reported
-    reports: float  # those requests
-    lookups: Mapping[str, float]  # by source
-    upstream_errors: float
-    pulls: Mapping[str, float]  # pull plans, by outcome
-
-    @property
-    def requests(self) -> float:
-        return sum(self.decisions.values())
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -280,23 +257,6 @@ class StatusFigures:
 # -- reading the figures (the only I/O) -----------------------------------------------------------------
 
 
-def _by_label(counter: Counter) -> dict[str, float]:
-    """A one-label counter's values, by that label's value: those that happened (its series exist at zero from the
-    start, for the dashboards)."""
-    return {next(iter(s.labels.values())): s.value for s in _samples(counter, "total") if s.value}
-
-
-def _value(metric: Counter | Histogram, sample: str) -> float:
-    """An unlabelled counter's `total`, or a histogram's `sum` or `count`."""
-    return sum(s.value for s in _samples(metric, sample))
-
-
-def _samples(metric: Counter | Histogram, sample: str) -> list[MetricSample]:
-    """The metric's samples of one kind, by their exact name: the family's name and the kind (`total`, `sum`, `count`),
-    never another series whose name happens to end alike (a counter's `created`, a histogram's buckets)."""
-    return [s for m in metric.collect() for s in m.samples if s.name == f"{m.name}_{sample}"]
-
-
 def _place(url: object, urls: Sequence[str]) -> int | None:
     """1-based place of `url` among `urls`, None if it is not one of them."""
     if not isinstance(url, str):
@@ -339,23 +299,8 @@ class StatusBoard:
         self._cluster: tuple[float, bool, DirectoryFigures] | None = None
         self._cluster_read: asyncio.Future[DirectoryFigures] | None = None  # the read under way, shared by its callers
 
-    def sample(self, now: float) -> Sample:
-        m = self.metrics
-        return Sample(
-            now,
-            _by_label(m.decisions),
-            _value(m.prompt_tokens, "total"),
-            _value(m.predicted, "total"),
-            _value(m.reported, "total"),
-            _value(m.prediction_error, "sum"),
-            _value(m.prediction_error, "count"),
-            _by_label(m.lookups),
-            sum(_by_label(m.upstream_errors).values()),
-            _by_label(m.pulls),
-        )
-
     def start(self) -> None:
-        self.history.add(self.sample(time.monotonic()))  # the zero every first interval counts from
+        self.history.add(self.metrics.sample(time.monotonic()))  # the zero every first interval counts from
         self._task = asyncio.create_task(
             every(
                 self.sample_s,
@@ -372,7 +317,7 @@ class StatusBoard:
         await cancel_and_wait(self._task)
 
     def _sample(self) -> None:
-        self.history.add(self.sample(time.monotonic()))
+        self.history.add(self.metrics.sample(time.monotonic()))
 
     async def _directory(self) -> DirectoryFigures:
         """The directory's figures: its /v1/cluster as last read (again when older than CLUSTER_TTL_S or when the
@@ -498,7 +443,7 @@ class StatusBoard:
             now,
             self.started,
             self.policy,
-            self.sample(now),
+            self.metrics.sample(now),
             history,
             engines,
             directory,

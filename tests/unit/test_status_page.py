@@ -273,8 +273,7 @@ def test_a_sample_reads_the_gateways_counters() -> None:
     m.upstream_errors.labels("connect").inc()
     m.upstream_errors.labels("502").inc()
     m.pulled(1.0, "w2", "w1", 400, 400, [])
-    board = StatusBoard(m, SimpleNamespace(directory_ok=True), SimpleNamespace(urls=[]), "kvdir")  # type: ignore[arg-type]
-    s = board.sample(5.0)
+    s = m.sample(5.0)
     assert s.t == 5.0 and s.decisions == {"affinity": 3, "pull": 1} and s.requests == 4
     assert (s.prompt_tokens, s.predicted_tokens, s.reported_tokens) == (1000, 600, 500)
     assert (s.error_tokens, s.reports) == (100, 2)
