@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -51,7 +50,7 @@ from adapters.node_feed import SLOT, NodeFeed
 from adapters.replay_fetch import request_replay
 from kvproto import media
 from kvproto.client import DirectoryClient
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import TaskFailures, cancel_and_wait
 
 DRAIN = 64  # messages taken per wakeup of the receive loop
 
@@ -72,10 +71,10 @@ class EventsSubscriber(NodeFeed):
     """The subscriber of one engine: `open()` its socket, then `run()` until cancelled (an `Adapter` does both)."""
 
     def __init__(
-        self, settings: EventsSettings, *, directory: DirectoryClient, failed: Callable[[], None], lag: Histogram | None = None
+        self, settings: EventsSettings, *, directory: DirectoryClient, tasks: TaskFailures, lag: Histogram | None = None
     ) -> None:
         """As `NodeFeed`'s."""
-        super().__init__(settings, directory=directory, failed=failed, lag=lag)
+        super().__init__(settings, directory=directory, tasks=tasks, lag=lag)
         self.decode_stats = DecodeStats()
         self.stats = SubscriberStats()
         self.last_seq: int | None = None

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -48,10 +48,13 @@ from kvproto import media
 from kvproto.client import DirectoryClient
 from kvproto.errors import RequestRejected, StaleEpochError
 from kvproto.session import NodeSession
+from kvproto.tasks import TaskFailures, every
 
 log = logging.getLogger("kvdir.events")
 
 SLOT = 0
+TASKS = ("sync", "health")
+"""An events process's tasks per engine, whose unexpected errors `kvdir_events_task_failures_total` counts."""
 
 
 class NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -76,13 +79,13 @@ class NodeFeed:
     and sets `_wake` (and `_full` once a round's worth is queued); `_sync_loop` and `_health_loop` do the rest."""
 
     def __init__(
-        self, settings: EventsSettings, *, directory: DirectoryClient, failed: Callable[[], None], lag: Histogram | None = None
+        self, settings: EventsSettings, *, directory: DirectoryClient, tasks: TaskFailures, lag: Histogram | None = None
     ) -> None:
-        """`directory` is shared by every engine of the process; `failed` counts an unexpected error of a sync round
-        (the process's `kvdir_events_task_failures_total{task="sync"}`); `lag` is this engine's series of the lag
-        histogram."""
+        """`directory` is shared by every engine of the process; `tasks` counts the unexpected errors of its sync
+        rounds and health checks (the process's `kvdir_events_task_failures_total`, of `TASKS`); `lag` is this
+        engine's series of the lag histogram."""
         self.s = settings
-        self._failed = failed
+        self.tasks = tasks
         self.node_id = settings.node
         self.log = NodeLog(log, {"node": self.node_id})
         self.client = directory
@@ -137,7 +140,7 @@ class NodeFeed:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                self._failed()
+                self.tasks.failed("sync")()
                 self.log.exception("unexpected error while syncing with the directory")
                 delay = self.session.retry.failed()
             if delay is not None:  # a 409 (0: at once), an unreachable directory or a rejection: another round later
@@ -185,24 +188,31 @@ class NodeFeed:
             self._pending_ts = since if self._pending_ts is None else min(self._pending_ts, since)
 
     async def _health_loop(self, http: httpx.AsyncClient) -> None:
+        await every(
+            self.s.heartbeat_interval_s,
+            lambda: self._check_health(http),
+            what=f"[{self.node_id}] the engine's health check",
+            log=log,
+            failed=self.tasks.failed("health"),
+        )
+
+    async def _check_health(self, http: httpx.AsyncClient) -> None:
+        """Probe the engine's /health; heartbeat for its node while it answers 200."""
         interval = self.s.heartbeat_interval_s
-        url = self.s.api_url + "/health"
-        while True:
-            try:
-                ok = (await http.get(url, timeout=max(0.2, min(2.0, interval)))).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok and not self.engine_healthy:
-                self.log.info("engine %s answers /health", self.s.api_url)
-                self._wake.set()
-            elif not ok and self.engine_healthy:
-                self.log.warning("engine %s does not answer /health: heartbeats stop", self.s.api_url)
-            if not ok:
-                self._down_since_registered = True
-            self.engine_healthy = ok
-            if ok and not await self.session.heartbeat(deadline=max(0.2, interval)):
-                self._lapsed()
-            await asyncio.sleep(interval)
+        try:
+            ok = (await http.get(self.s.api_url + "/health", timeout=max(0.2, min(2.0, interval)))).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok and not self.engine_healthy:
+            self.log.info("engine %s answers /health", self.s.api_url)
+            self._wake.set()
+        elif not ok and self.engine_healthy:
+            self.log.warning("engine %s does not answer /health: heartbeats stop", self.s.api_url)
+        if not ok:
+            self._down_since_registered = True
+        self.engine_healthy = ok
+        if ok and not await self.session.heartbeat(deadline=max(0.2, interval)):
+            self._lapsed()
 
     def _lapsed(self) -> None:
         """The directory dropped this node (its lease ran out, or it lost it): register again."""

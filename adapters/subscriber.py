@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from adapters.config import EventsSettings
 from adapters.engine_stream import EventsSubscriber, all_or_none
-from adapters.node_feed import lag_histogram
+from adapters.node_feed import TASKS, lag_histogram
 from adapters.subscriber_metrics import SubscriberCollector
 from kvproto.addresses import parse_hostport
 from kvproto.client import DirectoryClient
@@ -70,15 +70,13 @@ class Adapter:
         self.client = DirectoryClient(settings.directory_urls, token=token, tenant=settings.tenant)
         self.registry = CollectorRegistry(auto_describe=False)
         self.lag = lag_histogram(self.registry)
-        self.tasks = TaskFailures("kvdir_events", ("sync",), self.registry)
+        self.tasks = TaskFailures("kvdir_events", TASKS, self.registry)
         self.subs: dict[str, EventsSubscriber] = {}
         self.failures: dict[str, int] = {e.node: 0 for e in self.engines}
         self.registry.register(SubscriberCollector(self.subs, self.failures))
 
     def _new(self, settings: EventsSettings) -> EventsSubscriber:
-        sub = EventsSubscriber(
-            settings, directory=self.client, failed=self.tasks.failed("sync"), lag=self.lag.labels(settings.node)
-        )
+        sub = EventsSubscriber(settings, directory=self.client, tasks=self.tasks, lag=self.lag.labels(settings.node))
         self.subs[settings.node] = sub
         return sub
 

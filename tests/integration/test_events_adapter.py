@@ -7,12 +7,19 @@ import asyncio
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from adapters.config import EventsSettings
 from adapters.engine_stream import EventsSubscriber
+from adapters.node_feed import TASKS
 from adapters.subscriber import Adapter
 from kvdir.local_cluster import free_ports
 from kvproto.schemas import RegisterResponse
+from kvproto.tasks import TaskFailures
+
+
+def _tasks() -> TaskFailures:
+    return TaskFailures("kvdir_events", TASKS, CollectorRegistry())
 
 
 def test_a_failed_subscriber_is_started_again_and_the_other_engine_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,7 +91,7 @@ def test_the_model_is_shared_or_per_engine_and_registered_without_a_fingerprint(
 
     async def main() -> None:
         for s in (a, b, EventsSettings(directory="http://127.0.0.1:1", node_id="c")):
-            sub = EventsSubscriber(s, directory=Directory(), failed=lambda: None)  # type: ignore[arg-type]
+            sub = EventsSubscriber(s, directory=Directory(), tasks=_tasks())  # type: ignore[arg-type]
             await sub.session.register()
 
     asyncio.run(main())
@@ -93,7 +100,7 @@ def test_the_model_is_shared_or_per_engine_and_registered_without_a_fingerprint(
         ("b", ["qwen"], None),
         ("c", [], None),
     ]
-    sub = EventsSubscriber(b, directory=Directory(), failed=lambda: None)  # type: ignore[arg-type]
+    sub = EventsSubscriber(b, directory=Directory(), tasks=_tasks())  # type: ignore[arg-type]
     assert (sub.mapper.namespace, sub.mapper.model) == ("ns", "qwen")
 
 
@@ -119,7 +126,7 @@ def test_a_message_over_max_message_bytes_is_dropped_and_the_subscriber_keeps_re
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         directory = DirectoryClient("http://127.0.0.1:1")
-        sub = EventsSubscriber(settings, directory=directory, failed=lambda: None)
+        sub = EventsSubscriber(settings, directory=directory, tasks=_tasks())
 
         async def record(batch: Batch) -> None:
             seen.append(batch.seq)

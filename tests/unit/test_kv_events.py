@@ -9,14 +9,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from adapters.config import EventsSettings
 from adapters.engine_events import Cleared, DecodeStats, Removed, Stored, decode_event
 from adapters.event_wire import END_SEQ, DecodeError, decode_message, decode_payload, decode_replay_reply, encode_seq, parse_seq
 from adapters.extra_keys import raw_key
 from adapters.hash_mapper import HashMapper, event_identity
+from adapters.node_feed import TASKS
 from kvproto.hashing import KvIdentity, block_hashes, identity_hashes, multimodal_extra_keys
-from kvproto.tasks import cancel_and_wait
+from kvproto.tasks import TaskFailures, cancel_and_wait
 from tests.support.wait import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -736,11 +738,12 @@ class FakeDirectory:
         return len(blocks)
 
 
-def _subscriber(failed=lambda: None):
+def _subscriber(tasks: TaskFailures | None = None):
     from adapters.engine_stream import EventsSubscriber
 
     fake = FakeDirectory()
-    sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake, failed=failed)  # type: ignore[arg-type]
+    tasks = tasks or TaskFailures("kvdir_events", TASKS, CollectorRegistry())
+    sub = EventsSubscriber(EventsSettings(block_size=16, node_id="e"), directory=fake, tasks=tasks)  # type: ignore[arg-type]
     sub.session.epoch, sub.session.need_register = 1, False  # registered already, as epoch 1
     return sub, fake
 
@@ -814,13 +817,8 @@ def test_an_unexpected_error_in_a_sync_round_is_counted_and_the_round_goes_again
     counts it (`kvdir_events_task_failures_total{task="sync"}`) and keeps the changes for the next round."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry
-
-    from kvproto.tasks import TaskFailures
-
     registry = CollectorRegistry()
-    tasks = TaskFailures("kvdir_events", ("sync",), registry)
-    sub, fake = _subscriber(tasks.failed("sync"))
+    sub, fake = _subscriber(TaskFailures("kvdir_events", TASKS, registry))
     sub.engine_healthy = True
     ours = block_hashes(list(range(16)), 16)
 
