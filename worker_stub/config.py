@@ -106,6 +106,14 @@ class WorkerSettings(DirectoryClientSettings):
         description="address (or name) the transfer engine listens on "
         "and advertises: whoever reaches it can read this worker's KV memory (mooncake: also overwrite)",
     )
+    pull_probe_blocks: int = Field(
+        64,
+        ge=0,
+        le=4096,
+        description="blocks per TP rank a probe read of a peer's KV memory takes, to measure this engine's pull "
+        "bandwidth before its first pull (the gateway prices pulls with it); 0: no probe, the first pull is priced "
+        "at the gateway's --link-gbps or its peers' figures",
+    )
     publish_interval_s: float = Field(0.01, gt=0, le=10, description="how often new and evicted blocks are published")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period (keep well under the lease TTL)")
     log_level: LogLevel = Field("info", description="debug, info, warning, error or critical")

@@ -25,7 +25,7 @@ class WorkerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.tasks = TaskFailures("kvdir_worker", ("publish",), r)
+        self.tasks = TaskFailures("kvdir_worker", ("publish", "pull_probe"), r)
         self.engine = EngineCounts(r)  # the engine's own counts, handed to it
         self.requests = Counter("kvdir_worker_requests_total", "Requests served, by endpoint", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvdir_worker_prompt_tokens_total", "Prompt tokens", registry=r)

@@ -3,19 +3,22 @@ client, engine, publisher and metrics, built and closed together by the app's li
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvproto.client import DirectoryClient
 from kvproto.hashing import KvIdentity
 from kvproto.schemas import PullPlan
+from kvproto.tasks import cancel_and_wait, every
 from kvtransfer.backends import create_engine
 from kvtransfer.engine import TransferEngine
 from worker_stub.config import WorkerSettings
 from worker_stub.metrics import WorkerMetrics
 from worker_stub.pool import KVPool
 from worker_stub.publisher import Publisher
+from worker_stub.pull_probe import PROBE_INTERVAL_S, PullProbe
 from worker_stub.stub_engine import Engine, RequestStats
 
 log = logging.getLogger("kvdir.worker")
@@ -46,6 +49,9 @@ class WorkerRuntime:
     engine: Engine
     publisher: Publisher
     metrics: WorkerMetrics
+    probe: PullProbe | None
+    """Measures the pull bandwidth before the first pull (None: `--pull-probe-blocks 0`, or it never pulls)."""
+    _probe_task: asyncio.Task[None] | None = field(default=None, init=False)
 
     @classmethod
     def build(cls, settings: WorkerSettings, dp_rank: int | None = None) -> WorkerRuntime:
@@ -87,11 +93,26 @@ class WorkerRuntime:
             on_published=metrics.on_published,
         )
         metrics.watch_publisher(publisher)
-        return cls(settings, node_id, pool, transfers, directory, engine, publisher, metrics)
+        probe = None
+        if settings.pull_probe_blocks and transfers:
+            probe = PullProbe(settings, node_id, transfers, directory, engine.pull_bandwidth)
+        return cls(settings, node_id, pool, transfers, directory, engine, publisher, metrics, probe)
 
     def start(self) -> None:
         settings = self.settings
         self.publisher.start(self.metrics.tasks.failed("publish"))
+        if self.probe is not None:
+            self._probe_task = asyncio.create_task(
+                every(
+                    PROBE_INTERVAL_S,
+                    self.probe.step,
+                    what="pull bandwidth probe",
+                    log=log,
+                    failed=self.metrics.tasks.failed("pull_probe"),
+                    first_now=False,
+                ),
+                name="pull probe",
+            )
         log.info(
             "worker %s serving %s (transfer %s at %s)",
             self.node_id,
@@ -104,6 +125,7 @@ class WorkerRuntime:
         """The publisher first: it deregisters through the directory client, which closes next; each closes
         even when the one before it failed (the transfer engines' listeners and memory are always released)."""
         try:
+            await cancel_and_wait(self._probe_task)
             await self.publisher.stop()
         finally:
             try:

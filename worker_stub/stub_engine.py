@@ -391,29 +391,38 @@ class Engine:
 
     def _refusal(self, plan: PullPlan, peer: NodeInfo) -> str | None:
         """Why this engine must not read `peer`'s KV for `plan` (None: it may)."""
-        mine_fp = self.s.kv_fingerprint
-        if peer.fingerprint != mine_fp or plan.fingerprint not in (None, mine_fp):
-            return (
-                f"source {plan.source_node} has KV fingerprint {peer.fingerprint!r} (plan: {plan.fingerprint!r}), "
-                f"not this engine's {mine_fp!r}"
-            )
-        theirs = tp_size(peer.regions)
-        if theirs != self.s.tp:
-            return f"source {plan.source_node} has {theirs} TP ranks, this engine {self.s.tp}: its KV heads are sliced otherwise"
-        me = self._me
-        if me is None:
-            return f"this engine ({self.node_id}) is not in the directory's node list yet: its tenant is unknown"
-        return tenancy_refusal(
-            tenant=me.tenant, shared=me.shared, source=plan.source_node, source_tenant=peer.tenant, source_shared=peer.shared
-        )
+        if plan.fingerprint not in (None, self.s.kv_fingerprint):
+            return f"the plan names KV fingerprint {plan.fingerprint!r}, not this engine's {self.s.kv_fingerprint!r}"
+        return source_refusal(self.s, self.node_id, self._me, peer)
 
     async def _read_rank(
         self, rank: int, session: str, local: list[int], remote: list[int], lengths: list[int]
     ) -> tuple[float, TransferError | None]:
-        """One rank's read (seconds, error): on a thread, so that every rank's read runs at once."""
-        t = time.perf_counter()
-        try:
-            await asyncio.to_thread(self.transfers[rank].read, session, local, remote, lengths)
-        except TransferError as exc:
-            return time.perf_counter() - t, exc
-        return time.perf_counter() - t, None
+        return await read_rank(self.transfers[rank], session, local, remote, lengths)
+
+
+async def read_rank(
+    transfer: TransferEngine, session: str, local: list[int], remote: list[int], lengths: list[int]
+) -> tuple[float, TransferError | None]:
+    """One rank's read (seconds, error): on a thread, so that every rank's read runs at once."""
+    t = time.perf_counter()
+    try:
+        await asyncio.to_thread(transfer.read, session, local, remote, lengths)
+    except TransferError as exc:
+        return time.perf_counter() - t, exc
+    return time.perf_counter() - t, None
+
+
+def source_refusal(settings: WorkerSettings, node_id: str, me: NodeInfo | None, peer: NodeInfo) -> str | None:
+    """Why the engine `node_id` (its registration as listed: `me`) must not read `peer`'s KV (None: it may): a pull
+    plan's source and a bandwidth probe's are held to the same rules."""
+    if peer.fingerprint != settings.kv_fingerprint:
+        return f"source {peer.node_id} has KV fingerprint {peer.fingerprint!r}, not this engine's {settings.kv_fingerprint!r}"
+    theirs = tp_size(peer.regions)
+    if theirs != settings.tp:
+        return f"source {peer.node_id} has {theirs} TP ranks, this engine {settings.tp}: its KV heads are sliced otherwise"
+    if me is None:
+        return f"this engine ({node_id}) is not in the directory's node list yet: its tenant is unknown"
+    return tenancy_refusal(
+        tenant=me.tenant, shared=me.shared, source=peer.node_id, source_tenant=peer.tenant, source_shared=peer.shared
+    )

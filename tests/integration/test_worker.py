@@ -49,7 +49,7 @@ def test_second_request_reuses_the_prefix(file_directory, make_workers) -> None:
 @pytest.mark.parametrize("transfer", ["mooncake", "tcp"])
 def test_peer_pulls_a_prefix_as_verified_bytes(file_directory, make_workers, transfer) -> None:
     c = file_directory
-    w = make_workers(c, 2, ("--transfer", transfer, "--tp", "2"))
+    w = make_workers(c, 2, ("--transfer", transfer, "--tp", "2", "--pull-probe-blocks", "0"))
     _complete(w.urls[0], PROMPT)
     wait_for(lambda: _holders(c.replica_urls[0], PROMPT) == {"worker-1": 25}, what="worker-1's blocks")
     res = httpx.post(
@@ -69,6 +69,21 @@ def test_peer_pulls_a_prefix_as_verified_bytes(file_directory, make_workers, tra
     wait_for(lambda: PULL_GBPS_LABEL in _load(c.replica_urls[0], "worker-2"), what="worker-2's pull_gbps")
     assert _load(c.replica_urls[0], "worker-2")[PULL_GBPS_LABEL] == pytest.approx(measured)
     assert PULL_GBPS_LABEL not in _load(c.replica_urls[0], "worker-1")  # it never pulled
+
+
+@pytest.mark.parametrize("transfer", ["mooncake", "tcp"])
+def test_engines_measure_their_pull_bandwidth_before_any_pull(file_directory, make_workers, transfer) -> None:
+    """The first pull priced right: each engine reads a probe of its peer's KV memory, so its heartbeats report a
+    bandwidth before the gateway plans a pull to it; nothing of the probe counts as a pull or lands in a pool."""
+    c = file_directory
+    w = make_workers(c, 2, ("--transfer", transfer, "--tp", "2", "--pull-probe-blocks", "8"))
+    for node_id in ("worker-1", "worker-2"):
+        wait_for(lambda: PULL_GBPS_LABEL in _load(c.replica_urls[0], node_id), what=f"{node_id}'s pull_gbps")
+        assert _load(c.replica_urls[0], node_id)[PULL_GBPS_LABEL] > 0
+    for url in w.urls:
+        metrics = httpx.get(url + "/metrics").text
+        assert "kvdir_worker_pulled_blocks_total 0.0" in metrics and "kvdir_worker_pull_errors_total 0.0" in metrics
+        assert 'kvdir_worker_task_failures_total{task="pull_probe"} 0.0' in metrics
 
 
 def test_stale_or_wrong_pull_falls_back_to_recompute(file_directory, make_workers) -> None:
