@@ -216,6 +216,14 @@ class ConnectorSettings(DirectoryClientSettings):
         le=60,
         description="how often the worker re-reads the directory's node list of pull sources (off the engine step)",
     )
+    pull_probe_blocks: int = Field(
+        64,
+        ge=0,
+        le=4096,
+        description="blocks a probe read of a peer's KV takes once the engine is registered, to measure its pull "
+        "bandwidth before its first pull (reported from the engine's next step on; the gateway prices pulls with it); "
+        "0: no probe",
+    )
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60, description="heartbeat period (keep well under the lease TTL)")
     publish_interval_s: float = Field(0.05, gt=0, le=10, description="new and evicted blocks are sent this often")
     metrics: HostPort | None = Field(None, description="HOST:PORT to serve the connector's Prometheus metrics on")

@@ -27,6 +27,8 @@ class Peers(Protocol):
 
     def get(self, node_id: str, epoch: int) -> PullSource | None: ...
 
+    def known(self) -> dict[tuple[str, int], PullSource]: ...
+
     def settled(self, since: float) -> bool: ...
 
     def wait(self, since: float, timeout: float) -> bool: ...
@@ -81,6 +83,10 @@ class PeerCache:
             self._wake.set()
         return peer
 
+    def known(self) -> dict[tuple[str, int], PullSource]:
+        """Every source of the last list (a bandwidth probe chooses among them)."""
+        return self._known
+
     def settled(self, since: float) -> bool:
         """Whether a read of the list that started after `since` (`time.monotonic()`) has ended, or the last read
         found the directory down (no fresher list is coming soon: a miss is a miss at once)."""
@@ -119,3 +125,17 @@ class PeerCache:
                     self._read_started = started
                     self._read_ended.notify_all()
                 await asyncio.to_thread(self._wake.wait, self.s.peer_refresh_s)
+
+
+def probe_source(
+    known: dict[tuple[str, int], PullSource], node_id: str, fingerprint: str | None, tp_size: int, rank: int
+) -> tuple[str, int] | None:
+    """The source a bandwidth probe of TP rank `rank` reads, (node id, epoch): the first by node id that a pull plan
+    could name for this engine (its tenant allows it, the same KV fingerprint and TP size, a session for the rank),
+    never this engine itself; None while there is none."""
+    for (node, epoch), src in sorted(known.items()):
+        if node == node_id or src.refusal is not None or src.fingerprint != fingerprint or fingerprint is None:
+            continue
+        if len(src.layouts) == tp_size and src.sessions[rank] is not None:
+            return node, epoch
+    return None

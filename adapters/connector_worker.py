@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import numpy as np
 
 from adapters.config import ConnectorSettings
 from adapters.connector_meta import HostLoad, Load, RankHandshake, StepPlan, WorkerReport, summed
-from adapters.connector_peers import PeerCache, Peers
+from adapters.connector_peers import PeerCache, Peers, probe_source
 from adapters.kv_memory import KvMemory
 from adapters.pull_reader import PullJob, PullReader, ReadPlan, unpinned
 from adapters.vllm_plan import TAG_BYTES, KvLayout, LayerRegion, PlanError, check_tags, coalesce, page_pieces
@@ -45,6 +46,9 @@ log = logging.getLogger("kvdir.vllm")
 
 PULL_THREADS = 2
 """Reader threads per TP rank: a second read goes on while one waits on a slow or hung source."""
+
+PROBE_TRIES = 3
+"""Bandwidth probes that may fail (each after the transfer timeout) before the engine stops probing."""
 
 
 @dataclass(slots=True)
@@ -93,6 +97,10 @@ class WorkerHalf:
         # it returned, and the transfer engine has no abandoned read in flight (kvtransfer.mooncake).
         self._orphans: list[PullJob] = []
         self._peers = peers or PeerCache(s, node_id)
+        self._stopping = threading.Event()
+        self._pulled = False  # a pull's read landed here (the probe is needless)
+        self._probed: tuple[int, float] | None = None  # the probe's page bytes and seconds, for the next report
+        self._probe_jobs: list[PullJob] = []  # failed probes (at most PROBE_TRIES), kept with their buffers
 
     def register(self, memory: KvMemory, rank: int) -> None:
         """Register the KV memory and the tag array with the transfer engine; describe them as regions."""
@@ -111,6 +119,8 @@ class WorkerHalf:
             self._register_host_tier(layers)
         self._reader = PullReader(self._transfer, PULL_THREADS)
         self._peers.start()
+        if self.s.pull_probe_blocks:
+            threading.Thread(target=self._probe, name="kvdir-probe", daemon=True).start()
         log.info(
             "kvdir connector: TP rank %d: %d layers, %d blocks registered at %s",
             rank,
@@ -136,6 +146,41 @@ class WorkerHalf:
         if self._transfer is None or self._layout is None:
             return None
         return RankHandshake(self._transfer.session, self._layout, self._host_layout)
+
+    # ------------------------------------------------------------------ the bandwidth probe
+
+    def _probe(self) -> None:
+        """Measure the pull bandwidth before the first pull (a thread of its own): once the directory lists a source
+        a plan could name, read `pull_probe_blocks` of its blocks as a pull does (tags, pages, tags, by the reader
+        threads, into a staging buffer that never lands), and report the read with the next step's
+        (`report`: the scheduler half's `pull_gbps`). A pull that completes first makes it needless."""
+        assert self._reader is not None and self._layout is not None
+        tries = 0
+        while tries < PROBE_TRIES and not self._stopping.wait(self.s.peer_refresh_s):
+            if self._pulled:  # a pull's read landed: that is the measure
+                return
+            known = self._peers.known()
+            source = probe_source(known, self.node_id, self.fingerprint, self.tp_size, self.rank)
+            if source is None:
+                continue
+            tries += 1
+            n = min(self.s.pull_probe_blocks, self._tags.shape[0], known[source].layouts[self.rank].num_blocks)
+            load = Load("kvdir-probe", source[0], source[1], list(range(n)), list(range(n)), [0] * n)
+            job = PullJob(load.req_id, time.monotonic() + self.s.transfer_timeout_s, functools.partial(self._prepare, load, 0.0))
+            self._reader.submit(job)
+            if job.done.wait(self.s.transfer_timeout_s) and job.error is None and job.plan is not None:
+                self._probed = (job.plan.page_bytes, job.read_s)
+                log.info(
+                    "pull probe of %s, rank %d: %d bytes in %.1f ms (%.2f GB/s)",
+                    source[0],
+                    self.rank,
+                    job.plan.page_bytes,
+                    job.read_s * 1e3,
+                    job.plan.page_bytes / max(job.read_s, 1e-9) / 1e9,
+                )
+                return
+            self._probe_jobs.append(job)  # its read, or one the transfer engine abandoned, may still write into it
+            log.info("pull probe of %s, rank %d failed: %s", source[0], self.rank, job.error or "no answer in time")
 
     # ------------------------------------------------------------------ one step
 
@@ -274,6 +319,7 @@ class WorkerHalf:
         for b, h in good:  # the bytes are in: the hash last, as after a forward pass
             self._tags[b, 0] = h
         self._report.pulled += [(load.req_id, b, h) for b, h in good]
+        self._pulled = True
         self._report.read_s[self.rank] = self._report.read_s.get(self.rank, 0.0) + job.read_s
         self._report.read_bytes[self.rank] = self._report.read_bytes.get(self.rank, 0) + read.page_bytes
         return [load.dst_blocks[i] for i in bad]
@@ -327,9 +373,14 @@ class WorkerHalf:
 
     def report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport()
+        probed, self._probed = self._probed, None
+        if probed is not None:  # measured as a pull's read is: the scheduler half's pull_gbps counts it alike
+            report.read_bytes[self.rank] = report.read_bytes.get(self.rank, 0) + probed[0]
+            report.read_s[self.rank] = report.read_s.get(self.rank, 0.0) + probed[1]
         return report if report else None
 
     def shutdown(self) -> None:
+        self._stopping.set()
         self._peers.stop()
         if self._reader is not None:
             self._reader.close()

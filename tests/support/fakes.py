@@ -62,6 +62,9 @@ class FixedPeers:
     def get(self, node_id: str, epoch: int) -> PullSource | None:
         return self.sources.get((node_id, epoch))
 
+    def known(self) -> dict[tuple[str, int], PullSource]:
+        return self.sources
+
     def read(self) -> None:
         self.read_started = time.monotonic() + 3600
         self.sources.update(self.listed)

@@ -15,11 +15,13 @@ import pytest
 
 from adapters.config import ConnectorSettings
 from adapters.connector_meta import Load, StepPlan, reduce_pull_stats
+from adapters.connector_peers import probe_source
 from adapters.connector_worker import WorkerHalf
 from adapters.kv_memory import HostKvMemory
-from adapters.vllm_plan import PullSource
+from adapters.vllm_plan import KvLayout, LayerRegion, PullSource
 from kvtransfer.engine import TransferError
 from tests.support.fakes import FixedPeers
+from tests.support.wait import wait_for
 
 BLOCKS, PAGE, LAYERS = 16, 256, 2
 
@@ -49,8 +51,15 @@ class MemTransfer:
         return
 
 
-def _engine(node_id: str, peers: FixedPeers, transfer: MemTransfer) -> tuple[WorkerHalf, list[np.ndarray]]:
-    s = ConnectorSettings(node_id=node_id, api_url="http://127.0.0.1:9", transfer="tcp", transfer_timeout_s=1.0)
+def _engine(node_id: str, peers: FixedPeers, transfer: MemTransfer, probe_blocks: int = 0) -> tuple[WorkerHalf, list[np.ndarray]]:
+    s = ConnectorSettings(
+        node_id=node_id,
+        api_url="http://127.0.0.1:9",
+        transfer="tcp",
+        transfer_timeout_s=1.0,
+        peer_refresh_s=0.01,
+        pull_probe_blocks=probe_blocks,
+    )
     w = WorkerHalf(s, node_id=node_id, tp_size=1, fingerprint_of=lambda _: "fp", transfer_factory=lambda: transfer, peers=peers)
     pages = [np.zeros((BLOCKS, PAGE), dtype=np.uint8) for _ in range(LAYERS)]
     w.register(HostKvMemory(pages), 0)
@@ -212,3 +221,41 @@ def test_a_held_read_does_not_hold_the_next_one(pair) -> None:
     assert _finished(dst) == {"fast"}
     hung.set()
     assert _finished(dst) == {"slow"}
+
+
+def test_a_probe_measures_the_pull_bandwidth_before_any_pull_and_lands_nothing(pair) -> None:
+    """The first pull priced right: an engine with a probe reads a pull's worth of a source's blocks as a pull
+    reads them (tags, pages, tags: three reads) into buffers of its own, and its next report carries the read's
+    bytes and seconds (the scheduler half's pull_gbps); its own KV and tags stay as they were."""
+    src, _, _, _, _ = pair
+    peers = FixedPeers()
+    handshake = src.handshake()
+    assert handshake is not None
+    peers.sources[("src", 7)] = PullSource([handshake.session], [handshake.layout], "fp", None, None)
+    transfer = MemTransfer("prober:1")
+    prober, pages = _engine("prober", peers, transfer, probe_blocks=3)
+    try:
+        reports = []
+        wait_for(lambda: reports.append(prober.report()) or reports[-1], what="the probe's report", timeout=10)
+        (report,) = [r for r in reports if r]
+        assert report.read_bytes == {0: 3 * LAYERS * PAGE} and report.read_s[0] > 0
+        assert report.pulled == [] and transfer.reads == 3  # one probe, read as a pull is: tags, pages, tags
+        assert all(not p.any() for p in pages) and not prober._tags.any()  # nothing landed in its KV or tags
+        assert prober.report() is None  # reported once
+    finally:
+        prober.shutdown()
+
+
+def test_a_probe_reads_no_source_a_plan_could_not_name() -> None:
+    layout = KvLayout((LayerRegion(1 << 40, PAGE, BLOCKS),), 1 << 41)
+    ok = PullSource(["s:1"], [layout], "fp", None, None)
+    known = {
+        ("a-me", 1): ok,
+        ("b-tenant", 1): ok._replace(refusal="source b-tenant is of tenant 't2'"),
+        ("c-model", 1): ok._replace(fingerprint="other"),
+        ("d-tp", 1): ok._replace(sessions=["s:1", "s:2"], layouts=[layout, layout]),
+        ("e-nosession", 1): ok._replace(sessions=[None]),
+    }
+    assert probe_source(known, "a-me", "fp", 1, 0) is None
+    assert probe_source(known, "x", None, 1, 0) is None  # no fingerprint of its own yet
+    assert probe_source(known | {("z", 2): ok, ("f", 3): ok}, "a-me", "fp", 1, 0) == ("f", 3)

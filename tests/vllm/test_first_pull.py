@@ -2,7 +2,8 @@
 
 The session engines of test_connector.py have served other requests by the time most of its tests run, so
 these engines are this module's own: a holder A and, for each test, a B started for it whose first completion
-is the pull (once with the plan in the body, once planned by a gateway of this module's own). The conftest
+is the pull (once with the plan in the body, once planned by a gateway of this module's own), after one whose
+first completions are plain, which measures its pull bandwidth with a probe of A before any pull. The conftest
 runs this file first, and its engines stop before the session's start: at most two vLLM engines at a time.
 """
 
@@ -85,6 +86,26 @@ def _first_request_is_a_pull(b: Engine) -> None:
     """B has served no completion (nothing published, nothing pulled) and its log shows none."""
     assert b.metric(PULL) == 0 and b.metric(FAILED) == 0 and b.metric("kvdir_connector_published_blocks_total") == 0
     assert not b.log_lines("POST /v1/completions")
+
+
+def test_a_fresh_engine_measures_its_pull_bandwidth_before_its_first_pull(pair: Pair) -> None:
+    """Issue #43, the first pull priced right: once the directory lists B, B's worker half reads a probe of A's KV
+    as a pull would (into buffers of its own), and the scheduler half reports its bandwidth (`pull_gbps`) from B's
+    next step on: vLLM runs no step while an engine is idle, so B is sent plain requests until it does."""
+    b = pair.fresh("first-b0")
+    pair.a.wait_ready()
+    b.wait_ready()
+    wait_for(lambda: (n := _node(pair.directory, b.name)) is not None and n["alive"], what="B registered", timeout=60)
+
+    def measured() -> float:
+        b.complete("a plain prompt, one step", max_tokens=1)
+        n = _node(pair.directory, b.name)
+        return n["load"].get("pull_gbps", 0.0) if n is not None else 0.0
+
+    assert wait_for(measured, what="B's pull_gbps", timeout=60, interval=0.5) > 0
+    # Measured by the probe's read alone: nothing pulled, nothing failed, the read's page bytes counted.
+    assert b.metric(PULL) == 0 and b.metric(FAILED) == 0, b.log_lines("pull of")
+    assert b.metric("kvdir_connector_pull_page_bytes_total") > 0
 
 
 def test_a_fresh_engines_first_request_can_be_a_pull(pair: Pair) -> None:
