@@ -7,9 +7,9 @@ process:
 
 * ``upstream_forward_us``: a POST of a 90-byte body, read whole, over one pooled keep-alive
   connection of the gateway's `Upstream`: its forward;
-* ``httpcore_forward_us``: the same through an ``httpcore.AsyncConnectionPool`` with the gateway's
-  former limits (its forward until issue #48), and ``httpx_forward_us`` through an
-  ``httpx.AsyncClient`` (its forward until 2026-12-01), for comparison;
+* ``httpcore_forward_us``: the same through an ``httpcore.AsyncConnectionPool`` with the limits the gateway
+  used it with, and ``httpx_forward_us`` through an ``httpx.AsyncClient``, the two clients the gateway's forward
+  was measured against, for comparison;
 * ``asyncio_forward_us``: the same exchange with the benches' own minimal HTTP/1.1 client on
   asyncio streams (`kvtools.bench.loadgen.Conn`), about the least any client in Python costs;
 * ``fastapi_inbound_us``: uvicorn (uvloop, httptools) + a FastAPI route that reads the body,
@@ -19,8 +19,8 @@ process:
 gateway built that way spends per request on this machine, whatever it does in between.
 
 `floor_proxy` is the old floor in latency, kept as the fixed yardstick of `kvdir bench gateway`'s
-figures since issue #15: a proxy that does nothing but receive through uvicorn + FastAPI and forward
-through httpcore, measured next to the gateway against the same worker.
+figures (BENCHMARKS.md compares against it throughout): a proxy that does nothing but receive through uvicorn +
+FastAPI and forward through httpcore, measured next to the gateway against the same worker.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ async def completions(request: Request) -> Response:
     return Response(content, status_code=upstream.status, media_type="application/json", headers={"x-kvdir-node": "w"})
 """
 
-# The lean floor: what the gateway's completion routes run on since issue #48 (uvicorn, an ASGI callable ahead of
-# any framework, the gateway's own forward client), doing nothing but forward.
+# The lean floor: what the gateway's completion routes run on (uvicorn, an ASGI callable ahead of any framework,
+# the gateway's own forward client), doing nothing but forward.
 _LEAN_PROXY_APP = """
 import json, os
 from gateway.upstream import Timeouts, Upstream
