@@ -16,6 +16,17 @@ blocks were cached here already; it named this engine; malformed; another model'
 another TP size or tenant (docs/engines.md)."""
 
 
+VLLM_COUNTERS = (
+    ("pulls", "vllm:kvdir_pulls", "kvdir pulls that ended (landed, failed or given up), over TP ranks"),
+    ("pulled_blocks", "vllm:kvdir_pulled_blocks", "kvdir blocks pulled from peers and validated, over TP ranks"),
+    ("failed_blocks", "vllm:kvdir_pull_failed_blocks", "kvdir pulled blocks that failed (recomputed), over TP ranks"),
+    ("read_bytes", "vllm:kvdir_pull_read_bytes", "KV page bytes kvdir pulls read from peers, over TP ranks"),
+    ("read_s", "vllm:kvdir_pull_read_seconds", "seconds of those reads, summed over TP ranks"),
+)
+"""The pull counts vLLM's own /metrics shows (`KvdirConnector.build_prom_metrics`): (key of the stats vLLM gathers
+from the worker halves each step, metric name, help). The connector's `metrics` port has the rest."""
+
+
 class ConnectorMetrics:
     """The counters, in one registry."""
 

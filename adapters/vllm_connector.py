@@ -47,11 +47,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from adapters.config import ConnectorSettings
 from adapters.connector_meta import RankHandshake, StepPlan, WorkerReport, reduce_pull_stats, summed
+from adapters.connector_metrics import VLLM_COUNTERS
 from adapters.connector_scheduler import SchedulerHalf
 from adapters.connector_worker import WorkerHalf
 from adapters.kv_identity import engine_fingerprint, served_name
@@ -111,6 +112,31 @@ class KvdirConnectorStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is un
 
     def is_empty(self) -> bool:
         return not self.data.get("pulls")
+
+
+class KvdirPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM is untyped for mypy here
+    """The pulls' counts on vLLM's own /metrics, a counter per `VLLM_COUNTERS` entry labelled as vLLM labels each
+    engine's series, fed from the stats vLLM gathers (`KvdirConnectorStats`): what an operator who scrapes vLLM
+    sees without the connector's own metrics port."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, name, doc in VLLM_COUNTERS:
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
 
 
 def host_memory(kv_caches: dict[str, torch.Tensor]) -> HostKvMemory:
@@ -265,6 +291,16 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KvdirConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvdirPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report = self._work.report()

@@ -94,6 +94,12 @@ def test_the_directory_holds_the_engines_real_block_ids(engines: dict[str, Engin
     assert [int(h) for h in buf[:, 0]] == hashes
 
 
+def _vllm_counter(engine: Engine, name: str) -> float:
+    """A counter of vLLM's own /metrics (the API server's), summed over its series."""
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
+
+
 def test_a_pulled_prefix_gives_the_recomputed_output(engines: dict[str, Engine], directory: Cluster) -> None:
     """B's first request is this pull, on purpose: a crash reported on the CPU build ("Illegal instruction" at a
     fresh engine's first connector load) would fail here, not be retried away.
@@ -112,6 +118,10 @@ def test_a_pulled_prefix_gives_the_recomputed_output(engines: dict[str, Engine],
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK
     expected = _recomputed(b)
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]
+    # vLLM's own /metrics shows the pull too (build_prom_metrics, fed by the stats vLLM gathers each step).
+    wait_for(lambda: _vllm_counter(b, "vllm:kvdir_pulled_blocks_total") == pullable, what="vLLM's kvdir_pulled_blocks")
+    assert _vllm_counter(b, "vllm:kvdir_pull_failed_blocks_total") == 0 and _vllm_counter(b, "vllm:kvdir_pulls_total") >= 1
+    assert _vllm_counter(b, "vllm:kvdir_pull_read_bytes_total") > 0
     # B holds the first blocks itself: it pulls only the rest.
     local = 3
     b.reset_cache()
