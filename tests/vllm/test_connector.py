@@ -193,6 +193,22 @@ def wait_gateway_sees_running(gateway: Gateway, node_id: str, n: int, timeout: f
         raise AssertionError(f"{exc}; the status showed {shown}; its load reads: {reads}") from None
 
 
+BUSY_STREAMS = 4
+"""Streams of 3,000 tokens each that keep a holder busy while a test waits for the gateway to see it running 2:
+about 12,000 tokens, some 20 s of decode here. Two were about 10 s (vLLM decoded ~600 tokens/s over two streams
+on these two cores), and in one `make test-vllm` (2026-12-06) the gateway's event loop went unscheduled for 8 s
+of them, under that very decode: it never saw them. The KV cache holds ~8,000 tokens: the others wait, and two or
+more run until the last ones."""
+
+
+def keep_busy(streams: ExitStack, http: httpx.Client, engine: Engine) -> None:
+    """Open `BUSY_STREAMS` streams of 3,000 tokens (ignoring EOS) on `engine`, closed (vLLM aborts them) with
+    `streams`."""
+    busy = {"model": MODEL, "prompt": "keep busy " * 20, "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+    for _ in range(BUSY_STREAMS):
+        assert streams.enter_context(http.stream("POST", engine.url + "/v1/completions", json=busy)).status_code == 200
+
+
 def _decisions(gateway: Gateway) -> str:
     """The gateway's last routing decisions with their TTFT formulas, and what it logged about lookups and engines."""
     lines = gateway.log_path.read_text(errors="replace").splitlines()
@@ -204,17 +220,15 @@ def test_the_gateway_plans_a_pull_from_a_busy_holder(engines: dict[str, Engine],
     """Decided by the gateway's TTFT model, not by timing: with its --max-running 1 and --decode-tokens-per-s 8,
     each request running on A adds 1 s to A's estimate, against ~2 ms for B to pull the prefix (its
     --link-gbps); both compute the same last partial block. The test waits until the gateway itself sees A's
-    two requests running (the load it reads from the directory), and those cannot end meanwhile: they stream
-    3,000 tokens ignoring EOS (about 30 s), until the test closes them (vLLM aborts a stream whose client left)."""
+    requests running (the load it reads from the directory), and they cannot all end meanwhile (`keep_busy`), until
+    the test closes them (vLLM aborts a stream whose client left)."""
     a, b = engines["vllm-a"], engines["vllm-b"]
     hashes, _ = _served(a, directory)
     expected = _recomputed(b)
     b.reset_cache()
     wait_for(lambda: _holder(directory, hashes, "vllm-b") is None, what="B's reset blocks gone from the directory", timeout=30)
-    busy = {"model": MODEL, "prompt": "keep busy " * 20, "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
     with ExitStack() as streams, httpx.Client(timeout=180) as http:
-        for _ in range(2):
-            assert streams.enter_context(http.stream("POST", a.url + "/v1/completions", json=busy)).status_code == 200
+        keep_busy(streams, http, a)
         wait_gateway_sees_running(gateway, "vllm-a", 2)
         r = http.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     wait_for(lambda: (n := _node(directory, "vllm-a")) is not None and n["load"].get("running") == 0, what="A idle", timeout=60)

@@ -29,6 +29,7 @@ from tests.vllm.test_connector import (
     _node,
     _plan,
     _served,
+    keep_busy,
     wait_gateway_sees_running,
 )
 
@@ -138,18 +139,9 @@ def test_a_fresh_engines_first_request_can_be_a_gateway_pull(pair: Pair, tmp_pat
     gateway: Gateway = start_gateway(tmp_path_factory.mktemp("first-pull-gateway"), pair.directory)
     try:
         wait_for(lambda: _gateway_running(gateway, b.name) is not None, what="the gateway to list B", timeout=60)
-        busy = {
-            "model": MODEL,
-            "prompt": "keep busy " * 20,
-            "max_tokens": 3000,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
         a = pair.a
         with ExitStack() as streams, httpx.Client(timeout=180) as http:
-            for _ in range(2):
-                assert streams.enter_context(http.stream("POST", a.url + "/v1/completions", json=busy)).status_code == 200
+            keep_busy(streams, http, a)
             wait_gateway_sees_running(gateway, a.name, 2)
             r = http.post(
                 gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}

@@ -33,6 +33,7 @@ from tests.vllm.test_connector import (
     _plan,
     _recomputed,
     _served,
+    keep_busy,
     wait_gateway_sees_running,
 )
 
@@ -205,11 +206,8 @@ def test_a_tp1_holder_is_never_a_source_for_a_tp2_engine(tp: Engines, tmp_path_f
     gateway: Gateway = start_gateway(tmp_path_factory.mktemp("tp-gateway"), tp.directory)
     try:
         gateway.wait_ready(60, engines=2)
-        busy = {"model": MODEL, "prompt": "keep busy " * 20, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
         with ExitStack() as streams, httpx.Client(timeout=180) as http:
-            for _ in range(2):
-                stream = streams.enter_context(http.stream("POST", c.url + "/v1/completions", json={**busy, "stream": True}))
-                assert stream.status_code == 200
+            keep_busy(streams, http, c)
             wait_gateway_sees_running(gateway, c.name, 2)
             r = http.post(
                 gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
