@@ -79,10 +79,14 @@ class VllmEngine:
         served_name: str = MODEL,
         extra_args: tuple[str, ...] = (),
         tp: int = 1,
+        nice: int = 0,
     ) -> None:
         """`tp`: tensor-parallel ranks, one worker process each (multiprocessing executor), rank r's OpenMP
-        threads bound to CPU r modulo the CPUs here (vLLM's CPU build refuses TP > 1 on one NUMA node unless told)."""
+        threads bound to CPU r modulo the CPUs here (vLLM's CPU build refuses TP > 1 on one NUMA node unless told).
+        `nice`: added to the engine's processes' niceness (`nice -n`), so that processes sharing its CPUs (a
+        gateway, the directory) run first when they have work."""
         self.name = name
+        self.nice = nice
         self.tp = tp
         self.served_name = served_name
         self.extra_args = extra_args
@@ -155,6 +159,8 @@ class VllmEngine:
             *tp_args,
             *self.extra_args,
         ]
+        if self.nice:
+            cmd = ["nice", "-n", str(self.nice), *cmd]
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
