@@ -9,8 +9,8 @@ report). The bytes read are dropped: nothing lands in the KV pool, nothing is ve
 
 The source is a peer this engine may pull from by the pull rules (same KV fingerprint and TP size, a tenant it
 trusts: `stub_engine.source_refusal`), the first by node id: no engine reads memory a pull plan could not have
-sent it to. With no such peer yet, it looks again at the next round; once the engine measured (a probe or a
-real pull), rounds cost nothing.
+sent it to. With no such peer yet (or no directory answering), it looks again at the next round; once the engine
+measured (a probe or a real pull), or after `PROBE_TRIES` failed reads, rounds cost nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 
 from kvproto import media
 from kvproto.client import DirectoryClient
+from kvproto.errors import DirectoryError
 from kvproto.ranks import rank_sessions
 from kvproto.schemas import NodeInfo
 from kvtransfer.bandwidth import PullBandwidth
@@ -34,6 +35,9 @@ log = logging.getLogger("kvdir.worker")
 
 PROBE_INTERVAL_S = 1.0
 """How often an engine without a measured bandwidth looks for a peer to probe."""
+
+PROBE_TRIES = 3
+"""Probe reads that may fail before the engine stops probing (its first pull measures then)."""
 
 
 def probe_source(settings: WorkerSettings, node_id: str, nodes: list[NodeInfo]) -> NodeInfo | None:
@@ -61,14 +65,19 @@ class PullProbe:
         self.blocks = settings.pull_probe_blocks
         # One buffer per rank, as each rank's transfer engine reads into memory registered with it.
         self._scratch = [np.zeros(self.blocks * self.block_bytes, np.uint8) for _ in transfers]
+        self.failed = 0  # probe reads that failed
         for transfer, buf in zip(transfers, self._scratch, strict=True):
             transfer.register(buf.ctypes.data, buf.nbytes)
 
     async def step(self) -> None:
         """Probe a peer if this engine has not measured its bandwidth yet."""
-        if self.bandwidth.gbps is not None or not self.transfers:
+        if self.bandwidth.gbps is not None or not self.transfers or self.failed >= PROBE_TRIES:
             return
-        peer = probe_source(self.s, self.node_id, await self.directory.nodes())
+        try:
+            nodes = await self.directory.nodes()
+        except DirectoryError:
+            return  # the directory is down: not this task's failure; the next round asks again
+        peer = probe_source(self.s, self.node_id, nodes)
         if peer is None or peer.transfer_url is None:
             return
         sessions = rank_sessions(peer.regions, peer.transfer_url)
@@ -91,7 +100,8 @@ class PullProbe:
         seconds = time.perf_counter() - t
         errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(outcomes) if e is not None]
         if errors:
-            log.info("pull probe of %s failed (%s); next try in %.0f s", peer.node_id, "; ".join(errors), PROBE_INTERVAL_S)
+            self.failed += 1
+            log.info("pull probe of %s failed (%s), %d of %d tries", peer.node_id, "; ".join(errors), self.failed, PROBE_TRIES)
             return
         self.bandwidth.add(nbytes, seconds)
         log.info("pull probe of %s: %d bytes in %.1f ms, %.2f GB/s", peer.node_id, nbytes, seconds * 1e3, nbytes / seconds / 1e9)

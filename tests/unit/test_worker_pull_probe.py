@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
+from kvproto.errors import DirectoryUnavailable
 from kvproto.schemas import NodeInfo, RegionInfo
 from kvtransfer.bandwidth import PullBandwidth
 from kvtransfer.engine import TransferError
 from tests.support.fakes import Directory
 from worker_stub.config import WorkerSettings
-from worker_stub.pull_probe import PullProbe, probe_source
+from worker_stub.pull_probe import PROBE_TRIES, PullProbe, probe_source
 
 SETTINGS = WorkerSettings(node_id="worker-1", capacity_blocks=8, block_bytes=64, time_scale=0, pull_probe_blocks=4)
 
@@ -107,7 +108,7 @@ def test_a_probe_reads_no_more_than_the_peers_region_holds(blocks: int) -> None:
     assert len(remote) == min(blocks, 4)
 
 
-def test_a_failed_probe_measures_nothing_and_is_tried_again() -> None:
+def test_a_failed_probe_measures_nothing_and_is_tried_again_a_bounded_number_of_times() -> None:
     probe, transfer, bandwidth = _probe([node("worker-1"), node("worker-2")])
     transfer.fail = True
     asyncio.run(probe.step())
@@ -115,3 +116,22 @@ def test_a_failed_probe_measures_nothing_and_is_tried_again() -> None:
     transfer.fail = False
     asyncio.run(probe.step())
     assert bandwidth.gbps is not None and len(transfer.reads) == 1
+    # A source whose reads keep failing is given up after PROBE_TRIES: the engine's first pull measures then.
+    probe, transfer, bandwidth = _probe([node("worker-1"), node("worker-2")])
+    transfer.fail = True
+    for _ in range(PROBE_TRIES + 2):
+        asyncio.run(probe.step())
+    assert probe.failed == PROBE_TRIES and bandwidth.gbps is None
+
+
+def test_a_directory_that_does_not_answer_is_no_probe_failure() -> None:
+    """Not a bug of the task (which `every` would count and log with a traceback every round): the next round asks."""
+
+    class Down:
+        async def nodes(self, *, deadline: float | None = None) -> list[NodeInfo]:
+            raise DirectoryUnavailable("no replica answered")
+
+    transfer, bandwidth = Transfer(), PullBandwidth()
+    probe = PullProbe(SETTINGS, "worker-1", [transfer], Down(), bandwidth)  # type: ignore[list-item, arg-type]
+    asyncio.run(probe.step())
+    assert transfer.reads == [] and probe.failed == 0
