@@ -107,7 +107,9 @@ def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(file_directory, m
     """worker-1 holds the prompt in its host tier only. At the default copy rate the gateway sends the prompt
     there (microseconds of copy against recomputing it elsewhere or pulling it), and the engine serves it from
     there; told the copy crawls (--host-copy-gbps 1e-9), a gateway has worker-2 pull it from worker-1's host
-    tier instead."""
+    tier instead. That gateway's prefill rate is slow (100 tokens/s: 1.5 s to recompute the prompt), so the pull
+    wins at whatever bandwidth worker-2's probe measured on these loaded cores (pricing a pull at a measured
+    figure was seen to make recomputing at the default rate, 15 ms, cheaper)."""
     c = file_directory
     w = make_workers(c, 2, ARGS)
     d = c.replica_urls[0]
@@ -125,7 +127,7 @@ def test_the_gateway_prices_a_host_hit_as_a_copy_to_the_device(file_directory, m
 
     _evict(w.urls[0], 1)
     _on(d, "worker-1", "host")
-    crawl = make_gateway(c, 2, ("--host-copy-gbps", "1e-9"))
+    crawl = make_gateway(c, 2, ("--host-copy-gbps", "1e-9", "--prefill-tokens-per-s", "100"))
     r = httpx.post(crawl.url + "/v1/completions", json=body, timeout=60)
     assert (r.status_code, r.headers["x-kvdir-node"], r.headers["x-kvdir-decision"]) == (200, "worker-2", "pull"), r.text
     assert r.json()["kvdir"]["pulled_tokens"] == FULL  # read from worker-1's host tier
