@@ -133,8 +133,10 @@ def probe_source(
     """The source a bandwidth probe of TP rank `rank` reads, (node id, epoch): the first by node id that a pull plan
     could name for this engine (its tenant allows it, the same KV fingerprint and TP size, a session for the rank),
     never this engine itself; None while there is none."""
+    if fingerprint is None:  # its KV memory is not registered yet
+        return None
     for (node, epoch), src in sorted(known.items()):
-        if node == node_id or src.refusal is not None or src.fingerprint != fingerprint or fingerprint is None:
+        if node == node_id or src.refusal is not None or src.fingerprint != fingerprint:
             continue
         if len(src.layouts) == tp_size and src.sessions[rank] is not None:
             return node, epoch

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from adapters.config import ConnectorSettings
 from adapters.connector_meta import RankHandshake, StepPlan, WorkerReport, reduce_pull_stats, summed
@@ -127,10 +128,12 @@ class KvdirPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM is
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        for key, name, doc in VLLM_COUNTERS:
-            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            self._counters[key] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), per_engine_labelvalues
+            )
+            for key, name, doc in VLLM_COUNTERS
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():

@@ -160,7 +160,9 @@ class PeerNotes:
         }
 
     def _count(self, name: str) -> Callable[[], float]:
-        return lambda: self.stats[name]
+        """A reader of one count, from the half that keeps it (each keeps one dict, counted in place)."""
+        counts = self.sender.stats if name in self.sender.stats else self.receiver.stats
+        return lambda: counts[name]
 
     def start(self, failed: Callable[[], object]) -> None:
         """Start a sender per peer and the expiry sweep (`failed`: counts a failed sweep)."""

@@ -71,7 +71,7 @@ class PullProbe:
 
     async def step(self) -> None:
         """Probe a peer if this engine has not measured its bandwidth yet."""
-        if self.bandwidth.gbps is not None or not self.transfers or self.failed >= PROBE_TRIES:
+        if self.bandwidth.gbps is not None or self.failed >= PROBE_TRIES:
             return
         try:
             nodes = await self.directory.nodes()
@@ -81,7 +81,7 @@ class PullProbe:
         if peer is None or peer.transfer_url is None:
             return
         sessions = rank_sessions(peer.regions, peer.transfer_url)
-        device = {r.rank: r for r in peer.regions if media.canonical(r.medium) is None}
+        device = {r.rank: r for r in peer.regions if r.medium == media.tier(media.DEVICE)}  # as a pull's lookup
         reads, nbytes = [], 0
         for rank, (transfer, buf) in enumerate(zip(self.transfers, self._scratch, strict=True)):
             theirs, session = device.get(rank), sessions[rank]
