@@ -27,7 +27,6 @@ import json
 import logging
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ from gateway.config import PolicyName
 from kvdir.listeners import taken_ports
 from kvdir.local_cluster import (
     AuthFiles,
+    Child,
     ChildExited,
     Cluster,
     Gateway,
@@ -134,7 +134,7 @@ class Supervised:
     """One process `kvdir up` keeps running: how to find it, start it again, and read its log."""
 
     name: str
-    proc: Callable[[], subprocess.Popen[bytes] | None]
+    proc: Callable[[], Child | None]
     start: Callable[[], None]
     log: Path
     delay_s: float = field(init=False, default=0.0)  # backoff before the next restart, set by the supervisor
@@ -291,7 +291,7 @@ class _Launch:
         """Every replica of every shard (a directory client given them reads the shard map from any one)."""
         return [u for c in self.clusters for u in c.replica_urls]
 
-    def procs(self) -> list[subprocess.Popen[bytes]]:
+    def procs(self) -> list[Child]:
         procs = [p for c in self.clusters for p in c.procs if p is not None]
         procs += [p for p in self.workers.procs if p is not None]
         return procs + ([self.gateway.proc] if self.gateway else [])

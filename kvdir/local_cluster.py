@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -173,10 +173,40 @@ class AuthFiles:
         return self.admin.read_text().strip()
 
 
+class Child(Protocol):
+    """A started process, as this module uses it: `subprocess.Popen`'s interface, which `spawn` may stand in for."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def popen(cmd: Sequence[str], log: Path) -> Child:
+    """Start `cmd` with its output appended to `log`."""
+    with open(log, "ab") as logf:
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+spawn: Callable[[Sequence[str], Path], Child] = popen
+"""How every process here starts; the test suite forks its many short-lived services from a preloaded
+interpreter instead (tests/support/forked.py)."""
+
+
 class ChildExited(RuntimeError):
     """A started process exited while the launcher waited for it to become ready."""
 
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, name: str, proc: Child, log: Path) -> None:
         self.name, self.pid, self.code, self.log = name, proc.pid, cast(int, proc.returncode), log
         super().__init__(f"{name} (pid {proc.pid}) {exit_reason(self.code)} during start-up; see {log}")
 
@@ -190,7 +220,7 @@ class NotReady(TimeoutError):
         self.logs = list(logs)
 
 
-def _answered_by(proc: subprocess.Popen[bytes] | None, url: str, verified: set[int]) -> bool:
+def _answered_by(proc: Child | None, url: str, verified: set[int]) -> bool:
     """Whether what answered at `url` was `proc`, the process started to serve it (as far as /proc can tell).
 
     Another cluster on the same ports answers as well as this one would: its answers must not count.
@@ -216,7 +246,7 @@ class _Children:
 
     def __init__(self, data_dir: Path, n: int) -> None:
         self.data_dir = data_dir
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.procs: list[Child | None] = [None] * n
         self._verified: set[int] = set()  # pids seen listening on their HTTP port
 
     def _log(self, i: int) -> Path:
@@ -226,8 +256,7 @@ class _Children:
         raise NotImplementedError
 
     def _spawn(self, i: int, cmd: Sequence[str]) -> None:
-        with open(self._log(i), "ab") as logf:
-            self.procs[i] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[i] = spawn(cmd, self._log(i))
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to process i (if it runs), and wait for it to end if `sig` ends it."""
@@ -506,7 +535,7 @@ class Gateway(_Children):
         return "gateway"
 
     @property
-    def proc(self) -> subprocess.Popen[bytes]:
+    def proc(self) -> Child:
         proc = self.procs[0]
         assert proc is not None
         return proc
@@ -533,7 +562,7 @@ class Gateway(_Children):
         raise NotReady(f"the gateway was not ready within {timeout}s", [("gateway", self.log_path)], str(self.log_path))
 
 
-def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+def stop_all(procs: Sequence[Child], grace: float) -> None:
     """SIGTERM every process, then SIGKILL those still running after `grace` seconds."""
     for p in procs:
         if p.poll() is None:

@@ -7,6 +7,10 @@ or restarted follower, a hostile client or an oversized body causes *no* electio
 something happens within a bound of about a second. Next to another worker's clusters on 2
 cores, a leader can miss its heartbeats for CPU, not for the fault under test.
 
+Directory replicas, worker stubs and gateways are forked from an interpreter that imported them once
+(tests/support/forked.py): starting one the plain way costs 1-2 s of CPU in imports alone. `--exec-services`
+starts them the plain way, to tell a fault of the forking from one of the code under test.
+
 Under xdist each worker picks server ports from a range of its own (kvdir.local_cluster.PORT_RANGE),
 so a port one worker picked but has not bound yet is never the other's pick.
 """
@@ -18,6 +22,7 @@ import os
 import pytest
 
 from kvdir import local_cluster
+from tests.support import forked
 
 _LOW, _HIGH = 10000, 32000  # below Linux's ephemeral range (32768-60999)
 
@@ -56,6 +61,15 @@ SERIAL = {
 }
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--exec-services",
+        action="store_true",
+        help="start each directory replica, worker stub and gateway with `python -m kvdir`, as `kvdir up` does, "
+        "instead of forking it from the preloaded interpreter (tests/support/forked.py)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serial: run alone, after the parallel pass (tests/conftest.py says why)")
     config.addinivalue_line("markers", "scale: production-sized state, minutes on 2 cores: `make test-scale`, not `make test`")
@@ -66,6 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "peers: the real peers in their own venv (tests/peers, `make test-peers`: Dynamo's simulator)"
     )
+    if not config.getoption("--exec-services"):
+        local_cluster.spawn = forked.spawn
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist; unset otherwise
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker.startswith("gw") and count > 1:
