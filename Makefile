@@ -5,6 +5,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 ARGS   ?=
 
+# Compiled bytecode, and pytest's rewritten test modules, kept between runs (in __pycache__, which git and Docker
+# ignore) even where the environment turns writing it off: without it every test process and every process a test
+# starts compiled the sources again (collecting the suite: 11.5 s of CPU per pytest process, against 4.1 s).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install run lint kernels test flakes test-faults test-scale test-browser browser-deps test-compose test-vllm vllm-install peers-install test-peers bench clean sysdeps
 
 install: $(STAMP)
@@ -41,9 +46,9 @@ lint: install
 kernels: install
 	@$(PY) -c 'from kvproto.index import warm_up; loaded, compiled = warm_up(); print(f"numba kernels: {loaded} loaded from the cache, {compiled} compiled")'
 
-# Two passes (tests/conftest.py says why): two pytest-xdist workers, a test file each at a time, for everything
+# Two passes (tests/conftest.py says why): four pytest-xdist workers, a test file each at a time, for everything
 # but the tests marked serial; then those alone. Exit status 5 is "no test selected" (an ARGS subset).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 4
 PARALLEL_MARKS := not serial and not scale and not browser and not faults
 test: lint kernels
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m '$(PARALLEL_MARKS)' $(ARGS) || [ $$? -eq 5 ]

@@ -1,11 +1,11 @@
 """What every test directory shares: how `make test` splits the suite.
 
-`make test` runs the suite in two passes: most files in two pytest-xdist workers (a file each at
-a time: the tests mostly wait on real processes, so two overlap well on 2 cores), then the tests
-marked `serial` alone. Serial tests assert timing a saturated machine can break: that a stalled
-or restarted follower, a hostile client or an oversized body causes *no* election, or that
-something happens within a bound of about a second. Next to another worker's clusters on 2
-cores, a leader can miss its heartbeats for CPU, not for the fault under test.
+`make test` runs the suite in two passes: most files in four pytest-xdist workers (a file each at
+a time: the tests mostly wait on real processes, which start cheaply forked (below), so four overlap
+well on 2 cores), then the tests marked `serial` alone. Serial tests assert timing a saturated
+machine can break: that a stalled or restarted follower, a hostile client or an oversized body
+causes *no* election, or that something happens within a bound of about a second. Next to another
+worker's clusters on 2 cores, a leader can miss its heartbeats for CPU, not for the fault under test.
 
 Directory replicas, worker stubs and gateways are forked from an interpreter that imported them once
 (tests/support/forked.py): starting one the plain way costs 1-2 s of CPU in imports alone. `--exec-services`
