@@ -1,13 +1,13 @@
 """Service processes forked from an interpreter that has already imported them: the tests' `kvdir.local_cluster` spawner.
 
-The suite starts about 400 directory, worker and gateway processes. Each `python -m kvdir <role>` spends
-1-2 s of CPU importing FastAPI, pydantic, numpy and numba and loading the index's compiled kernels before it
-serves anything, more than most tests spend on what they test, and on 2 cores that CPU is the suite's wall
-time. Here multiprocessing's fork server, started once per pytest process, does those imports once; each
-service is a fork of it that runs `kvdir.cli.main` on its own arguments. It is still a process of its own,
-with its own sockets, log file, environment, exit status and signals, as the tests need; only the
-interpreter's start-up is shared. Commands that are not `python -m kvdir ...` (a prefix such as a network
-namespace's `ip netns exec`) start as plain subprocesses.
+The suite starts hundreds of directory, worker and gateway processes, and each `python -m kvdir <role>` spends
+more CPU importing FastAPI, pydantic, numpy and numba and loading the index's compiled kernels than most tests
+spend on what they test; on 2 cores that CPU is the suite's wall time (BENCHMARKS.md has the figures). Here
+multiprocessing's fork server, started once per pytest process, does those imports once; each service is a
+fork of it that runs `kvdir.cli.main` on its own arguments. It is still a process of its own, with its own
+sockets, log file, environment, exit status and signals, as the tests need; only the interpreter's start-up is
+shared. Commands that are not `python -m kvdir ...` (a prefix such as a network namespace's `ip netns exec`)
+start as plain subprocesses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from kvdir import local_cluster
+from kvdir import cli, local_cluster
 
 PRELOAD = ["tests.support.preload"]
 """What the fork server imports before it forks anything (a module, so that its import can warm the kernels)."""
@@ -44,11 +44,9 @@ def _serve(argv: list[str], env: dict[str, str], log: str) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(env)
-    sys.argv = [*_KVDIR[1:], *argv]
-    from kvdir.cli import main
-
+    sys.argv = [str(Path(cli.__file__).with_name("__main__.py")), *argv]  # as `python -m kvdir` sets it
     try:
-        code = main(argv)
+        code = cli.main(argv)
     finally:
         atexit._run_exitfuncs()  # what interpreter shutdown runs; multiprocessing's child ends in os._exit
     sys.exit(code)
