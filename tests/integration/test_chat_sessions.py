@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from kvdir.local_cluster import free_ports
 from kvtools.bench.chat_sessions import ChatShape, make_sessions, run_sessions
+from tests.support.wait import wait_for
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
 
@@ -100,10 +101,7 @@ def serve() -> Iterator[tuple[str, ChatServer]]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the chat server did not start"
-        time.sleep(0.02)
+    wait_for(lambda: server.started, 10, interval=0.02, what="the chat server to start")
     try:
         yield f"http://127.0.0.1:{port}", chat
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,10 +48,7 @@ def stubs() -> Iterator[list[str]]:
         thread.start()
         servers.append(server)
         threads.append(thread)
-    deadline = time.monotonic() + 10
-    while not all(s.started for s in servers):
-        assert time.monotonic() < deadline, "the worker stubs did not start"
-        time.sleep(0.02)
+    wait_for(lambda: all(s.started for s in servers), 10, interval=0.02, what="the worker stubs to start")
     try:
         yield [f"http://127.0.0.1:{p}" for p in ports]
     finally:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import httpx
 
 from gateway.peers import PeerNotes
 from kvdir.local_cluster import free_ports
 from tests.support.fakes import registry, run
+from tests.support.wait import until
 
 
 def test_sends_never_block_a_full_queue_drops_and_a_dead_peer_is_counted() -> None:
@@ -23,10 +21,7 @@ def test_sends_never_block_a_full_queue_drops_and_a_dead_peer_is_counted() -> No
         assert p.stats["dropped"] == 1
         p.start(lambda: None)
         try:
-            deadline = time.monotonic() + 10
-            while p.stats["send_failures"] == 0:
-                assert time.monotonic() < deadline, "the refused batch was never counted"
-                await asyncio.sleep(0.01)
+            await until(lambda: p.stats["send_failures"], "the refused batch to be counted", timeout=10, interval=0.01)
             assert p.stats["sent"] == 0
         finally:
             await p.stop()

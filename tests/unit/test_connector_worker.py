@@ -91,14 +91,9 @@ def _load(req: str = "q", dst_blocks: list[int] | None = None, epoch: int = 7) -
 
 
 def _finished(w: WorkerHalf, aborted: set[str] | None = None, deadline: float = 5.0) -> set[str]:
-    """Poll `get_finished` as vLLM's steps would, until a request is reported or the deadline."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        done = w.get_finished(aborted or set())
-        if done:
-            return done
-        time.sleep(0.005)
-    return set()
+    """Poll `get_finished` as vLLM's steps would, until a request is reported (or fail at the deadline)."""
+    done: set[str] = wait_for(lambda: w.get_finished(aborted or set()), deadline, interval=0.005, what="a finished pull")
+    return done
 
 
 def test_a_pull_reads_off_the_calling_thread_and_lands_in_get_finished(pair) -> None:
@@ -174,8 +169,9 @@ def test_an_aborted_pull_never_lands(pair) -> None:
     dst.bind(plan)
     dst.start_loads(plan)
     assert dst.get_finished({"q"}) == {"q"}  # vLLM may free its blocks now: the read goes on into its own buffer
+    (orphan,) = dst._orphans  # the aborted pull's read, still running
     transfer.gate.set()
-    time.sleep(0.05)
+    assert orphan.done.wait(5)  # the read has returned: had its bytes been going to land, they would now
     assert dst.get_finished(set()) == set() and dst.load_errors() == set()
     assert not any(p[5:8].any() for p in dst_pages) and not dst._tags[5:8, 0].any()
     report = dst.report()
@@ -192,8 +188,9 @@ def test_a_read_past_its_deadline_is_given_up_while_it_still_runs(pair) -> None:
     assert _finished(dst) == {"q"}
     assert 0.9 <= time.monotonic() - t0 < 3.0  # transfer_timeout_s = 1
     assert dst.load_errors() == {5, 6, 7}
+    (orphan,) = dst._orphans
     transfer.gate.set()  # the read returns after all: its bytes stay in its own buffer
-    time.sleep(0.05)
+    assert orphan.done.wait(5)
     dst.get_finished(set())
     assert not any(p[5:8].any() for p in dst_pages)
 
@@ -201,12 +198,13 @@ def test_a_read_past_its_deadline_is_given_up_while_it_still_runs(pair) -> None:
 def test_a_held_read_does_not_hold_the_next_one(pair) -> None:
     """Two reader threads: a pull from a hung source leaves the other free for the next pull."""
     _, _, dst, _, transfer = pair
-    hung = threading.Event()
+    hung, started = threading.Event(), threading.Event()
     real = transfer.read
     calls = iter(range(1 << 30))
 
     def read(peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         if next(calls) == 0:  # the slow pull's first read, whichever thread took it
+            started.set()
             hung.wait(5)
         real(peer, local, remote, lengths)
 
@@ -214,7 +212,7 @@ def test_a_held_read_does_not_hold_the_next_one(pair) -> None:
     first = StepPlan(written=[5, 6, 7], loads=[_load("slow")])
     dst.bind(first)
     dst.start_loads(first)
-    time.sleep(0.05)  # the slow pull is in a reader thread
+    assert started.wait(5)  # the slow pull is in a reader thread
     second = StepPlan(written=[8, 9, 10], loads=[_load("fast", [8, 9, 10])])
     dst.bind(second)
     dst.start_loads(second)
