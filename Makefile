@@ -61,7 +61,7 @@ flakes: kernels
 	$(PY) -m tests.support.flakes --runs $(N) --workers $(TEST_WORKERS) --marks '$(PARALLEL_MARKS)' $(ARGS)
 
 # The fault harness (tests/faults: kills, pauses, partitions, power loss and full restarts of real replicas under
-# load, checked for lost writes and stale reads), one run at a time: about 3 minutes on 2 cores, which `make test`
+# load, checked for lost writes and stale reads), one run at a time: 1-2 minutes on 2 cores, which `make test`
 # cannot spare; `.ci/run` runs it after `make test`.
 test-faults: kernels
 	$(PY) -m pytest -m faults tests/faults $(ARGS)
