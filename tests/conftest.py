@@ -8,8 +8,9 @@ causes *no* election, or that something happens within a bound of about a second
 worker's clusters on 2 cores, a leader can miss its heartbeats for CPU, not for the fault under test.
 
 Directory replicas, worker stubs and gateways are forked from an interpreter that imported them once
-(tests/support/forked.py): starting one the plain way spends more CPU on imports than most tests on what they test. `--exec-services`
-starts them the plain way, to tell a fault of the forking from one of the code under test.
+(tests/support/forked.py): starting one the plain way spends more CPU on imports than most tests spend
+on what they test. `--exec-services` starts them the plain way, to tell a fault of the forking from one
+of the code under test.
 
 Under xdist each worker picks server ports from a range of its own (kvdir.local_cluster.PORT_RANGE),
 so a port one worker picked but has not bound yet is never another's pick.

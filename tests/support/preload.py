@@ -1,6 +1,6 @@
 """What the tests' fork server (tests/support/forked.py) loads once for every service it forks: each role's settings
 and entry modules, and the index's compiled kernels (each service process would otherwise load them from numba's cache
-itself, 0.3 s of CPU)."""
+itself)."""
 
 from __future__ import annotations
 
