@@ -56,7 +56,8 @@ class StepPlan:
     `written`: blocks about to be written (their tags are invalidated first); `complete`: (req id, block, hash) of
     the blocks complete after this step's forward pass; `loads`: pulls to start (asynchronous: they land in a later
     step); `host_loads`: loads back from the host tier (synchronous: before this step's forward pass); `saves`:
-    (req id, block, host slot, hash) of complete blocks to copy to the host tier.
+    (req id, block, host slot, hash) of complete blocks to copy to the host tier; `idle`: the step runs no
+    token (vLLM steps again at once while a request waits for its pull: the worker may wait a little for one).
     """
 
     written: list[int] = field(default_factory=list)
@@ -64,6 +65,7 @@ class StepPlan:
     loads: list[Load] = field(default_factory=list)
     host_loads: list[HostLoad] = field(default_factory=list)
     saves: list[tuple[str, int, int, int]] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass(slots=True)

@@ -412,7 +412,7 @@ class SchedulerHalf:
         self._publish(landed)
 
     def build_connector_meta(self, scheduler_output: Any, kv_cache_manager: Any) -> StepPlan:
-        meta = StepPlan(loads=self._loads)
+        meta = StepPlan(loads=self._loads, idle=not scheduler_output.total_num_scheduled_tokens)
         self._loads = []
         self._scheduled = set(scheduler_output.num_scheduled_tokens)  # a new set: `_load` reads it from another thread
         bs = self.block_size

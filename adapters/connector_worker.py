@@ -47,6 +47,12 @@ log = logging.getLogger("kvdir.vllm")
 PULL_THREADS = 2
 """Reader threads per TP rank: a second read goes on while one waits on a slow or hung source."""
 
+IDLE_WAIT_S = 0.005
+"""How long a step that runs no token waits for a pull to end before it reports. While a request waits for its pull
+vLLM steps again at once, empty step after empty step (its engine core, worker and API server busy: measured here,
+about half a core more while a pull ran), taking the CPU from the requests that do run; a new request waits this
+long at most to be scheduled."""
+
 PROBE_TRIES = 3
 """Bandwidth probes that may fail (each after the transfer timeout) before the engine stops probing."""
 
@@ -93,6 +99,7 @@ class WorkerHalf:
         self._report = WorkerReport()
         self._stats: dict[str, float] = {}  # pulls ended since vLLM last asked (`take_stats`)
         self._inflight: dict[str, _InFlight] = {}
+        self._idle = False  # the bound step runs no token (`StepPlan.idle`)
         # Jobs given up or failed, kept (with their buffers) while a read of theirs may still write into them: until
         # it returned, and the transfer engine has no abandoned read in flight (kvtransfer.mooncake).
         self._orphans: list[PullJob] = []
@@ -186,6 +193,7 @@ class WorkerHalf:
 
     def bind(self, plan: StepPlan) -> None:
         """Before the forward pass: blocks about to be written lose their hash and get a new generation."""
+        self._idle = plan.idle
         if plan.written:
             idx = np.asarray(plan.written, dtype=np.int64)
             self._tags[idx, 0] = 0
@@ -264,7 +272,10 @@ class WorkerHalf:
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose pull is over: landed, failed, past its deadline, or aborted (`finished_req_ids`:
-        vLLM frees an aborted request's blocks once it is reported here, and nothing of it lands)."""
+        vLLM frees an aborted request's blocks once it is reported here, and nothing of it lands). A step that ran no
+        token waits up to `IDLE_WAIT_S` for a read to end first."""
+        if self._idle and self._inflight and not finished_req_ids:
+            self._wait_for_a_read()
         done: set[str] = set()
         now = time.monotonic()
         for rid, pull in list(self._inflight.items()):
@@ -302,6 +313,14 @@ class WorkerHalf:
         if self._orphans and not getattr(self._transfer, "abandoned_in_flight", 0):
             self._orphans = [j for j in self._orphans if not j.done.is_set()]
         return done
+
+    def _wait_for_a_read(self) -> None:
+        """Until a read in flight ends, its deadline passes, or `IDLE_WAIT_S`."""
+        assert self._reader is not None
+        self._reader.any_done.clear()  # then check: a read that ends after the check sets it again
+        jobs = [pull.job for pull in self._inflight.values()]
+        if not any(job.done.is_set() for job in jobs):
+            self._reader.any_done.wait(max(0.0, min(IDLE_WAIT_S, min(job.deadline for job in jobs) - time.monotonic())))
 
     def _land(self, pull: _InFlight) -> list[int]:
         """Copy a finished read into its destination blocks and set the tags of those whose source tags held

@@ -99,6 +99,8 @@ class PullReader:
     def __init__(self, transfer: TransferEngine, threads: int) -> None:
         self._transfer = transfer
         self._jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
+        self.any_done = threading.Event()
+        """Set after any job's `done`: a caller clears it, checks its jobs, then waits on it for the next one."""
         with unpinned():  # the threads inherit the CPUs of the thread that starts them
             self._threads = [threading.Thread(target=self._run, name=f"kvdir-pull-{i}", daemon=True) for i in range(threads)]
             for t in self._threads:
@@ -125,3 +127,4 @@ class PullReader:
             except BaseException as exc:  # every failure is the job's outcome (a recompute), never the thread's end
                 job.error = exc
             job.done.set()
+            self.any_done.set()

@@ -60,7 +60,10 @@ def _blocks(ids: list[int]) -> Any:
 
 def _no_step() -> Any:
     return SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), num_scheduled_tokens={}
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
     )
 
 
@@ -199,6 +202,7 @@ def _step(*scheduled: str) -> Any:
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
         num_scheduled_tokens={rid: 1 for rid in scheduled},
+        total_num_scheduled_tokens=len(scheduled),
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from adapters import connector_worker
 from adapters.config import ConnectorSettings
 from adapters.connector_meta import Load, StepPlan, reduce_pull_stats
 from adapters.connector_peers import probe_source
@@ -193,6 +194,34 @@ def test_a_read_past_its_deadline_is_given_up_while_it_still_runs(pair) -> None:
     assert orphan.done.wait(5)
     dst.get_finished(set())
     assert not any(p[5:8].any() for p in dst_pages)
+
+
+def test_a_step_that_runs_no_token_waits_for_the_read_and_others_do_not(pair, monkeypatch) -> None:
+    """vLLM steps again at once while a request waits for its pull: an idle step waits for the read (up to
+    IDLE_WAIT_S, long here) and wakes when it ends; a step that runs tokens, or reports an abort, reports at once."""
+    _, _, dst, _, transfer = pair
+    monkeypatch.setattr(connector_worker, "IDLE_WAIT_S", 30.0)
+    transfer.gate = threading.Event()
+    plan = StepPlan(written=[5, 6, 7], loads=[_load()])
+    dst.bind(plan)
+    dst.start_loads(plan)
+    busy = threading.Timer(30.0, transfer.gate.set)  # frees a step that waits when it should not, failing below
+    busy.start()
+    try:
+        dst.bind(StepPlan())  # a step that runs tokens
+        t0 = time.monotonic()
+        assert dst.get_finished(set()) == set() and time.monotonic() - t0 < 10
+        dst.bind(StepPlan(idle=True))
+        t0 = time.monotonic()
+        assert dst.get_finished({"other"}) == set() and time.monotonic() - t0 < 10  # an abort to report
+        threading.Timer(0.2, transfer.gate.set).start()
+        t0 = time.monotonic()
+        assert dst.get_finished(set()) == {"q"}  # the idle step waited for the read, and it landed
+        assert time.monotonic() - t0 < 10  # woken by the read, not at the end of the wait
+    finally:
+        busy.cancel()
+        transfer.gate.set()
+    assert dst.load_errors() == set()
 
 
 def test_a_held_read_does_not_hold_the_next_one(pair) -> None:
