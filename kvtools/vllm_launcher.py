@@ -22,6 +22,7 @@ import httpx
 
 from kvdir.local_cluster import free_ports
 from kvtools.bench.proc import stat_fields
+from kvtools.faults import slow_link
 
 __all__ = ["BLOCK", "MODEL", "VllmEngine", "make_tiny_model", "running", "vllm_venv"]
 
@@ -226,6 +227,18 @@ class VllmEngine:
             with suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGCONT)
 
+    @contextmanager
+    def slow_link(self, bytes_per_s: float) -> Iterator[list[int]]:
+        """Reads from this engine's transfer ports (its pulls' source side) shaped to `bytes_per_s` for the block: a
+        source on a slow or congested link, whose reads go on, slowly, instead of hanging (`frozen`). Yields the
+        ports shaped. Root only (kvtools.faults.slow_link)."""
+        assert self.proc is not None
+        ports = slow_link.listening_ports(_group_pids(self.proc.pid))
+        if not ports:
+            raise RuntimeError(f"{self.name}: no process of group {self.proc.pid} listens on a Mooncake port")
+        with slow_link.slow_ports(ports, bytes_per_s):
+            yield ports
+
     def complete(self, prompt: str | list[int], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
         """A greedy completion; AssertionError with the body unless 200."""
         r = httpx.post(
@@ -262,13 +275,21 @@ class VllmEngine:
             return []
 
 
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of process group `pgid`, from /proc."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with suppress(OSError, ValueError):  # gone meanwhile
+            if int(stat_fields(f"/proc/{pid}/stat")[2]) == pgid:
+                out.append(int(pid))
+    return out
+
+
 def _running_threads(pgid: int) -> list[str]:
     """The threads (pid/tid) of process group `pgid` not stopped yet (state T, or gone), from /proc."""
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in _group_pids(pgid):
         try:
-            if int(stat_fields(f"/proc/{pid}/stat")[2]) != pgid:
-                continue
             for tid in os.listdir(f"/proc/{pid}/task"):
                 if stat_fields(f"/proc/{pid}/task/{tid}/stat")[0] not in "TtZX":
                     out.append(f"{pid}/{tid}")

@@ -54,6 +54,16 @@ def _tp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor-parallel ranks of both engines (default 1)")
 
 
+def _model_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-size",
+        choices=["tiny", "bench"],
+        default="tiny",
+        help="both engines' random model: tiny (2 layers, hidden 128) or bench (~32M parameters, 8 layers, hidden "
+        "512: a prefill that costs what a pull saves) (default tiny)",
+    )
+
+
 def _calibration(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--case",
@@ -180,7 +190,7 @@ TARGETS = (
         "TTFT of pulled vs recomputed vs locally cached prefixes on two vLLM engines with the kvdir connector "
         "(needs `make vllm-install`)",
         "kvtools.bench.vllm:main",
-        (_quick, _plot("TTFT by path and prefix size"), _tp, _calibration),
+        (_quick, _plot("TTFT by path and prefix size"), _tp, _model_size, _calibration),
     ),
     Target(
         "vllm-tiers",

@@ -2,14 +2,18 @@
 real `vllm serve` engines with the kvdir connector (vLLM's CPU build, tiny model), and the pull bandwidth vs
 raw Mooncake reads of the same pages.
 
-Per prefix size (256, 1024, 1792 tokens; 8, 32, 56 blocks of 32) engine A serves the prefix once, so the
+Per prefix size (256, 1024, 2048 tokens; 8, 32, 64 blocks of 32) engine A serves the prefix once, so the
 directory holds its slots; then, per round, engine B serves the same request (the prefix plus an 8-token tail
 new each round) three ways, each timed to its first streamed token: **pulled** (B's cache reset, the plan of
 A's slots in `kv_transfer_params`), **local** (at once again: B now holds the prefix), **recomputed** (B's
 cache reset, no plan). Every pulled request must load every block of the prefix with no failure (the
 connector's counters) and report the prefix as cached; otherwise the bench stops. Then the stall case: plain
 requests' TTFT on B alone, and while one request on B pulls the longest prefix from A frozen with SIGSTOP (a
-source that hangs mid-pull: the read waits out the transfer timeout, then the request recomputes).
+source that hangs mid-pull: the read waits out the transfer timeout, then the request recomputes); and the
+slow-source case: plain requests' TTFT on B while requests on B pull the longest prefix from A over a slow link
+(A's transfer ports shaped to 20 MB/s by the kernel, kvtools.faults.slow_link: root only), reads that go on and
+land. `--model-size bench` runs both engines on the ~32M-parameter model (8 layers: four times the KV bytes per
+token, and a prefill that costs what a pull should save) instead of the tiny one.
 The connector times its reads (tags, pages, tags); the raw figure is one batched Mooncake read of the same
 pages of A by this process. With `--tp N` both engines run N tensor-parallel ranks (a worker process each):
 each rank reads its share of the pages from A's same rank, all at once; the connector times each rank's
@@ -29,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ from kvdir.progress import clocked, stderr_meter
 from kvproto.hashing import KvIdentity, identity_hashes
 from kvproto.schemas import RegionInfo
 from kvtools.bench.report import emit, header, say
+from kvtools.faults import slow_link
 from kvtools.plots import ttft_by_prefix
 from kvtools.replay.calibration import EngineCalibration
 from kvtools.replay.live import live_replay
@@ -51,8 +56,12 @@ from kvtools.replay.trace import multi_turn
 from kvtools.vllm_launcher import BLOCK, MODEL, VllmEngine, make_tiny_model, running, vllm_venv
 from kvtransfer.backends import create_engine
 
-SIZES = (256, 1024, 1792)
+SIZES = (256, 1024, 2048)
 TAIL = 8
+SLOW_LINK_BYTES_PER_S = 20e6
+"""The slow-source case's link: a congested or distant source."""
+PLAIN_TOKENS = 32
+"""The slow-source case's plain requests: short enough that several run wholly beside one read."""
 PULLED = "kvdir_connector_pulled_blocks_total"
 FAILED = "kvdir_connector_pull_failed_blocks_total"
 READ_BYTES = "kvdir_connector_pull_page_bytes_total"
@@ -221,10 +230,19 @@ def bench_size(
     return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
+def _until_pulling(b: VllmEngine, pulling: Future[Any]) -> None:
+    """Until a request on `b` waits for its pull (the connector's gauge); RuntimeError if it never does."""
+    deadline = time.monotonic() + 30
+    while b.metric(IN_FLIGHT) < 1:
+        if time.monotonic() > deadline or pulling.done():
+            raise RuntimeError(f"the pull never started waiting ({pulling.done() and pulling.result()})")
+        time.sleep(0.01)
+
+
 def bench_stall(
     directory: str, a: VllmEngine, b: VllmEngine, rounds: int, rng: np.random.Generator, vocab: tuple[int, int]
 ) -> dict[str, Any]:
-    """Plain requests' TTFT on B alone, then while one request on B pulls a 1,792-token prefix from A frozen
+    """Plain requests' TTFT on B alone, then while one request on B pulls the longest prefix from A frozen
     mid-pull (its read waits out the transfer timeout, then it recomputes): a pull must stall no other request."""
     prefix = [int(x) for x in rng.integers(*vocab, SIZES[-1])]
     holder = _held(directory, a, prefix)
@@ -238,11 +256,7 @@ def bench_stall(
     with a.frozen(), ThreadPoolExecutor(1) as pool:
         t0 = time.perf_counter()
         pulling = pool.submit(ttft, b, [*prefix, 1, 1], kv_transfer_params=plan)
-        deadline = time.monotonic() + 30
-        while b.metric(IN_FLIGHT) < 1:
-            if time.monotonic() > deadline or pulling.done():
-                raise RuntimeError(f"the pull never started waiting ({pulling.done() and pulling.result()})")
-            time.sleep(0.01)
+        _until_pulling(b, pulling)
         during = [ttft(b, plain())[0] for _ in range(rounds)]
         pulling.result(timeout=120)
         pull_s = time.perf_counter() - t0
@@ -253,6 +267,81 @@ def bench_stall(
         "stall_plain_during_hung_pull_max_ttft_ms": max(during) * 1e3,
         "stall_during_vs_alone": med(during) / med(alone),
         "stall_pulling_request_ttft_ms": pull_s * 1e3,
+    }
+
+
+def _beside(b: VllmEngine, prompt: list[int], plain: Callable[[], list[int]], **extra: Any) -> tuple[float, int, list[float]]:
+    """One request for `prompt` on `b` (`extra`: its plan) and, while it waits for its first token, plain requests one
+    after another: its (TTFT, cached tokens) and the TTFTs of the plain requests sent before its first token."""
+    beside: list[tuple[float, float]] = []  # each plain request's (sent, TTFT), perf_counter seconds
+    with ThreadPoolExecutor(1) as pool:
+        sent = time.perf_counter()
+        big = pool.submit(ttft, b, prompt, **extra)
+        while not big.done():
+            t0 = time.perf_counter()
+            beside.append((t0, ttft(b, plain())[0]))
+        t, cached = big.result()
+    return t, cached, [x for start, x in beside if start < sent + t]
+
+
+def bench_slow_source(
+    directory: str, a: VllmEngine, b: VllmEngine, samples: int, rng: np.random.Generator, vocab: tuple[int, int]
+) -> dict[str, Any]:
+    """Plain `PLAIN_TOKENS`-token requests' TTFT on B beside a request for the longest prefix that B pulls from A
+    over a slow link (A's transfer ports shaped to `SLOW_LINK_BYTES_PER_S`: the read goes on for as long as the
+    link takes, and lands), against the same beside the same request served from B's own cache: the pull's wait
+    and read are the difference. Beside means sent before that request's first token, one after another from
+    when it was sent; `samples` of each. Every pull must land whole; alone (no request beside) for reference."""
+    n = SIZES[-1]
+    prefix = [int(x) for x in rng.integers(*vocab, n)]
+    holder = _held(directory, a, prefix)
+    plan = {"kvdir_pull": {"source_node": a.name, "source_epoch": holder["epoch"], "slots": holder["slots"]}}
+
+    def plain() -> list[int]:
+        return [int(x) for x in rng.integers(*vocab, PLAIN_TOKENS)]
+
+    def prompt() -> list[int]:
+        return [*prefix, *(int(x) for x in rng.integers(*vocab, TAIL))]
+
+    alone = [ttft(b, plain())[0] for _ in range(samples)]
+    hit: list[float] = []
+    pulled: list[float] = []
+    pulls: list[float] = []
+    read_s = read_bytes = 0.0
+    with a.slow_link(SLOW_LINK_BYTES_PER_S):
+        while len(pulled) < samples and len(pulls) < 4 * samples:
+            b.reset_cache()
+            before = _counters(b)
+            t, cached, during = _beside(b, prompt(), plain, kv_transfer_params=plan)
+            after = _counters(b)
+            if after[PULLED] - before[PULLED] != n // BLOCK or after[FAILED] > before[FAILED] or cached < n:
+                raise RuntimeError(f"a pull over the slow link did not land whole: {cached} of {n} tokens cached")
+            pulls.append(t)
+            pulled += during
+            read_s += after[READ_S] - before[READ_S]
+            read_bytes += after[READ_BYTES] - before[READ_BYTES]
+            while len(hit) < len(pulled) * 1.0:  # B holds the prefix now: the same request, no pull
+                t, cached, during = _beside(b, prompt(), plain)
+                if cached < n:
+                    raise RuntimeError(f"a local hit of the pulled prefix: only {cached} of {n} tokens cached")
+                hit += during
+    if len(pulled) < samples:
+        raise RuntimeError(f"only {len(pulled)} plain requests ran beside {len(pulls)} pulls")
+    med = statistics.median
+    return {
+        "slow_link_bytes_per_s": SLOW_LINK_BYTES_PER_S,
+        "slow_pull_read_mb_s": read_bytes / read_s / 1e6,
+        "slow_pull_read_ms": read_s / len(pulls) * 1e3,
+        "slow_pulling_request_ttft_ms": med(pulls) * 1e3,
+        "slow_pulls": len(pulls),
+        "slow_plain_tokens": PLAIN_TOKENS,
+        "slow_plain_alone_ttft_ms": med(alone) * 1e3,
+        "slow_plain_beside_local_hit_ttft_ms": med(hit) * 1e3,
+        "slow_plain_beside_pull_ttft_ms": med(pulled) * 1e3,
+        "slow_plain_beside_pull_max_ttft_ms": max(pulled) * 1e3,
+        "slow_plain_beside_pull_samples": len(pulled),
+        "slow_beside_pull_vs_local_hit": med(pulled) / med(hit),
+        "slow_beside_pull_vs_alone": med(pulled) / med(alone),
     }
 
 
@@ -308,9 +397,10 @@ def main(
     calibration_out: str | None = None,
     replay_live: bool = False,
     calibrate_alike: bool = False,
+    model_size: str = "tiny",
 ) -> int:
-    """The bench, both engines at `tp` tensor-parallel ranks; with `plot`, also vllm_ttft.png there (TTFT by path
-    and prefix size). `case` "calibration": `calibration_main` instead."""
+    """The bench, both engines at `tp` tensor-parallel ranks on the `model_size` model; with `plot`, also
+    vllm_ttft.png there (TTFT by path and prefix size). `case` "calibration": `calibration_main` instead."""
     results: dict[str, Any] = header(quick)
     try:
         venv = vllm_venv()
@@ -322,11 +412,14 @@ def main(
     if calibration_out or replay_live or calibrate_alike:
         say("kvdir bench vllm: --calibration-out, --replay-live and --calibrate-alike belong to --case calibration")
         return 2
+    if (shaping := slow_link.available()) is not None:
+        say(f"kvdir bench vllm: the slow-source case cannot shape a link here: {shaping}")
+        return 2
     rounds = 2 if quick else 5
-    results.update(model=MODEL_KIND, block_size=BLOCK, rounds=rounds, tp=tp)
+    results.update(model=BENCH_MODEL_KIND if model_size == "bench" else MODEL_KIND, block_size=BLOCK, rounds=rounds, tp=tp)
     ttfts: dict[int, dict[str, list[float]]] = {}
     specs = [{"name": name, "tp": tp} for name in ("bench-a", "bench-b")]
-    with bench_engines("kvdir bench vllm", venv, specs) as run:
+    with bench_engines("kvdir bench vllm", venv, specs, size=model_size) as run:
         a, b = run.engines
         vocab = run.vocab
         rng = np.random.default_rng(14)
@@ -343,12 +436,14 @@ def main(
                 results.update(figures)
         say("plain TTFT on B alone and while a pull from a hung source runs there...")
         results.update(bench_stall(run.directory, a, b, rounds * 2, rng, vocab))
+        say(f"plain TTFT on B alone and while pulls over a {SLOW_LINK_BYTES_PER_S / 1e6:.0f} MB/s link run there...")
+        results.update(bench_slow_source(run.directory, a, b, rounds * 4, rng, vocab))
     emit(results, as_json)
     if plot:
         ttft_by_prefix(
             Path(plot) / "vllm_ttft.png",
             ttfts,
-            title=f"vLLM CPU, tiny model, TP {tp}: TTFT on engine B by path\n(bars: medians of {rounds} rounds; dots: each round)",
+            title=f"vLLM CPU, {model_size} model, TP {tp}: TTFT on engine B by path\n(bars: medians of {rounds} rounds; dots: each round)",
         )
         say(f"wrote vllm_ttft.png into {plot}")
     return 0

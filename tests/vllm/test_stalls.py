@@ -3,7 +3,8 @@
 A source frozen with SIGSTOP (its whole process group: a hung host, or a link that stopped moving, looks the same
 to a reader) holds B's read for as long as the test wants: a plain request on B must not wait for that read; two
 requests for the same prefix share one read; a request aborted while its read is held leaves nothing of it in B's
-cache. The session's engines are shared with test_connector.py, whose tests run first (its counters start from an
+cache. A source on a slow link (its transfer ports shaped by the kernel: kvtools.faults.slow_link) makes a read
+that goes on for seconds and lands: plain requests on B meanwhile keep their TTFT too. The session's engines are shared with test_connector.py, whose tests run first (its counters start from an
 engine that served nothing); every test here resumes A before it ends.
 """
 
@@ -25,6 +26,9 @@ from tests.vllm.test_connector import BLOCK, FAILED, PULL, _plan, _recomputed, _
 IN_FLIGHT = "kvdir_connector_pulls_in_flight"
 JOINED = 'kvdir_connector_plans_total{outcome="joined"}'
 PLAIN = "an unrelated question about the weather in a city by the sea, asked politely " * 6
+SLOW_BYTES_PER_S = 64_000
+"""What A's transfer ports send under `slow_link`: PROMPT's pages (9 blocks of 16 KiB) in about 2.5 s, inside the
+read's 5 s deadline."""
 
 
 def _pulling(engine: Engine, n: int = 1) -> None:
@@ -56,6 +60,32 @@ def test_a_hung_source_stalls_no_other_request_and_the_pull_gives_up(engines: di
     assert sorted(during)[1] <= max(3 * alone, alone + 0.5) and max(during) < 2.5, (alone, during)
     assert out["choices"][0]["text"] == expected["choices"][0]["text"]  # recomputed once the read gave up
     assert b.metric(FAILED) - failed == pullable and b.metric(IN_FLIGHT) == 0
+
+
+def test_a_slow_source_delays_no_other_request_and_its_pull_lands(engines: dict[str, Engine], directory: Cluster) -> None:
+    """Before: a read ran in B's step, so every request on B waited as long as the slow link took."""
+    a, b = engines["vllm-a"], engines["vllm-b"]
+    hashes, holder = _served(a, directory)
+    expected = _recomputed(b)
+    pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
+    alone = sorted(ttft(b, f"{i} {PLAIN} slowly")[0] for i in range(3))[1]
+    b.reset_cache()
+    pulled, failed = b.metric(PULL), b.metric(FAILED)
+    with a.slow_link(SLOW_BYTES_PER_S), ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        pull = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
+        _pulling(b)
+        during = [ttft(b, f"{i} {PLAIN} meanwhile")[0] for i in range(3)]
+        still_pulling = b.metric(IN_FLIGHT)
+        out: dict[str, Any] = pull.result(timeout=60)
+        pull_s = time.monotonic() - t0
+    print(f"\nplain TTFT on B: alone {alone * 1000:.0f} ms, during a {pull_s:.1f} s pull {[round(x * 1000) for x in during]} ms")
+    assert still_pulling >= 1, f"the pull was over before the plain requests ({pull_s:.1f} s): the link was not slow"
+    assert sorted(during)[1] <= max(3 * alone, alone + 0.5) and max(during) < 1.5, (alone, during)
+    # The slow read landed: every pullable block loaded, none failed, the answer is the recomputed one.
+    assert (b.metric(PULL) - pulled, b.metric(FAILED) - failed) == (pullable, 0), b.log_lines("pull")[-3:]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= pullable * BLOCK, out["usage"]
+    assert out["choices"][0]["text"] == expected["choices"][0]["text"]
 
 
 def test_two_requests_for_one_prefix_share_one_read(engines: dict[str, Engine], directory: Cluster) -> None:
