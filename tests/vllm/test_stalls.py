@@ -40,19 +40,30 @@ def _pulling(engine: Engine, n: int = 1) -> None:
         raise AssertionError(f"{exc}; plans {plans}; its connector logged {engine.log_lines('pull')[-3:]}") from None
 
 
+def _prepared(a: Engine, b: Engine, directory: Cluster) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """A serves PROMPT and the directory holds its blocks; B recomputes it: A's holder entry, B's recomputed answer,
+    and the blocks a pull of it loads (all but a last one the prompt fills)."""
+    hashes, holder = _served(a, directory)
+    expected = _recomputed(b)
+    return holder, expected, min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
+
+
+def _plain(b: Engine, tag: str) -> list[float]:
+    """Three plain requests' TTFTs on `b`, one after another (`tag` keeps them from hitting each other's cache)."""
+    return [ttft(b, f"{i} {PLAIN} {tag}")[0] for i in range(3)]
+
+
 def test_a_hung_source_stalls_no_other_request_and_the_pull_gives_up(engines: dict[str, Engine], directory: Cluster) -> None:
     """Before: B's step waited out the read (the transfer timeout, 5 s) and every request on B with it."""
     a, b = engines["vllm-a"], engines["vllm-b"]
-    hashes, holder = _served(a, directory)
-    expected = _recomputed(b)
-    pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
-    alone = sorted(ttft(b, f"{i} {PLAIN}")[0] for i in range(3))[1]
+    holder, expected, pullable = _prepared(a, b, directory)
+    alone = sorted(_plain(b, "alone"))[1]
     b.reset_cache()
     failed = b.metric(FAILED)
     with a.frozen(), ThreadPoolExecutor(1) as pool:
         pull = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
         _pulling(b)
-        during = [ttft(b, f"{i} {PLAIN} again")[0] for i in range(3)]
+        during = _plain(b, "again")
         out: dict[str, Any] = pull.result(timeout=60)
     print(f"\nplain TTFT on B: alone {alone * 1000:.0f} ms, during a hung pull {[round(x * 1000) for x in during]} ms")
     # The issue's bound, on the median (two shared cores make any one request noisy): within 3x of alone, or 0.5 s
@@ -65,17 +76,15 @@ def test_a_hung_source_stalls_no_other_request_and_the_pull_gives_up(engines: di
 def test_a_slow_source_delays_no_other_request_and_its_pull_lands(engines: dict[str, Engine], directory: Cluster) -> None:
     """Before: a read ran in B's step, so every request on B waited as long as the slow link took."""
     a, b = engines["vllm-a"], engines["vllm-b"]
-    hashes, holder = _served(a, directory)
-    expected = _recomputed(b)
-    pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
-    alone = sorted(ttft(b, f"{i} {PLAIN} slowly")[0] for i in range(3))[1]
+    holder, expected, pullable = _prepared(a, b, directory)
+    alone = sorted(_plain(b, "slowly"))[1]
     b.reset_cache()
     pulled, failed = b.metric(PULL), b.metric(FAILED)
     with a.slow_link(SLOW_BYTES_PER_S), ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
         pull = pool.submit(b.complete, PROMPT, kv_transfer_params=_plan(holder))
         _pulling(b)
-        during = [ttft(b, f"{i} {PLAIN} meanwhile")[0] for i in range(3)]
+        during = _plain(b, "meanwhile")
         still_pulling = b.metric(IN_FLIGHT)
         out: dict[str, Any] = pull.result(timeout=60)
         pull_s = time.monotonic() - t0
@@ -90,9 +99,7 @@ def test_a_slow_source_delays_no_other_request_and_its_pull_lands(engines: dict[
 
 def test_two_requests_for_one_prefix_share_one_read(engines: dict[str, Engine], directory: Cluster) -> None:
     a, b = engines["vllm-a"], engines["vllm-b"]
-    hashes, holder = _served(a, directory)
-    expected = _recomputed(b)
-    pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
+    holder, expected, pullable = _prepared(a, b, directory)
     b.reset_cache()
     pulled, joined = b.metric(PULL), b.metric(JOINED)
     with ThreadPoolExecutor(2) as pool:
@@ -155,9 +162,7 @@ def test_a_source_killed_mid_read_means_recompute_and_the_engine_serves_on(
     lands while B's read is under way. The read fails when its connection is reset or at its deadline (5 s), where
     the kill finds it waiting (seen both ways here): the request recomputes then, not later, and B serves on."""
     a, b = engines["vllm-a"], engines["vllm-b"]
-    hashes, holder = _served(a, directory)
-    expected = _recomputed(b)
-    pullable = min(len(hashes), (expected["usage"]["prompt_tokens"] - 1) // BLOCK)
+    holder, expected, pullable = _prepared(a, b, directory)
     b.reset_cache()
     failed = b.metric(FAILED)
     with ThreadPoolExecutor(1) as pool:
