@@ -268,7 +268,7 @@ class WorkerHalf:
             lengths += n_
         staging = np.empty(sum(lengths), dtype=np.uint8)
         staged = [staging.ctypes.data + off for off in itertools.accumulate(lengths, initial=0)][:-1]
-        return ReadPlan(session, first, (staged, src, lengths), again, tags, staging, dst)
+        return ReadPlan(session, first, coalesce(staged, src, lengths), again, tags, staging, coalesce(dst, staged, lengths))
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests whose pull is over: landed, failed, past its deadline, or aborted (`finished_req_ids`:
@@ -327,7 +327,7 @@ class WorkerHalf:
         still; the destination blocks that are not known good."""
         assert self._memory is not None and pull.job.plan is not None
         job, load, read = pull.job, pull.load, pull.job.plan
-        self._memory.write(read.dst, read.staged, read.pages[2])
+        self._memory.write(*read.land)
         before = [tuple(int(x) for x in row) for row in read.tags[0]]
         after = [tuple(int(x) for x in row) for row in read.tags[1]]
         bad = check_tags(load.hashes, before, after)  # type: ignore[arg-type]

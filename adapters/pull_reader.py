@@ -57,8 +57,12 @@ def unpinned() -> Iterator[None]:
 @dataclass(eq=False)
 class ReadPlan:
     """One request's read from one source: tags (`first`), pages into `staging` (`pages`), tags again (`again`),
-    and where each staged piece goes once the read is done (`dst`, KV addresses, from `staged`).
+    and the copies that land the staged pages in the KV blocks once the read is done (`land`: KV addresses,
+    staging addresses, lengths).
 
+    The two are cut into pieces apart: the staging buffer is one run, so the read's pieces break only where the
+    source's slots do, and the landing's only where the destination blocks do (a transfer engine pays per piece:
+    64 scattered destination blocks made a read of 128 pieces where the source's were two runs).
     `tags` holds the two tag reads, (2, blocks, 2) u64."""
 
     session: str
@@ -67,11 +71,7 @@ class ReadPlan:
     again: Batch
     tags: np.ndarray
     staging: np.ndarray
-    dst: list[int]
-
-    @property
-    def staged(self) -> list[int]:
-        return self.pages[0]
+    land: Batch
 
     @property
     def page_bytes(self) -> int:

@@ -35,6 +35,7 @@ class MemTransfer:
         self.gate: threading.Event | None = None
         self.timeout_s = timeout_s
         self.reads = 0
+        self.pieces: list[int] = []  # each read's pieces
         self.threads: set[str] = set()
 
     def register(self, addr: int, length: int) -> None:
@@ -45,6 +46,7 @@ class MemTransfer:
         if self.gate is not None and not self.gate.wait(self.timeout_s):
             raise TransferError("held past its timeout")
         self.reads += 1
+        self.pieces.append(len(lengths))
         for to, frm, n in zip(local_addrs, remote_addrs, lengths):
             ctypes.memmove(to, frm, n)
 
@@ -124,6 +126,21 @@ def test_a_pull_reads_off_the_calling_thread_and_lands_in_get_finished(pair) -> 
         "read_GB_per_s": round(3 * LAYERS * PAGE / stats["read_s"] / 1e9, 3),
     }
     assert dst.take_stats() is None
+
+
+def test_scattered_destination_blocks_are_read_in_the_sources_runs_and_land_each_in_its_place(pair) -> None:
+    """The read goes into one staging run, so only the source's slots cut it into pieces: three consecutive source
+    slots are one piece per layer whatever blocks they land in (before: a piece per block per layer)."""
+    _, src_pages, dst, dst_pages, transfer = pair
+    scattered = [9, 5, 7]
+    plan = StepPlan(written=scattered, loads=[_load(dst_blocks=scattered)])
+    dst.bind(plan)
+    dst.start_loads(plan)
+    assert _finished(dst) == {"q"} and dst.load_errors() == set()
+    assert transfer.pieces == [1, LAYERS, 1]  # tags, pages, tags
+    for layer in range(LAYERS):
+        for b, s in zip(scattered, [0, 1, 2]):
+            assert (dst_pages[layer][b] == src_pages[layer][s]).all()
 
 
 def test_a_stale_block_is_a_load_error_and_the_others_land(pair) -> None:
