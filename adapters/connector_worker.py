@@ -49,9 +49,8 @@ PULL_THREADS = 2
 
 IDLE_WAIT_S = 0.005
 """How long a step that runs no token waits for a pull to end before it reports. While a request waits for its pull
-vLLM steps again at once, empty step after empty step (its engine core, worker and API server busy: measured here,
-about half a core more while a pull ran), taking the CPU from the requests that do run; a new request waits this
-long at most to be scheduled."""
+vLLM steps again at once, empty step after empty step, keeping its engine core, worker and API server busy on the
+CPUs the requests that do run need; a new request waits this long at most to be scheduled."""
 
 PROBE_TRIES = 3
 """Bandwidth probes that may fail (each after the transfer timeout) before the engine stops probing."""

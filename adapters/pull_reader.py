@@ -60,9 +60,9 @@ class ReadPlan:
     and the copies that land the staged pages in the KV blocks once the read is done (`land`: KV addresses,
     staging addresses, lengths).
 
-    The two are cut into pieces apart: the staging buffer is one run, so the read's pieces break only where the
-    source's slots do, and the landing's only where the destination blocks do (a transfer engine pays per piece:
-    64 scattered destination blocks made a read of 128 pieces where the source's were two runs).
+    The two are cut into pieces apart, because a transfer engine pays per piece: the staging buffer is one run, so
+    the read's pieces break only where the source's slots do, and the landing's only where the destination blocks
+    do (an engine's free blocks are scattered after evictions; a holder's prefix is often a few runs).
     `tags` holds the two tag reads, (2, blocks, 2) u64."""
 
     session: str

@@ -168,8 +168,7 @@ class MooncakeEngine:
         Polled, not waited for in `batch_transfer_sync_read`, which busy-waits on its thread: measured here on a
         32 MiB read, 19.7 ms of the calling thread's CPU against 1.5 ms polled, and no slower. The sleeps grow to
         1 ms at most: a read ends, on average, half a sleep before it is seen, and a pull's reads are a few
-        milliseconds each (with 5 ms sleeps, a 2 MiB pull's three reads took 8.1 ms in the engine, 5.4 ms with 1 ms;
-        a 32 MiB read costs 1-2.4 ms of the thread's CPU polled so). One batch per piece, because Mooncake's
+        milliseconds each (BENCHMARKS.md, "A slow source, and steps that wait for a read"). One batch per piece, because Mooncake's
         `transfer_check_status` reports (and frees the batch on) its first task only."""
         self._check_open()
         check_batch(local_addrs, remote_addrs, lengths)
