@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -230,15 +230,6 @@ def bench_size(
     return out, {"pulled": pulled, "local": local, "recomputed": recomputed}
 
 
-def _until_pulling(b: VllmEngine, pulling: Future[Any]) -> None:
-    """Until a request on `b` waits for its pull (the connector's gauge); RuntimeError if it never does."""
-    deadline = time.monotonic() + 30
-    while b.metric(IN_FLIGHT) < 1:
-        if time.monotonic() > deadline or pulling.done():
-            raise RuntimeError(f"the pull never started waiting ({pulling.done() and pulling.result()})")
-        time.sleep(0.01)
-
-
 def bench_stall(
     directory: str, a: VllmEngine, b: VllmEngine, rounds: int, rng: np.random.Generator, vocab: tuple[int, int]
 ) -> dict[str, Any]:
@@ -256,7 +247,11 @@ def bench_stall(
     with a.frozen(), ThreadPoolExecutor(1) as pool:
         t0 = time.perf_counter()
         pulling = pool.submit(ttft, b, [*prefix, 1, 1], kv_transfer_params=plan)
-        _until_pulling(b, pulling)
+        deadline = time.monotonic() + 30
+        while b.metric(IN_FLIGHT) < 1:
+            if time.monotonic() > deadline or pulling.done():
+                raise RuntimeError(f"the pull never started waiting ({pulling.done() and pulling.result()})")
+            time.sleep(0.01)
         during = [ttft(b, plain())[0] for _ in range(rounds)]
         pulling.result(timeout=120)
         pull_s = time.perf_counter() - t0
@@ -320,7 +315,7 @@ def bench_slow_source(
             pulled += during
             read_s += after[READ_S] - before[READ_S]
             read_bytes += after[READ_BYTES] - before[READ_BYTES]
-            while len(hit) < len(pulled) * 1.0:  # B holds the prefix now: the same request, no pull
+            while len(hit) < len(pulled):  # B holds the prefix now: the same request, no pull
                 t, cached, during = _beside(b, prompt(), plain)
                 if cached < n:
                     raise RuntimeError(f"a local hit of the pulled prefix: only {cached} of {n} tokens cached")

@@ -100,10 +100,10 @@ def slow_ports(ports: Collection[int], bytes_per_s: float, burst_bytes: int = 81
         _remove()
 
 
-def listening_ports(pids: Collection[int], within: range | None = None) -> list[int]:
-    """The TCP ports the processes `pids` listen on, `within` a range (Mooncake's random ports by default: its
-    handshake and data ports, not an engine's HTTP port)."""
-    span = mooncake_rpc_ports() if within is None else within
+def listening_ports(pids: Collection[int]) -> list[int]:
+    """The TCP ports the processes `pids` listen on in Mooncake's range of random ports (its handshake and data
+    ports, not an engine's HTTP port)."""
+    span = mooncake_rpc_ports()
     found: set[int] = set()
     for pid in pids:
         with contextlib.suppress(OSError):
